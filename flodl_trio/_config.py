@@ -1,0 +1,157 @@
+"""Configuration objects: frozen, validated attrs classes whose deadline defaults are scaled."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import attrs
+
+from . import _timeouts as T
+from ._errors import ConfigError
+
+
+def _deadline(default: float) -> Any:
+    """An attrs field holding a deadline: default scaled at creation, explicit values as given."""
+    return attrs.field(
+        factory=partial(T.scaled, default), converter=float, validator=_check_deadline
+    )
+
+
+def _cadence(default: float) -> Any:
+    return attrs.field(default=default, converter=float, validator=_check_cadence)
+
+
+def _check_deadline(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if math.isnan(value) or value <= 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected seconds > 0 (math.inf disables "
+            f"it), got {value!r}"
+        )
+
+
+def _check_cadence(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected a finite number of seconds > 0, "
+            f"got {value!r}"
+        )
+
+
+def _positive_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected an integer > 0, got {value!r}"
+        )
+
+
+def _non_negative_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected an integer >= 0, got {value!r}"
+        )
+
+
+@attrs.frozen
+class MaxFailure:
+    """How many dead ranks the run tolerates before it stops with ``MAX_FAILURE_EXCEEDED``.
+
+    Build it with :meth:`absolute` or :meth:`percent`; the limit is reached when the number of dead
+    ranks is >= :meth:`limit`.
+    """
+
+    count: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def absolute(cls, n: int) -> MaxFailure:
+        """Fail once ``n`` ranks are dead (0 means: on the first death, like 1)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"MaxFailure.absolute: expected an integer >= 0, got {n!r}")
+        return cls(count=n)
+
+    @classmethod
+    def percent(cls, p: float) -> MaxFailure:
+        """Fail once ``ceil(clamp(p, 0, 1) * world_size)`` ranks are dead (p is a fraction)."""
+        if isinstance(p, bool) or not isinstance(p, int | float) or math.isnan(p):
+            raise ConfigError(f"MaxFailure.percent: expected a fraction in [0, 1], got {p!r}")
+        return cls(fraction=min(1.0, max(0.0, float(p))))
+
+    def limit(self, world_size: int) -> int:
+        """The dead-rank count at which the run fails; at least 1."""
+        if self.count is not None:
+            return max(1, self.count)
+        assert self.fraction is not None
+        return max(1, math.ceil(self.fraction * world_size))
+
+    def describe(self, world_size: int) -> str:
+        if self.count is not None:
+            return f"absolute({self.count})"
+        return f"percent({self.fraction}) = {self.limit(world_size)} of {world_size}"
+
+
+@attrs.frozen(kw_only=True)
+class CoordinatorConfig:
+    """Everything the coordinator needs to know besides where to listen and the salt.
+
+    Args:
+        world_size: number of global ranks (> 0).
+        formation_timeout: seconds for every rank to be covered.
+        handshake_timeout: seconds for one relay connection to complete its handshake.
+        heartbeat_timeout: a rank silent longer than this is declared dead.
+        write_stall_timeout: bound on any single write to a relay.
+        peek_timeout: port mux: seconds for a connection's 4-byte magic to arrive.
+        shutdown_grace: bound on the final ``Shutdown`` broadcast and close.
+        heartbeat_interval: cadence of ``CoordHeartbeat`` (not scaled).
+        max_failure: failure policy; ``None`` stops only when every rank is lost.
+        strict_formation: make every pre-auth reject fatal (flodl's behaviour).
+        max_rejected_handshakes: more pre-auth rejects than this fail formation.
+        timing_buffer / metrics_buffer: capacity of ``coord.timing`` / ``coord.metrics``.
+        declare_dead_on_relay_loss: a lost relay connection declares its ranks dead at once.
+    """
+
+    world_size: int = attrs.field(validator=_positive_int)
+    formation_timeout: float = _deadline(T.FORMATION_TIMEOUT)
+    handshake_timeout: float = _deadline(T.HANDSHAKE_TIMEOUT)
+    heartbeat_timeout: float = _deadline(T.HEARTBEAT_TIMEOUT)
+    write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
+    peek_timeout: float = _deadline(T.PEEK_TIMEOUT)
+    shutdown_grace: float = _deadline(T.SHUTDOWN_GRACE)
+    heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
+    max_failure: MaxFailure | None = attrs.field(default=None)
+    strict_formation: bool = attrs.field(default=False, converter=bool)
+    max_rejected_handshakes: int = attrs.field(default=1024, validator=_non_negative_int)
+    timing_buffer: int = attrs.field(default=4096, validator=_positive_int)
+    metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
+    declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
+
+    @max_failure.validator
+    def _check_max_failure(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not isinstance(value, MaxFailure):
+            raise ConfigError(
+                f"CoordinatorConfig.max_failure: expected MaxFailure or None, got {value!r}"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class RelayConfig:
+    """Deadlines of a host relay (SPEC §5)."""
+
+    rank_accept_timeout: float = _deadline(T.RANK_ACCEPT_TIMEOUT)
+    connect_timeout: float = _deadline(T.CONNECT_TIMEOUT)
+    handshake_timeout: float = _deadline(T.HANDSHAKE_TIMEOUT)
+    write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
+    shutdown_grace: float = _deadline(T.SHUTDOWN_GRACE)
+    queue_size: int = attrs.field(default=64, validator=_positive_int)
+
+
+@attrs.frozen(kw_only=True)
+class RankConfig:
+    """Deadlines and cadence of a rank endpoint (SPEC §6)."""
+
+    connect_timeout: float = _deadline(T.CONNECT_TIMEOUT)
+    handshake_timeout: float = _deadline(T.HANDSHAKE_TIMEOUT)
+    coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
+    write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
+    heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)

@@ -1,0 +1,462 @@
+"""One listening port, many protocols: connections are routed by their first 4 bytes (SPEC §2.2).
+
+:func:`open_port_mux` accepts on the given listeners and reads each connection's channel magic in
+its *own* task under ``peek_timeout``, so a silent dialer (a port scanner, a wedged relay) never
+delays anyone else. The routed stream is a :class:`PrefixedStream` that replays the bytes the peek
+consumed, so code behind a leg reads exactly what it would have read from a direct listener.
+
+Example::
+
+    async with open_port_mux(listeners, peek_timeout=5.0) as mux:
+        relay_stream = await mux.control.accept()   # starts with b"\\xe2\\x17\\x0d\\xf1"
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import operator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Final
+
+import trio
+
+from ._errors import ConfigError
+
+__all__ = [
+    "CHANNEL_MAGIC_CONTROL",
+    "CHANNEL_MAGIC_DATA",
+    "CHANNEL_MAGIC_JOIN",
+    "CHANNEL_MAGIC_RENDEZVOUS",
+    "LEG_NAMES",
+    "MAGIC_LEN",
+    "MuxLeg",
+    "MuxStats",
+    "PortMux",
+    "PrefixedStream",
+    "open_port_mux",
+]
+
+logger = logging.getLogger(__name__)
+
+# Same values as the wire package; repeated here so the mux does not depend on the codec.
+CHANNEL_MAGIC_RENDEZVOUS: Final = b"\xe0\x17\x0d\xf1"
+CHANNEL_MAGIC_DATA: Final = b"\xe1\x17\x0d\xf1"
+CHANNEL_MAGIC_CONTROL: Final = b"\xe2\x17\x0d\xf1"
+CHANNEL_MAGIC_JOIN: Final = b"\xe3\x17\x0d\xf1"
+MAGIC_LEN: Final = 4
+
+LEG_NAMES: Final = ("control", "data", "rendezvous", "join", "status")
+DROP_REASONS: Final = (
+    "unknown_magic",
+    "eof_before_magic",
+    "peek_timeout",
+    "no_listener",
+    "queue_full",
+)
+# Status (HTTP) connections start with the request line itself.
+_LEG_BY_PREFIX: Final = (
+    (CHANNEL_MAGIC_CONTROL, "control"),
+    (CHANNEL_MAGIC_DATA, "data"),
+    (CHANNEL_MAGIC_RENDEZVOUS, "rendezvous"),
+    (CHANNEL_MAGIC_JOIN, "join"),
+    (b"GET ", "status"),
+    (b"POST", "status"),
+)
+# Accept errors that mean "out of file descriptors or memory right now": trio's serve_listeners
+# sleeps and retries on exactly these instead of crashing the server.
+_ACCEPT_RETRY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_RETRY_SLEEP: Final = 0.1
+_PEEK_CHUNK: Final = 4096
+
+PeerAddress = tuple[str, int] | str
+
+
+def leg_for_magic(prefix: bytes) -> str | None:
+    """The leg name for a connection's first 4 bytes, or None when they match no leg."""
+    head = bytes(prefix[:MAGIC_LEN])
+    return next((leg for magic, leg in _LEG_BY_PREFIX if head == magic), None)
+
+
+def _remote_address(stream: trio.abc.Stream) -> PeerAddress | None:
+    # getpeername() returns the numeric address; nothing here may resolve names (SPEC §2.1).
+    if isinstance(stream, trio.SocketStream):
+        try:
+            peer = stream.socket.getpeername()
+        except OSError:  # the peer already reset the connection
+            return None
+    else:
+        peer = getattr(stream, "remote_address", None)
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return (str(peer[0]), int(peer[1]))
+    if isinstance(peer, str | bytes):
+        return peer if isinstance(peer, str) else peer.decode(errors="replace")
+    return None
+
+
+class PrefixedStream(trio.abc.HalfCloseableStream):
+    """A stream that first replays ``prefix``, then reads from ``transport_stream``.
+
+    ``send_eof`` works when the transport is a :class:`trio.abc.HalfCloseableStream` (TCP and the
+    in-memory network are) and raises :class:`trio.BrokenResourceError` otherwise.
+
+    Attributes:
+        transport_stream: the underlying stream; all sends go straight to it.
+        remote_address: the peer's numeric ``(host, port)`` (or a path), None when unknown.
+    """
+
+    def __init__(
+        self,
+        transport_stream: trio.abc.Stream,
+        prefix: bytes,
+        *,
+        remote_address: PeerAddress | None = None,
+    ) -> None:
+        self.transport_stream = transport_stream
+        self.remote_address = remote_address
+        self._prefix = bytes(prefix)
+        self._receiving = False
+        self._closed = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to the transport stream (see :meth:`trio.abc.SendStream.send_all`)."""
+        if self._closed:
+            raise trio.ClosedResourceError("this routed stream was closed")
+        await self.transport_stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        """Delegate to the transport stream."""
+        if self._closed:
+            raise trio.ClosedResourceError("this routed stream was closed")
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        """Half-close the transport stream.
+
+        Raises:
+            trio.BrokenResourceError: the transport stream cannot half-close.
+        """
+        if self._closed:
+            raise trio.ClosedResourceError("this routed stream was closed")
+        if not isinstance(self.transport_stream, trio.abc.HalfCloseableStream):
+            await trio.lowlevel.checkpoint()
+            raise trio.BrokenResourceError(
+                f"{type(self.transport_stream).__name__} does not support send_eof"
+            )
+        await self.transport_stream.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        """Return replayed prefix bytes while any are left, then the transport's bytes.
+
+        Args:
+            max_bytes: the most bytes to return; None means no particular limit.
+
+        Raises:
+            ValueError: ``max_bytes`` is less than 1.
+            trio.BusyResourceError: another task is already receiving on this stream.
+            trio.ClosedResourceError: this stream was closed.
+        """
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        if self._closed:
+            raise trio.ClosedResourceError("this routed stream was closed")
+        self._receiving = True
+        try:
+            if self._prefix:
+                await trio.lowlevel.checkpoint()
+                count = len(self._prefix) if max_bytes is None else max_bytes
+                chunk, self._prefix = self._prefix[:count], self._prefix[count:]
+                return chunk
+            return await self.transport_stream.receive_some(max_bytes)
+        finally:
+            self._receiving = False
+
+    async def aclose(self) -> None:
+        """Close the transport stream (idempotent)."""
+        self._closed = True
+        self._prefix = b""
+        await self.transport_stream.aclose()
+
+    def __repr__(self) -> str:
+        return f"<PrefixedStream from {self.remote_address!r} over {self.transport_stream!r}>"
+
+
+class MuxStats:
+    """Counters of one mux; read them at any time.
+
+    Attributes:
+        accepted: connections accepted from the listeners.
+        routed: connections handed to each leg, by leg name.
+        dropped: connections closed by the mux, by reason (see ``DROP_REASONS``).
+    """
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.routed: dict[str, int] = dict.fromkeys(LEG_NAMES, 0)
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready copy of the counters."""
+        return {
+            "accepted": self.accepted,
+            "routed": dict(self.routed),
+            "dropped": dict(self.dropped),
+        }
+
+    def __repr__(self) -> str:
+        return f"<MuxStats {self.as_dict()}>"
+
+
+class MuxLeg(trio.abc.Listener[PrefixedStream]):
+    """One leg of a :class:`PortMux`: a listener of the connections that carried its magic.
+
+    Attributes:
+        name: the leg name (``"control"``, ``"status"``, ...).
+        wanted: whether connections for this leg are queued (True once ``accept`` was called or
+            when the leg was named in ``legs=``); otherwise they are dropped as ``no_listener``.
+    """
+
+    def __init__(self, name: str, *, queue_size: int, wanted: bool) -> None:
+        self.name = name
+        self.wanted = wanted
+        self._send, self._receive = trio.open_memory_channel[PrefixedStream](queue_size)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the leg (or its whole mux) was closed."""
+        return self._closed
+
+    async def accept(self) -> PrefixedStream:
+        """Wait for the next connection routed to this leg.
+
+        Raises:
+            trio.ClosedResourceError: the leg or its mux is closed (also in a task blocked here).
+        """
+        self.wanted = True
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise trio.ClosedResourceError(f"port mux leg {self.name!r} is closed") from None
+
+    def _offer(self, stream: PrefixedStream) -> str | None:
+        """Queue ``stream``; returns the drop reason when it was not queued."""
+        if self._closed or not self.wanted:
+            return "no_listener"
+        try:
+            self._send.send_nowait(stream)
+        except trio.WouldBlock:
+            return "queue_full"
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return "no_listener"
+        return None
+
+    async def aclose(self) -> None:
+        """Close the leg: queued streams are closed, ``accept`` raises ``ClosedResourceError``.
+
+        Idempotent; the mux keeps routing other legs and drops this one's connections.
+        """
+        self._closed = True
+        queued: list[PrefixedStream] = []
+        while True:  # bounded by the queue size
+            try:
+                queued.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        self._send.close()
+        self._receive.close()
+        for stream in queued:
+            await trio.aclose_forcefully(stream)
+        await trio.lowlevel.checkpoint()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("serving" if self.wanted else "unserved")
+        return f"<MuxLeg {self.name} {state}>"
+
+
+class PortMux:
+    """The legs of a running port mux; made by :func:`open_port_mux`.
+
+    Attributes:
+        control, data, rendezvous, join, status: the :class:`MuxLeg` for each channel.
+        stats: the :class:`MuxStats` counters.
+        listeners: the underlying listeners (closed when the mux stops).
+    """
+
+    def __init__(
+        self,
+        listeners: Sequence[trio.abc.Listener[trio.abc.Stream]],
+        *,
+        peek_timeout: float,
+        legs: Sequence[str],
+        queue_size: int,
+    ) -> None:
+        self.listeners = tuple(listeners)
+        self.peek_timeout = peek_timeout
+        self.stats = MuxStats()
+        self._legs = {
+            name: MuxLeg(name, queue_size=queue_size, wanted=name in legs) for name in LEG_NAMES
+        }
+        self.control = self._legs["control"]
+        self.data = self._legs["data"]
+        self.rendezvous = self._legs["rendezvous"]
+        self.join = self._legs["join"]
+        self.status = self._legs["status"]
+        self._cancel_scope = trio.CancelScope()
+        self._stopped = trio.Event()
+
+    def stop(self) -> None:
+        """Stop accepting and close everything (synchronous; :meth:`aclose` also waits)."""
+        self._cancel_scope.cancel()
+
+    async def wait_closed(self) -> None:
+        """Wait until the mux has stopped (``abort``, :meth:`stop` or leaving the block)."""
+        await self._stopped.wait()
+
+    async def aclose(self) -> None:
+        """Stop the mux and wait until every leg, queued stream and listener is closed."""
+        self.stop()
+        await self._stopped.wait()
+
+    async def _run(self, abort: trio.Event | None, *, task_status: trio.TaskStatus[None]) -> None:
+        try:
+            with self._cancel_scope:
+                async with trio.open_nursery() as nursery:
+                    for listener in self.listeners:
+                        nursery.start_soon(self._accept_loop, listener, nursery)
+                    if abort is not None:
+                        nursery.start_soon(self._stop_on, abort)
+                    task_status.started()
+        finally:
+            # Close even when cancelled from outside; every step below is bounded.
+            with trio.CancelScope(shield=True):
+                for leg in self._legs.values():
+                    await leg.aclose()
+                for listener in self.listeners:
+                    await trio.aclose_forcefully(listener)
+                self._stopped.set()
+
+    async def _stop_on(self, abort: trio.Event) -> None:
+        await abort.wait()
+        self.stop()
+
+    async def _accept_loop(
+        self, listener: trio.abc.Listener[trio.abc.Stream], nursery: trio.Nursery
+    ) -> None:
+        while True:  # ends when the listener closes or the mux is cancelled
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
+                    raise
+                logger.warning("port mux: accept failed (%s); retrying", exc)
+                await trio.sleep(_ACCEPT_RETRY_SLEEP)
+                continue
+            self.stats.accepted += 1
+            nursery.start_soon(self._route, stream)
+
+    async def _route(self, stream: trio.abc.Stream) -> None:
+        remote = _remote_address(stream)
+        routed = False
+        try:
+            received = bytearray()
+            saw_eof = False
+            with trio.move_on_after(self.peek_timeout):
+                while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
+                    try:
+                        chunk = await stream.receive_some(_PEEK_CHUNK)
+                    except trio.BrokenResourceError:  # reset before sending the magic
+                        chunk = b""
+                    if not chunk:
+                        saw_eof = True
+                        break
+                    received += chunk
+            if len(received) >= MAGIC_LEN:
+                leg_name = leg_for_magic(bytes(received))
+                if leg_name is None:
+                    reason = "unknown_magic"
+                else:
+                    routed_stream = PrefixedStream(stream, bytes(received), remote_address=remote)
+                    dropped = self._legs[leg_name]._offer(routed_stream)
+                    if dropped is None:
+                        routed = True
+                        self.stats.routed[leg_name] += 1
+                        return
+                    reason = dropped
+            else:
+                reason = "eof_before_magic" if saw_eof else "peek_timeout"
+            self.stats.dropped[reason] += 1
+            logger.debug("port mux: dropped connection from %s (%s)", remote, reason)
+        finally:
+            if not routed:
+                await trio.aclose_forcefully(stream)
+
+
+def _check_legs(legs: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(legs, str):
+        legs = (legs,)
+    unknown = [name for name in legs if name not in LEG_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown port mux leg(s) {unknown}; expected some of {list(LEG_NAMES)}")
+    return tuple(legs)
+
+
+@asynccontextmanager
+async def open_port_mux(
+    listeners: trio.abc.Listener[trio.abc.Stream] | Sequence[trio.abc.Listener[trio.abc.Stream]],
+    *,
+    peek_timeout: float,
+    abort: trio.Event | None = None,
+    legs: Sequence[str] = ("control", "status"),
+    queue_size: int = 64,
+) -> AsyncIterator[PortMux]:
+    """Route the connections of ``listeners`` to legs by their channel magic.
+
+    Args:
+        listeners: one listener or several (e.g. from :func:`trio.open_tcp_listeners`); the mux
+            owns them and closes them when it stops.
+        peek_timeout: seconds a connection has to deliver its first 4 bytes.
+        abort: when set, the mux stops as if the block had been left.
+        legs: the legs served from the start. Connections to any other leg are dropped
+            (``no_listener``) until someone calls that leg's ``accept``.
+        queue_size: routed connections each leg queues before dropping (``queue_full``).
+
+    Yields:
+        The running :class:`PortMux`. Leaving the block (or ``abort``) stops accepting, closes
+        queued streams and the listeners; ``accept`` on any leg then raises
+        :class:`trio.ClosedResourceError`. Streams already handed out belong to their taker.
+
+    Raises:
+        ConfigError: an unknown leg name, a negative or NaN ``peek_timeout``, or
+            ``queue_size`` < 1.
+    """
+    if isinstance(listeners, trio.abc.Listener):
+        listeners = [listeners]
+    if math.isnan(peek_timeout) or peek_timeout < 0:
+        raise ConfigError(f"peek_timeout must be >= 0 seconds, got {peek_timeout!r}")
+    if queue_size < 1:
+        raise ConfigError(f"queue_size must be >= 1, got {queue_size!r}")
+    mux = PortMux(
+        listeners, peek_timeout=peek_timeout, legs=_check_legs(legs), queue_size=queue_size
+    )
+    body_error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mux._run, abort)
+        try:
+            yield mux
+        except Exception as exc:
+            # Re-raised below, outside the nursery, so the caller sees its own exception
+            # rather than an ExceptionGroup wrapping it.
+            body_error = exc
+        finally:
+            mux.stop()
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,326 @@
+"""The HTTP/1.1 status responder of the coordinator port (SPEC §7), and a client for it.
+
+Routes: ``GET /state.json`` (the status document as JSON), ``GET /healthz`` (200 ``ok`` while the
+phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition). Every connection
+gets exactly one response, then closes; the whole exchange is bounded by ``request_timeout`` and
+the request head by ``max_request_bytes``, so a slow or hostile client costs one task for a bounded
+time and a bounded amount of memory.
+
+The Prometheus text is written here by hand on purpose: ``prometheus_client`` keeps a
+process-global default registry, and two coordinators in one process (tests do this) would collide
+in it or have to juggle private registries. Ten gauge lines do not need a library.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from typing import Any, Final
+
+import h11
+import trio
+
+from ._errors import FlodlError
+
+__all__ = ["fetch_state", "render_prometheus", "serve_status"]
+
+logger = logging.getLogger(__name__)
+
+StateFn = Callable[[], Mapping[str, Any]]
+
+PHASES: Final = ("forming", "running", "shutting_down", "closed")
+ROUTES: Final = ("/state.json", "/healthz", "/metrics")
+PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+_RECEIVE_CHUNK: Final = 4096
+# After the response, read and discard what the client still sends for at most this long (or
+# until request_timeout): closing with unread bytes makes the kernel send RST, and a client that
+# is still uploading (a 1 MB header, a POST body) would then lose the response it was sent.
+_LINGER_SECONDS: Final = 1.0
+_ACCEPT_RETRY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+async def serve_status(
+    listener: trio.abc.Listener[trio.abc.Stream],
+    state_fn: StateFn,
+    *,
+    request_timeout: float,
+    max_request_bytes: int = 16384,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer status requests on ``listener`` until it is closed.
+
+    Args:
+        listener: usually the port mux's ``status`` leg; any listener of streams works.
+        state_fn: returns the coordinator's status document (SPEC §7); called once per request.
+        request_timeout: seconds one connection may take, from accept to close.
+        max_request_bytes: the largest request head accepted; a bigger one gets 431.
+        task_status: ``started()`` is called once the accept loop runs.
+
+    Returns when the listener is closed and the connections in flight are done.
+    """
+    async with trio.open_nursery() as nursery:
+        task_status.started()
+        while True:  # ends when the listener closes
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
+                    raise
+                logger.warning("status: accept failed (%s); retrying", exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(
+                _serve_connection, stream, state_fn, request_timeout, max_request_bytes
+            )
+
+
+async def _serve_connection(
+    stream: trio.abc.Stream, state_fn: StateFn, request_timeout: float, max_request_bytes: int
+) -> None:
+    peer = getattr(stream, "remote_address", None)
+    try:
+        with trio.move_on_after(request_timeout) as scope:
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_request_bytes)
+            try:
+                request = await _receive_request(stream, conn)
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint
+                await _send_response(stream, conn, status, HTTPStatus(status).phrase + "\n")
+            else:
+                if request is None:  # the client closed without sending a request
+                    return
+                status, body, headers = _answer(request, state_fn)
+                await _send_response(stream, conn, status, body, headers)
+            with trio.move_on_after(_LINGER_SECONDS):
+                await _linger(stream)
+        if scope.cancelled_caught:
+            logger.debug("status: dropped %s after request_timeout=%ss", peer, request_timeout)
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        logger.debug("status: connection from %s broke: %s", peer, exc)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
+    while True:  # each round feeds <= _RECEIVE_CHUNK bytes; h11 caps the buffered head
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_CHUNK)))
+        elif isinstance(event, h11.Request):
+            return event
+        else:  # ConnectionClosed before a request
+            return None
+
+
+async def _linger(stream: trio.abc.Stream) -> None:
+    if isinstance(stream, trio.abc.HalfCloseableStream):
+        await stream.send_eof()
+    while await stream.receive_some(_RECEIVE_CHUNK):  # discarded; ends at EOF or deadline
+        pass
+
+
+def _answer(
+    request: h11.Request, state_fn: StateFn
+) -> tuple[int, bytes | str, list[tuple[str, str]]]:
+    path = request.target.decode("ascii", errors="replace").split("?", 1)[0]
+    if path not in ROUTES:
+        return 404, "not found\n", []
+    if request.method != b"GET":
+        return 405, "method not allowed\n", [("Allow", "GET")]
+    try:
+        state = state_fn()
+        if path == "/state.json":
+            body = json.dumps(state, sort_keys=True, default=_json_default) + "\n"
+            return 200, body, [("Content-Type", "application/json")]
+        if path == "/metrics":
+            return 200, render_prometheus(state), [("Content-Type", PROMETHEUS_CONTENT_TYPE)]
+        if state.get("phase") == "running":
+            return 200, "ok\n", []
+        return 503, f"{state.get('phase', 'unknown')}\n", []
+    except Exception:  # a broken state_fn must not take the coordinator down with it
+        logger.exception("status: building the response to %s failed", path)
+        return 500, "internal error\n", []
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+async def _send_response(
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    status: int,
+    body: bytes | str,
+    headers: list[tuple[str, str]] | None = None,
+) -> None:
+    payload = body.encode() if isinstance(body, str) else body
+    all_headers = list(headers or [])
+    if not any(name == "Content-Type" for name, _ in all_headers):
+        all_headers.append(("Content-Type", "text/plain; charset=utf-8"))
+    all_headers += [("Content-Length", str(len(payload))), ("Connection", "close")]
+    reason = HTTPStatus(status).phrase.encode()
+    data = conn.send(h11.Response(status_code=status, headers=all_headers, reason=reason))
+    data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
+    data += conn.send(h11.EndOfMessage()) or b""
+    await stream.send_all(data)
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(int(value))
+    number = float(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        return "+Inf" if number > 0 else "-Inf"
+    return repr(number)
+
+
+def _count(value: object) -> int:
+    if isinstance(value, int | float):
+        return int(value)
+    if isinstance(value, Mapping | list | tuple | set | frozenset):
+        return len(value)
+    return 0
+
+
+def render_prometheus(state: Mapping[str, Any]) -> str:
+    """Render a status document (SPEC §7) in the Prometheus text exposition format 0.0.4.
+
+    Args:
+        state: the coordinator's status document; missing keys count as zero or empty.
+
+    Returns:
+        The exposition text: every metric is prefixed ``flodl_trio_``; counters end in
+        ``_total``; ``flodl_trio_phase{phase=...}`` is one-hot over the phases.
+    """
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        metric = f"flodl_trio_{name}"
+        lines.append(f"# HELP {metric} {help_text}")
+        lines.append(f"# TYPE {metric} {kind}")
+        lines.extend(f"{metric}{labels} {_number(value)}" for labels, value in samples)
+
+    family("world_size", "gauge", "Ranks in the world.", [("", _count(state.get("world_size")))])
+    covered = _count(state.get("covered"))
+    family("ranks_covered", "gauge", "Ranks announced by a joined relay.", [("", covered)])
+    family("relays", "gauge", "Relays joined.", [("", _count(state.get("relays")))])
+    family("ranks_live", "gauge", "Ranks alive.", [("", _count(state.get("live")))])
+    family("ranks_dead", "gauge", "Ranks declared dead.", [("", _count(state.get("dead")))])
+    family("ranks_exited", "gauge", "Ranks exited cleanly.", [("", _count(state.get("exited")))])
+    lost = _count(state.get("lost_broadcasts"))
+    family("lost_broadcasts_total", "counter", "Broadcasts that missed a live rank.", [("", lost)])
+    rejected = state.get("rejected_handshakes") or {}
+    family(
+        "rejected_handshakes_total",
+        "counter",
+        "Connections rejected before authenticating, by reason.",
+        [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(rejected.items())],
+    )
+    uptime = float(state.get("uptime_s") or 0.0)
+    family("uptime_seconds", "gauge", "Seconds since the coordinator started.", [("", uptime)])
+    phase = str(state.get("phase", ""))
+    phases = [*PHASES, phase] if phase and phase not in PHASES else list(PHASES)
+    family(
+        "phase",
+        "gauge",
+        "The coordinator's phase (one-hot).",
+        [(f'{{phase="{_escape_label(p)}"}}', int(p == phase)) for p in phases],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    if isinstance(address, tuple):
+        return str(address[0]), int(address[1])
+    text = address.strip().removeprefix("http://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise FlodlError(f"status address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+# A `timeout` argument (not a caller's cancel scope) on purpose: this is the CLI's one-shot query,
+# and its error must name the deadline that passed.
+async def fetch_state(
+    address: str | tuple[str, int],
+    *,
+    timeout: float,  # noqa: ASYNC109
+    max_response_bytes: int = 16 * 2**20,
+) -> dict[str, Any]:
+    """GET ``/state.json`` from a coordinator's port and return the decoded document.
+
+    Args:
+        address: ``(host, port)`` or ``"host:port"`` (``"[::1]:port"`` for IPv6).
+        timeout: seconds for the whole exchange, connect included.
+        max_response_bytes: the largest response body accepted.
+
+    Returns:
+        The status document.
+
+    Raises:
+        FlodlError: connecting failed, the deadline passed, the response was not a 200 with a
+            JSON object, or it was malformed; the message names the address and what happened.
+    """
+    host, port = _parse_address(address)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                status, body = await _get(stream, where, max_response_bytes)
+    except trio.TooSlowError:
+        raise FlodlError(f"status {where}: no complete response within {timeout}s") from None
+    except (OSError, trio.BrokenResourceError) as exc:
+        raise FlodlError(f"status {where}: connection failed: {exc}") from exc
+    except h11.ProtocolError as exc:
+        raise FlodlError(f"status {where}: malformed HTTP response: {exc}") from exc
+    if status != 200:
+        snippet = body[:200].decode(errors="replace").strip()
+        raise FlodlError(f"status {where}: expected 200 from /state.json, got {status} {snippet!r}")
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise FlodlError(f"status {where}: /state.json is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        kind = type(document).__name__
+        raise FlodlError(f"status {where}: expected a JSON object, got a JSON {kind}")
+    return document
+
+
+async def _get(stream: trio.abc.Stream, where: str, max_body: int) -> tuple[int, bytes]:
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="GET",
+        target="/state.json",
+        headers=[("Host", where), ("Accept", "application/json"), ("Connection", "close")],
+    )
+    await stream.send_all((conn.send(request) or b"") + (conn.send(h11.EndOfMessage()) or b""))
+    status, body = 0, bytearray()
+    while True:  # bounded by the caller's deadline and by max_body
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_CHUNK)))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > max_body:
+                raise FlodlError(f"status {where}: response body over {max_body} bytes")
+        elif isinstance(event, h11.EndOfMessage):
+            return status, bytes(body)
+        else:
+            raise FlodlError(f"status {where}: connection closed before a complete response")

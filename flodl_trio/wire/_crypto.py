@@ -1,0 +1,121 @@
+"""Session salt, truncated HMAC and key derivation (SPEC §2.1, §2.5)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import string
+from typing import Final
+
+from .._errors import ConfigError
+
+SALT_LEN: Final = 16
+MAC_LEN: Final = 8
+_HEX_DIGITS: Final = frozenset(string.hexdigits)
+
+
+class SessionSalt:
+    """The 16 random bytes shared by every process of one training run.
+
+    It keys every MAC of the run: a process with another salt fails at its first handshake.
+    """
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self, b: bytes) -> None:
+        if not isinstance(b, bytes | bytearray | memoryview):
+            raise ConfigError(f"SessionSalt: expected {SALT_LEN} bytes, got {type(b).__name__}")
+        raw = bytes(b)
+        if len(raw) != SALT_LEN:
+            raise ConfigError(f"SessionSalt: expected exactly {SALT_LEN} bytes, got {len(raw)}")
+        self._bytes = raw
+
+    @classmethod
+    def generate(cls) -> SessionSalt:
+        """A fresh salt from :func:`secrets.token_bytes`."""
+        return cls(secrets.token_bytes(SALT_LEN))
+
+    @classmethod
+    def from_hex(cls, s: str) -> SessionSalt:
+        """Parse 32 hex chars (either case, surrounding whitespace ignored).
+
+        Raises:
+            ConfigError: wrong length or a non-hex character; the message names which.
+        """
+        if not isinstance(s, str):
+            raise ConfigError(f"salt hex: expected a string, got {type(s).__name__}")
+        text = s.strip()
+        if len(text) != 2 * SALT_LEN:
+            raise ConfigError(
+                f"salt hex: expected {2 * SALT_LEN} hex characters, got {len(text)}"
+            )
+        for i, ch in enumerate(text):
+            if ch not in _HEX_DIGITS:
+                raise ConfigError(
+                    f"salt hex: expected only hex digits [0-9a-fA-F], got {ch!r} at position {i}"
+                )
+        return cls(bytes.fromhex(text))
+
+    def hex(self) -> str:
+        """32 lowercase hex characters."""
+        return self._bytes.hex()
+
+    def __bytes__(self) -> bytes:
+        return self._bytes
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SessionSalt):
+            return NotImplemented
+        return hmac.compare_digest(self._bytes, other._bytes)
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+    def __repr__(self) -> str:
+        # Never print the secret itself: reprs end up in logs.
+        return f"SessionSalt(<{SALT_LEN} bytes, fingerprint {fingerprint(self._bytes)}>)"
+
+
+def fingerprint(key: bytes) -> str:
+    """A short non-secret identifier of a key, for logs."""
+    return hashlib.sha256(b"flodl-trio/fingerprint" + key).hexdigest()[:8]
+
+
+def mac64(key: bytes, data: bytes) -> bytes:
+    """The first 8 bytes of HMAC-SHA256(key, data)."""
+    return hmac.digest(key, data, "sha256")[:MAC_LEN]
+
+
+class Mac64:
+    """``mac64`` with a fixed key, keyed once (the HMAC key schedule is not redone per call)."""
+
+    __slots__ = ("_base", "key")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = bytes(key)
+        self._base = hmac.new(self.key, digestmod=hashlib.sha256)
+
+    def tag(self, *parts: bytes) -> bytes:
+        h = self._base.copy()
+        for part in parts:
+            h.update(part)
+        return h.digest()[:MAC_LEN]
+
+    def verify(self, tag: bytes, *parts: bytes) -> bool:
+        return hmac.compare_digest(self.tag(*parts), tag)
+
+
+def key_bytes(key: SessionSalt | bytes) -> bytes:
+    return bytes(key)
+
+
+def hs_key(salt: SessionSalt | bytes, coord_nonce: bytes) -> bytes:
+    """Handshake key: HMAC-SHA256(salt, b"flodl-trio/hs/v1" ‖ coord_nonce), 32 bytes."""
+    return hmac.digest(bytes(salt), b"flodl-trio/hs/v1" + bytes(coord_nonce), "sha256")
+
+
+def conn_key(salt: SessionSalt | bytes, coord_nonce: bytes, relay_nonce: bytes) -> bytes:
+    """Connection key: HMAC-SHA256(salt, b"flodl-trio/conn/v1" ‖ coord_nonce ‖ relay_nonce)."""
+    data = b"flodl-trio/conn/v1" + bytes(coord_nonce) + bytes(relay_nonce)
+    return hmac.digest(bytes(salt), data, "sha256")

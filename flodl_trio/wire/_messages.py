@@ -1,0 +1,479 @@
+"""Every FT/1 payload message (SPEC §2.7) as an attrs frozen class.
+
+Annotations are the wire types; field order is the wire order. Lists are tuples in Python.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from .._errors import WireError
+from ._schema import (
+    F32,
+    F64,
+    U8,
+    U16,
+    U32,
+    U64,
+    Family,
+    HostName,
+    Nonce,
+    WireMessage,
+    cbor_dumps,
+    cbor_loads,
+    finalize,
+    variant,
+)
+
+CONTROL_MSG = Family("ControlMsg")
+TIMING_MSG = Family("TimingMsg")
+RELAY_CONTROL_MSG = Family("RelayControlMsg")
+
+
+class SaveReason(enum.IntEnum):
+    """Why the cohort is told to save and stop (``ShutdownWithSave``)."""
+
+    GRACEFUL_SHUTDOWN = 0
+    MAX_FAILURE_EXCEEDED = 1
+    SINGLE_SURVIVOR = 2
+    ALL_RANKS_LOST = 3
+    REDUCE_STALL = 4
+
+
+SaveReason._wire_bits = 8  # type: ignore[attr-defined]
+# flodl decodes an unknown reason byte as a graceful shutdown; so do we.
+SaveReason._wire_fallback = SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
+
+
+class IntentKind(enum.IntEnum):
+    """What a rank asks the coordinator for in ``Intent``."""
+
+    EVAL_NOW = 0
+    CHECKPOINT_NOW = 1
+
+
+# ---------------------------------------------------------------- nested structs
+
+
+@attrs.frozen
+class EpochPlan(WireMessage):
+    """One rank's slice of the dataset for one epoch."""
+
+    epoch: U64
+    partition_offset: U64
+    partition_size: U64
+
+
+@attrs.frozen
+class EpochMetrics(WireMessage):
+    """Aggregated metrics of one epoch, broadcast in ``EpochAggregated``."""
+
+    epoch: U64
+    scalars: dict[str, F64]
+    per_rank: tuple[dict[str, F64], ...]
+    avg_loss: F64
+    epoch_ms: F64
+    per_rank_throughput: tuple[F64, ...]
+    per_rank_batch_share: tuple[F64, ...]
+    per_rank_share_complete_ms: tuple[F64, ...]
+    per_rank_compute_only_ms: tuple[F64, ...]
+    per_rank_data_starve_ms: tuple[F64, ...]
+    device_indices: tuple[U8, ...]
+
+
+@attrs.frozen
+class GpuSnapshot(WireMessage):
+    device_index: U8
+    name: str
+    util_percent: F32 | None = None
+    vram_allocated_bytes: U64 | None = None
+    vram_total_bytes: U64 | None = None
+
+
+@attrs.frozen
+class ResourceSample(WireMessage):
+    cpu_percent: F32 | None = None
+    ram_used_bytes: U64 | None = None
+    ram_total_bytes: U64 | None = None
+    gpu_util_percent: F32 | None = None
+    vram_total_bytes: U64 | None = None
+    vram_allocated_bytes: U64 | None = None
+    aggregate_rank: U8 | None = None
+    gpus: tuple[GpuSnapshot, ...] = ()
+
+
+# ---------------------------------------------------------------- ControlMsg (coord → rank)
+
+
+class ControlMsg(WireMessage):
+    """Base of coordinator → rank messages (kind CONTROL)."""
+
+    __slots__ = ()
+
+
+@variant(CONTROL_MSG, 0)
+@attrs.frozen
+class RequestParams(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 1)
+@attrs.frozen
+class Update(ControlMsg):
+    version: U64
+    next_plan: EpochPlan | None = None
+
+
+@variant(CONTROL_MSG, 2)
+@attrs.frozen
+class SyncNow(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 3)
+@attrs.frozen
+class StartEpoch(ControlMsg):
+    plan: EpochPlan
+
+
+@variant(CONTROL_MSG, 4)
+@attrs.frozen
+class ExtendPartition(ControlMsg):
+    partition_offset: U64
+    partition_size: U64
+
+
+@variant(CONTROL_MSG, 5)
+@attrs.frozen
+class DeclareDead(ControlMsg):
+    rank: U64
+
+
+@variant(CONTROL_MSG, 6)
+@attrs.frozen
+class RequestNewNcclId(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 7)
+@attrs.frozen
+class NewNcclSession(ControlMsg):
+    uid: bytes
+    new_rank: U64
+    new_world_size: U64
+
+
+@variant(CONTROL_MSG, 8)
+@attrs.frozen
+class Throttle(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 9)
+@attrs.frozen
+class SetGlobalStep(ControlMsg):
+    global_step: U64
+
+
+@variant(CONTROL_MSG, 10)
+@attrs.frozen
+class Checkpoint(ControlMsg):
+    version: U64
+    target_rank: U64
+
+
+@variant(CONTROL_MSG, 11)
+@attrs.frozen
+class ExecuteEvalCallback(ControlMsg):
+    schedule_id: U64
+    epoch: U64
+    target_rank: U64
+
+
+@variant(CONTROL_MSG, 12)
+@attrs.frozen
+class SetEpochCallbackRole(ControlMsg):
+    rank: U64
+
+
+@variant(CONTROL_MSG, 13)
+@attrs.frozen
+class Shutdown(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 14)
+@attrs.frozen
+class ShutdownWithSave(ControlMsg):
+    reason: SaveReason
+
+
+@variant(CONTROL_MSG, 15)
+@attrs.frozen
+class EpochAggregated(ControlMsg):
+    metrics: EpochMetrics
+
+
+@variant(CONTROL_MSG, 16)
+@attrs.frozen
+class EvalBroadcast(ControlMsg):
+    epoch: U64
+    metric: F64
+
+
+@variant(CONTROL_MSG, 17)
+@attrs.frozen
+class SaveConsensusModel(ControlMsg):
+    target_rank: U64
+
+
+@variant(CONTROL_MSG, 18)
+@attrs.frozen
+class CoordHeartbeat(ControlMsg):
+    pass
+
+
+@variant(CONTROL_MSG, 19)
+@attrs.frozen
+class StageAdvisory(ControlMsg):
+    counts: tuple[U64, ...]
+    segments: tuple[tuple[U64, tuple[tuple[U64, U64], ...]], ...]
+
+
+# ---------------------------------------------------------------- TimingMsg (rank → coord)
+
+
+class TimingMsg(WireMessage):
+    """Base of rank → coordinator timing messages (kind TIMING); each has ``rank`` first."""
+
+    __slots__ = ()
+    rank: int
+
+
+@variant(TIMING_MSG, 0)
+@attrs.frozen
+class Batch(TimingMsg):
+    rank: U64
+    batch_ms: F64
+    data_ms: F64
+    step_count: U64
+    param_norm: F64 | None
+    batch_loss: F64
+    sync_divergence: F64 | None = None
+
+
+@variant(TIMING_MSG, 1)
+@attrs.frozen
+class SyncAck(TimingMsg):
+    rank: U64
+    step_count: U64
+    divergence: F64 | None = None
+    post_norm: F64 | None = None
+    pre_norm: F64 | None = None
+
+
+@variant(TIMING_MSG, 2)
+@attrs.frozen
+class Exiting(TimingMsg):
+    rank: U64
+
+
+@variant(TIMING_MSG, 3)
+@attrs.frozen
+class LrUpdate(TimingMsg):
+    rank: U64
+    lr: F64
+
+
+@variant(TIMING_MSG, 4)
+@attrs.frozen
+class Intent(TimingMsg):
+    rank: U64
+    kind: IntentKind
+
+
+@variant(TIMING_MSG, 5)
+@attrs.frozen
+class Heartbeat(TimingMsg):
+    rank: U64
+    step_count: U64
+
+
+@variant(TIMING_MSG, 6)
+@attrs.frozen
+class SnapshotReady(TimingMsg):
+    rank: U64
+
+
+@variant(TIMING_MSG, 7)
+@attrs.frozen
+class EvalResult(TimingMsg):
+    rank: U64
+    schedule_id: U64
+    epoch: U64
+    metric: F64
+    elapsed_ms: F64
+    error: str | None = None
+
+
+@variant(TIMING_MSG, 8)
+@attrs.frozen
+class CheckpointResult(TimingMsg):
+    rank: U64
+    version: U64
+    elapsed_ms: F64
+    error: str | None = None
+
+
+@variant(TIMING_MSG, 9)
+@attrs.frozen
+class NewNcclIdGenerated(TimingMsg):
+    rank: U64
+    uid: bytes
+
+
+@variant(TIMING_MSG, 10)
+@attrs.frozen
+class EpochFnElapsed(TimingMsg):
+    rank: U64
+    epoch: U64
+    elapsed_ms: F64
+
+
+@variant(TIMING_MSG, 11)
+@attrs.frozen
+class DashboardRegister(TimingMsg):
+    rank: U64
+    port: U16
+
+
+@variant(TIMING_MSG, 12)
+@attrs.frozen
+class DashboardSetSvg(TimingMsg):
+    rank: U64
+    svg: str
+    label: str | None = None
+    hash: str | None = None
+
+
+@variant(TIMING_MSG, 13)
+@attrs.frozen
+class DashboardSetMetadata(TimingMsg):
+    rank: U64
+    json: str
+
+
+@variant(TIMING_MSG, 14)
+@attrs.frozen
+class DashboardSetHardware(TimingMsg):
+    rank: U64
+    summary: str
+
+
+# ---------------------------------------------------------------- Metrics (rank → coord)
+
+
+@attrs.frozen
+class Metrics(WireMessage):
+    """One rank's end-of-epoch report (kind METRICS, a plain struct)."""
+
+    rank: U64
+    epoch: U64
+    avg_loss: F64
+    batches_processed: U64
+    epoch_ms: F64
+    samples_processed: U64
+    share_complete_ms: F64
+    compute_only_ms: F64
+    data_starve_ms: F64
+    scalars: dict[str, tuple[F64, U64]]
+    resources: ResourceSample | None = None
+
+
+# ---------------------------------------------------------------- RelayControlMsg
+
+
+class RelayControlMsg(WireMessage):
+    """Base of the CONTROL records of the relay ↔ coordinator leg."""
+
+    __slots__ = ()
+
+
+@variant(RELAY_CONTROL_MSG, 0)
+@attrs.frozen
+class Challenge(RelayControlMsg):
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 1)
+@attrs.frozen
+class Hello(RelayControlMsg):
+    host: HostName
+    ranks: tuple[U32, ...]
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 2)
+@attrs.frozen
+class HelloAck(RelayControlMsg):
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 3)
+@attrs.frozen
+class RankExit(RelayControlMsg):
+    rank: U32
+
+
+_ALL: list[type[WireMessage]] = [
+    EpochPlan, EpochMetrics, GpuSnapshot, ResourceSample, Metrics,
+    *CONTROL_MSG.variants.values(), *TIMING_MSG.variants.values(),
+    *RELAY_CONTROL_MSG.variants.values(),
+]  # fmt: skip
+finalize(_ALL)
+
+
+# ---------------------------------------------------------------- encode / decode
+
+
+def encode(msg: WireMessage) -> bytes:
+    """The CBOR payload of any message class."""
+    if not isinstance(msg, WireMessage):
+        raise WireError(f"encode: expected a flodl_trio.wire message, got {type(msg).__name__}")
+    return cbor_dumps(msg._to_wire())
+
+
+def decode_control(b: bytes) -> ControlMsg:
+    """Strictly decode a ControlMsg payload."""
+    msg = CONTROL_MSG.load(cbor_loads(b, "ControlMsg"))
+    assert isinstance(msg, ControlMsg)
+    return msg
+
+
+def decode_timing(b: bytes) -> TimingMsg:
+    """Strictly decode a TimingMsg payload."""
+    msg = TIMING_MSG.load(cbor_loads(b, "TimingMsg"))
+    assert isinstance(msg, TimingMsg)
+    return msg
+
+
+def decode_metrics(b: bytes) -> Metrics:
+    """Strictly decode a Metrics payload."""
+    value: Any = Metrics._load_fields(cbor_loads(b, "Metrics"), "Metrics")
+    assert isinstance(value, Metrics)
+    return value
+
+
+def decode_relay(b: bytes) -> RelayControlMsg:
+    """Strictly decode a RelayControlMsg payload."""
+    msg = RELAY_CONTROL_MSG.load(cbor_loads(b, "RelayControlMsg"))
+    assert isinstance(msg, RelayControlMsg)
+    return msg
+
+
+def control_label(msg: object) -> str:
+    """The class name of a message (``"SyncNow"``); total: any object gets a label."""
+    return type(msg).__name__

@@ -1,0 +1,219 @@
+"""MuxRecords of the relay ↔ coordinator leg, sealed against replay and reordering (SPEC §2.5).
+
+Each direction of a connection has its own sequence counter; the tag of a record covers the
+direction byte, the sequence number, the header and the payload, so a record that is replayed,
+reordered, dropped, reflected or moved to another connection fails to verify.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from .._errors import AuthError, FrameTooLarge, WireError
+from ._constants import (
+    COORD_TO_RELAY,
+    MAX_RECORD_PAYLOAD,
+    PROTOCOL_VERSION,
+    RECORD_HEADER_LEN,
+    RECORD_MAGIC,
+    RELAY_TO_COORD,
+    RecordKind,
+)
+from ._crypto import Mac64
+from ._schema import cbor_dumps, cbor_loads, describe
+
+_HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
+_SEQ = struct.Struct("<BQ")  # direction byte, sequence number
+_KINDS = {int(RecordKind.DATA), int(RecordKind.CONTROL), int(RecordKind.FANOUT)}
+_DIRECTIONS = {RELAY_TO_COORD: "relay→coordinator", COORD_TO_RELAY: "coordinator→relay"}
+
+
+class Record(NamedTuple):
+    """One verified record."""
+
+    kind: int
+    rank: int
+    payload: bytes
+
+
+def _check_direction(direction: int) -> int:
+    if direction not in _DIRECTIONS:
+        raise WireError(
+            f"record direction: expected RELAY_TO_COORD (1) or COORD_TO_RELAY (2), got "
+            f"{direction!r}"
+        )
+    return direction
+
+
+class RecordSealer:
+    """Seals the records one side sends: ``seal(kind, rank, payload) -> bytes``."""
+
+    __slots__ = ("_mac", "direction", "max_payload", "seq")
+
+    def __init__(
+        self, key: bytes, direction: int, *, max_payload: int = MAX_RECORD_PAYLOAD
+    ) -> None:
+        self._mac = Mac64(bytes(key))
+        self.direction = _check_direction(direction)
+        self.max_payload = max_payload
+        self.seq = 0
+
+    def rekey(self, key: bytes) -> None:
+        """Switch keys; the sequence number keeps counting."""
+        self._mac = Mac64(bytes(key))
+
+    def seal(self, kind: int, rank: int, payload: bytes) -> bytes:
+        if len(payload) > self.max_payload:
+            raise FrameTooLarge(
+                f"record: payload of {len(payload)} bytes is over the ceiling of "
+                f"{self.max_payload}"
+            )
+        head = _HEAD.pack(RECORD_MAGIC, PROTOCOL_VERSION, kind, rank, len(payload))
+        tag = self._mac.tag(_SEQ.pack(self.direction, self.seq), head, payload)
+        self.seq += 1
+        return head + tag + payload
+
+
+class RecordOpener:
+    """Incremental opener of the records one side receives.
+
+    ``feed(data)`` buffers and returns every complete record. When the key changes between two
+    records (the relay after ``HelloAck``), use ``push(data)`` and ``next_record()`` to take them
+    one at a time and ``rekey`` in between.
+    """
+
+    def __init__(
+        self, key: bytes, direction: int, *, max_payload: int = MAX_RECORD_PAYLOAD
+    ) -> None:
+        self._mac = Mac64(bytes(key))
+        self.direction = _check_direction(direction)
+        self.max_payload = max_payload
+        self.seq = 0
+        self._buf = bytearray()
+        self._pos = 0
+        self._error: WireError | None = None
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when no partial record is buffered (EOF here is a clean end)."""
+        return self._pos >= len(self._buf)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def rekey(self, key: bytes) -> None:
+        """Switch keys for the next record; the sequence number keeps counting."""
+        self._mac = Mac64(bytes(key))
+
+    def eof_error(self, who: str) -> WireError | None:
+        """The error for an EOF now, or None when EOF is clean."""
+        if not self.at_boundary:
+            return WireError(f"{who}: peer closed mid-frame ({self.buffered} bytes buffered)")
+        return None
+
+    def push(self, data: bytes) -> None:
+        """Buffer bytes without opening anything."""
+        if self._error is not None:
+            raise self._error
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def feed(self, data: bytes) -> list[Record]:
+        self.push(data)
+        out: list[Record] = []
+        while (rec := self.next_record()) is not None:
+            out.append(rec)
+        return out
+
+    def next_record(self) -> Record | None:
+        """Open the next complete buffered record, or None if none is complete yet."""
+        if self._error is not None:
+            raise self._error
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < RECORD_HEADER_LEN:
+            self._compact()
+            return None
+        try:
+            magic, version, kind, rank, length = _HEAD.unpack_from(buf, pos)
+            if magic != RECORD_MAGIC:
+                raise WireError(
+                    f"record: bad magic: expected 0x{RECORD_MAGIC:08X}, got 0x{magic:08X}"
+                )
+            if version != PROTOCOL_VERSION:
+                raise WireError(
+                    f"record: protocol version mismatch: expected 0x{PROTOCOL_VERSION:08X}, "
+                    f"got 0x{version:08X}"
+                )
+            if kind not in _KINDS:
+                raise WireError(
+                    f"record: unknown or reserved kind {kind} (expected DATA 1, CONTROL 2 or "
+                    "FANOUT 5)"
+                )
+            if length > self.max_payload:
+                raise FrameTooLarge(
+                    f"record: declared payload of {length} bytes is over the ceiling of "
+                    f"{self.max_payload}"
+                )
+            end = pos + RECORD_HEADER_LEN + length
+            if len(buf) < end:
+                self._compact()
+                return None
+            head = bytes(buf[pos : pos + 17])
+            tag = bytes(buf[pos + 17 : pos + RECORD_HEADER_LEN])
+            payload = bytes(buf[pos + RECORD_HEADER_LEN : end])
+            if not self._mac.verify(tag, _SEQ.pack(self.direction, self.seq), head, payload):
+                raise AuthError(
+                    f"record #{self.seq} ({_DIRECTIONS[self.direction]}, kind {kind}, rank "
+                    f"{rank}): tag does not verify (wrong session salt, replayed, reordered, "
+                    "dropped or tampered record)"
+                )
+            if kind != RecordKind.DATA and rank != 0:
+                raise WireError(f"record #{self.seq}: kind {kind} must carry rank 0, got {rank}")
+        except WireError as exc:
+            self._error = exc
+            self._buf = bytearray()
+            self._pos = 0
+            raise
+        self.seq += 1
+        self._pos = end
+        return Record(kind, rank, payload)
+
+    def _compact(self) -> None:
+        # Drop consumed bytes lazily so a burst of small records costs O(n), not O(n^2).
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+
+
+def encode_fanout(ranks: Iterable[int], frame: bytes) -> bytes:
+    """FANOUT payload: CBOR ``[ranks ascending, frame]``."""
+    ordered = sorted(set(ranks))
+    for r in ordered:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 1 << 32:
+            raise WireError(f"FANOUT: ranks must be u32, got {r!r}")
+    return cbor_dumps([ordered, bytes(frame)])
+
+
+def decode_fanout(payload: bytes) -> tuple[tuple[int, ...], bytes]:
+    """Strictly decode a FANOUT payload into (ranks, frame)."""
+    value = cbor_loads(payload, "FANOUT")
+    if type(value) is not list or len(value) != 2:
+        raise WireError(f"FANOUT: expected [ranks, frame], got {describe(value)}")
+    ranks, frame = value
+    if type(ranks) is not list:
+        raise WireError(f"FANOUT.ranks: expected list[u32], got {describe(ranks)}")
+    prev = -1
+    for i, r in enumerate(ranks):
+        if type(r) is not int or not 0 <= r < 1 << 32:
+            raise WireError(f"FANOUT.ranks[{i}]: expected u32, got {describe(r)}")
+        if r <= prev:
+            raise WireError(f"FANOUT.ranks: expected strictly ascending ranks, got {ranks[:8]}")
+        prev = r
+    if type(frame) is not bytes:
+        raise WireError(f"FANOUT.frame: expected bytes, got {describe(frame)}")
+    return tuple(ranks), frame
