@@ -5,6 +5,7 @@ all speaking the authenticated FT/1 wire protocol (:mod:`flodl_trio.wire`).
 """
 
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
+from ._coord_types import BroadcastResult, RelayInfo
 from ._errors import (
     AuthError,
     BroadcastError,
@@ -23,13 +24,20 @@ from ._errors import (
 )
 from ._timeouts import timeout_scale
 from ._version import __version__
-from .wire import SessionSalt
+from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
+from .rank import RankEndpoint, open_rank
+from .relay import Relay, RelayExit, open_relay
+from .timeline import Timeline
+from .wire import SaveReason, SessionSalt
 
 __all__ = [
     "AuthError",
     "BroadcastError",
+    "BroadcastResult",
     "ClusterFailure",
     "ConfigError",
+    "Coordinator",
+    "CoordinatorBind",
     "CoordinatorConfig",
     "CoordinatorLost",
     "FlodlError",
@@ -41,10 +49,20 @@ __all__ = [
     "HandshakeError",
     "MaxFailure",
     "RankConfig",
+    "RankEndpoint",
+    "Relay",
     "RelayConfig",
+    "RelayExit",
+    "RelayInfo",
+    "SaveReason",
     "SendError",
     "SessionSalt",
+    "Timeline",
     "WireError",
     "__version__",
+    "bind_coordinator",
+    "open_coordinator",
+    "open_rank",
+    "open_relay",
     "timeout_scale",
 ]

@@ -15,12 +15,25 @@ from ._errors import ConfigError
 def _deadline(default: float) -> Any:
     """An attrs field holding a deadline: default scaled at creation, explicit values as given."""
     return attrs.field(
-        factory=partial(T.scaled, default), converter=float, validator=_check_deadline
+        factory=partial(T.scaled, default), converter=_SECONDS, validator=_check_deadline
     )
 
 
 def _cadence(default: float) -> Any:
-    return attrs.field(default=default, converter=float, validator=_check_cadence)
+    return attrs.field(default=default, converter=_SECONDS, validator=_check_cadence)
+
+
+def _to_seconds(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
+    # A bare float() converter let "abc" or None escape as ValueError/TypeError, not ConfigError.
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected a number of seconds, got {value!r}"
+        ) from None
+
+
+_SECONDS = attrs.Converter(_to_seconds, takes_self=True, takes_field=True)
 
 
 def _check_deadline(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:

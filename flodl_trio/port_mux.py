@@ -19,7 +19,6 @@ import math
 import operator
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Final
 
 import trio
 
@@ -42,22 +41,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Same values as the wire package; repeated here so the mux does not depend on the codec.
-CHANNEL_MAGIC_RENDEZVOUS: Final = b"\xe0\x17\x0d\xf1"
-CHANNEL_MAGIC_DATA: Final = b"\xe1\x17\x0d\xf1"
-CHANNEL_MAGIC_CONTROL: Final = b"\xe2\x17\x0d\xf1"
-CHANNEL_MAGIC_JOIN: Final = b"\xe3\x17\x0d\xf1"
-MAGIC_LEN: Final = 4
+CHANNEL_MAGIC_RENDEZVOUS = b"\xe0\x17\x0d\xf1"
+CHANNEL_MAGIC_DATA = b"\xe1\x17\x0d\xf1"
+CHANNEL_MAGIC_CONTROL = b"\xe2\x17\x0d\xf1"
+CHANNEL_MAGIC_JOIN = b"\xe3\x17\x0d\xf1"
+MAGIC_LEN = 4
 
-LEG_NAMES: Final = ("control", "data", "rendezvous", "join", "status")
-DROP_REASONS: Final = (
-    "unknown_magic",
-    "eof_before_magic",
-    "peek_timeout",
-    "no_listener",
-    "queue_full",
-)
+LEG_NAMES = ("control", "data", "rendezvous", "join", "status")
+DROP_REASONS = ("unknown_magic", "eof_before_magic", "peek_timeout", "no_listener", "queue_full")
 # Status (HTTP) connections start with the request line itself.
-_LEG_BY_PREFIX: Final = (
+_LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_CONTROL, "control"),
     (CHANNEL_MAGIC_DATA, "data"),
     (CHANNEL_MAGIC_RENDEZVOUS, "rendezvous"),
@@ -67,9 +60,9 @@ _LEG_BY_PREFIX: Final = (
 )
 # Accept errors that mean "out of file descriptors or memory right now": trio's serve_listeners
 # sleeps and retries on exactly these instead of crashing the server.
-_ACCEPT_RETRY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-_ACCEPT_RETRY_SLEEP: Final = 0.1
-_PEEK_CHUNK: Final = 4096
+_ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_RETRY_SLEEP = 0.1
+_PEEK_CHUNK = 4096
 
 PeerAddress = tuple[str, int] | str
 
@@ -91,9 +84,7 @@ def _remote_address(stream: trio.abc.Stream) -> PeerAddress | None:
         peer = getattr(stream, "remote_address", None)
     if isinstance(peer, tuple) and len(peer) >= 2:
         return (str(peer[0]), int(peer[1]))
-    if isinstance(peer, str | bytes):
-        return peer if isinstance(peer, str) else peer.decode(errors="replace")
-    return None
+    return peer if isinstance(peer, str) else None
 
 
 class PrefixedStream(trio.abc.HalfCloseableStream):
@@ -120,16 +111,18 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self._receiving = False
         self._closed = False
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` to the transport stream (see :meth:`trio.abc.SendStream.send_all`)."""
+    def _check_open(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("this routed stream was closed")
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to the transport stream (see :meth:`trio.abc.SendStream.send_all`)."""
+        self._check_open()
         await self.transport_stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         """Delegate to the transport stream."""
-        if self._closed:
-            raise trio.ClosedResourceError("this routed stream was closed")
+        self._check_open()
         await self.transport_stream.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
@@ -138,8 +131,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         Raises:
             trio.BrokenResourceError: the transport stream cannot half-close.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("this routed stream was closed")
+        self._check_open()
         if not isinstance(self.transport_stream, trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
             raise trio.BrokenResourceError(
@@ -164,8 +156,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
                 raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
-        if self._closed:
-            raise trio.ClosedResourceError("this routed stream was closed")
+        self._check_open()
         self._receiving = True
         try:
             if self._prefix:
@@ -209,9 +200,6 @@ class MuxStats:
             "dropped": dict(self.dropped),
         }
 
-    def __repr__(self) -> str:
-        return f"<MuxStats {self.as_dict()}>"
-
 
 class MuxLeg(trio.abc.Listener[PrefixedStream]):
     """One leg of a :class:`PortMux`: a listener of the connections that carried its magic.
@@ -227,11 +215,6 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
         self.wanted = wanted
         self._send, self._receive = trio.open_memory_channel[PrefixedStream](queue_size)
         self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether the leg (or its whole mux) was closed."""
-        return self._closed
 
     async def accept(self) -> PrefixedStream:
         """Wait for the next connection routed to this leg.
@@ -436,17 +419,21 @@ async def open_port_mux(
 
     Raises:
         ConfigError: an unknown leg name, a negative or NaN ``peek_timeout``, or
-            ``queue_size`` < 1.
+            ``queue_size`` < 1 (the listeners are closed).
     """
     if isinstance(listeners, trio.abc.Listener):
         listeners = [listeners]
-    if math.isnan(peek_timeout) or peek_timeout < 0:
-        raise ConfigError(f"peek_timeout must be >= 0 seconds, got {peek_timeout!r}")
-    if queue_size < 1:
-        raise ConfigError(f"queue_size must be >= 1, got {queue_size!r}")
-    mux = PortMux(
-        listeners, peek_timeout=peek_timeout, legs=_check_legs(legs), queue_size=queue_size
-    )
+    try:
+        if math.isnan(peek_timeout) or peek_timeout < 0:
+            raise ConfigError(f"peek_timeout must be >= 0 seconds, got {peek_timeout!r}")
+        if queue_size < 1:
+            raise ConfigError(f"queue_size must be >= 1, got {queue_size!r}")
+        served = _check_legs(legs)
+    except ConfigError:
+        for listener in listeners:  # they were handed to us: do not leak them on a bad call
+            await trio.aclose_forcefully(listener)
+        raise
+    mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(mux._run, abort)

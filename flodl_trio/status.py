@@ -24,7 +24,7 @@ from typing import Any, Final
 import h11
 import trio
 
-from ._errors import FlodlError
+from ._errors import ConfigError, FlodlError
 
 __all__ = ["fetch_state", "render_prometheus", "serve_status"]
 
@@ -60,7 +60,9 @@ async def serve_status(
         max_request_bytes: the largest request head accepted; a bigger one gets 431.
         task_status: ``started()`` is called once the accept loop runs.
 
-    Returns when the listener is closed and the connections in flight are done.
+    Returns:
+        Once the listener is closed and the connections in flight are done (each is bounded by
+        ``request_timeout``).
     """
     async with trio.open_nursery() as nursery:
         task_status.started()
@@ -151,6 +153,8 @@ def _answer(
 def _json_default(value: object) -> object:
     if isinstance(value, set | frozenset):
         return sorted(value)
+    if isinstance(value, Mapping):
+        return dict(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
@@ -249,7 +253,7 @@ def _parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
     text = address.strip().removeprefix("http://").rstrip("/")
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise FlodlError(f"status address {address!r}: expected HOST:PORT")
+        raise ConfigError(f"status address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 
 
@@ -272,6 +276,7 @@ async def fetch_state(
         The status document.
 
     Raises:
+        ConfigError: ``address`` is not ``HOST:PORT``.
         FlodlError: connecting failed, the deadline passed, the response was not a 200 with a
             JSON object, or it was malformed; the message names the address and what happened.
     """
@@ -309,11 +314,18 @@ async def _get(stream: trio.abc.Stream, where: str, max_body: int) -> tuple[int,
         headers=[("Host", where), ("Accept", "application/json"), ("Connection", "close")],
     )
     await stream.send_all((conn.send(request) or b"") + (conn.send(h11.EndOfMessage()) or b""))
-    status, body = 0, bytearray()
+    status, body, closed = 0, bytearray(), False
     while True:  # bounded by the caller's deadline and by max_body
-        event = conn.next_event()
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError:
+            if not closed:
+                raise
+            event = h11.ConnectionClosed()  # h11's way of saying "EOF mid-response"
         if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_CHUNK)))
+            chunk = bytes(await stream.receive_some(_RECEIVE_CHUNK))
+            closed = not chunk
+            conn.receive_data(chunk)
         elif isinstance(event, h11.Response):
             status = event.status_code
         elif isinstance(event, h11.Data):

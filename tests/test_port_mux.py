@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
@@ -32,11 +32,11 @@ MAGIC_BY_LEG = {
 
 @asynccontextmanager
 async def tcp_mux(
-    *, peek_timeout: float = 5.0, **kwargs: object
+    *, legs: Sequence[str] = ("control", "status"), peek_timeout: float = 5.0
 ) -> AsyncIterator[tuple[PortMux, int]]:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
-    async with open_port_mux(listeners, peek_timeout=peek_timeout, **kwargs) as mux:  # type: ignore[arg-type]
+    async with open_port_mux(listeners, peek_timeout=peek_timeout, legs=legs) as mux:
         yield mux, port
 
 
@@ -293,3 +293,4 @@ async def test_bad_arguments_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="peek_timeout"):
         async with open_port_mux(net.listener("b"), peek_timeout=-1.0):
             pass
+    net.assert_all_closed()  # the mux was handed the listeners, so it closed them

@@ -261,7 +261,7 @@ class FrameDecoder(_Poisonable):
         super().__init__()
         self._codec = FrameCodec(salt, max_payload=max_payload)
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         self._check_poison()
         buf = self._buf
         buf += data
@@ -292,7 +292,7 @@ class LenFrameDecoder(_Poisonable):
         super().__init__()
         self.max_len = max_len
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         self._check_poison()
         buf = self._buf
         buf += data

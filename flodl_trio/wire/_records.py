@@ -114,7 +114,7 @@ class RecordOpener:
             return WireError(f"{who}: peer closed mid-frame ({self.buffered} bytes buffered)")
         return None
 
-    def push(self, data: bytes) -> None:
+    def push(self, data: bytes | bytearray | memoryview) -> None:
         """Buffer bytes without opening anything."""
         if self._error is not None:
             raise self._error
@@ -123,7 +123,7 @@ class RecordOpener:
             self._pos = 0
         self._buf += data
 
-    def feed(self, data: bytes) -> list[Record]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Record]:
         self.push(data)
         out: list[Record] = []
         while (rec := self.next_record()) is not None:

@@ -436,7 +436,9 @@ class _DenyTags(dict[int, Any]):
         return self[key]
 
     def __getitem__(self, key: int) -> Any:
-        def refuse(decoder: Any) -> Any:
+        # cbor2 6.x calls semantic decoders as (value, immutable); accept any signature so
+        # the refusal itself never fails with a TypeError that hides the real reason.
+        def refuse(*_args: Any) -> Any:
             raise WireError(f"CBOR tag {key} is not allowed in FT/1 payloads")
 
         return refuse
@@ -445,8 +447,11 @@ class _DenyTags(dict[int, Any]):
 _DENY_TAGS = _DenyTags()
 
 
-def _refuse_tag(decoder: Any, tag: Any) -> Any:
-    raise WireError(f"CBOR tag {tag.tag} is not allowed in FT/1 payloads")
+def _refuse_tag(*args: Any) -> Any:
+    # cbor2 6.x calls tag hooks as (tag, immutable), older versions as (decoder, tag).
+    tag = next((a for a in args if isinstance(a, cbor2.CBORTag)), None)
+    number = "?" if tag is None else tag.tag
+    raise WireError(f"CBOR tag {number} is not allowed in FT/1 payloads")
 
 
 def cbor_loads(data: bytes, what: str) -> Any:

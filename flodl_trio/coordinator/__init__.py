@@ -1,0 +1,232 @@
+"""The coordinator: formation, readers, sending, liveness and shutdown (SPEC §4)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
+from typing import Any
+
+import trio
+
+from .._config import CoordinatorConfig
+from .._errors import ConfigError, FlodlError, FlodlInternalError
+from .._transport import format_address
+from ..events import Listening
+from ..port_mux import open_port_mux
+from ..status import serve_status
+from ..timeline import Timeline
+from ..wire import SessionSalt
+from ._core import Coordinator
+
+__all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
+
+log = logging.getLogger("flodl_trio.coordinator")
+
+ListenSpec = int | tuple[str, int] | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
+
+
+class CoordinatorBind:
+    """TCP listeners bound ahead of :func:`open_coordinator`, so the port can be published first.
+
+    Use it as an async context manager, or pass it as ``listen=`` (the coordinator then owns and
+    closes it).
+
+    Attributes:
+        address: ``(host, port)`` actually bound (the real port when 0 was asked for).
+        listeners: the ``trio.SocketListener`` objects.
+    """
+
+    def __init__(self, listeners: list[trio.SocketListener], address: tuple[str, int]) -> None:
+        self.listeners = listeners
+        self.address = address
+        self._closed = False
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for listener in self.listeners:
+                await listener.aclose()
+
+    async def __aenter__(self) -> CoordinatorBind:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def bind_coordinator(
+    listen: int | tuple[str, int] = ("0.0.0.0", 0), *, timeline: Timeline | None = None
+) -> CoordinatorBind:
+    """Bind the coordinator's TCP port now (port 0 picks a free one).
+
+    Raises:
+        ConfigError: ``listen`` is not a port or a ``(host, port)`` pair.
+        OSError: the OS refused the bind (port in use, ...).
+    """
+    if isinstance(listen, bool):
+        raise ConfigError(f"bind_coordinator: expected a port or (host, port), got {listen!r}")
+    if isinstance(listen, int):
+        host: str | None = None
+        port = listen
+    elif (isinstance(listen, tuple) and len(listen) == 2 and isinstance(listen[0], str)
+          and isinstance(listen[1], int)):
+        host, port = listen
+    else:
+        raise ConfigError(f"bind_coordinator: expected a port or (host, port), got {listen!r}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"bind_coordinator: expected a port in [0, 65535], got {port}")
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    sockname = listeners[0].socket.getsockname()
+    address = (str(sockname[0]), int(sockname[1]))
+    if timeline is not None:
+        timeline.event(Listening(address=format_address(address)))
+    log.info("coordinator listening on %s", format_address(address))
+    return CoordinatorBind(listeners, address)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(_leaves(inner))
+        return out
+    return [exc]
+
+
+def pick_one_exception(
+    group: BaseExceptionGroup[BaseException], body_exc: BaseException | None,
+    failure: BaseException | None,
+) -> BaseException | None:
+    """Turn a nursery's exception group into the one exception the user should see.
+
+    Returns None when only cancellations are inside (the caller re-raises the group so that
+    trio's enclosing cancel scope absorbs it).
+    """
+    _, rest = group.split(trio.Cancelled)
+    if rest is None:
+        return None
+    leaves = _leaves(rest)
+    if body_exc is not None and any(leaf is body_exc for leaf in leaves):
+        if failure is not None and body_exc.__context__ is None:
+            body_exc.__context__ = failure
+        return body_exc
+    for leaf in leaves:
+        if not isinstance(leaf, Exception):
+            return leaf  # KeyboardInterrupt, SystemExit: never disguised
+    for leaf in leaves:
+        if isinstance(leaf, FlodlError):
+            return leaf
+    internal = FlodlInternalError(
+        f"unexpected internal failure: {'; '.join(repr(e) for e in leaves[:3])}"
+    )
+    internal.__cause__ = rest
+    return internal
+
+
+@asynccontextmanager
+async def open_coordinator(
+    listen: ListenSpec | CoordinatorBind,
+    *,
+    salt: SessionSalt,
+    config: CoordinatorConfig,
+    abort: trio.Event | None = None,
+    timeline: Timeline | None = None,
+) -> AsyncIterator[Coordinator]:
+    """Run a coordinator; the block is entered once every rank is covered.
+
+    Args:
+        listen: a port or ``(host, port)`` to bind TCP (served through the port mux, so the status
+            page answers on the same port), a :class:`CoordinatorBind`, or any
+            ``trio.abc.Listener`` (or several) that yields relay connections directly.
+        salt: the run's :class:`SessionSalt`.
+        config: a :class:`CoordinatorConfig`.
+        abort: set it to stop formation early (``FormationAborted``).
+        timeline: where events are recorded (a fresh one by default, as ``coord.timeline``).
+
+    Raises:
+        FormationTimeout / FormationAborted / FormationError: formation did not complete.
+        ClusterFailure: the failure policy stopped the run (the body was cancelled).
+        FlodlInternalError: an unexpected internal failure (``from`` the original group).
+    """
+    bind: CoordinatorBind | None = None
+    direct: list[trio.abc.Listener[Any]] = []
+    if isinstance(listen, CoordinatorBind):
+        bind = listen
+    elif isinstance(listen, int | tuple):
+        bind = await bind_coordinator(listen, timeline=timeline)
+    elif isinstance(listen, trio.abc.Listener):
+        direct = [listen]
+    elif isinstance(listen, Sequence) and listen and all(
+        isinstance(item, trio.abc.Listener) for item in listen
+    ):
+        direct = [item for item in listen if isinstance(item, trio.abc.Listener)]
+    else:
+        raise ConfigError(
+            "open_coordinator: expected listen to be a port, (host, port), CoordinatorBind or "
+            f"trio.abc.Listener(s), got {listen!r}"
+        )
+    try:
+        coord = Coordinator(salt=salt, config=config, timeline=timeline,
+                            address=bind.address if bind else None)
+    except BaseException:
+        if bind is not None:
+            await bind.aclose()
+        raise
+    if bind is not None and timeline is None:
+        coord.timeline.event(Listening(address=format_address(bind.address)))
+    body_exc: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            coord._nursery = nursery
+            async with AsyncExitStack() as stack:
+                if bind is not None:
+                    stack.push_async_callback(bind.aclose)
+                    mux = await stack.enter_async_context(
+                        open_port_mux(bind.listeners, peek_timeout=config.peek_timeout,
+                                      legs=("control", "status"))
+                    )
+                    nursery.start_soon(partial(serve_status, mux.status, coord.state,
+                                               request_timeout=config.peek_timeout))
+                    control: list[trio.abc.Listener[Any]] = [mux.control]
+                else:
+                    for listener in direct:
+                        stack.push_async_callback(listener.aclose)
+                    control = direct
+                try:
+                    await coord._form(control, abort)
+                    with trio.CancelScope() as body_scope:
+                        coord._body_scope = body_scope
+                        try:
+                            yield coord
+                        except BaseException as exc:
+                            body_exc = exc
+                            raise
+                finally:
+                    reason = _shutdown_reason(coord, body_exc)
+                    with trio.CancelScope(shield=True):
+                        await coord._shutdown(reason)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        chosen = pick_one_exception(group, body_exc, coord._failure)
+        if chosen is None:
+            raise
+        error: BaseException = chosen
+    else:
+        if coord._failure is None:
+            return
+        error = coord._failure
+    raise error
+
+
+def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:
+    if coord._failure is not None:
+        return f"cluster failure: {coord._failure}"
+    if coord._formation_failure is not None:
+        return f"formation failed: {type(coord._formation_failure).__name__}"
+    if body_exc is not None and not isinstance(body_exc, trio.Cancelled):
+        return f"the block raised {type(body_exc).__name__}"
+    if body_exc is not None:
+        return "cancelled"
+    return "the block exited"

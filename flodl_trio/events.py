@@ -1,0 +1,139 @@
+"""Structured events of everything the control plane decided (SPEC §8).
+
+Each event is an attrs frozen class; :class:`~flodl_trio.timeline.Timeline` stamps and stores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Event:
+    """Base class of every timeline event."""
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event's fields as JSON-ready values (tuples and frozensets become lists)."""
+        return {k: _jsonable(v) for k, v in attrs.asdict(self, recurse=False).items()}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if hasattr(value, "name") and hasattr(value, "value") and isinstance(value.value, int):
+        return value.name  # IntEnum members read better by name
+    return value
+
+
+@attrs.frozen
+class Listening(Event):
+    """The coordinator's port is bound; ``address`` is ``"host:port"``."""
+
+    address: str
+
+
+@attrs.frozen
+class RelayJoined(Event):
+    """A relay authenticated and was acknowledged."""
+
+    host: str
+    ranks: tuple[int, ...]
+    peer: str
+
+
+@attrs.frozen
+class HandshakeRejected(Event):
+    """A connection failed before authenticating and was dropped."""
+
+    peer: str
+    reason: str
+
+
+@attrs.frozen
+class FormationComplete(Event):
+    """Every rank of the world is covered."""
+
+    relays: int
+    world_size: int
+    elapsed_ms: float
+
+
+@attrs.frozen
+class FormationFailed(Event):
+    reason: str
+    covered: int
+
+
+@attrs.frozen
+class LostBroadcast(Event):
+    """A broadcast did not reach every live rank; ``failures`` maps rank → cause."""
+
+    control: str
+    failures: dict[int, str]
+
+
+@attrs.frozen
+class RankDeclaredDead(Event):
+    rank: int
+    host: str
+    reason: str
+
+
+@attrs.frozen
+class RankExited(Event):
+    """A rank said ``Exiting``: it left cleanly and is never declared dead."""
+
+    rank: int
+
+
+@attrs.frozen
+class RelayLost(Event):
+    """A relay connection ended (EOF, error, write stall)."""
+
+    host: str
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@attrs.frozen
+class InvalidFrame(Event):
+    """An inner frame failed its MAC or decode, or spoke for a rank its relay does not carry."""
+
+    rank: int
+    host: str
+    reason: str
+
+
+@attrs.frozen
+class ShutdownStarted(Event):
+    reason: str
+
+
+@attrs.frozen
+class ShutdownComplete(Event):
+    pass
+
+
+@attrs.frozen
+class ClusterFailed(Event):
+    reason: str
+    dead: tuple[int, ...]
+
+
+# Events that other components (scheduler, demo) record on the same timeline.
+@attrs.frozen
+class Note(Event):
+    """A free-form event recorded by an orchestrator (``what`` plus JSON-ready fields)."""
+
+    what: str
+    fields: dict[str, Any] = attrs.field(factory=dict)

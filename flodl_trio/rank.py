@@ -1,0 +1,352 @@
+"""The rank endpoint (SPEC §6): the rank side of the control channel.
+
+It dials its host relay, completes the 24/16-byte handshake, then: iterating it yields the
+coordinator's ControlMsgs (``CoordHeartbeat`` is absorbed), ``send`` writes TimingMsg/Metrics, a
+task sends ``Heartbeat`` every ``heartbeat_interval`` whatever the user code does, and a watchdog
+raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from ._config import RankConfig
+from ._errors import (
+    ConfigError,
+    CoordinatorLost,
+    HandshakeError,
+    SendError,
+    WireError,
+)
+from ._transport import DialTarget, StreamWriter, dial, format_address, receive_exactly
+from .coordinator import pick_one_exception
+from .wire import (
+    MAX_LEN_FRAME,
+    RANK_ACK_LEN,
+    ControlMsg,
+    CoordHeartbeat,
+    DeclareDead,
+    Exiting,
+    FrameCodec,
+    Heartbeat,
+    LenFrameDecoder,
+    Metrics,
+    MsgKind,
+    SessionSalt,
+    Shutdown,
+    ShutdownWithSave,
+    TimingMsg,
+    WireMessage,
+    control_label,
+    decode_control,
+    encode_rank_hello,
+    len_frame,
+    verify_rank_ack,
+)
+
+log = logging.getLogger("flodl_trio.rank")
+
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+INBOX_SIZE = 1024
+
+
+class RankEndpoint:
+    """One rank's control channel, as yielded by :func:`open_rank`.
+
+    Attributes:
+        rank: this rank's global rank.
+        world_size: the world size it announced.
+        step_count: reported in every automatic ``Heartbeat``; user code updates it.
+        dead_peers: ranks the coordinator declared dead (every other rank once the coordinator
+            is lost).
+    """
+
+    def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
+                 config: RankConfig, relay: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.step_count = 0
+        self.config = config
+        self.dead_peers: frozenset[int] = frozenset()
+        self._relay = relay
+        self._codec = FrameCodec(salt)
+        self._stream = stream
+        self._writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
+        self._inbox_send, self._inbox = trio.open_memory_channel[ControlMsg](INBOX_SIZE)
+        self._shutdown_seen = False
+        self._ended = False
+        self._lost: str | None = None
+        self._last_inbound = trio.current_time()
+        self._paused = False
+        self._wake = trio.Event()
+        self._leaving = False
+        self._reader_done = trio.Event()
+
+    @property
+    def coordinator_lost(self) -> str | None:
+        """Why the coordinator is considered lost, or None."""
+        return self._lost
+
+    def __aiter__(self) -> RankEndpoint:
+        return self
+
+    async def __anext__(self) -> ControlMsg:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            msg = await self._inbox.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._ended = True
+            if self._lost is not None:
+                raise CoordinatorLost(f"rank {self.rank} (via relay {self._relay}): "
+                                      f"{self._lost}") from None
+            raise StopAsyncIteration from None
+        if isinstance(msg, Shutdown | ShutdownWithSave):
+            self._ended = True
+        return msg
+
+    async def receive(self) -> ControlMsg:
+        """The next control message (same as one step of ``async for``).
+
+        Raises:
+            CoordinatorLost: the coordinator is gone.
+            trio.EndOfChannel: iteration ended cleanly after ``Shutdown``.
+        """
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise trio.EndOfChannel from None
+
+    async def send(self, msg: WireMessage) -> None:
+        """Send a TimingMsg or Metrics to the coordinator.
+
+        Raises:
+            ConfigError: ``msg`` is not a TimingMsg or Metrics.
+            SendError: the link is gone or the write stalled.
+        """
+        if not isinstance(msg, TimingMsg | Metrics):
+            raise ConfigError(f"rank {self.rank}: send expects a TimingMsg or Metrics, got "
+                              f"{control_label(msg)}")
+        if self._lost is not None:
+            raise SendError(f"rank {self.rank}: cannot send {control_label(msg)}: coordinator "
+                            f"lost ({self._lost})")
+        blob = len_frame(self._codec.encode(msg))
+        try:
+            await self._writer.send(blob)
+        except trio.TooSlowError:
+            self._set_lost(f"write stall: no progress for {self.config.write_stall_timeout:g}s")
+            raise SendError(f"rank {self.rank}: sending {control_label(msg)} to relay "
+                            f"{self._relay} stalled") from None
+        except _GONE as exc:
+            raise SendError(f"rank {self.rank}: sending {control_label(msg)} to relay "
+                            f"{self._relay}: link closed ({type(exc).__name__})") from None
+
+    def _set_lost(self, reason: str) -> None:
+        if self._lost is None and not self._shutdown_seen and not self._leaving:
+            self._lost = reason
+            self.dead_peers = frozenset(r for r in range(self.world_size) if r != self.rank)
+            log.warning("rank %d: coordinator lost: %s", self.rank, reason)
+        self._inbox_send.close()
+
+    async def _reader(self) -> None:
+        try:
+            await self._read_until_end()
+        finally:
+            self._reader_done.set()
+
+    async def _read_until_end(self) -> None:
+        decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+        try:
+            while True:
+                data = await self._stream.receive_some(65536)
+                if not data:
+                    break
+                for blob in decoder.feed(data):
+                    await self._on_blob(blob)
+        except WireError as exc:
+            self._set_lost(f"protocol error on the link: {exc}")
+            return
+        except _GONE as exc:
+            self._set_lost(f"link to relay {self._relay} lost ({type(exc).__name__})")
+            return
+        if self._shutdown_seen:
+            self._inbox_send.close()
+        else:
+            self._set_lost(f"link to relay {self._relay} ended without Shutdown")
+
+    async def _on_blob(self, blob: bytes) -> None:
+        try:
+            frame = self._codec.open(blob)
+        except WireError as exc:
+            log.warning("rank %d: dropped an invalid frame: %s", self.rank, exc)
+            return
+        self._last_inbound = trio.current_time()
+        if frame.kind != MsgKind.CONTROL:
+            log.info("rank %d: frame of kind %d is not for ranks; dropped", self.rank, frame.kind)
+            return
+        try:
+            msg = decode_control(frame.payload)
+        except WireError as exc:
+            log.warning("rank %d: dropped an undecodable control frame: %s", self.rank, exc)
+            return
+        if isinstance(msg, CoordHeartbeat):
+            return
+        if isinstance(msg, DeclareDead):
+            self.dead_peers = self.dead_peers | {int(msg.rank)}
+        if isinstance(msg, Shutdown | ShutdownWithSave):
+            self._shutdown_seen = True
+        try:
+            self._inbox_send.send_nowait(msg)
+            return
+        except trio.WouldBlock:
+            pass
+        except _GONE:
+            return
+        # The user is not iterating; time we spend waiting here is not the coordinator's silence.
+        self._paused = True
+        try:
+            await self._inbox_send.send(msg)
+        except _GONE:
+            pass
+        finally:
+            self._paused = False
+            self._last_inbound = trio.current_time()
+            self._wake.set()
+
+    async def _watchdog(self) -> None:
+        timeout = self.config.coord_liveness_timeout
+        while self._lost is None and not self._shutdown_seen:
+            due = self._last_inbound + timeout
+            if trio.current_time() >= due and not self._paused:
+                self._set_lost(f"no frame from the coordinator within coord_liveness_timeout="
+                               f"{timeout:g}s")
+                await trio.aclose_forcefully(self._stream)
+                return
+            self._wake = trio.Event()
+            with trio.move_on_at(due):
+                await self._wake.wait()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.config.heartbeat_interval)
+            if self._lost is not None:
+                return
+            try:
+                await self.send(Heartbeat(rank=self.rank, step_count=self.step_count))
+            except SendError:
+                return
+
+    async def _say_goodbye(self) -> None:
+        """Best-effort ``Exiting``, then a half-close and a short drain so it is not reset away."""
+        if self._lost is not None:
+            return
+        self._leaving = True
+        with trio.move_on_after(min(2.0, self.config.write_stall_timeout)):
+            try:
+                await self.send(Exiting(rank=self.rank))
+                await self._writer.send_eof()
+                await self._reader_done.wait()  # the relay read it all and closed its side
+            except (SendError, trio.TooSlowError, *_GONE):
+                pass
+
+
+async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size: int,
+                   config: RankConfig) -> trio.abc.Stream:
+    deadline = trio.current_time() + config.connect_timeout
+    what = f"rank {rank}"
+    where = format_address(target) if not callable(target) else "the relay"
+    last: BaseException | None = None
+    while True:
+        stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
+                            what=what)
+        try:
+            with trio.fail_after(config.handshake_timeout):
+                await stream.send_all(encode_rank_hello(salt, rank, world_size))
+                ack = await receive_exactly(stream, RANK_ACK_LEN, what=f"ack from relay {where}")
+                verify_rank_ack(salt, ack)
+            return stream
+        except HandshakeError:
+            await trio.aclose_forcefully(stream)
+            raise
+        except (WireError, trio.TooSlowError, *_GONE) as exc:
+            await trio.aclose_forcefully(stream)
+            last = exc
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        if trio.current_time() + 0.5 >= deadline:
+            break
+        await trio.sleep(0.5)
+    raise HandshakeError(
+        f"{what}: expected a handshake ack from relay {where} within connect_timeout="
+        f"{config.connect_timeout:g}s; last attempt: {last} (a relay closes connections whose "
+        "salt, world_size or rank it rejects: check its log)"
+    )
+
+
+@asynccontextmanager
+async def open_rank(
+    relay: DialTarget,
+    *,
+    salt: SessionSalt,
+    rank: int,
+    world_size: int,
+    config: RankConfig | None = None,
+) -> AsyncIterator[RankEndpoint]:
+    """Connect one rank to its host relay.
+
+    Args:
+        relay: the relay's ``rank_address`` ``(host, port)``, or an async callable returning a
+            stream.
+        salt: the run's :class:`SessionSalt`.
+        rank: this rank's global rank (< world_size).
+        world_size: the run's world size.
+        config: deadlines and heartbeat cadence (:class:`RankConfig`).
+
+    Raises:
+        ConfigError: ``rank >= world_size`` and other invalid arguments, before dialing.
+        HandshakeError: no accepted handshake within ``connect_timeout``.
+    """
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"open_rank: expected {name} to be an integer >= 0, got {value!r}")
+    if rank >= world_size:
+        raise ConfigError(f"open_rank: expected rank < world_size, got rank {rank} with "
+                          f"world_size {world_size}")
+    if not isinstance(salt, SessionSalt):
+        raise ConfigError(f"open_rank: expected a SessionSalt, got {type(salt).__name__}")
+    cfg = config if config is not None else RankConfig()
+    stream = await _connect(relay, salt, rank, world_size, cfg)
+    where = format_address(relay) if not callable(relay) else "in-process"
+    ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
+                      relay=where)
+    body_exc: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ep._reader)
+            nursery.start_soon(ep._watchdog)
+            nursery.start_soon(ep._heartbeats)
+            try:
+                yield ep
+            except BaseException as exc:
+                body_exc = exc
+                raise
+            else:
+                with trio.CancelScope(shield=True):
+                    await ep._say_goodbye()
+            finally:
+                nursery.cancel_scope.cancel()
+                await trio.aclose_forcefully(stream)
+    except BaseExceptionGroup as group:
+        chosen: Any = pick_one_exception(group, body_exc, None)
+        if chosen is None:
+            raise
+        error: BaseException = chosen
+    else:
+        return
+    raise error

@@ -1,0 +1,546 @@
+"""The host relay (SPEC §5): terminates its local ranks' handshakes on loopback and carries all
+their frames over one sealed upstream connection to the coordinator.
+
+Phases: (1) accept every local rank within ``rank_accept_timeout``; (2) dial the coordinator and
+run the upstream handshake; (3) pump: one reader per local rank feeds a bounded queue drained by
+the single upstream writer, and one upstream reader routes DATA and FANOUT records to ranks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ._config import RelayConfig
+from ._errors import (
+    AuthError,
+    ConfigError,
+    FlodlError,
+    FormationTimeout,
+    HandshakeError,
+    WireError,
+)
+from ._transport import DialTarget, StreamWriter, dial, format_address, peer_of, receive_exactly
+from .coordinator import pick_one_exception
+from .coordinator._handshake import MAX_HANDSHAKE_PAYLOAD, read_record
+from .timeline import Timeline
+from .wire import (
+    CHANNEL_MAGIC_CONTROL,
+    COORD_TO_RELAY,
+    MAX_LEN_FRAME,
+    MAX_RECORD_PAYLOAD,
+    NONCE_LEN,
+    RANK_HELLO_LEN,
+    RELAY_TO_COORD,
+    Challenge,
+    Hello,
+    HelloAck,
+    LenFrameDecoder,
+    RankExit,
+    RecordKind,
+    RecordOpener,
+    RecordSealer,
+    SessionSalt,
+    conn_key,
+    decode_fanout,
+    decode_rank_hello,
+    decode_relay,
+    encode,
+    encode_rank_ack,
+    hs_key,
+    len_frame,
+)
+
+log = logging.getLogger("flodl_trio.relay")
+
+RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+@attrs.frozen
+class RelayExit:
+    """How a relay ended. ``clean`` is False when the upstream link broke rather than closed."""
+
+    reason: str
+    clean: bool = True
+
+
+class _RankLink:
+    """One local rank's loopback connection and its outbound queue."""
+
+    def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig) -> None:
+        self.rank = rank
+        self.stream = stream
+        self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
+        self.out_send, self.out_recv = trio.open_memory_channel[bytes](config.queue_size)
+        self.gone = False
+
+
+class Relay:
+    """A running relay, as yielded by :func:`open_relay`.
+
+    Attributes:
+        host: this relay's host name.
+        ranks: the global ranks it carries (ascending).
+        rank_address: ``(host, port)`` where local ranks dial, when it bound TCP itself.
+    """
+
+    def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
+                 ranks: tuple[int, ...], world_size: int, config: RelayConfig,
+                 timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
+                 server_hostname: str | None) -> None:
+        self.host = host
+        self.ranks = ranks
+        self.world_size = world_size
+        self.config = config
+        self.timeline = timeline
+        self.rank_address: tuple[str, int] | None = None
+        self._target = target
+        self._salt = salt
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname
+        self._rank_set = frozenset(ranks)
+        self._links: dict[int, _RankLink] = {}
+        self._reserved: set[int] = set()  # hello verified, ack not yet written
+        self._rejects: list[str] = []
+        self._all_ranks = trio.Event()
+        self._connected = trio.Event()
+        self._closed = trio.Event()
+        self._exit: RelayExit | None = None
+        self._error: FlodlError | None = None
+        self._no_ranks_left = trio.Event()
+        self._upstream: trio.abc.Stream | None = None
+        self._pump_scope: trio.CancelScope | None = None
+        self._body_scope: trio.CancelScope | None = None
+
+    @property
+    def connected_ranks(self) -> frozenset[int]:
+        """Local ranks whose connection is up."""
+        return frozenset(r for r, link in self._links.items() if not link.gone)
+
+    async def wait_connected(self) -> None:
+        """Return once the coordinator acknowledged this relay (``HelloAck``)."""
+        await self._connected.wait()
+
+    async def wait_closed(self) -> RelayExit:
+        """Return how the relay ended, once it has."""
+        await self._closed.wait()
+        assert self._exit is not None
+        return self._exit
+
+    # ------------------------------------------------------------------ phase 1
+
+    async def _accept_ranks(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        timeout = self.config.rank_accept_timeout
+        try:
+            with trio.move_on_after(timeout):
+                async with trio.open_nursery() as nursery:
+                    for listener in listeners:
+                        nursery.start_soon(self._rank_accept_loop, listener, nursery)
+                    await self._all_ranks.wait()
+                    nursery.cancel_scope.cancel()
+        finally:
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
+        if not self._all_ranks.is_set():
+            missing = sorted(self._rank_set - set(self._links))
+            rejects = "; ".join(self._rejects[-5:]) or "none"
+            raise FormationTimeout(
+                f"relay {self.host!r}: rank accept timed out after {timeout:g}s: "
+                f"{len(self._links)}/{len(self.ranks)} local ranks connected (missing {missing}); "
+                f"{len(self._rejects)} rejected connection(s): {rejects}"
+            )
+
+    async def _rank_accept_loop(self, listener: trio.abc.Listener[Any],
+                                nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except _GONE:
+                return
+            except OSError as exc:
+                log.warning("relay %r: accept failed: %r", self.host, exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._rank_handshake, stream)
+
+    async def _rank_handshake(self, stream: trio.abc.Stream) -> None:
+        peer = peer_of(stream)
+        reserved: int | None = None
+        try:
+            with trio.fail_after(self.config.handshake_timeout):
+                data = await receive_exactly(stream, RANK_HELLO_LEN, what=f"rank hello from {peer}")
+                rank = decode_rank_hello(self._salt, data, world_size=self.world_size)
+                if rank not in self._rank_set:
+                    raise HandshakeError(
+                        f"rank hello from {peer}: rank {rank} does not belong to host "
+                        f"{self.host!r} (its ranks are {list(self.ranks)})"
+                    )
+                if rank in self._links or rank in self._reserved:
+                    raise HandshakeError(f"rank hello from {peer}: rank {rank} is already "
+                                         "connected")
+                reserved = rank
+                self._reserved.add(rank)
+                await stream.send_all(encode_rank_ack(self._salt))
+        except (trio.TooSlowError, WireError, HandshakeError, *_GONE) as exc:
+            if reserved is not None:
+                self._reserved.discard(reserved)
+            text = (f"rank hello from {peer}: no hello within handshake_timeout="
+                    f"{self.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
+                    else str(exc) or type(exc).__name__)
+            self._rejects.append(text)
+            log.warning("relay %r rejected a rank connection: %s", self.host, text)
+            await trio.aclose_forcefully(stream)
+            return
+        except BaseException:
+            if reserved is not None:
+                self._reserved.discard(reserved)
+            await trio.aclose_forcefully(stream)
+            raise
+        self._reserved.discard(rank)
+        self._links[rank] = _RankLink(rank, stream, self.config)
+        log.info("relay %r: rank %d connected from %s", self.host, rank, peer)
+        if len(self._links) == len(self.ranks):
+            self._all_ranks.set()
+
+    # ------------------------------------------------------------------ phase 2
+
+    async def _connect_upstream(self) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
+        deadline = trio.current_time() + self.config.connect_timeout
+        what = f"relay {self.host!r}"
+        last: BaseException | None = None
+        while True:
+            remaining = max(0.0, deadline - trio.current_time())
+            stream = await dial(self._target, connect_timeout=remaining, what=what)
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    if self._ssl_context is not None:
+                        stream = trio.SSLStream(stream, self._ssl_context,
+                                                server_hostname=self._server_hostname,
+                                                https_compatible=False)
+                        await stream.do_handshake()
+                    sealer, opener = await self._upstream_handshake(stream)
+                return stream, sealer, opener
+            except AuthError:
+                await trio.aclose_forcefully(stream)
+                raise
+            except (WireError, trio.TooSlowError, *_GONE) as exc:
+                await trio.aclose_forcefully(stream)
+                last = exc
+                if trio.current_time() + 0.5 >= deadline:
+                    break
+                log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
+                await trio.sleep(0.5)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+        raise HandshakeError(
+            f"{what}: expected an upstream handshake with {_target_text(self._target)} within "
+            f"connect_timeout={self.config.connect_timeout:g}s, last attempt failed: {last!r}"
+        )
+
+    async def _upstream_handshake(self, stream: trio.abc.Stream
+                                  ) -> tuple[RecordSealer, RecordOpener]:
+        coordinator = _target_text(self._target)
+        await stream.send_all(CHANNEL_MAGIC_CONTROL)
+        opener = RecordOpener(bytes(self._salt), COORD_TO_RELAY,
+                              max_payload=MAX_HANDSHAKE_PAYLOAD)
+        try:
+            rec = await read_record(stream, opener, what=f"Challenge from {coordinator}")
+        except AuthError as exc:
+            raise AuthError(f"relay {self.host!r}: the coordinator at {coordinator} is not of "
+                            f"this session (Challenge did not verify with our salt): {exc}") from None
+        challenge = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
+        if not isinstance(challenge, Challenge):
+            raise WireError(f"relay {self.host!r}: expected Challenge from {coordinator}, got "
+                            f"{type(challenge).__name__ if challenge else f'kind {rec.kind}'}")
+        key = hs_key(self._salt, challenge.nonce)
+        sealer = RecordSealer(key, RELAY_TO_COORD)
+        relay_nonce = secrets.token_bytes(NONCE_LEN)
+        hello = Hello(host=self.host, ranks=self.ranks, nonce=relay_nonce)
+        await stream.send_all(sealer.seal(RecordKind.CONTROL, 0, encode(hello)))
+        opener.rekey(key)
+        rec = await read_record(stream, opener, what=f"HelloAck from {coordinator}")
+        ack = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
+        if not isinstance(ack, HelloAck):
+            raise WireError(f"relay {self.host!r}: expected HelloAck from {coordinator}, got "
+                            f"{type(ack).__name__ if ack else f'kind {rec.kind}'}")
+        if not hmac.compare_digest(ack.nonce, relay_nonce):
+            raise AuthError(f"relay {self.host!r}: HelloAck from {coordinator} does not echo our "
+                            "nonce (replayed coordinator records?)")
+        final = conn_key(self._salt, challenge.nonce, relay_nonce)
+        sealer.rekey(final)
+        opener.rekey(final)
+        opener.max_payload = MAX_RECORD_PAYLOAD
+        return sealer, opener
+
+    # ------------------------------------------------------------------ phase 3
+
+    async def _pump(self, stream: trio.abc.Stream, sealer: RecordSealer,
+                    opener: RecordOpener) -> RelayExit:
+        up_send, up_recv = trio.open_memory_channel[tuple[int, int, bytes]](self.config.queue_size)
+        outcome: list[RelayExit] = []
+        with trio.CancelScope() as scope:
+            self._pump_scope = scope
+
+            def finish(reason: str, clean: bool = True) -> None:
+                if not outcome:
+                    outcome.append(RelayExit(reason, clean))
+                    log.info("relay %r ending: %s", self.host, reason)
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._upstream_writer, stream, sealer, up_recv, finish)
+                nursery.start_soon(self._upstream_reader, stream, opener, finish)
+                for link in self._links.values():
+                    nursery.start_soon(self._rank_reader, link, up_send, finish)
+                    nursery.start_soon(self._rank_writer, link)
+        return outcome[0] if outcome else RelayExit("stopped", True)
+
+    async def _upstream_writer(self, stream: trio.abc.Stream, sealer: RecordSealer,
+                               up_recv: trio.MemoryReceiveChannel[tuple[int, int, bytes]],
+                               finish: Any) -> None:
+        async for item in up_recv:
+            batch = [item]
+            while len(batch) < 64:  # coalesce a burst into one write; each record stays whole
+                try:
+                    batch.append(up_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            data = b"".join(sealer.seal(kind, rank, payload) for kind, rank, payload in batch)
+            try:
+                with trio.fail_after(self.config.write_stall_timeout):
+                    await stream.send_all(data)
+            except trio.TooSlowError:
+                finish(f"upstream write stall: no progress for "
+                       f"{self.config.write_stall_timeout:g}s", False)
+                return
+            except _GONE as exc:
+                finish(f"upstream connection lost while writing ({type(exc).__name__})", False)
+                return
+
+    async def _upstream_reader(self, stream: trio.abc.Stream, opener: RecordOpener,
+                               finish: Any) -> None:
+        try:
+            records = opener.feed(b"")  # whatever arrived together with HelloAck
+            while True:
+                for rec in records:
+                    await self._route(rec)
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                records = opener.feed(data)
+        except WireError as exc:
+            self._error = exc
+            finish(f"upstream protocol error: {exc}", False)
+            return
+        except _GONE as exc:
+            finish(f"upstream connection lost ({type(exc).__name__})", False)
+            return
+        # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
+        # (their Exiting still flows upstream), then end.
+        for link in self._links.values():
+            link.out_send.close()
+        with trio.move_on_after(self.config.shutdown_grace):
+            await self._no_ranks_left.wait()
+        finish("coordinator closed the connection")
+
+    async def _route(self, rec: Any) -> None:
+        if rec.kind == RecordKind.DATA:
+            await self._to_rank(rec.rank, len_frame(rec.payload))
+        elif rec.kind == RecordKind.FANOUT:
+            ranks, frame = decode_fanout(rec.payload)
+            blob = len_frame(frame)
+            for rank in ranks:
+                await self._to_rank(rank, blob)
+        else:
+            log.warning("relay %r: unexpected record kind %d from the coordinator; dropped",
+                        self.host, rec.kind)
+
+    async def _to_rank(self, rank: int, blob: bytes) -> None:
+        link = self._links.get(rank)
+        if link is None:
+            log.warning("relay %r: frame for rank %d, which is not local; dropped", self.host, rank)
+            return
+        if link.gone:
+            return
+        try:
+            await link.out_send.send(blob)
+        except _GONE:
+            pass
+
+    async def _rank_writer(self, link: _RankLink) -> None:
+        try:
+            async for blob in link.out_recv:
+                await link.writer.send(blob)
+            await link.writer.send_eof()
+        except (trio.TooSlowError, *_GONE) as exc:
+            log.warning("relay %r: rank %d stopped reading (%s); closing it", self.host,
+                        link.rank, type(exc).__name__)
+            await trio.aclose_forcefully(link.stream)
+
+    async def _rank_reader(self, link: _RankLink,
+                           up_send: trio.MemorySendChannel[tuple[int, int, bytes]],
+                           finish: Any) -> None:
+        decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+        try:
+            while True:
+                data = await link.stream.receive_some(65536)
+                if not data:
+                    break
+                for blob in decoder.feed(data):
+                    await up_send.send((int(RecordKind.DATA), link.rank, blob))
+        except WireError as exc:
+            log.warning("relay %r: rank %d sent a bad length frame (%s); closing it", self.host,
+                        link.rank, exc)
+        except _GONE:
+            pass
+        link.gone = True
+        link.out_send.close()
+        await trio.aclose_forcefully(link.stream)
+        try:
+            await up_send.send((int(RecordKind.CONTROL), 0, encode(RankExit(rank=link.rank))))
+        except _GONE:
+            pass
+        if all(lk.gone for lk in self._links.values()):
+            self._no_ranks_left.set()
+            finish("all ranks exited")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        try:
+            await self._accept_ranks(listeners)
+            stream, sealer, opener = await self._connect_upstream()
+            self._upstream = stream
+            self._connected.set()
+            log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
+            exit_ = await self._pump(stream, sealer, opener)
+        except FlodlError as exc:
+            self._error = exc
+            exit_ = RelayExit(f"failed: {exc}", False)
+        finally:
+            # Runs on cancellation too: no rank or upstream socket outlives the relay.
+            await self._close_all()
+        self._exit = exit_
+        self._closed.set()
+        if self._error is not None and self._body_scope is not None:
+            self._body_scope.cancel()
+
+    async def _close_all(self) -> None:
+        for link in self._links.values():
+            link.gone = True
+            await trio.aclose_forcefully(link.stream)
+        if self._upstream is not None:
+            await trio.aclose_forcefully(self._upstream)
+
+
+def _target_text(target: DialTarget) -> str:
+    return format_address(target) if not callable(target) else "the coordinator"
+
+
+def _check_relay_args(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    if not isinstance(host, str) or not 1 <= len(host.encode("utf-8")) <= 255:
+        raise ConfigError(f"open_relay: expected host to be 1-255 UTF-8 bytes, got {host!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ConfigError(f"open_relay({host!r}): expected world_size > 0, got {world_size!r}")
+    out = sorted(ranks)
+    if not out:
+        raise ConfigError(f"open_relay({host!r}): expected at least one rank, got none")
+    for r in out:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+            raise ConfigError(f"open_relay({host!r}): rank {r!r} is outside [0, {world_size})")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"open_relay({host!r}): ranks contain duplicates: {list(ranks)}")
+    return tuple(out)
+
+
+async def _rank_listeners(rank_listen: RankListen) -> list[trio.abc.Listener[Any]]:
+    if rank_listen is None or (isinstance(rank_listen, int) and not isinstance(rank_listen, bool)):
+        port = 0 if rank_listen is None else rank_listen
+        return list(await trio.open_tcp_listeners(port, host="127.0.0.1"))
+    if isinstance(rank_listen, trio.abc.Listener):
+        return [rank_listen]
+    if isinstance(rank_listen, Sequence) and all(
+            isinstance(x, trio.abc.Listener) for x in rank_listen):
+        return list(rank_listen)
+    raise ConfigError(f"open_relay: expected rank_listen None, a port or Listener(s), got "
+                      f"{rank_listen!r}")
+
+
+@asynccontextmanager
+async def open_relay(
+    coordinator: DialTarget,
+    *,
+    salt: SessionSalt,
+    host: str,
+    ranks: Sequence[int],
+    world_size: int,
+    rank_listen: RankListen = None,
+    config: RelayConfig | None = None,
+    timeline: Timeline | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> AsyncIterator[Relay]:
+    """Run a host relay. The block is entered once the rank port is bound.
+
+    Args:
+        coordinator: ``(host, port)`` of the coordinator, or an async callable returning a stream.
+        salt: the run's :class:`SessionSalt`.
+        host: this host's name (1-255 UTF-8 bytes), as the coordinator will report it.
+        ranks: the global ranks this host carries.
+        world_size: the world size every rank must agree on.
+        rank_listen: where local ranks dial: None (loopback, ephemeral port), a port on
+            127.0.0.1, or any ``trio.abc.Listener`` (or several).
+        config: deadlines (:class:`RelayConfig`).
+        ssl_context: wrap the upstream connection in TLS (the channel magic travels inside).
+        server_hostname: the name to verify the coordinator's certificate against.
+
+    Raises:
+        ConfigError: invalid arguments.
+        FormationTimeout: not every local rank connected within ``rank_accept_timeout``.
+        HandshakeError: no upstream handshake within ``connect_timeout``.
+        AuthError / WireError: the coordinator is of another session, or broke the protocol.
+    """
+    ordered = _check_relay_args(host, ranks, world_size)
+    if not isinstance(salt, SessionSalt):
+        raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
+    cfg = config if config is not None else RelayConfig()
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
+                  config=cfg, timeline=timeline, ssl_context=ssl_context,
+                  server_hostname=server_hostname)
+    listeners = await _rank_listeners(rank_listen)
+    sock = getattr(listeners[0], "socket", None)
+    if sock is not None:
+        name = sock.getsockname()
+        relay.rank_address = (str(name[0]), int(name[1]))
+    body_exc: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay._run, listeners)
+            with trio.CancelScope() as body_scope:
+                relay._body_scope = body_scope
+                try:
+                    yield relay
+                except BaseException as exc:
+                    body_exc = exc
+                    raise
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        chosen = pick_one_exception(group, body_exc, relay._error)
+        if chosen is None:
+            raise
+        error: BaseException = chosen
+    else:
+        if relay._error is None:
+            return
+        error = relay._error
+    raise error
