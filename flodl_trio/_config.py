@@ -96,7 +96,8 @@ class MaxFailure:
         if self.count is not None:
             return max(1, self.count)
         assert self.fraction is not None
-        return max(1, math.ceil(self.fraction * world_size))
+        # Round off binary-float noise first: 0.07 * 100 is 7.000000000000001, whose ceil is 8.
+        return max(1, math.ceil(round(self.fraction * world_size, 9)))
 
     def describe(self, world_size: int) -> str:
         if self.count is not None:

@@ -135,9 +135,11 @@ class StreamWriter:
         """
         async with self._lock:
             payload = data() if callable(data) else data
-            with trio.fail_after(self.write_stall_timeout):
+            # A bare CancelScope is cheaper than fail_after on this per-frame path.
+            with trio.CancelScope(deadline=trio.current_time() + self.write_stall_timeout) as cs:
                 await self.stream.send_all(payload)
-
+            if cs.cancelled_caught:
+                raise trio.TooSlowError
 
     async def send_eof(self) -> bool:
         """Half-close after every queued write; False when the stream cannot half-close."""

@@ -383,8 +383,9 @@ class Relay:
                 await link.writer.send(blob)
             await link.writer.send_eof()
         except (trio.TooSlowError, *_GONE) as exc:
-            log.warning("relay %r: rank %d stopped reading (%s); closing it", self.host,
-                        link.rank, type(exc).__name__)
+            if not link.gone:
+                log.warning("relay %r: rank %d stopped reading (%s); closing it", self.host,
+                            link.rank, type(exc).__name__)
             await trio.aclose_forcefully(link.stream)
 
     async def _rank_reader(self, link: _RankLink,

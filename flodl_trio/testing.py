@@ -297,7 +297,9 @@ class MemoryStream(trio.abc.HalfCloseableStream):
     def __repr__(self) -> str:
         side = "client" if self.is_client else "server"
         state = "open" if self.is_open else "closed"
-        return f"<MemoryStream {side} of mem:{self.connection.name} #{self.connection.index} {state}>"
+        return (
+            f"<MemoryStream {side} of mem:{self.connection.name} #{self.connection.index} {state}>"
+        )
 
 
 class MemoryListener(trio.abc.Listener[MemoryStream]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -10,6 +11,7 @@ import attrs
 import trio
 
 import flodl_trio as ft
+from flodl_trio import events
 from flodl_trio.testing import MemoryNetwork
 
 COORD = "coordinator"
@@ -92,3 +94,634 @@ async def mini_cluster(
 
 async def run_rank_started(nursery: trio.Nursery, fn: Any, *args: Any) -> None:
     await nursery.start(fn, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hosts whose ranks record what they receive, and raw peers that speak the wire by hand.
+
+
+@attrs.define(eq=False)
+class RankRun:
+    """One rank endpoint running in a task: what it received and how it ended.
+
+    ``leave()`` makes the body leave the ``open_rank`` block cleanly (so ``Exiting`` is sent),
+    ``kill()`` cancels the task through the block (no ``Exiting``), ``crash(exc)`` makes the body
+    raise ``exc``.
+    """
+
+    rank: int
+    host: str
+    received: list[Any] = attrs.Factory(list)
+    endpoint: ft.RankEndpoint | None = None
+    # "ended" after a clean end of iteration, "left" after leave(), or the exception it ended with.
+    outcome: Any = None
+    entered: trio.Event = attrs.Factory(trio.Event)
+    done: trio.Event = attrs.Factory(trio.Event)
+    leave_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    kill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    crash_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    crash_with: BaseException | None = None
+
+    def leave(self) -> None:
+        self.leave_scope.cancel()
+
+    def kill(self) -> None:
+        self.kill_scope.cancel()
+
+    def crash(self, exc: BaseException) -> None:
+        self.crash_with = exc
+        self.crash_scope.cancel()
+
+
+@attrs.define(eq=False)
+class HostRun:
+    """One relay and its ranks, each running in a task."""
+
+    host: str
+    ranks: dict[int, RankRun]
+    relay: ft.Relay | None = None
+    # The RelayExit it ended with, or the exception open_relay raised.
+    exit: Any = None
+    done: trio.Event = attrs.Factory(trio.Event)
+    kill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def kill(self) -> None:
+        self.kill_scope.cancel()
+
+    @property
+    def all_done(self) -> bool:
+        return self.done.is_set() and all(r.done.is_set() for r in self.ranks.values())
+
+
+async def _run_rank(net: MemoryNetwork, run: RankRun, *, salt: ft.SessionSalt, world: int,
+                    config: ft.RankConfig | None) -> None:
+    try:
+        with run.kill_scope:
+            async with ft.open_rank(
+                lambda: net.connect(f"relay:{run.host}"), salt=salt, rank=run.rank,
+                world_size=world, config=config,
+            ) as ep:
+                run.endpoint = ep
+                run.entered.set()
+                with run.crash_scope, run.leave_scope:
+                    try:
+                        async for msg in ep:
+                            run.received.append(msg)
+                    except ft.CoordinatorLost as exc:
+                        run.outcome = exc
+                    else:
+                        run.outcome = "ended"
+                if run.crash_with is not None:
+                    raise run.crash_with
+                if run.leave_scope.cancelled_caught:
+                    run.outcome = "left"
+    except Exception as exc:  # recorded for the test to assert on
+        run.outcome = exc
+    finally:
+        if run.kill_scope.cancelled_caught:
+            run.outcome = "killed"
+        run.done.set()
+
+
+async def _run_relay(net: MemoryNetwork, hr: HostRun, *, salt: ft.SessionSalt, world: int,
+                     config: ft.RelayConfig | None, coordinator: str,
+                     task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    try:
+        with hr.kill_scope:
+            async with ft.open_relay(
+                lambda: net.connect(coordinator), salt=salt, host=hr.host,
+                ranks=list(hr.ranks), world_size=world,
+                rank_listen=net.listener(f"relay:{hr.host}"), config=config,
+            ) as relay:
+                hr.relay = relay
+                task_status.started()
+                hr.exit = await relay.wait_closed()
+    except Exception as exc:  # recorded for the test to assert on
+        hr.exit = exc
+    finally:
+        if hr.kill_scope.cancelled_caught:
+            hr.exit = "killed"
+        hr.done.set()
+
+
+async def start_host(
+    nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: Sequence[int], *,
+    salt: ft.SessionSalt, world: int, relay_config: ft.RelayConfig | None = None,
+    rank_config: ft.RankConfig | None = None, rank_salt: ft.SessionSalt | None = None,
+    coordinator: str = COORD,
+) -> HostRun:
+    """Start a relay (listening on ``relay:<host>``) and one recording rank per rank."""
+    hr = HostRun(host, {r: RankRun(r, host) for r in ranks})
+    await nursery.start(partial_kw(_run_relay, net, hr, salt=salt, world=world,
+                                   config=relay_config, coordinator=coordinator))
+    for run in hr.ranks.values():
+        nursery.start_soon(partial_kw(_run_rank, net, run, salt=rank_salt or salt, world=world,
+                                      config=rank_config))
+    return hr
+
+
+def partial_kw(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``functools.partial`` (imported here so the helpers above stay import-light)."""
+    from functools import partial
+
+    return partial(fn, *args, **kwargs)
+
+
+async def wait_until(predicate: Any, *, limit: float = 60.0, step: float = 0.01) -> None:
+    """Poll ``predicate`` until it is true; TooSlowError after ``limit`` seconds of trio time."""
+    with trio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110 - the conditions polled have no Event to wait on
+            await trio.sleep(step)
+
+
+def events_of(timeline: ft.Timeline, kind: type[Any]) -> list[Any]:
+    return [ev for ev in timeline.events() if isinstance(ev, kind)]
+
+
+@attrs.define
+class Cluster:
+    coord: ft.Coordinator
+    hosts: dict[str, HostRun]
+    salt: ft.SessionSalt
+    net: MemoryNetwork
+
+    @property
+    def rank_runs(self) -> dict[int, RankRun]:
+        return {r: run for hr in self.hosts.values() for r, run in hr.ranks.items()}
+
+
+@asynccontextmanager
+async def recording_cluster(
+    net: MemoryNetwork,
+    hosts: dict[str, Sequence[int]],
+    *,
+    salt: ft.SessionSalt | None = None,
+    coord_config: ft.CoordinatorConfig | None = None,
+    relay_config: ft.RelayConfig | None = None,
+    rank_config: ft.RankConfig | None = None,
+    teardown_timeout: float = 60.0,
+) -> AsyncIterator[Cluster]:
+    """Like :func:`mini_cluster`, but every rank iterates and records what it receives.
+
+    On exit the coordinator shuts down first, then every relay and rank task must finish within
+    ``teardown_timeout`` seconds of trio time.
+    """
+    salt = salt or ft.SessionSalt.generate()
+    world = sum(len(r) for r in hosts.values())
+    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
+    listener = net.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        runs: dict[str, HostRun] = {}
+        for host, host_ranks in hosts.items():
+            runs[host] = await start_host(nursery, net, host, host_ranks, salt=salt, world=world,
+                                          relay_config=relay_config, rank_config=rank_config)
+        async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+            cluster = Cluster(coord, runs, salt, net)
+            await wait_until(lambda: all(r.entered.is_set() or r.done.is_set()
+                                         for r in cluster.rank_runs.values()), limit=5)
+            yield cluster
+        await wait_until(lambda: all(hr.all_done for hr in runs.values()),
+                         limit=teardown_timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw peers: the FT/1 handshakes written out by hand with the sans-IO wire API.
+
+
+async def read_one_record(stream: trio.abc.ReceiveStream, opener: Any) -> Any:
+    """The next record from ``stream``, or None at EOF."""
+    while True:
+        rec = opener.next_record()
+        if rec is not None:
+            return rec
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        opener.push(data)
+
+
+@attrs.define(eq=False)
+class RawRelay:
+    """An upstream connection whose relay side is driven by the test."""
+
+    stream: trio.abc.Stream
+    sealer: Any
+    opener: Any
+    acked: bool
+
+
+async def raw_relay_handshake(
+    stream: trio.abc.Stream, salt: ft.SessionSalt, host: str, ranks: Sequence[int]
+) -> RawRelay:
+    """Magic, verify Challenge, send Hello{host, ranks} exactly as given (duplicates, unsorted and
+    empty lists included), then wait for HelloAck (``acked``) or EOF."""
+    import secrets
+
+    from flodl_trio import wire
+
+    await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)
+    opener = wire.RecordOpener(bytes(salt), wire.COORD_TO_RELAY)
+    rec = await read_one_record(stream, opener)
+    assert rec is not None, "coordinator closed before its Challenge"
+    challenge = wire.decode_relay(rec.payload)
+    assert isinstance(challenge, wire.Challenge)
+    key = wire.hs_key(salt, challenge.nonce)
+    sealer = wire.RecordSealer(key, wire.RELAY_TO_COORD)
+    nonce = secrets.token_bytes(16)
+    hello = wire.Hello(host=host, ranks=tuple(ranks), nonce=nonce)
+    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(hello)))
+    opener.rekey(key)
+    rec = await read_one_record(stream, opener)
+    if rec is None:
+        return RawRelay(stream, sealer, opener, acked=False)
+    ack = wire.decode_relay(rec.payload)
+    assert isinstance(ack, wire.HelloAck) and ack.nonce == nonce
+    final = wire.conn_key(salt, challenge.nonce, nonce)
+    sealer.rekey(final)
+    opener.rekey(final)
+    return RawRelay(stream, sealer, opener, acked=True)
+
+
+@attrs.define(eq=False)
+class RawCoordinatorSide:
+    """The coordinator end of one upstream connection, driven by the test."""
+
+    stream: trio.abc.Stream
+    sealer: Any
+    opener: Any
+    hello: Any
+
+
+async def raw_coordinator_accept(
+    listener: trio.abc.Listener[Any], salt: ft.SessionSalt
+) -> RawCoordinatorSide:
+    """Accept one relay and complete the coordinator side of the upstream handshake."""
+    import secrets
+
+    from flodl_trio import wire
+
+    stream = await listener.accept()
+    magic = b""
+    while len(magic) < 4:
+        chunk = await stream.receive_some(4 - len(magic))
+        assert chunk, "relay closed before its magic"
+        magic += chunk
+    assert magic == wire.CHANNEL_MAGIC_CONTROL
+    coord_nonce = secrets.token_bytes(16)
+    sealer = wire.RecordSealer(bytes(salt), wire.COORD_TO_RELAY)
+    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0,
+                                      wire.encode(wire.Challenge(coord_nonce))))
+    key = wire.hs_key(salt, coord_nonce)
+    opener = wire.RecordOpener(key, wire.RELAY_TO_COORD)
+    rec = await read_one_record(stream, opener)
+    assert rec is not None, "relay closed before its Hello"
+    hello = wire.decode_relay(rec.payload)
+    assert isinstance(hello, wire.Hello)
+    sealer.rekey(key)
+    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0,
+                                      wire.encode(wire.HelloAck(hello.nonce))))
+    final = wire.conn_key(salt, coord_nonce, hello.nonce)
+    sealer.rekey(final)
+    opener.rekey(final)
+    return RawCoordinatorSide(stream, sealer, opener, hello)
+
+
+def live_task_names() -> list[str]:
+    """Names of every task alive in this trio run (walks the task tree from the root)."""
+    names: list[str] = []
+    todo = [trio.lowlevel.current_root_task()]
+    while todo and len(names) < 100_000:
+        task = todo.pop()
+        assert task is not None
+        names.append(task.name)
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Liveness helpers: ranks that record what arrives, raw wire-level peers, and mock-time events.
+
+
+class EventLog(ft.Timeline):
+    """A Timeline that also keeps each event with the *Trio* time it was recorded at.
+
+    ``Timeline`` stamps events with the real monotonic clock; deadline tests run on
+    ``MockClock``, so this notes ``trio.current_time()`` as each event is recorded.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[float, Any]] = []
+
+    def event(self, ev: Any) -> Any:
+        self.entries.append((trio.current_time(), ev))
+        return super().event(ev)
+
+    def of(self, kind: type[Any]) -> list[tuple[float, Any]]:
+        return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
+
+
+@attrs.define(eq=False)
+class RankProbe:
+    """A rank endpoint that iterates and records every control message it is given.
+
+    Set ``leave`` to make it leave its ``open_rank`` block cleanly (it then says ``Exiting``).
+    """
+
+    rank: int
+    host: str
+    ep: ft.RankEndpoint | None = None
+    received: list[Any] = attrs.Factory(list)
+    lost: ft.CoordinatorLost | None = None
+    ended_at: float | None = None
+    ended: trio.Event = attrs.Factory(trio.Event)
+    left: trio.Event = attrs.Factory(trio.Event)
+    leave: trio.Event = attrs.Factory(trio.Event)
+
+    def labels(self) -> list[str]:
+        return [type(m).__name__ for m in self.received]
+
+    def declared_dead(self) -> list[int]:
+        return [int(m.rank) for m in self.received if isinstance(m, ft.wire.DeclareDead)]
+
+
+async def run_probe(probe: RankProbe, dialer: Any, *, salt: ft.SessionSalt, world_size: int,
+                    config: ft.RankConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    try:
+        async with ft.open_rank(dialer, salt=salt, rank=probe.rank, world_size=world_size,
+                                config=config) as ep:
+            probe.ep = ep
+            task_status.started()
+            with trio.CancelScope() as iteration:
+
+                async def leave_on_request() -> None:
+                    await probe.leave.wait()
+                    iteration.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(leave_on_request)
+                    try:
+                        async for msg in ep:
+                            probe.received.append(msg)
+                    except ft.CoordinatorLost as exc:
+                        probe.lost = exc
+                    probe.ended_at = trio.current_time()
+                    probe.ended.set()
+                    nursery.cancel_scope.cancel()
+    finally:
+        probe.ended.set()
+        probe.left.set()
+
+
+class RawRank:
+    """A rank client built from the wire API alone: hello, ack, then only what the test says.
+
+    It records every control message that arrives (``CoordHeartbeat`` included, which a real
+    endpoint absorbs) and, while ``beating``, sends ``Heartbeat`` every ``interval`` seconds.
+    """
+
+    def __init__(self, *, rank: int, salt: ft.SessionSalt, stream: trio.abc.Stream,
+                 interval: float | None) -> None:
+        self.rank = rank
+        self.salt = salt
+        self.stream = stream
+        self.interval = interval
+        self.beating = interval is not None
+        self.received: list[Any] = []
+        self.eof = trio.Event()
+        self.last_sent: float | None = None
+        self._lock = trio.Lock()
+
+    @classmethod
+    async def connect(cls, dialer: Any, *, salt: ft.SessionSalt, rank: int, world_size: int,
+                      interval: float | None = 1.0) -> RawRank:
+        stream = await dialer()
+        await stream.send_all(ft.wire.encode_rank_hello(salt, rank, world_size))
+        ack = await read_exactly(stream, ft.wire.RANK_ACK_LEN)
+        ft.wire.verify_rank_ack(salt, ack)
+        return cls(rank=rank, salt=salt, stream=stream, interval=interval)
+
+    def count(self, kind: type[Any]) -> int:
+        return sum(isinstance(m, kind) for m in self.received)
+
+    def labels(self, *, heartbeats: bool = False) -> list[str]:
+        return [type(m).__name__ for m in self.received
+                if heartbeats or not isinstance(m, ft.wire.CoordHeartbeat)]
+
+    async def send(self, msg: Any) -> None:
+        blob = ft.wire.len_frame(ft.wire.encode_frame(self.salt, msg))
+        async with self._lock:
+            await self.stream.send_all(blob)
+        self.last_sent = trio.current_time()
+
+    async def run(self) -> None:
+        """Read until EOF (then close), heartbeating meanwhile."""
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.interval is not None:
+                    nursery.start_soon(self._heartbeats, self.interval)
+                await self._read()
+                nursery.cancel_scope.cancel()
+        finally:
+            self.eof.set()
+            await trio.aclose_forcefully(self.stream)
+
+    async def _read(self) -> None:
+        decoder = ft.wire.LenFrameDecoder(max_len=ft.wire.MAX_LEN_FRAME)
+        while True:
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            for blob in decoder.feed(data):
+                frame = ft.wire.decode_frame(self.salt, blob)
+                self.received.append(ft.wire.frame_message(frame))
+
+    async def _heartbeats(self, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            if self.beating:
+                try:
+                    await self.send(ft.wire.Heartbeat(rank=self.rank, step_count=0))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+
+
+async def read_exactly(stream: trio.abc.ReceiveStream, count: int) -> bytes:
+    data = bytearray()
+    for _ in range(count):  # each read returns at least one byte, so this bound is enough
+        if len(data) >= count:
+            break
+        chunk = await stream.receive_some(count - len(data))
+        if not chunk:
+            raise AssertionError(f"EOF after {len(data)} of {count} bytes")
+        data += chunk
+    return bytes(data)
+
+
+@attrs.define(eq=False)
+class Peers:
+    """Relays and ranks of a test cluster; the coordinator is the test's or probed_cluster's."""
+
+    salt: ft.SessionSalt
+    world_size: int
+    relays: dict[str, ft.Relay]
+    probes: dict[int, RankProbe]
+    raw: dict[int, RawRank]
+    relay_scopes: dict[str, trio.CancelScope]
+    relay_exits: dict[str, ft.RelayExit]
+
+    def stop_relay(self, host: str) -> None:
+        """Cancel a relay's task: it closes its upstream connection and its ranks' links."""
+        self.relay_scopes[host].cancel()
+
+    def survivors(self, dead: Sequence[int]) -> list[RankProbe]:
+        return [p for r, p in sorted(self.probes.items()) if r not in dead]
+
+
+async def wait_for(predicate: Any, *, within: float = 10.0, step: float = 0.01) -> None:
+    """Poll ``predicate`` until true; ``TooSlowError`` after ``within`` seconds (current clock).
+
+    Polling, because the conditions span several objects (coordinator state, probes' inboxes)
+    that share no event to wait on.
+    """
+    with trio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(step)
+
+
+@asynccontextmanager
+async def open_peers(
+    net: MemoryNetwork,
+    hosts: dict[str, Sequence[int]],
+    *,
+    salt: ft.SessionSalt | None = None,
+    relay_config: ft.RelayConfig | None = None,
+    rank_config: ft.RankConfig | None = None,
+    rank_configs: dict[int, ft.RankConfig] | None = None,
+    raw_ranks: dict[int, float | None] | None = None,
+    teardown_grace: float = 60.0,
+) -> AsyncIterator[Peers]:
+    """Relays dialing ``COORD`` on ``net`` and their ranks (probes, or ``RawRank`` for the ranks in
+    ``raw_ranks``, mapped to their heartbeat interval).
+
+    On exit every peer gets ``teardown_grace`` seconds to end on its own (the coordinator's
+    close reaches it), then what is left is cancelled. An ``Exception`` from the body is
+    re-raised after that, unwrapped (not inside an ``ExceptionGroup``).
+    """
+    salt = salt or ft.SessionSalt.generate()
+    world = sum(len(r) for r in hosts.values())
+    raw_ranks = raw_ranks or {}
+    rank_configs = rank_configs or {}
+    peers = Peers(salt, world, {}, {}, {}, {}, {})
+    relays_done: list[trio.Event] = []
+    failure: Exception | None = None
+
+    async def run_relay(host: str, host_ranks: Sequence[int], done: trio.Event,
+                        task_status: Any) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                peers.relay_scopes[host] = scope
+                async with ft.open_relay(
+                    lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
+                    world_size=world, rank_listen=net.listener(f"relay:{host}"),
+                    config=relay_config or ft.RelayConfig(),
+                ) as relay:
+                    peers.relays[host] = relay
+                    task_status.started()
+                    peers.relay_exits[host] = await relay.wait_closed()
+        finally:
+            done.set()
+
+    async def run_raw(host: str, rank: int, interval: float | None) -> None:
+        raw = await RawRank.connect(lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
+                                    world_size=world, interval=interval)
+        peers.raw[rank] = raw
+        await raw.run()
+
+    async with trio.open_nursery() as nursery:
+        for host, host_ranks in hosts.items():
+            done = trio.Event()
+            relays_done.append(done)
+            await nursery.start(run_relay, host, host_ranks, done)
+        for host, host_ranks in hosts.items():
+            for rank in host_ranks:
+                if rank in raw_ranks:
+                    nursery.start_soon(run_raw, host, rank, raw_ranks[rank])
+                else:
+                    probe = RankProbe(rank, host)
+                    peers.probes[rank] = probe
+                    nursery.start_soon(functools.partial(
+                        run_probe, probe, functools.partial(net.connect, f"relay:{host}"),
+                        salt=salt, world_size=world,
+                        config=rank_configs.get(rank, rank_config or ft.RankConfig())))
+        try:
+            yield peers
+        except Exception as exc:
+            failure = exc
+        with trio.move_on_after(teardown_grace):
+            for event in relays_done:
+                await event.wait()
+            for probe in peers.probes.values():
+                await probe.left.wait()
+            for raw in peers.raw.values():
+                await raw.eof.wait()
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+@attrs.define(eq=False)
+class ProbedCluster:
+    coord: ft.Coordinator
+    peers: Peers
+    log: EventLog
+    net: MemoryNetwork
+
+    @property
+    def probes(self) -> dict[int, RankProbe]:
+        return self.peers.probes
+
+    @property
+    def raw(self) -> dict[int, RawRank]:
+        return self.peers.raw
+
+    @property
+    def formed_at(self) -> float:
+        return self.log.of(events.FormationComplete)[0][0]
+
+    def upstream_of(self, host: str) -> Any:
+        """The MemoryConnection of ``host``'s relay to the coordinator."""
+        (info,) = [r for r in self.coord.relays if r.host == host]
+        (conn,) = [c for c in self.net.connections
+                   if c.name == COORD and info.peer.endswith(f":{c.index}")]
+        return conn
+
+
+@asynccontextmanager
+async def probed_cluster(
+    net: MemoryNetwork,
+    hosts: dict[str, Sequence[int]],
+    *,
+    coord_config: ft.CoordinatorConfig | None = None,
+    relay_config: ft.RelayConfig | None = None,
+    rank_config: ft.RankConfig | None = None,
+    rank_configs: dict[int, ft.RankConfig] | None = None,
+    raw_ranks: dict[int, float | None] | None = None,
+) -> AsyncIterator[ProbedCluster]:
+    """A formed cluster whose ranks record what they receive; ``ClusterFailure`` and other errors
+    of ``open_coordinator`` come out unwrapped, after every peer was torn down."""
+    world = sum(len(r) for r in hosts.values())
+    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
+    timeline = EventLog()
+    async with open_peers(net, hosts, relay_config=relay_config, rank_config=rank_config,
+                          rank_configs=rank_configs, raw_ranks=raw_ranks) as peers:
+        async with ft.open_coordinator(net.listener(COORD), salt=peers.salt, config=cfg,
+                                       timeline=timeline) as coord:
+            # Entered at formation; the endpoints are up by then, the last one may lag a pass.
+            await wait_for(lambda: all(p.ep is not None for p in peers.probes.values())
+                           and len(peers.raw) == len(raw_ranks or {}), within=1)
+            yield ProbedCluster(coord, peers, timeline, net)

@@ -60,7 +60,9 @@ async def test_receive_some_respects_max_bytes() -> None:
         await server.aclose()
 
 
-async def test_full_buffer_blocks_writer_until_deadline(autojump_clock: trio.testing.MockClock) -> None:
+async def test_full_buffer_blocks_writer_until_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     net = MemoryNetwork(buffer_size=10)
     async with net.listener("coord"):
         client, server = await _pair(net)
@@ -96,14 +98,14 @@ async def test_peer_close_unblocks_stalled_writer_with_broken_resource() -> None
     net = MemoryNetwork(buffer_size=4)
     async with net.listener("coord"):
         client, server = await _pair(net)
-        with pytest.raises(trio.BrokenResourceError):
-            async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
 
-                async def close_soon() -> None:
-                    await trio.testing.wait_all_tasks_blocked()
-                    await server.aclose()
+            async def close_soon() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                await server.aclose()
 
-                nursery.start_soon(close_soon)
+            nursery.start_soon(close_soon)
+            with pytest.raises(trio.BrokenResourceError, match="closed the connection"):
                 await client.send_all(b"y" * 20)
         await client.aclose()
     net.assert_all_closed()
@@ -176,14 +178,14 @@ async def test_closing_listener_closes_backlog_connections_nobody_accepted() -> 
 async def test_blocked_accept_raises_closed_when_listener_closes() -> None:
     net = MemoryNetwork()
     listener = net.listener("coord")
-    with pytest.raises(trio.ClosedResourceError, match="mem:coord"):
-        async with trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
 
-            async def close_soon() -> None:
-                await trio.testing.wait_all_tasks_blocked()
-                await listener.aclose()
+        async def close_soon() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await listener.aclose()
 
-            nursery.start_soon(close_soon)
+        nursery.start_soon(close_soon)
+        with pytest.raises(trio.ClosedResourceError, match="mem:coord"):
             await listener.accept()
 
 
@@ -262,7 +264,6 @@ async def test_concurrent_send_or_receive_on_one_end_is_busy() -> None:
         client, server = await _pair(net)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.send_all, b"ab")  # blocks: buffer holds 1 byte
-            nursery.start_soon(server.receive_some)  # blocks only after 'a' is taken
             await trio.testing.wait_all_tasks_blocked()
             with pytest.raises(trio.BusyResourceError):
                 await client.send_all(b"c")
@@ -301,14 +302,14 @@ async def test_reset_breaks_pending_and_future_operations_on_both_ends() -> None
     async with net.listener("coord"):
         client, server = await _pair(net)
         await client.send_all(b"dropped by the RST")
-        with pytest.raises(trio.BrokenResourceError):
-            async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
 
-                async def reset_soon() -> None:
-                    await trio.testing.wait_all_tasks_blocked()
-                    server.reset()
+            async def reset_soon() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                server.reset()
 
-                nursery.start_soon(reset_soon)
+            nursery.start_soon(reset_soon)
+            with pytest.raises(trio.BrokenResourceError, match="reset"):
                 await client.receive_some()  # pending on the peer: raises, not EOF
         assert net.connections[0].was_reset
         for end in (client, server):
@@ -328,14 +329,14 @@ async def test_closing_own_end_fails_own_pending_receive_with_closed() -> None:
     net = MemoryNetwork()
     async with net.listener("coord"):
         client, server = await _pair(net)
-        with pytest.raises(trio.ClosedResourceError):
-            async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
 
-                async def close_soon() -> None:
-                    await trio.testing.wait_all_tasks_blocked()
-                    await client.aclose()
+            async def close_soon() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                await client.aclose()
 
-                nursery.start_soon(close_soon)
+            nursery.start_soon(close_soon)
+            with pytest.raises(trio.ClosedResourceError):
                 await client.receive_some()
         await server.aclose()
     net.assert_all_closed()

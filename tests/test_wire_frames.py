@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import struct
 
 import pytest
@@ -38,7 +39,7 @@ def raw_frame(
 def chunks(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
     edges = [0, *points, len(data)]
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
 
 
 # ---------------------------------------------------------------- constants
@@ -110,13 +111,13 @@ def test_rank_hello_reports_the_first_failed_check_in_spec_order(
 def test_rank_hello_mac_covers_rank_so_a_rewritten_rank_fails() -> None:
     hello = bytearray(wire.encode_rank_hello(SALT, 1, 4))
     hello[8] = 2
-    with pytest.raises(HandshakeError, match="rank 2.*HMAC"):
+    with pytest.raises(HandshakeError, match=r"rank 2.*HMAC"):
         wire.decode_rank_hello(SALT, bytes(hello), world_size=4)
 
 
 def test_rank_hello_from_another_session_fails_the_mac() -> None:
     other = wire.SessionSalt(b"\xff" * 16)
-    with pytest.raises(HandshakeError, match="HMAC verification failed"):
+    with pytest.raises(HandshakeError, match=r"HMAC verification failed"):
         wire.decode_rank_hello(SALT, wire.encode_rank_hello(other, 0, 1), world_size=1)
 
 
@@ -130,7 +131,7 @@ def test_rank_hello_failure_never_reveals_the_expected_tag() -> None:
 
 @pytest.mark.parametrize(("rank", "world"), [(-1, 1), (0, 2**32), (True, 1)])
 def test_encode_rank_hello_refuses_values_that_are_not_u32(rank: int, world: int) -> None:
-    with pytest.raises(HandshakeError, match="must be a u32"):
+    with pytest.raises(HandshakeError, match=r"must be a u32"):
         wire.encode_rank_hello(SALT, rank, world)
 
 
@@ -184,7 +185,7 @@ def test_encode_frame_chooses_kind_from_message_type(msg: wire.WireMessage, kind
 
 
 def test_encode_frame_refuses_relay_control_messages() -> None:
-    with pytest.raises(WireError, match="ControlMsg, TimingMsg or Metrics.*HelloAck"):
+    with pytest.raises(WireError, match=r"ControlMsg, TimingMsg or Metrics.*HelloAck"):
         wire.encode_frame(SALT, wire.HelloAck(b"n" * 16))
 
 
@@ -234,7 +235,7 @@ def test_control_frame_reports_the_first_failed_check_in_spec_order(
 def test_frame_payload_is_decoded_only_after_the_mac_verifies() -> None:
     garbage = raw_frame(1, b"\xff\xff")  # authentic frame, invalid CBOR
     frame = wire.decode_frame(SALT, garbage)
-    with pytest.raises(WireError, match="ControlMsg: invalid CBOR"):
+    with pytest.raises(WireError, match=r"ControlMsg: invalid CBOR"):
         wire.frame_message(frame)
     with pytest.raises(AuthError):
         wire.decode_frame(SALT, raw_frame(1, b"\xff\xff", key=b"y" * 16))
@@ -249,17 +250,17 @@ def test_frame_mac_covers_kind_so_retyping_a_frame_fails() -> None:
 
 def test_decode_frame_refuses_trailing_bytes_and_short_headers() -> None:
     frame = wire.encode_frame(SALT, wire.SyncNow())
-    with pytest.raises(WireError, match="header declares 2 payload bytes, got 3"):
+    with pytest.raises(WireError, match=r"header declares 2 payload bytes, got 3"):
         wire.decode_frame(SALT, frame + b"\0")
-    with pytest.raises(WireError, match="header declares 2 payload bytes, got 1"):
+    with pytest.raises(WireError, match=r"header declares 2 payload bytes, got 1"):
         wire.decode_frame(SALT, frame[:-1])
-    with pytest.raises(WireError, match="at least 24 header bytes, got 23"):
+    with pytest.raises(WireError, match=r"at least 24 header bytes, got 23"):
         wire.decode_frame(SALT, frame[:23])
 
 
 def test_frame_codec_refuses_to_seal_over_its_ceiling() -> None:
     codec = wire.FrameCodec(SALT, max_payload=8)
-    with pytest.raises(FrameTooLarge, match="9 bytes.*ceiling of 8"):
+    with pytest.raises(FrameTooLarge, match=r"9 bytes.*ceiling of 8"):
         codec.seal(1, b"x" * 9)
 
 
@@ -316,7 +317,7 @@ def test_frame_decoder_refuses_oversized_frame_from_the_header_alone() -> None:
     dec = wire.FrameDecoder(SALT, max_payload=100)
     header = raw_frame(2, b"", length=101)
     assert len(header) == 24
-    with pytest.raises(FrameTooLarge, match="101 bytes.*ceiling of 100"):
+    with pytest.raises(FrameTooLarge, match=r"101 bytes.*ceiling of 100"):
         dec.feed(header)  # not a single payload byte was sent
 
 
@@ -327,7 +328,7 @@ def test_frame_decoder_accepts_payload_at_exactly_its_ceiling() -> None:
 
 def test_frame_decoder_rejects_bad_header_before_the_payload_arrives() -> None:
     dec = wire.FrameDecoder(SALT)
-    with pytest.raises(WireError, match="unknown kind 8"):
+    with pytest.raises(WireError, match=r"unknown kind 8"):
         dec.feed(raw_frame(8, b"abc")[:24])
 
 
@@ -349,7 +350,7 @@ def test_frame_decoder_returns_frames_before_an_error_in_a_later_feed() -> None:
     good = wire.encode_frame(SALT, wire.SyncNow())
     assert len(dec.feed(good + good[:10])) == 1
     assert not dec.at_boundary
-    with pytest.raises(WireError, match="unknown kind 0"):
+    with pytest.raises(WireError, match=r"unknown kind 0"):
         dec.feed(b"\0" * 30)  # completes a header whose kind bytes are zero
 
 
@@ -392,7 +393,7 @@ def test_len_frame_decoder_byte_at_a_time_tracks_boundaries() -> None:
 
 def test_len_frame_decoder_refuses_oversized_length_from_the_prefix_alone() -> None:
     dec = wire.LenFrameDecoder(max_len=wire.MAX_LEN_FRAME)
-    with pytest.raises(FrameTooLarge, match=f"{wire.MAX_LEN_FRAME + 1} bytes.*ceiling"):
+    with pytest.raises(FrameTooLarge, match=rf"{wire.MAX_LEN_FRAME + 1} bytes.*ceiling"):
         dec.feed(struct.pack("<I", wire.MAX_LEN_FRAME + 1))
     with pytest.raises(FrameTooLarge):
         dec.feed(wire.len_frame(b"ok"))  # poisoned
@@ -445,7 +446,7 @@ def test_session_salt_from_hex_rejects_bad_text_naming_the_problem(
 
 @pytest.mark.parametrize("raw", [b"x" * 15, b"x" * 17, "x" * 16])
 def test_session_salt_must_be_exactly_16_bytes(raw: bytes) -> None:
-    with pytest.raises(ConfigError, match="16 bytes"):
+    with pytest.raises(ConfigError, match=r"16 bytes"):
         wire.SessionSalt(raw)
 
 

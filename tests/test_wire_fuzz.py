@@ -8,6 +8,7 @@ and fails the example, and hypothesis shrinks it to a minimal input.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -83,8 +84,14 @@ def mutated(draw: st.DrawFn, seeds: st.SearchStrategy[bytes]) -> bytes:
         pos = draw(st.integers(0, len(data)))
         if op in ("flip", "set") and data:
             i = pos % len(data)
-            data[i] = data[i] ^ (1 << draw(st.integers(0, 7))) if op == "flip" else draw(
-                st.sampled_from([0x00, 0xFF, 0x7F, 0x80, 0x9F, 0xBF, 0x5F, 0x7F, 0xC2, 0xD9, 0xF7])
+            data[i] = (
+                data[i] ^ (1 << draw(st.integers(0, 7)))
+                if op == "flip"
+                else draw(
+                    st.sampled_from(
+                        [0x00, 0xFF, 0x7F, 0x80, 0x9F, 0xBF, 0x5F, 0x7F, 0xC2, 0xD9, 0xF7]
+                    )
+                )
             )
         elif op == "insert":
             data[pos:pos] = draw(st.binary(min_size=1, max_size=9))
@@ -104,8 +111,10 @@ CBOR_LEAVES = (
 )  # fmt: skip
 CBOR_VALUES = st.recursive(
     CBOR_LEAVES,
-    lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=4) | st.integers(0, 9), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.text(max_size=4) | st.integers(0, 9), inner, max_size=3)
+    ),
     max_leaves=25,
 )
 
@@ -194,7 +203,7 @@ def test_frame_decoder_feed_only_raises_wire_error(pieces: list[bytes], cuts: li
     dec = wire.FrameDecoder(SALT, max_payload=4096)
     edges = [0, *sorted(c % (len(stream) + 1) for c in cuts), len(stream)]
     try:
-        for a, b in zip(edges, edges[1:], strict=False):
+        for a, b in itertools.pairwise(edges):
             for frame in dec.feed(stream[a:b]):
                 only(WireError, wire.frame_message, frame)
     except WireError:
@@ -236,7 +245,7 @@ def test_record_opener_feed_only_raises_wire_error(data: bytes, cuts: list[int])
     opener = wire.RecordOpener(KEY, wire.RELAY_TO_COORD, max_payload=4096)
     edges = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
     try:
-        for a, b in zip(edges, edges[1:], strict=False):
+        for a, b in itertools.pairwise(edges):
             for record in opener.feed(data[a:b]):
                 if record.kind == wire.RecordKind.CONTROL:
                     only(WireError, wire.decode_relay, record.payload)

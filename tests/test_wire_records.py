@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import struct
 
 import cbor2
@@ -30,8 +31,11 @@ def mac64(key: bytes, data: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()[:8]
 
 
-def expected_record(key: bytes, direction: int, seq: int, kind: int, rank: int, payload: bytes) -> bytes:  # noqa: E501
-    head = bytes.fromhex("d0170df1 01005446") + bytes([kind]) + struct.pack("<II", rank, len(payload))
+def expected_record(
+    key: bytes, direction: int, seq: int, kind: int, rank: int, payload: bytes
+) -> bytes:
+    head = bytes.fromhex("d0170df1 01005446") + bytes([kind])
+    head += struct.pack("<II", rank, len(payload))
     tag = mac64(key, bytes([direction]) + struct.pack("<Q", seq) + head + payload)
     return head + tag + payload
 
@@ -66,12 +70,16 @@ def test_record_kinds_are_the_spec_values() -> None:
 
 def test_hs_key_and_conn_key_are_hmac_sha256_of_salt_over_label_and_nonces() -> None:
     coord_nonce, relay_nonce = b"c" * 16, b"r" * 16
-    assert wire.hs_key(SALT, coord_nonce) == hmac.new(
-        SALT_BYTES, b"flodl-trio/hs/v1" + coord_nonce, hashlib.sha256
-    ).digest()
-    assert wire.conn_key(SALT, coord_nonce, relay_nonce) == hmac.new(
-        SALT_BYTES, b"flodl-trio/conn/v1" + coord_nonce + relay_nonce, hashlib.sha256
-    ).digest()
+    assert (
+        wire.hs_key(SALT, coord_nonce)
+        == hmac.new(SALT_BYTES, b"flodl-trio/hs/v1" + coord_nonce, hashlib.sha256).digest()
+    )
+    assert (
+        wire.conn_key(SALT, coord_nonce, relay_nonce)
+        == hmac.new(
+            SALT_BYTES, b"flodl-trio/conn/v1" + coord_nonce + relay_nonce, hashlib.sha256
+        ).digest()
+    )
     assert len(wire.hs_key(SALT, coord_nonce)) == 32
 
 
@@ -105,7 +113,7 @@ def test_decode_fanout_is_strict(value: object, words: list[str]) -> None:
 
 
 def test_encode_fanout_refuses_ranks_that_are_not_u32() -> None:
-    with pytest.raises(WireError, match="FANOUT: ranks must be u32"):
+    with pytest.raises(WireError, match=r"FANOUT: ranks must be u32"):
         wire.encode_fanout([2**32], b"f")
 
 
@@ -142,21 +150,21 @@ def test_replayed_record_is_auth_error() -> None:
 
 def test_reordered_records_are_auth_error() -> None:
     opener, recs = _three()
-    with pytest.raises(AuthError, match="record #0"):
+    with pytest.raises(AuthError, match=r"record #0"):
         opener.feed(recs[1] + recs[0])
 
 
 def test_dropped_record_makes_the_next_one_auth_error() -> None:
     opener, recs = _three()
     assert opener.feed(recs[0]) == [wire.Record(DATA, 0, b"blob 0")]
-    with pytest.raises(AuthError, match="record #1"):
+    with pytest.raises(AuthError, match=r"record #1"):
         opener.feed(recs[2])
 
 
 def test_record_reflected_back_in_the_other_direction_is_auth_error() -> None:
     sealer = wire.RecordSealer(KEY_A, R2C)
     opener = wire.RecordOpener(KEY_A, C2R)
-    with pytest.raises(AuthError, match="coordinator→relay"):
+    with pytest.raises(AuthError, match=r"coordinator→relay"):
         opener.feed(sealer.seal(DATA, 0, b"x"))
 
 
@@ -164,12 +172,13 @@ def test_tampered_rank_byte_is_auth_error() -> None:
     sealer, opener = pair()
     rec = bytearray(sealer.seal(DATA, 4, b"frame"))
     rec[9] = 5
-    with pytest.raises(AuthError, match="rank 5"):
+    with pytest.raises(AuthError, match=r"rank 5"):
         opener.feed(bytes(rec))
 
 
-@pytest.mark.parametrize("offset", [17, 24, 25, 29], ids=["tag-first", "tag-last", "payload",
-                                                          "payload-last"])
+@pytest.mark.parametrize(
+    "offset", [17, 24, 25, 29], ids=["tag-first", "tag-last", "payload", "payload-last"]
+)
 def test_any_flipped_tag_or_payload_bit_is_auth_error(offset: int) -> None:
     sealer, opener = pair()
     rec = bytearray(sealer.seal(DATA, 0, b"abcde"))
@@ -179,7 +188,7 @@ def test_any_flipped_tag_or_payload_bit_is_auth_error(offset: int) -> None:
 
 
 def test_record_sealed_with_another_key_is_auth_error() -> None:
-    with pytest.raises(AuthError, match="wrong session salt"):
+    with pytest.raises(AuthError, match=r"wrong session salt"):
         wire.RecordOpener(KEY_B, R2C).feed(wire.RecordSealer(KEY_A, R2C).seal(DATA, 0, b"x"))
 
 
@@ -206,7 +215,7 @@ def test_record_sealed_with_the_old_key_after_rekey_is_auth_error() -> None:
     old_sealer, opener = pair(key=KEY_A)
     opener.feed(old_sealer.seal(CONTROL, 0, b"hello"))
     opener.rekey(KEY_B)
-    with pytest.raises(AuthError, match="record #1"):
+    with pytest.raises(AuthError, match=r"record #1"):
         opener.feed(old_sealer.seal(DATA, 0, b"stale key"))
 
 
@@ -236,7 +245,7 @@ def test_push_and_next_record_let_relay_rekey_between_records_of_one_chunk() -> 
     naive = wire.RecordOpener(bytes(SALT), C2R)
     naive.feed(challenge)
     naive.rekey(hs)
-    with pytest.raises(AuthError, match="record #2"):
+    with pytest.raises(AuthError, match=r"record #2"):
         naive.feed(chunk)
 
 
@@ -283,26 +292,26 @@ def test_record_header_checks_report_the_first_failure(
 
 def test_control_record_with_nonzero_rank_is_wire_error_even_when_authentic() -> None:
     sealer, opener = pair()
-    with pytest.raises(WireError, match="record #0: kind 2 must carry rank 0, got 9") as err:
+    with pytest.raises(WireError, match=r"record #0: kind 2 must carry rank 0, got 9") as err:
         opener.feed(sealer.seal(CONTROL, 9, b"\x80"))
     assert not isinstance(err.value, AuthError)
 
 
 def test_opener_refuses_oversized_record_from_the_header_alone() -> None:
     opener = wire.RecordOpener(KEY_A, R2C, max_payload=1000)
-    with pytest.raises(FrameTooLarge, match="1001 bytes.*ceiling of 1000"):
+    with pytest.raises(FrameTooLarge, match=r"1001 bytes.*ceiling of 1000"):
         opener.feed(_raw(length=1001)[:25])
 
 
 def test_sealer_refuses_payload_over_its_ceiling() -> None:
-    with pytest.raises(FrameTooLarge, match="11 bytes.*ceiling of 10"):
+    with pytest.raises(FrameTooLarge, match=r"11 bytes.*ceiling of 10"):
         wire.RecordSealer(KEY_A, R2C, max_payload=10).seal(DATA, 0, b"x" * 11)
 
 
 @pytest.mark.parametrize("direction", [0, 3, 0x101])
 def test_direction_must_be_one_of_the_two_spec_values(direction: int) -> None:
     for cls in (wire.RecordSealer, wire.RecordOpener):
-        with pytest.raises(WireError, match="RELAY_TO_COORD"):
+        with pytest.raises(WireError, match=r"RELAY_TO_COORD"):
             cls(KEY_A, direction)
 
 
@@ -324,7 +333,7 @@ def test_record_opener_gives_same_records_for_any_chunking(
     edges = [0, *points, len(stream)]
     opener = wire.RecordOpener(KEY_A, C2R)
     got: list[wire.Record] = []
-    for a, b in zip(edges, edges[1:], strict=False):
+    for a, b in itertools.pairwise(edges):
         got += opener.feed(stream[a:b])
     assert got == expected and opener.at_boundary
 

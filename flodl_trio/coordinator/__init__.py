@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -38,7 +39,7 @@ class CoordinatorBind:
         listeners: the ``trio.SocketListener`` objects.
     """
 
-    def __init__(self, listeners: list[trio.SocketListener], address: tuple[str, int]) -> None:
+    def __init__(self, listeners: list[Any], address: tuple[str, int]) -> None:
         self.listeners = listeners
         self.address = address
         self._closed = False
@@ -133,6 +134,7 @@ async def open_coordinator(
     config: CoordinatorConfig,
     abort: trio.Event | None = None,
     timeline: Timeline | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -144,6 +146,9 @@ async def open_coordinator(
         config: a :class:`CoordinatorConfig`.
         abort: set it to stop formation early (``FormationAborted``).
         timeline: where events are recorded (a fresh one by default, as ``coord.timeline``).
+        ssl_context: serve TLS (a server context): every connection to the port, the channel
+            magic included, runs inside TLS. Without it the control plane is authenticated and
+            replay-protected but not encrypted.
 
     Raises:
         FormationTimeout / FormationAborted / FormationError: formation did not complete.
@@ -176,6 +181,14 @@ async def open_coordinator(
         raise
     if bind is not None and timeline is None:
         coord.timeline.event(Listening(address=format_address(bind.address)))
+    coord._tls = ssl_context is not None
+    mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
+    if ssl_context is not None:
+        # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or
+        # the handshake deadline), so a client that never finishes it cannot wedge anything.
+        mux_listeners = [trio.SSLListener(lst, ssl_context, https_compatible=False)
+                         for lst in mux_listeners]
+        direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -184,7 +197,7 @@ async def open_coordinator(
                 if bind is not None:
                     stack.push_async_callback(bind.aclose)
                     mux = await stack.enter_async_context(
-                        open_port_mux(bind.listeners, peek_timeout=config.peek_timeout,
+                        open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
                                       legs=("control", "status"))
                     )
                     nursery.start_soon(partial(serve_status, mux.status, coord.state,

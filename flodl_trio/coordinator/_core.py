@@ -22,7 +22,7 @@ from .._errors import (
     SendError,
     WireError,
 )
-from .._transport import peer_of
+from .._transport import is_local_or_private, peer_of
 from ..events import (
     FormationComplete,
     FormationFailed,
@@ -129,6 +129,8 @@ class Coordinator:
         self._readers_idle = trio.Event()
         self._readers_idle.set()
         self._conn_counter = 0
+        self._tls = False
+        self._warned_hosts: set[str] = set()
         self._nursery: trio.Nursery = None  # type: ignore[assignment]  # set by open_coordinator
 
     # ------------------------------------------------------------------ public view
@@ -432,11 +434,23 @@ class Coordinator:
                          f"not delivered ({type(exc).__name__})")
             return
         switch_to_connection_keys(auth, self._salt)
+        self._warn_cleartext(peer)
         log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
         self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
         if len(self._conn_of_rank) == self.world_size and self._phase == "forming":
             self._complete_formation()
         await self._read_relay(conn)
+
+    def _warn_cleartext(self, peer: str) -> None:
+        host = peer.rsplit(":", 1)[0].strip("[]")
+        if self._tls or host in self._warned_hosts or is_local_or_private(host):
+            return
+        if host.startswith("<") or host.startswith("mem:"):
+            return
+        self._warned_hosts.add(host)
+        log.warning("relay at %s joined over cleartext from outside loopback/private ranges: "
+                    "frames are authenticated but readable on the network; use TLS "
+                    "(ssl_context=)", peer)
 
     def _complete_formation(self) -> None:
         self._phase = "running"

@@ -163,8 +163,9 @@ class RecordOpener:
             if len(buf) < end:
                 self._compact()
                 return None
-            head = bytes(buf[pos : pos + 17])
-            tag = bytes(buf[pos + 17 : pos + RECORD_HEADER_LEN])
+            # bytearray slices go straight into the MAC (one copy each, not two).
+            head = buf[pos : pos + 17]
+            tag = buf[pos + 17 : pos + RECORD_HEADER_LEN]
             payload = bytes(buf[pos + RECORD_HEADER_LEN : end])
             if not self._mac.verify(tag, _SEQ.pack(self.direction, self.seq), head, payload):
                 raise AuthError(

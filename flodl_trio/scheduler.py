@@ -1,0 +1,619 @@
+"""The reference Sync-policy scheduler (SPEC §11): it drives whole epochs through the control
+vocabulary of a formed :class:`~flodl_trio.Coordinator`.
+
+How it decides, in one place:
+
+- **Partitions.** Each epoch's plans are computed once, when the epoch is first dispatched, over
+  the ranks live at that moment: equal sizes, or ``partition_ratios`` (one per world rank; only the
+  live ranks' ratios count) rounded by largest remainder, contiguous, covering
+  ``[0, total_samples)`` exactly. (flodl plans over every rank and skips the dead ones' slices;
+  planning over the live ranks keeps the cover exact.)
+- **Sync.** Once every live rank has reported at least one ``Batch`` since the last sync, and
+  every live rank acknowledged that sync's ``SyncNow`` (a dead rank counts as settled), the
+  scheduler broadcasts ``SyncNow`` then ``SetGlobalStep``. The global step counts lock-step steps:
+  each sync adds the *smallest* number of batches a participating rank took since the previous
+  sync (flodl adds the sum over ranks; the minimum is the number of steps every replica took).
+  After the last epoch, if two or more ranks are live and some took steps since the last sync, one
+  final sync runs before ``Shutdown`` (flodl's forced final consensus).
+- **Deaths.** A rank the coordinator declared dead (or that exited cleanly) before finishing its
+  share of the current epoch leaves a remainder: its plan and extensions, in order, minus what its
+  reported batches covered. A rank processes its ranges in order, in batches of ``batch_size``,
+  never mixing two ranges in one batch (the last batch of a range may be short), so ``k`` batches
+  cover an exact prefix. The remainder is split across the survivors in ascending rank order, equal
+  parts and the leftover one sample each to the first ranks, sent as ``ExtendPartition`` messages
+  (contiguous sub-ranges whose sizes sum to exactly the remainder).
+- **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
+  extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
+  cumulative ``Metrics`` each time it runs out of work). When every live rank is done, the
+  scheduler broadcasts ``EpochAggregated``, sends the cadence callbacks to the role rank, and
+  dispatches the next epoch; after the last one it broadcasts ``Shutdown``.
+- **Reading.** The scheduler is the consumer of ``coord.timing`` and ``coord.metrics``. The
+  coordinator delivers each relay's frames in order but into two channels, so the scheduler always
+  drains timing before it takes a ``Metrics``: a rank's last ``Batch`` is counted before its
+  ``Metrics``. Every wait is bounded by a short poll; a silent rank is ended by the liveness
+  layer's ``heartbeat_timeout``. A rank that keeps heartbeating but never reports holds the epoch,
+  as in flodl (the barriers are count-based, never wall-time-based).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING, TypeVar
+
+import attrs
+import trio
+
+from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
+from .wire import (
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    EpochAggregated,
+    EpochMetrics,
+    EpochPlan,
+    EvalResult,
+    ExecuteEvalCallback,
+    ExtendPartition,
+    Metrics,
+    SaveReason,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    TimingMsg,
+    WireMessage,
+    control_label,
+)
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+log = logging.getLogger("flodl_trio.scheduler")
+
+# Deaths also surface on the timeline (which wakes the loop at once); the poll only backs that up.
+_POLL_INTERVAL = 0.25
+
+Range = tuple[int, int]
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------------------- partition math
+
+
+def partition_sizes(total: int, weights: Sequence[float]) -> list[int]:
+    """Split ``total`` samples in proportion to ``weights`` by largest remainder.
+
+    Exact rational arithmetic; ties in the fractional parts go to the lower index. All-zero
+    weights split equally.
+
+    Returns:
+        one non-negative size per weight, summing to exactly ``total``.
+    """
+    fracs = [Fraction(w) for w in weights]
+    weight_sum = sum(fracs, Fraction(0))
+    if weight_sum == 0:
+        fracs, weight_sum = [Fraction(1)] * len(fracs), Fraction(len(fracs))
+    quotas = [total * f / weight_sum for f in fracs]
+    sizes = [math.floor(q) for q in quotas]
+    by_fraction = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))
+    for i in by_fraction[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def plan_epoch(epoch: int, total: int, ranks: Sequence[int],
+               weights: Sequence[float] | None = None) -> dict[int, EpochPlan]:
+    """Contiguous plans for ``ranks`` (ascending) covering ``[0, total)`` exactly."""
+    sizes = partition_sizes(total, weights if weights is not None else [1.0] * len(ranks))
+    plans: dict[int, EpochPlan] = {}
+    offset = 0
+    for rank, size in zip(ranks, sizes, strict=True):
+        plans[rank] = EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+        offset += size
+    return plans
+
+
+def unprocessed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -> list[Range]:
+    """What is left of ``ranges`` (processed in order) after ``batches`` batches.
+
+    A range of ``n`` samples takes ``ceil(n / batch_size)`` batches, the last one possibly short.
+    """
+    left = batches
+    rest: list[Range] = []
+    for offset, size in ranges:
+        need = -(-size // batch_size)
+        if left >= need:
+            left -= need
+            continue
+        done = left * batch_size
+        left = 0
+        rest.append((offset + done, size - done))
+    return rest
+
+
+def split_remainder(ranges: Sequence[Range], parts: int) -> list[list[Range]]:
+    """Split ``ranges`` (taken in order) into ``parts`` consecutive shares.
+
+    Shares are equal, the leftover going one sample each to the first parts; a share may span
+    several ranges, so each is a list of contiguous sub-ranges (empty for a zero share).
+    """
+    pending = deque((o, s) for o, s in ranges if s > 0)
+    base, extra = divmod(sum(s for _, s in pending), parts)
+    shares: list[list[Range]] = []
+    for i in range(parts):
+        want = base + (1 if i < extra else 0)
+        share: list[Range] = []
+        while want > 0:
+            offset, size = pending.popleft()
+            take = min(want, size)
+            share.append((offset, take))
+            if take < size:
+                pending.appendleft((offset + take, size - take))
+            want -= take
+        shares.append(share)
+    return shares
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@attrs.frozen
+class RunSummary:
+    """What :meth:`SyncScheduler.run` returns.
+
+    Attributes:
+        epochs_completed: epochs aggregated.
+        syncs: ``SyncNow`` broadcasts (the final sync included).
+        global_step: the last ``SetGlobalStep`` value.
+        epoch_metrics: the ``EpochMetrics`` broadcast for each epoch, in order.
+        deaths: rank → reason for every rank the coordinator declared dead.
+        elapsed_s: run time on the Trio clock.
+    """
+
+    epochs_completed: int
+    syncs: int
+    global_step: int
+    epoch_metrics: tuple[EpochMetrics, ...]
+    deaths: Mapping[int, str]
+    elapsed_s: float
+
+
+@attrs.define
+class _Share:
+    """One rank's work in the current epoch: its plan, then its extensions, in order."""
+
+    ranges: list[Range]
+    batches: int = 0
+    extended: bool = False
+
+    @property
+    def assigned(self) -> int:
+        return sum(s for _, s in self.ranges)
+
+
+@attrs.define
+class _Callback:
+    """A Checkpoint or eval sent to the role rank and not yet answered."""
+
+    kind: str  # "checkpoint" | "eval"
+    number: int  # checkpoint version / eval schedule id (= epochs completed)
+    target: int
+    tried: set[int] = attrs.Factory(set)
+
+    def message(self) -> WireMessage:
+        if self.kind == "checkpoint":
+            return Checkpoint(version=self.number, target_rank=self.target)
+        return ExecuteEvalCallback(schedule_id=self.number, epoch=self.number,
+                                   target_rank=self.target)
+
+
+def _int_arg(name: str, value: object, *, minimum: int, optional: bool = False) -> int | None:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"SyncScheduler: expected {name} to be an integer >= {minimum}"
+                          f"{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
+                    done: trio.CancelScope, closed: list[bool]) -> None:
+    try:
+        held.append(await channel.receive())
+    except (trio.EndOfChannel, trio.ClosedResourceError):
+        closed.append(True)
+    done.cancel()
+
+
+# ---------------------------------------------------------------------------- the scheduler
+
+
+class SyncScheduler:
+    """Drive ``num_epochs`` epochs of ``total_samples`` samples with the Sync policy.
+
+    Args:
+        coord: a formed coordinator (the body of ``open_coordinator``).
+        total_samples: dataset size (> 0).
+        batch_size: samples per batch on every rank (> 0).
+        num_epochs: epochs to run (> 0).
+        partition_ratios: one non-negative weight per world rank (sum > 0); ``None`` is equal.
+        checkpoint_every: send ``Checkpoint{version=n}`` to the role rank after every n-th epoch;
+            an error result moves the role to the next live rank and retries there.
+        eval_every: send ``ExecuteEvalCallback{schedule_id=n, epoch=n}`` likewise (errors logged).
+
+    Raises:
+        ConfigError: an invalid argument.
+    """
+
+    def __init__(self, coord: Coordinator, *, total_samples: int, batch_size: int,
+                 num_epochs: int, partition_ratios: Sequence[float] | None = None,
+                 checkpoint_every: int | None = None, eval_every: int | None = None) -> None:
+        self._coord = coord
+        self._total = _int_arg("total_samples", total_samples, minimum=1) or 0
+        self._batch_size = _int_arg("batch_size", batch_size, minimum=1) or 0
+        self._num_epochs = _int_arg("num_epochs", num_epochs, minimum=1) or 0
+        self._checkpoint_every = _int_arg("checkpoint_every", checkpoint_every, minimum=1,
+                                          optional=True)
+        self._eval_every = _int_arg("eval_every", eval_every, minimum=1, optional=True)
+        self._ratios = self._check_ratios(partition_ratios, coord.world_size)
+        self._plans: dict[int, dict[int, EpochPlan]] = {}
+        self._epoch = -1
+        self._shares: dict[int, _Share] = {}
+        self._metrics: dict[int, Metrics] = {}
+        self._awaiting_metrics: set[int] = set()
+        self._awaiting_batch: set[int] = set()
+        self._awaiting_ack: set[int] = set()
+        self._steps: dict[int, int] = {}  # batches since the last sync, per rank
+        self._gone: set[int] = set()
+        self._role: int | None = None
+        self._callbacks: dict[tuple[str, int], _Callback] = {}
+        self._failed_checkpoints: list[tuple[int, int, str]] = []  # (version, rank, error)
+        self._held_timing: deque[TimingMsg] = deque()
+        self._held_metrics: deque[Metrics] = deque()
+        self._global_step = 0
+        self._syncs = 0
+        self._aggregated: list[EpochMetrics] = []
+        self._finishing = False
+        self._final_sync_done = False
+        self._done = False
+        self._ran = False
+
+    @staticmethod
+    def _check_ratios(ratios: Sequence[float] | None, world: int) -> tuple[float, ...] | None:
+        if ratios is None:
+            return None
+        values = tuple(ratios)
+        if len(values) != world:
+            raise ConfigError(f"SyncScheduler: expected one partition ratio per rank ({world}), "
+                              f"got {len(values)}: {list(values)[:16]}")
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                    or v < 0:
+                raise ConfigError(f"SyncScheduler: partition ratio of rank {i}: expected a "
+                                  f"finite number >= 0, got {v!r}")
+        if sum(values) <= 0:
+            raise ConfigError(f"SyncScheduler: expected partition ratios with a sum > 0, got "
+                              f"{list(values)[:16]}")
+        return values
+
+    async def run(self) -> RunSummary:
+        """Run every epoch, then broadcast ``Shutdown``.
+
+        Returns:
+            the :class:`RunSummary`.
+
+        Raises:
+            ClusterFailure: no live rank is left before the run finished.
+            FlodlError: the coordinator closed its channels (it is shutting down).
+            ConfigError: ``run`` was called twice.
+        """
+        if self._ran:
+            raise ConfigError("SyncScheduler.run: a scheduler runs once; create another one")
+        self._ran = True
+        coord = self._coord
+        started = trio.current_time()
+        async with coord.timeline.subscribe() as events:
+            await self._dispatch(0)
+            while not self._done:
+                self._drain()
+                await self._reconcile()
+                await self._act()
+                if not self._done:
+                    await self._wait_any(events.channel)
+        return RunSummary(
+            epochs_completed=len(self._aggregated), syncs=self._syncs,
+            global_step=self._global_step, epoch_metrics=tuple(self._aggregated),
+            deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
+            elapsed_s=trio.current_time() - started,
+        )
+
+    # ------------------------------------------------------------------ reading
+
+    def _closed(self) -> FlodlError:
+        return FlodlError(f"SyncScheduler: the coordinator closed its timing/metrics channels "
+                          f"(it is shutting down) during epoch {self._epoch}")
+
+    def _drain(self) -> None:
+        """Handle everything delivered so far, every timing frame before any Metrics."""
+        timing, metrics = self._coord.timing, self._coord.metrics
+        try:
+            while True:
+                while self._held_timing:
+                    self._on_timing(self._held_timing.popleft())
+                while True:
+                    try:
+                        self._on_timing(timing.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                if self._held_metrics:
+                    self._on_metrics(self._held_metrics.popleft())
+                    continue
+                try:
+                    self._on_metrics(metrics.receive_nowait())
+                except trio.WouldBlock:
+                    return
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._closed() from None
+
+    async def _wait_any(self, events: trio.MemoryReceiveChannel[object]) -> None:
+        """Wait (bounded) until a timing frame, a Metrics or a timeline event arrives."""
+        closed: list[bool] = []
+        discarded: deque[object] = deque()
+        with trio.move_on_after(_POLL_INTERVAL):
+            async with trio.open_nursery() as nursery:
+                done = nursery.cancel_scope
+                nursery.start_soon(_take_one, self._coord.timing, self._held_timing, done, closed)
+                nursery.start_soon(_take_one, self._coord.metrics, self._held_metrics, done,
+                                   closed)
+                nursery.start_soon(_take_one, events, discarded, done, closed)
+        if closed:
+            raise self._closed()
+
+    def _on_timing(self, msg: TimingMsg) -> None:
+        rank = int(msg.rank)
+        if rank in self._gone:
+            return
+        if isinstance(msg, Batch):
+            share = self._shares.get(rank)
+            if share is not None:
+                share.batches += 1
+            self._steps[rank] = self._steps.get(rank, 0) + 1
+            self._awaiting_batch.discard(rank)
+        elif isinstance(msg, SyncAck):
+            self._awaiting_ack.discard(rank)
+        elif isinstance(msg, CheckpointResult):
+            cb = self._callbacks.get(("checkpoint", int(msg.version)))
+            if cb is not None and cb.target == rank:
+                if msg.error is None:
+                    del self._callbacks[("checkpoint", cb.number)]
+                else:
+                    self._failed_checkpoints.append((cb.number, rank, msg.error))
+        elif isinstance(msg, EvalResult):
+            cb = self._callbacks.get(("eval", int(msg.schedule_id)))
+            if cb is not None and cb.target == rank:
+                if msg.error is not None:
+                    log.warning("eval %d on rank %d failed: %s", cb.number, rank, msg.error)
+                del self._callbacks[("eval", cb.number)]
+
+    def _on_metrics(self, msg: Metrics) -> None:
+        rank, epoch = int(msg.rank), int(msg.epoch)
+        if epoch != self._epoch:
+            log.debug("Metrics of rank %d for epoch %d arrived during epoch %d; dropped", rank,
+                      epoch, self._epoch)
+            return
+        self._metrics[rank] = msg
+        share = self._shares.get(rank)
+        if share is not None and (not share.extended or msg.samples_processed >= share.assigned):
+            self._awaiting_metrics.discard(rank)
+
+    # ------------------------------------------------------------------ sending
+
+    async def _send(self, rank: int, msg: WireMessage) -> None:
+        try:
+            await self._coord.send_control(rank, msg)
+        except SendError as exc:
+            # The failed write declared the rank dead (or it already was); _reconcile handles it.
+            log.warning("%s", exc)
+
+    async def _broadcast(self, msg: WireMessage) -> None:
+        try:
+            await self._coord.broadcast_control(msg)
+        except BroadcastError as exc:
+            log.warning("%s", exc)
+
+    # ------------------------------------------------------------------ deciding
+
+    def _survivors(self) -> list[int]:
+        return sorted(self._coord.live_ranks - self._gone)
+
+    def _no_rank_left(self) -> ClusterFailure:
+        return ClusterFailure(SaveReason.ALL_RANKS_LOST, self._coord.dead_ranks,
+                              f"scheduler: no live rank left in epoch {self._epoch} of "
+                              f"{self._num_epochs}")
+
+    async def _dispatch(self, epoch: int) -> None:
+        live = self._survivors()
+        if not live:
+            raise self._no_rank_left()
+        if epoch not in self._plans:
+            weights = None if self._ratios is None else [self._ratios[r] for r in live]
+            self._plans[epoch] = plan_epoch(epoch, self._total, live, weights)
+        plans = self._plans[epoch]
+        if self._role is None:  # first dispatch: every rank learns the role before StartEpoch
+            self._role = live[0]
+            self._awaiting_batch = set(live)
+            self._steps = dict.fromkeys(live, 0)
+            await self._broadcast(SetEpochCallbackRole(rank=self._role))
+        self._epoch = epoch
+        self._shares = {r: _Share([(p.partition_offset, p.partition_size)])
+                        for r, p in plans.items()}
+        self._metrics = {}
+        self._awaiting_metrics = set(plans)
+        for rank in sorted(plans):
+            await self._send(rank, StartEpoch(plan=plans[rank]))
+
+    async def _reconcile(self) -> None:
+        """Fold newly dead or exited ranks: redistribute their remainders, move the role."""
+        coord = self._coord
+        new = sorted((coord.dead_ranks | coord.exited_ranks) - self._gone)
+        if not new:
+            return
+        self._drain()  # count every batch the coordinator read from them before the death
+        remainders: list[tuple[int, list[Range]]] = []
+        for rank in new:
+            share = self._shares.get(rank)
+            if share is not None and rank in self._awaiting_metrics:
+                rest = unprocessed_ranges(share.ranges, share.batches, self._batch_size)
+                if rest:
+                    remainders.append((rank, rest))
+            self._gone.add(rank)
+            for waiting in (self._awaiting_metrics, self._awaiting_batch, self._awaiting_ack):
+                waiting.discard(rank)
+        survivors = self._survivors()
+        if not survivors:
+            if self._finishing and not remainders:
+                self._done = True  # every epoch is aggregated; nobody is left to shut down
+                return
+            raise self._no_rank_left()
+        for dead, rest in remainders:
+            log.info("rank %d left %d samples of epoch %d; extending ranks %s", dead,
+                     sum(s for _, s in rest), self._epoch, survivors)
+            for rank, part in zip(survivors, split_remainder(rest, len(survivors)), strict=True):
+                if not part:
+                    continue
+                self._shares[rank].ranges.extend(part)
+                self._shares[rank].extended = True
+                self._awaiting_metrics.add(rank)
+                for offset, size in part:
+                    await self._send(rank, ExtendPartition(partition_offset=offset,
+                                                           partition_size=size))
+        if self._role in self._gone:
+            await self._move_role(survivors[0])
+        for cb in self._callbacks.values():
+            if cb.target in self._gone and self._role is not None:
+                cb.tried.add(cb.target)
+                cb.target = self._role
+                await self._send(cb.target, cb.message())
+
+    async def _move_role(self, rank: int) -> None:
+        log.info("epoch callback role moves from rank %s to rank %d", self._role, rank)
+        self._role = rank
+        await self._broadcast(SetEpochCallbackRole(rank=rank))
+
+    async def _fail_over_checkpoints(self) -> None:
+        failed, self._failed_checkpoints = self._failed_checkpoints, []
+        for version, rank, error in failed:
+            cb = self._callbacks.get(("checkpoint", version))
+            if cb is None or cb.target != rank:
+                continue
+            cb.tried.add(rank)
+            live = self._survivors()
+            order = [r for r in live if r > rank] + [r for r in live if r < rank]
+            candidate = next((r for r in order if r not in cb.tried), None)
+            if candidate is None:
+                log.error("checkpoint %d failed on every live rank (last: rank %d: %s)",
+                          version, rank, error)
+                del self._callbacks[("checkpoint", version)]
+                continue
+            log.warning("checkpoint %d failed on rank %d (%s); retrying on rank %d", version,
+                        rank, error, candidate)
+            if candidate != self._role:
+                await self._move_role(candidate)
+            cb.target = candidate
+            await self._send(candidate, cb.message())
+
+    async def _sync(self, participants: Sequence[int]) -> None:
+        self._syncs += 1
+        self._global_step += min(self._steps.get(r, 0) for r in participants)
+        await self._broadcast(SyncNow())
+        await self._broadcast(SetGlobalStep(global_step=self._global_step))
+        live = self._survivors()
+        self._steps = dict.fromkeys(live, 0)
+        self._awaiting_batch = set(live)
+        self._awaiting_ack = set(live)
+
+    async def _act(self) -> None:
+        if self._failed_checkpoints:
+            await self._fail_over_checkpoints()
+        if not self._finishing:
+            if not self._awaiting_batch and not self._awaiting_ack:
+                live = self._survivors()
+                if live:
+                    await self._sync(live)
+            if not self._awaiting_metrics:
+                await self._aggregate()
+            return
+        if self._awaiting_ack or self._done:
+            return
+        if not self._final_sync_done:
+            self._final_sync_done = True
+            stepped = [r for r in self._survivors() if self._steps.get(r, 0) > 0]
+            if len(self._survivors()) >= 2 and stepped:
+                await self._sync(stepped)
+                return
+        if not self._callbacks:
+            await self._broadcast(Shutdown())
+            self._done = True
+
+    def _epoch_metrics(self) -> EpochMetrics:
+        world, total = self._coord.world_size, self._total
+        reports = [self._metrics[r] for r in sorted(self._metrics)]
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        per_rank: list[dict[str, float]] = [{} for _ in range(world)]
+        vectors = {name: [0.0] * world for name in
+                   ("throughput", "share", "complete", "compute", "starve")}
+        for m in reports:
+            r = int(m.rank)
+            for key, (s, c) in m.scalars.items():
+                sums[key] += s
+                counts[key] += c
+            per_rank[r] = {k: s / c for k, (s, c) in m.scalars.items() if c > 0}
+            per_rank[r]["avg_loss"] = m.avg_loss
+            vectors["throughput"][r] = (m.samples_processed / m.epoch_ms * 1000.0
+                                        if m.epoch_ms > 0 else 0.0)
+            vectors["share"][r] = m.samples_processed / total
+            vectors["complete"][r] = m.share_complete_ms
+            vectors["compute"][r] = m.compute_only_ms
+            vectors["starve"][r] = m.data_starve_ms
+        return EpochMetrics(
+            epoch=self._epoch,
+            scalars={k: sums[k] / counts[k] for k in sorted(sums) if counts[k] > 0},
+            per_rank=tuple(per_rank),
+            avg_loss=sum(m.avg_loss for m in reports) / len(reports) if reports else 0.0,
+            epoch_ms=max((m.epoch_ms for m in reports), default=0.0),
+            per_rank_throughput=tuple(vectors["throughput"]),
+            per_rank_batch_share=tuple(vectors["share"]),
+            per_rank_share_complete_ms=tuple(vectors["complete"]),
+            per_rank_compute_only_ms=tuple(vectors["compute"]),
+            per_rank_data_starve_ms=tuple(vectors["starve"]),
+            device_indices=(),
+        )
+
+    async def _aggregate(self) -> None:
+        metrics = self._epoch_metrics()
+        self._aggregated.append(metrics)
+        log.info("epoch %d aggregated: avg_loss %.4f", self._epoch, metrics.avg_loss)
+        await self._broadcast(EpochAggregated(metrics=metrics))
+        completed = self._epoch + 1
+        for kind, every in (("checkpoint", self._checkpoint_every), ("eval", self._eval_every)):
+            if every is not None and completed % every == 0 and self._role is not None:
+                cb = _Callback(kind, completed, self._role)
+                self._callbacks[(kind, completed)] = cb
+                await self._send(cb.target, cb.message())
+        if completed < self._num_epochs:
+            await self._dispatch(completed)
+        else:
+            self._finishing = True
+            self._shares, self._awaiting_metrics = {}, set()
+
+    def __repr__(self) -> str:
+        return (f"<SyncScheduler epoch {self._epoch}/{self._num_epochs} syncs {self._syncs} "
+                f"global_step {self._global_step} role {self._role} "
+                f"callbacks {[control_label(c.message()) for c in self._callbacks.values()]}>")

@@ -1,0 +1,102 @@
+"""Load generator for the cluster benchmarks: many relays and their ranks in one Trio run.
+
+It never hosts the coordinator. Protocol with the parent (one JSON object per stdout line):
+    {"ready": true}                      every local rank is connected to its relay
+    (parent writes "go\\n" on stdin)     relays then dial the coordinator
+    {"go_t": <monotonic>}                when the relays were released
+    {"arrivals": {step: [last_t, n]}}    after Shutdown: per SetGlobalStep value, the latest
+                                         arrival time (time.monotonic, one clock machine-wide)
+                                         and how many ranks of this process saw it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import trio
+
+import flodl_trio as ft
+from flodl_trio.wire import SetGlobalStep
+
+
+def emit(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def main(args: argparse.Namespace) -> None:
+    salt = ft.SessionSalt.from_hex(args.salt_hex)
+    host, port = args.coordinator.rsplit(":", 1)
+    target = (host, int(port))
+    go = trio.Event()
+    arrivals: dict[int, list[float]] = {}
+    ranks_ready = 0
+    total_ranks = args.relays * args.per_relay
+    all_ready = trio.Event()
+
+    async def dial_when_released() -> trio.abc.Stream:
+        await go.wait()
+        stream = await trio.open_tcp_stream(*target)
+        return stream
+
+    async def rank_task(addr: tuple[str, int], rank: int) -> None:
+        nonlocal ranks_ready
+        cfg = ft.RankConfig(connect_timeout=60, coord_liveness_timeout=120)
+        async with ft.open_rank(addr, salt=salt, rank=rank, world_size=args.world_size,
+                                config=cfg) as ep:
+            ranks_ready += 1
+            if ranks_ready == total_ranks:
+                all_ready.set()
+            async for msg in ep:
+                if isinstance(msg, SetGlobalStep):
+                    now = time.monotonic()
+                    slot = arrivals.setdefault(int(msg.global_step), [0.0, 0])
+                    slot[0] = max(slot[0], now)
+                    slot[1] += 1
+
+    async def relay_task(index: int, nursery: trio.Nursery) -> None:
+        first = args.first_rank + index * args.per_relay
+        ranks = list(range(first, first + args.per_relay))
+        cfg = ft.RelayConfig(rank_accept_timeout=120, connect_timeout=120, handshake_timeout=60)
+        async with ft.open_relay(dial_when_released, salt=salt, host=f"lg{args.id}-r{index}",
+                                 ranks=ranks, world_size=args.world_size, config=cfg) as relay:
+            assert relay.rank_address is not None
+            for r in ranks:
+                nursery.start_soon(rank_task, relay.rank_address, r)
+            await relay.wait_closed()
+
+    async def read_go() -> None:
+        line = await trio.to_thread.run_sync(sys.stdin.readline)
+        if line.strip() == "go":
+            emit({"go_t": time.monotonic()})
+            go.set()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(args.relays):
+            nursery.start_soon(relay_task, i, nursery)
+        await all_ready.wait()
+        emit({"ready": True})
+        nursery.start_soon(read_go)
+    emit({"arrivals": {str(k): v for k, v in arrivals.items()}})
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--salt-hex", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--first-rank", type=int, required=True)
+    p.add_argument("--relays", type=int, required=True)
+    p.add_argument("--per-relay", type=int, required=True)
+    p.add_argument("--id", type=int, default=0)
+    p.add_argument("--profile", default=None, help="write a cProfile of this process here")
+    ns = p.parse_args()
+    if ns.profile:
+        import cProfile
+
+        cProfile.run("trio.run(main, ns)", ns.profile)
+    else:
+        trio.run(main, ns)
