@@ -152,5 +152,16 @@ class StreamWriter:
         return True
 
 
+async def close_all(resources: Any) -> None:
+    """Close every resource now, even inside a cancelled scope.
+
+    ``aclose_forcefully`` alone is not enough in a loop: under an outer cancellation its first
+    checkpoint re-raises ``Cancelled`` and the remaining resources would stay open.
+    """
+    with trio.CancelScope(shield=True):
+        for resource in resources:
+            await trio.aclose_forcefully(resource)
+
+
 def deadline_text(seconds: float) -> str:
     return "no deadline" if math.isinf(seconds) else f"{seconds:g}s"

@@ -7,7 +7,8 @@ Fixtures:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 
@@ -20,3 +21,21 @@ def memory_network() -> Iterator[MemoryNetwork]:
     net = MemoryNetwork()
     yield net
     net.assert_all_closed()
+
+
+@pytest.fixture
+def local_cluster_factory(memory_network: MemoryNetwork) -> Any:
+    """``open_local_cluster`` bound to this test's ``memory_network``.
+
+    ``async with local_cluster_factory({"h": [0, 1]}) as cluster:`` (any keyword of
+    :func:`flodl_trio.local_cluster.open_local_cluster` may be passed; ``transport="tcp"`` uses
+    real loopback sockets instead).
+    """
+    from .local_cluster import open_local_cluster
+
+    def factory(hosts: Mapping[str, Sequence[int]], **kwargs: Any) -> Any:
+        if kwargs.get("transport", "memory") == "memory":
+            kwargs.setdefault("network", memory_network)
+        return open_local_cluster(hosts, **kwargs)
+
+    return factory

@@ -28,7 +28,15 @@ from ._errors import (
     HandshakeError,
     WireError,
 )
-from ._transport import DialTarget, StreamWriter, dial, format_address, peer_of, receive_exactly
+from ._transport import (
+    DialTarget,
+    StreamWriter,
+    close_all,
+    dial,
+    format_address,
+    peer_of,
+    receive_exactly,
+)
 from .coordinator import pick_one_exception
 from .coordinator._handshake import MAX_HANDSHAKE_PAYLOAD, read_record
 from .timeline import Timeline
@@ -148,8 +156,7 @@ class Relay:
                     await self._all_ranks.wait()
                     nursery.cancel_scope.cancel()
         finally:
-            for listener in listeners:
-                await trio.aclose_forcefully(listener)
+            await close_all(listeners)
         if not self._all_ranks.is_set():
             missing = sorted(self._rank_set - set(self._links))
             rejects = "; ".join(self._rejects[-5:]) or "none"
@@ -439,9 +446,10 @@ class Relay:
     async def _close_all(self) -> None:
         for link in self._links.values():
             link.gone = True
-            await trio.aclose_forcefully(link.stream)
+        streams: list[Any] = [link.stream for link in self._links.values()]
         if self._upstream is not None:
-            await trio.aclose_forcefully(self._upstream)
+            streams.append(self._upstream)
+        await close_all(streams)
 
 
 def _target_text(target: DialTarget) -> str:

@@ -38,15 +38,24 @@ How it decides, in one place:
 from __future__ import annotations
 
 import logging
-import math
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 import trio
 
+from ._epoch_math import (
+    Range,
+    aggregate_metrics,
+    check_cadence,
+    check_count,
+    check_ratios,
+    partition_sizes,
+    plan_epoch,
+    split_remainder,
+    unprocessed_ranges,
+)
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
 from .wire import (
     Batch,
@@ -68,8 +77,17 @@ from .wire import (
     SyncNow,
     TimingMsg,
     WireMessage,
-    control_label,
 )
+
+__all__ = [
+    "RunSummary",
+    "SyncScheduler",
+    "aggregate_metrics",
+    "partition_sizes",
+    "plan_epoch",
+    "split_remainder",
+    "unprocessed_ranges",
+]
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -79,88 +97,7 @@ log = logging.getLogger("flodl_trio.scheduler")
 # Deaths also surface on the timeline (which wakes the loop at once); the poll only backs that up.
 _POLL_INTERVAL = 0.25
 
-Range = tuple[int, int]
 _T = TypeVar("_T")
-
-
-# ---------------------------------------------------------------------------- partition math
-
-
-def partition_sizes(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` samples in proportion to ``weights`` by largest remainder.
-
-    Exact rational arithmetic; ties in the fractional parts go to the lower index. All-zero
-    weights split equally.
-
-    Returns:
-        one non-negative size per weight, summing to exactly ``total``.
-    """
-    fracs = [Fraction(w) for w in weights]
-    weight_sum = sum(fracs, Fraction(0))
-    if weight_sum == 0:
-        fracs, weight_sum = [Fraction(1)] * len(fracs), Fraction(len(fracs))
-    quotas = [total * f / weight_sum for f in fracs]
-    sizes = [math.floor(q) for q in quotas]
-    by_fraction = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))
-    for i in by_fraction[: total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
-
-
-def plan_epoch(epoch: int, total: int, ranks: Sequence[int],
-               weights: Sequence[float] | None = None) -> dict[int, EpochPlan]:
-    """Contiguous plans for ``ranks`` (ascending) covering ``[0, total)`` exactly."""
-    sizes = partition_sizes(total, weights if weights is not None else [1.0] * len(ranks))
-    plans: dict[int, EpochPlan] = {}
-    offset = 0
-    for rank, size in zip(ranks, sizes, strict=True):
-        plans[rank] = EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
-        offset += size
-    return plans
-
-
-def unprocessed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -> list[Range]:
-    """What is left of ``ranges`` (processed in order) after ``batches`` batches.
-
-    A range of ``n`` samples takes ``ceil(n / batch_size)`` batches, the last one possibly short.
-    """
-    left = batches
-    rest: list[Range] = []
-    for offset, size in ranges:
-        need = -(-size // batch_size)
-        if left >= need:
-            left -= need
-            continue
-        done = left * batch_size
-        left = 0
-        rest.append((offset + done, size - done))
-    return rest
-
-
-def split_remainder(ranges: Sequence[Range], parts: int) -> list[list[Range]]:
-    """Split ``ranges`` (taken in order) into ``parts`` consecutive shares.
-
-    Shares are equal, the leftover going one sample each to the first parts; a share may span
-    several ranges, so each is a list of contiguous sub-ranges (empty for a zero share).
-    """
-    pending = deque((o, s) for o, s in ranges if s > 0)
-    base, extra = divmod(sum(s for _, s in pending), parts)
-    shares: list[list[Range]] = []
-    for i in range(parts):
-        want = base + (1 if i < extra else 0)
-        share: list[Range] = []
-        while want > 0:
-            offset, size = pending.popleft()
-            take = min(want, size)
-            share.append((offset, take))
-            if take < size:
-                pending.appendleft((offset + take, size - take))
-            want -= take
-        shares.append(share)
-    return shares
-
-
-# ---------------------------------------------------------------------------- results
 
 
 @attrs.frozen
@@ -213,15 +150,6 @@ class _Callback:
                                    target_rank=self.target)
 
 
-def _int_arg(name: str, value: object, *, minimum: int, optional: bool = False) -> int | None:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"SyncScheduler: expected {name} to be an integer >= {minimum}"
-                          f"{' or None' if optional else ''}, got {value!r}")
-    return value
-
-
 async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
                     done: trio.CancelScope, closed: list[bool]) -> None:
     try:
@@ -255,13 +183,12 @@ class SyncScheduler:
                  num_epochs: int, partition_ratios: Sequence[float] | None = None,
                  checkpoint_every: int | None = None, eval_every: int | None = None) -> None:
         self._coord = coord
-        self._total = _int_arg("total_samples", total_samples, minimum=1) or 0
-        self._batch_size = _int_arg("batch_size", batch_size, minimum=1) or 0
-        self._num_epochs = _int_arg("num_epochs", num_epochs, minimum=1) or 0
-        self._checkpoint_every = _int_arg("checkpoint_every", checkpoint_every, minimum=1,
-                                          optional=True)
-        self._eval_every = _int_arg("eval_every", eval_every, minimum=1, optional=True)
-        self._ratios = self._check_ratios(partition_ratios, coord.world_size)
+        self._total = check_count("total_samples", total_samples)
+        self._batch_size = check_count("batch_size", batch_size)
+        self._num_epochs = check_count("num_epochs", num_epochs)
+        self._checkpoint_every = check_cadence("checkpoint_every", checkpoint_every)
+        self._eval_every = check_cadence("eval_every", eval_every)
+        self._ratios = check_ratios(partition_ratios, coord.world_size)
         self._plans: dict[int, dict[int, EpochPlan]] = {}
         self._epoch = -1
         self._shares: dict[int, _Share] = {}
@@ -283,24 +210,6 @@ class SyncScheduler:
         self._final_sync_done = False
         self._done = False
         self._ran = False
-
-    @staticmethod
-    def _check_ratios(ratios: Sequence[float] | None, world: int) -> tuple[float, ...] | None:
-        if ratios is None:
-            return None
-        values = tuple(ratios)
-        if len(values) != world:
-            raise ConfigError(f"SyncScheduler: expected one partition ratio per rank ({world}), "
-                              f"got {len(values)}: {list(values)[:16]}")
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
-                    or v < 0:
-                raise ConfigError(f"SyncScheduler: partition ratio of rank {i}: expected a "
-                                  f"finite number >= 0, got {v!r}")
-        if sum(values) <= 0:
-            raise ConfigError(f"SyncScheduler: expected partition ratios with a sum > 0, got "
-                              f"{list(values)[:16]}")
-        return values
 
     async def run(self) -> RunSummary:
         """Run every epoch, then broadcast ``Shutdown``.
@@ -561,43 +470,10 @@ class SyncScheduler:
             await self._broadcast(Shutdown())
             self._done = True
 
-    def _epoch_metrics(self) -> EpochMetrics:
-        world, total = self._coord.world_size, self._total
-        reports = [self._metrics[r] for r in sorted(self._metrics)]
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        per_rank: list[dict[str, float]] = [{} for _ in range(world)]
-        vectors = {name: [0.0] * world for name in
-                   ("throughput", "share", "complete", "compute", "starve")}
-        for m in reports:
-            r = int(m.rank)
-            for key, (s, c) in m.scalars.items():
-                sums[key] += s
-                counts[key] += c
-            per_rank[r] = {k: s / c for k, (s, c) in m.scalars.items() if c > 0}
-            per_rank[r]["avg_loss"] = m.avg_loss
-            vectors["throughput"][r] = (m.samples_processed / m.epoch_ms * 1000.0
-                                        if m.epoch_ms > 0 else 0.0)
-            vectors["share"][r] = m.samples_processed / total
-            vectors["complete"][r] = m.share_complete_ms
-            vectors["compute"][r] = m.compute_only_ms
-            vectors["starve"][r] = m.data_starve_ms
-        return EpochMetrics(
-            epoch=self._epoch,
-            scalars={k: sums[k] / counts[k] for k in sorted(sums) if counts[k] > 0},
-            per_rank=tuple(per_rank),
-            avg_loss=sum(m.avg_loss for m in reports) / len(reports) if reports else 0.0,
-            epoch_ms=max((m.epoch_ms for m in reports), default=0.0),
-            per_rank_throughput=tuple(vectors["throughput"]),
-            per_rank_batch_share=tuple(vectors["share"]),
-            per_rank_share_complete_ms=tuple(vectors["complete"]),
-            per_rank_compute_only_ms=tuple(vectors["compute"]),
-            per_rank_data_starve_ms=tuple(vectors["starve"]),
-            device_indices=(),
-        )
-
     async def _aggregate(self) -> None:
-        metrics = self._epoch_metrics()
+        metrics = aggregate_metrics(
+            self._epoch, [self._metrics[r] for r in sorted(self._metrics)],
+            world_size=self._coord.world_size, total_samples=self._total)
         self._aggregated.append(metrics)
         log.info("epoch %d aggregated: avg_loss %.4f", self._epoch, metrics.avg_loss)
         await self._broadcast(EpochAggregated(metrics=metrics))
@@ -612,8 +488,3 @@ class SyncScheduler:
         else:
             self._finishing = True
             self._shares, self._awaiting_metrics = {}, set()
-
-    def __repr__(self) -> str:
-        return (f"<SyncScheduler epoch {self._epoch}/{self._num_epochs} syncs {self._syncs} "
-                f"global_step {self._global_step} role {self._role} "
-                f"callbacks {[control_label(c.message()) for c in self._callbacks.values()]}>")

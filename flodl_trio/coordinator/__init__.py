@@ -13,7 +13,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError, FlodlError, FlodlInternalError
-from .._transport import format_address
+from .._transport import close_all, format_address
 from ..events import Listening
 from ..port_mux import open_port_mux
 from ..status import serve_status
@@ -47,8 +47,7 @@ class CoordinatorBind:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            for listener in self.listeners:
-                await listener.aclose()
+            await close_all(self.listeners)
 
     async def __aenter__(self) -> CoordinatorBind:
         return self

@@ -22,7 +22,7 @@ from .._errors import (
     SendError,
     WireError,
 )
-from .._transport import is_local_or_private, peer_of
+from .._transport import close_all, is_local_or_private, peer_of
 from ..events import (
     FormationComplete,
     FormationFailed,
@@ -129,6 +129,10 @@ class Coordinator:
         self._readers_idle = trio.Event()
         self._readers_idle.set()
         self._conn_counter = 0
+        # Relays whose HelloAck is still being written: formation is not complete until every
+        # one is acknowledged, else a relay lost mid-ack would leave its ranks neither live nor
+        # dead after formation.
+        self._acks_in_flight: set[RelayConn] = set()
         self._tls = False
         self._warned_hosts: set[str] = set()
         self._nursery: trio.Nursery = None  # type: ignore[assignment]  # set by open_coordinator
@@ -390,6 +394,9 @@ class Coordinator:
             await trio.aclose_forcefully(stream)
             self._reject(peer, rej.category, rej.detail)
             return
+        except BaseException:
+            await close_all([stream])  # cancelled mid-handshake: the stream must not leak
+            raise
         hello = auth.hello
         if self._phase != "forming":
             await trio.aclose_forcefully(stream)
@@ -418,6 +425,7 @@ class Coordinator:
             index=self._conn_counter,
         )
         self._relays.append(conn)
+        self._acks_in_flight.add(conn)
         now = trio.current_time()
         for r in ranks:
             self._conn_of_rank[r] = conn
@@ -427,17 +435,20 @@ class Coordinator:
             with trio.fail_after(self.config.handshake_timeout):
                 await conn.writer.send(ack)
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._acks_in_flight.discard(conn)
             self._unregister(conn)
             conn.lost_reason = "HelloAck not delivered"
             await conn.close()
             self._reject(peer, "connection error", f"relay {hello.host!r} at {peer}: HelloAck "
                          f"not delivered ({type(exc).__name__})")
             return
+        self._acks_in_flight.discard(conn)
         switch_to_connection_keys(auth, self._salt)
         self._warn_cleartext(peer)
         log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
         self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
-        if len(self._conn_of_rank) == self.world_size and self._phase == "forming":
+        if (len(self._conn_of_rank) == self.world_size and not self._acks_in_flight
+                and self._phase == "forming"):
             self._complete_formation()
         await self._read_relay(conn)
 

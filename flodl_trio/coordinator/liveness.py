@@ -133,8 +133,9 @@ async def staleness_watch(coord: Coordinator) -> None:
         # Staleness counts only once the cohort is formed (formation has its own deadline).
         watched = sorted(coord.live_ranks) if coord._phase == "running" else []
         for rank in watched:
-            conn = coord._conn_of_rank[rank]
-            if conn.paused_since is not None or conn.lost_reason is not None:
+            # A lost relay is *not* skipped: without declare_dead_on_relay_loss its ranks are
+            # declared by staleness, as in flodl (skipping them left them live forever).
+            if coord._conn_of_rank[rank].paused_since is not None:
                 continue
             due = coord._last_seen[rank] + timeout
             if due <= now:
