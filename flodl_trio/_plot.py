@@ -25,7 +25,9 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
             try:
                 events.append(json.loads(line))
             except ValueError as exc:
-                raise ConfigError(f"{path}:{n}: expected one JSON object per line ({exc})") from None
+                raise ConfigError(
+                    f"{path}:{n}: expected one JSON object per line ({exc})"
+                ) from None
     return events
 
 

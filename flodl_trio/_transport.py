@@ -29,10 +29,17 @@ def format_address(addr: Any) -> str:
     """``"host:port"`` (``"[v6]:port"``) for a socket address tuple; ``str()`` otherwise."""
     if isinstance(addr, tuple) and len(addr) >= 2:
         host, port = addr[0], addr[1]
-        if isinstance(host, str) and ":" in host:
+        if isinstance(host, str) and ":" in host and _is_ipv6(host):
             return f"[{host}]:{port}"
         return f"{host}:{port}"
     return str(addr)
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).version == 6
+    except ValueError:
+        return False
 
 
 def peer_of(stream: Any) -> str:
@@ -85,7 +92,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio
         if trio.current_time() + CONNECT_RETRY_INTERVAL > deadline:
             break
         await trio.sleep(CONNECT_RETRY_INTERVAL)
-    where = format_address(target) if not callable(target) else getattr(target, "__name__", "dialer")
+    where = format_address(target) if not callable(target) else getattr(target, "__name__", "?")
     raise HandshakeError(
         f"{what}: expected a connection to {where} within {connect_timeout:g}s, got none after "
         f"{attempts} attempt(s); last error: {last!r}"

@@ -279,7 +279,7 @@ async def _coordinator(args: argparse.Namespace) -> int:
     text = format_address(bound.address)
     print(f"coordinator listening on {text}", flush=True)
     if args.port_file:
-        Path(args.port_file).write_text(text + "\n", encoding="utf-8")
+        await trio.Path(args.port_file).write_text(text + "\n", encoding="utf-8")
     summary: dict[str, Any] = {}
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
@@ -304,7 +304,8 @@ async def _coordinator(args: argparse.Namespace) -> int:
         summary.setdefault("stopped", "signal")
     timeline.close()
     if args.summary_file:
-        Path(args.summary_file).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        await trio.Path(args.summary_file).write_text(json.dumps(summary, indent=2),
+                                                      encoding="utf-8")
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_OK
 

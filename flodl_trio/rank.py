@@ -9,6 +9,7 @@ raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -228,7 +229,9 @@ class RankEndpoint:
                 await trio.aclose_forcefully(self._stream)
                 return
             self._wake = trio.Event()
-            with trio.move_on_at(due):
+            # While the reader waits on the user (inbox full) the deadline is suspended: waking at
+            # a deadline already past would spin without blocking until the user iterates.
+            with trio.move_on_at(math.inf if self._paused else due):
                 await self._wake.wait()
 
     async def _heartbeats(self) -> None:
@@ -341,7 +344,10 @@ async def open_rank(
                     await ep._say_goodbye()
             finally:
                 nursery.cancel_scope.cancel()
-                await trio.aclose_forcefully(stream)
+                # Shielded: unshielded, the close's Cancelled (the nursery is cancelled now)
+                # replaced the body's exception, and the nursery then swallowed it.
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(stream)
     except BaseExceptionGroup as group:
         chosen: Any = pick_one_exception(group, body_exc, None)
         if chosen is None:

@@ -125,6 +125,7 @@ class Relay:
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
         self._no_ranks_left = trio.Event()
+        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
         self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
@@ -263,8 +264,10 @@ class Relay:
         try:
             rec = await read_record(stream, opener, what=f"Challenge from {coordinator}")
         except AuthError as exc:
-            raise AuthError(f"relay {self.host!r}: the coordinator at {coordinator} is not of "
-                            f"this session (Challenge did not verify with our salt): {exc}") from None
+            raise AuthError(
+                f"relay {self.host!r}: the coordinator at {coordinator} is not of this session "
+                f"(Challenge did not verify with our salt): {exc}"
+            ) from None
         challenge = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
         if not isinstance(challenge, Challenge):
             raise WireError(f"relay {self.host!r}: expected Challenge from {coordinator}, got "
@@ -298,18 +301,22 @@ class Relay:
         with trio.CancelScope() as scope:
             self._pump_scope = scope
 
-            def finish(reason: str, clean: bool = True) -> None:
+            def finish(reason: str, clean: bool = True, *, now: bool = True) -> None:
                 if not outcome:
                     outcome.append(RelayExit(reason, clean))
                     log.info("relay %r ending: %s", self.host, reason)
-                scope.cancel()
+                if now:
+                    scope.cancel()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._upstream_writer, stream, sealer, up_recv, finish)
                 nursery.start_soon(self._upstream_reader, stream, opener, finish)
-                for link in self._links.values():
-                    nursery.start_soon(self._rank_reader, link, up_send, finish)
-                    nursery.start_soon(self._rank_writer, link)
+                # One queue clone per rank reader: the queue ends (and the writer with it) only
+                # once every reader has queued its last frame and its RankExit.
+                with up_send:
+                    for link in self._links.values():
+                        nursery.start_soon(self._rank_reader, link, up_send.clone(), finish)
+                        nursery.start_soon(self._rank_writer, link)
         return outcome[0] if outcome else RelayExit("stopped", True)
 
     async def _upstream_writer(self, stream: trio.abc.Stream, sealer: RecordSealer,
@@ -320,7 +327,7 @@ class Relay:
             while len(batch) < 64:  # coalesce a burst into one write; each record stays whole
                 try:
                     batch.append(up_recv.receive_nowait())
-                except trio.WouldBlock:
+                except (trio.WouldBlock, trio.EndOfChannel):
                     break
             data = b"".join(sealer.seal(kind, rank, payload) for kind, rank, payload in batch)
             try:
@@ -333,9 +340,31 @@ class Relay:
             except _GONE as exc:
                 finish(f"upstream connection lost while writing ({type(exc).__name__})", False)
                 return
+        # Every rank reader closed its queue clone: the last local rank is gone, and what the
+        # ranks queued before leaving (Exiting, RankExit) is written. Ending before this point
+        # cancelled the writer with the last rank's records still queued.
+        self._no_ranks_left.set()
+        finish("all ranks exited", now=False)
+        # Half-close and let the coordinator close first: closing a socket with unread data
+        # in it sends a reset, which can destroy the records we just wrote before they are read.
+        with trio.move_on_after(self.config.shutdown_grace):
+            try:
+                if isinstance(stream, trio.abc.HalfCloseableStream):
+                    await stream.send_eof()
+                    await self._upstream_done.wait()
+            except (trio.BusyResourceError, *_GONE):
+                pass
+        finish("all ranks exited")
 
     async def _upstream_reader(self, stream: trio.abc.Stream, opener: RecordOpener,
                                finish: Any) -> None:
+        try:
+            await self._read_upstream(stream, opener, finish)
+        finally:
+            self._upstream_done.set()
+
+    async def _read_upstream(self, stream: trio.abc.Stream, opener: RecordOpener,
+                             finish: Any) -> None:
         try:
             records = opener.feed(b"")  # whatever arrived together with HelloAck
             while True:
@@ -414,13 +443,12 @@ class Relay:
         link.gone = True
         link.out_send.close()
         await trio.aclose_forcefully(link.stream)
-        try:
-            await up_send.send((int(RecordKind.CONTROL), 0, encode(RankExit(rank=link.rank))))
-        except _GONE:
-            pass
-        if all(lk.gone for lk in self._links.values()):
-            self._no_ranks_left.set()
-            finish("all ranks exited")
+        with up_send:  # closing this reader's clone; the writer ends after the last one
+            try:
+                await up_send.send((int(RecordKind.CONTROL), 0,
+                                    encode(RankExit(rank=link.rank))))
+            except _GONE:
+                pass
 
     # ------------------------------------------------------------------ lifecycle
 

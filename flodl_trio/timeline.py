@@ -48,7 +48,7 @@ class Timeline:
         self._subscribers: list[_Subscriber] = []
         self._file: IO[str] | None = None
         if jsonl_path is not None:
-            self._file = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            self._file = open(jsonl_path, "a", encoding="utf-8")
 
     def event(self, ev: Event) -> Stamped:
         """Record ``ev`` now; returns the stamped entry."""

@@ -33,6 +33,27 @@ def rss_mb() -> float:
     return float("nan")
 
 
+def spawn_load_generators(addr: str, salt: ft.SessionSalt, world: int, per_relay: int,
+                          relays: int, procs: int) -> list[subprocess.Popen[str]]:
+    per_proc = [relays // procs + (1 if i < relays % procs else 0) for i in range(procs)]
+    children: list[subprocess.Popen[str]] = []
+    first_relay = 0
+    profile = bool(os.environ.get("FLODL_BENCH_PROFILE"))
+    for i, n in enumerate(per_proc):
+        if n == 0:
+            continue
+        cmd = [sys.executable, str(HERE / "_loadgen.py"), "--coordinator", addr, "--salt-hex",
+               salt.hex(), "--world-size", str(world), "--first-rank",
+               str(first_relay * per_relay), "--relays", str(n), "--per-relay", str(per_relay),
+               "--id", str(i)]
+        if profile:
+            cmd += ["--profile", f"/tmp/lg{i}.prof"]
+        children.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True))
+        first_relay += n
+    return children
+
+
 async def run_case(world: int, per_relay: int, broadcasts: int, procs: int) -> dict[str, float]:
     salt = ft.SessionSalt.generate()
     relays = world // per_relay
@@ -40,21 +61,7 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int) -> d
                                heartbeat_timeout=120, timing_buffer=65536)
     bound = await ft.bind_coordinator(("127.0.0.1", 0))
     addr = f"{bound.address[0]}:{bound.address[1]}"
-    per_proc = [relays // procs + (1 if i < relays % procs else 0) for i in range(procs)]
-    children: list[subprocess.Popen[str]] = []
-    first_relay = 0
-    for i, n in enumerate(per_proc):
-        if n == 0:
-            continue
-        children.append(subprocess.Popen(
-            [sys.executable, str(HERE / "_loadgen.py"), "--coordinator", addr, "--salt-hex",
-             salt.hex(), "--world-size", str(world), "--first-rank",
-             str(first_relay * per_relay), "--relays", str(n), "--per-relay", str(per_relay),
-             "--id", str(i)] + (["--profile", f"/tmp/lg{i}.prof"] if os.environ.get(
-                 "FLODL_BENCH_PROFILE") else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        ))
-        first_relay += n
+    children = spawn_load_generators(addr, salt, world, per_relay, relays, procs)
     try:
         for child in children:  # every local rank connected to its relay
             line = await trio.to_thread.run_sync(child.stdout.readline)  # type: ignore[union-attr]
@@ -103,7 +110,7 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int) -> d
         assert count == world, f"step {step}: {count}/{world} ranks got it"
         latencies.append((last - sent[step]) * 1000)
     latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(round(0.99 * (len(latencies) - 1))))]
+    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
     return {
         "formation_ms": (formed_t - min(go_times)) * 1000,
         "p50_ms": statistics.median(latencies),

@@ -83,7 +83,7 @@ async def mini_cluster(
             ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
         )
         with trio.fail_after(5):
-            while len(ranks) < world:
+            while len(ranks) < world:  # noqa: ASYNC110 - bounded by fail_after; ranks start in tasks
                 await trio.sleep(0.01)
         entered.set()
         try:
@@ -208,16 +208,27 @@ async def start_host(
     nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: Sequence[int], *,
     salt: ft.SessionSalt, world: int, relay_config: ft.RelayConfig | None = None,
     rank_config: ft.RankConfig | None = None, rank_salt: ft.SessionSalt | None = None,
-    coordinator: str = COORD,
+    coordinator: str = COORD, start_ranks: Sequence[int] | None = None,
 ) -> HostRun:
-    """Start a relay (listening on ``relay:<host>``) and one recording rank per rank."""
+    """Start a relay (listening on ``relay:<host>``) and one recording rank per rank.
+
+    ``start_ranks`` limits which ranks start now; start the others with :func:`start_rank`.
+    """
     hr = HostRun(host, {r: RankRun(r, host) for r in ranks})
     await nursery.start(partial_kw(_run_relay, net, hr, salt=salt, world=world,
                                    config=relay_config, coordinator=coordinator))
-    for run in hr.ranks.values():
-        nursery.start_soon(partial_kw(_run_rank, net, run, salt=rank_salt or salt, world=world,
-                                      config=rank_config))
+    for rank in (ranks if start_ranks is None else start_ranks):
+        start_rank(nursery, net, hr.ranks[rank], salt=rank_salt or salt, world=world,
+                   rank_config=rank_config)
     return hr
+
+
+def start_rank(nursery: trio.Nursery, net: MemoryNetwork, run: RankRun, *,
+               salt: ft.SessionSalt, world: int, rank_config: ft.RankConfig | None = None
+               ) -> None:
+    """Start one recording rank that dials ``relay:<its host>``."""
+    nursery.start_soon(partial_kw(_run_rank, net, run, salt=salt, world=world,
+                                  config=rank_config))
 
 
 def partial_kw(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -270,6 +281,34 @@ async def recording_cluster(
     world = sum(len(r) for r in hosts.values())
     cfg = coord_config or ft.CoordinatorConfig(world_size=world)
     listener = net.listener(COORD)
+    try:
+        async with _recording_cluster(net, hosts, listener, salt=salt, world=world, cfg=cfg,
+                                      relay_config=relay_config, rank_config=rank_config,
+                                      teardown_timeout=teardown_timeout) as cluster:
+            yield cluster
+    except BaseExceptionGroup as group:
+        # The helper's own nursery wraps what the body or the coordinator raised; a test asserts
+        # on the exception itself, as open_coordinator raises it.
+        _, rest = group.split(trio.Cancelled)
+        leaves = _leaves(rest) if rest is not None else []
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+@asynccontextmanager
+async def _recording_cluster(
+    net: MemoryNetwork, hosts: dict[str, Sequence[int]], listener: Any, *,
+    salt: ft.SessionSalt, world: int, cfg: ft.CoordinatorConfig,
+    relay_config: ft.RelayConfig | None, rank_config: ft.RankConfig | None,
+    teardown_timeout: float,
+) -> AsyncIterator[Cluster]:
     async with trio.open_nursery() as nursery:
         runs: dict[str, HostRun] = {}
         for host, host_ranks in hosts.items():
@@ -721,7 +760,96 @@ async def probed_cluster(
                           rank_configs=rank_configs, raw_ranks=raw_ranks) as peers:
         async with ft.open_coordinator(net.listener(COORD), salt=peers.salt, config=cfg,
                                        timeline=timeline) as coord:
-            # Entered at formation; the endpoints are up by then, the last one may lag a pass.
+            # Entered at formation; the endpoints are up by then, the last one may lag a pass,
+            # and a relay may not have read its HelloAck yet.
             await wait_for(lambda: all(p.ep is not None for p in peers.probes.values())
                            and len(peers.raw) == len(raw_ranks or {}), within=1)
+            with trio.fail_after(1):
+                for relay in peers.relays.values():
+                    await relay.wait_connected()
             yield ProbedCluster(coord, peers, timeline, net)
+
+
+# ---------------------------------------------------------------------------- simulated ranks
+
+
+@attrs.define
+class SimCluster:
+    """What :func:`sim_cluster` yields.
+
+    ``outcomes[rank]`` is set when that rank's sim ends: its ``SimRecord``, or the exception it
+    ended with (``SimulatedCrash``, ``CoordinatorLost``, ...). ``sims[rank].record`` is live.
+    """
+
+    coord: ft.Coordinator
+    sims: dict[int, Any]
+    outcomes: dict[int, Any]
+    net: MemoryNetwork
+
+
+@asynccontextmanager
+async def sim_cluster(
+    net: MemoryNetwork,
+    hosts: dict[str, Sequence[int]],
+    sim_args: Any,
+    *,
+    coord_config: ft.CoordinatorConfig | None = None,
+    rank_configs: dict[int, ft.RankConfig] | None = None,
+    timeline: ft.Timeline | None = None,
+) -> AsyncIterator[SimCluster]:
+    """Coordinator + relays + one ``SimulatedRank`` per rank over one MemoryNetwork.
+
+    ``sim_args(rank)`` returns the keyword arguments of that rank's ``SimulatedRank``. Each sim
+    runs inside its own ``open_rank`` block, so a crash leaves that block with an exception (no
+    ``Exiting``; the relay reports ``RankExit``). Hung sims are cancelled at exit.
+    """
+    from flodl_trio.sim import SimulatedCrash, SimulatedRank
+
+    salt = ft.SessionSalt.generate()
+    world = sum(len(r) for r in hosts.values())
+    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
+    sims: dict[int, Any] = {}
+    outcomes: dict[int, Any] = {}
+    scopes: dict[int, trio.CancelScope] = {}
+    listener = net.listener(COORD)
+
+    async def run_relay(host: str, host_ranks: Sequence[int], task_status: Any) -> None:
+        async with ft.open_relay(
+            lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
+            world_size=world, rank_listen=net.listener(f"relay:{host}"),
+        ) as relay:
+            task_status.started()
+            await relay.wait_closed()
+
+    async def run_sim(host: str, rank: int) -> None:
+        with trio.CancelScope() as scope:
+            scopes[rank] = scope
+            try:
+                async with ft.open_rank(
+                    lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
+                    world_size=world, config=(rank_configs or {}).get(rank),
+                ) as ep:
+                    sims[rank] = SimulatedRank(ep, **sim_args(rank))
+                    outcomes[rank] = await sims[rank].run()
+            except (SimulatedCrash, ft.FlodlError) as exc:
+                outcomes[rank] = exc
+
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        for host, host_ranks in hosts.items():
+            await nursery.start(run_relay, host, host_ranks)
+        for host, host_ranks in hosts.items():
+            for r in host_ranks:
+                nursery.start_soon(run_sim, host, r)
+        coord = await stack.enter_async_context(
+            ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
+        )
+        with trio.fail_after(5):
+            while len(sims) < world:
+                await trio.sleep(0.01)
+        try:
+            yield SimCluster(coord, sims, outcomes, net)
+        finally:
+            for rank, sim in sims.items():
+                if sim.record.failed and rank not in outcomes:
+                    scopes[rank].cancel()

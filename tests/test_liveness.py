@@ -8,19 +8,20 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
+from helpers import COORD, probed_cluster, read_one_record, start_host, wait_for
 
 import flodl_trio as ft
+from flodl_trio import wire
 from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
 from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import CoordHeartbeat, DeclareDead, Heartbeat, SyncNow
-
-from helpers import probed_cluster, wait_for
+from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 
 
 def config(world: int = 4, **kw: object) -> ft.CoordinatorConfig:
-    return ft.CoordinatorConfig(world_size=world, formation_timeout=10, **kw)  # type: ignore[arg-type]
+    kw.setdefault("formation_timeout", 10)
+    return ft.CoordinatorConfig(world_size=world, **kw)  # type: ignore[arg-type]
 
 
 async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_then_declared_stale(
@@ -213,3 +214,36 @@ async def test_lost_relay_falls_back_to_heartbeat_staleness_without_declare_dead
         assert c.coord.dead_ranks == {0, 1}
         assert {c.coord.dead_reason(r) for r in (0, 1)} == {"heartbeat stale (>5s)"}
         await wait_for(lambda: sorted(c.probes[2].declared_dead()) == [0, 1], within=1)
+
+
+async def test_relay_lost_while_its_hello_ack_is_in_flight_never_counts_as_formed(
+        autojump_clock: trio.abc.Clock) -> None:
+    # 40-byte buffers: a HelloAck record (44 bytes) does not fit, so the coordinator's write of it
+    # waits until the relay reads, and this relay never does.
+    net = MemoryNetwork(buffer_size=40)
+    salt = ft.SessionSalt.generate()
+    listener = net.listener(COORD)
+    entered: list[frozenset[int]] = []
+
+    async def relay_that_dies_before_reading_its_ack() -> None:
+        stream = await net.connect(COORD)
+        await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)
+        opener = wire.RecordOpener(bytes(salt), wire.COORD_TO_RELAY)
+        challenge = wire.decode_relay((await read_one_record(stream, opener)).payload)
+        sealer = wire.RecordSealer(wire.hs_key(salt, challenge.nonce), wire.RELAY_TO_COORD)
+        hello = wire.Hello(host="host-0", ranks=(0, 1), nonce=bytes(16))
+        await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(hello)))
+        await trio.sleep(2)
+        stream.reset()
+
+    async with trio.open_nursery() as nursery:
+        await start_host(nursery, net, "host-1", [2, 3], salt=salt, world=4)
+        nursery.start_soon(relay_that_dies_before_reading_its_ack)
+        with pytest.raises(ft.FormationTimeout, match="2/4 ranks covered"):
+            async with ft.open_coordinator(listener, salt=salt, config=config(formation_timeout=5)
+                                           ) as coord:
+                # Never reached: ranks 0 and 1 would be "live" here, then vanish (neither live
+                # nor dead) when the HelloAck write fails.
+                entered.append(coord.live_ranks)
+    assert entered == []
+    net.assert_all_closed()

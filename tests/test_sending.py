@@ -4,13 +4,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-import flodl_trio as ft
-from flodl_trio import wire
-from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
-from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
-
 from helpers import (
     COORD,
     RawRelay,
@@ -20,6 +13,12 @@ from helpers import (
     start_host,
     wait_until,
 )
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 
@@ -170,13 +169,15 @@ async def test_one_stalled_relay_does_not_delay_a_broadcast_to_the_others(
     async with trio.open_nursery() as nursery:
         host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
 
-        async def stuck_relay(task_status: trio.TaskStatus[RawRelay]) -> None:
-            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
-                                            "host-stuck", [2, 3])
-            task_status.started(raw)
+        stuck: list[RawRelay] = []
 
-        raw = await nursery.start(stuck_relay)
+        async def stuck_relay() -> None:
+            stuck.append(await raw_relay_handshake(await memory_network.connect(COORD), salt,
+                                                   "host-stuck", [2, 3]))
+
+        nursery.start_soon(stuck_relay)
         async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+            await wait_until(lambda: bool(stuck))
             # One unicast whose record is exactly the size of the connection's buffer: it is
             # written, and nothing more fits until the (never reading) relay reads.
             await coord.send_control(2, filler_for(salt, memory_network.buffer_size))
@@ -203,7 +204,7 @@ async def test_one_stalled_relay_does_not_delay_a_broadcast_to_the_others(
             # A stalled connection is treated as lost (SPEC §4.5).
             await wait_until(lambda: coord.dead_ranks == frozenset({2, 3}))
             assert coord.lost_broadcasts == 1
-        await raw.stream.aclose()
+        await stuck[0].stream.aclose()
 
 
 def filler_for(salt: ft.SessionSalt, record_len: int) -> wire.NewNcclSession:

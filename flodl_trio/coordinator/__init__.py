@@ -215,6 +215,9 @@ async def open_coordinator(
                         except BaseException as exc:
                             body_exc = exc
                             raise
+                except BaseException as exc:
+                    body_exc = body_exc or exc  # for the shutdown reason only
+                    raise
                 finally:
                     reason = _shutdown_reason(coord, body_exc)
                     with trio.CancelScope(shield=True):

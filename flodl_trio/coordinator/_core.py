@@ -87,7 +87,9 @@ class Coordinator:
         address: tuple[str, int] | None,
     ) -> None:
         if not isinstance(salt, SessionSalt):
-            raise ConfigError(f"open_coordinator: expected a SessionSalt, got {type(salt).__name__}")
+            raise ConfigError(
+                f"open_coordinator: expected a SessionSalt, got {type(salt).__name__}"
+            )
         if not isinstance(config, CoordinatorConfig):
             raise ConfigError(
                 f"open_coordinator: expected a CoordinatorConfig, got {type(config).__name__}"
@@ -116,6 +118,9 @@ class Coordinator:
             config.metrics_buffer
         )
         self._death_send, self._death_recv = trio.open_memory_channel[int](math.inf)
+        self._deaths_marked = 0
+        self._deaths_handled = 0
+        self._deaths_progress = trio.Event()
         self._formation_settled = trio.Event()
         self._formation_failure: FormationError | None = None
         self._failure: BaseException | None = None
@@ -285,14 +290,22 @@ class Coordinator:
             raise ConfigError(
                 f"declare_dead: expected a rank in [0, {self.world_size}), got {rank!r}"
             )
-        liveness.mark_dead(self, rank, f"declared by the orchestrator: {reason}")
-        await trio.lowlevel.checkpoint()
+        if liveness.mark_dead(self, rank, f"declared by the orchestrator: {reason}"):
+            # Return once the survivors were told, so what the caller sends next follows the
+            # DeclareDead on every link.
+            target = self._deaths_marked
+            while self._deaths_handled < target and not self._shutting_down:
+                await self._deaths_progress.wait()
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def shutdown_with_save(self, reason: SaveReason) -> None:
         """Tell every live rank to save and stop (``ShutdownWithSave``); sent once per run."""
         await liveness.stop_with_save(self, SaveReason(reason))
 
-    async def _write(self, conn: RelayConn, kind: RecordKind, rank: int, payload: bytes) -> str | None:
+    async def _write(
+        self, conn: RelayConn, kind: RecordKind, rank: int, payload: bytes
+    ) -> str | None:
         """Write one record; on failure the connection is lost and the cause is returned."""
         try:
             await conn.send_record(kind, rank, payload)

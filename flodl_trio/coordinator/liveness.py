@@ -36,6 +36,7 @@ def mark_dead(coord: Coordinator, rank: int, reason: str) -> bool:
     if conn is None:
         return False
     coord._dead[rank] = reason
+    coord._deaths_marked += 1
     log.warning("rank %d (host %s) declared dead: %s", rank, conn.host, reason)
     coord._timeline.event(RankDeclaredDead(rank=rank, host=conn.host, reason=reason))
     coord._death_send.send_nowait(rank)
@@ -80,6 +81,9 @@ async def death_worker(coord: Coordinator) -> None:
             except BroadcastError:
                 pass  # counted and recorded by broadcast_control
         await apply_failure_policy(coord)
+        coord._deaths_handled += len(batch)
+        coord._deaths_progress.set()
+        coord._deaths_progress = trio.Event()
 
 
 def failure_reason(coord: Coordinator) -> SaveReason | None:
@@ -96,7 +100,9 @@ def failure_reason(coord: Coordinator) -> SaveReason | None:
 
 async def apply_failure_policy(coord: Coordinator) -> None:
     reason = failure_reason(coord)
-    if reason is None or coord._save_latched or coord._shutting_down:
+    # The policy decides once (``_failure``); the ShutdownWithSave latch only stops a second
+    # broadcast. Testing the latch here let an explicit shutdown_with_save() silence the policy.
+    if reason is None or coord._failure is not None or coord._shutting_down:
         return
     policy = coord.config.max_failure
     detail = (

@@ -1,0 +1,302 @@
+"""Helpers of the fault suite: faulty dialers, recorded hosts, handshake byte maps.
+
+Self-contained (no import of ``tests/helpers.py``), so ``pytest tests/chaos`` and
+``scripts/chaos_sweep.py`` both work on their own. Everything here is built from the public API
+plus :mod:`flodl_trio.wire`, :mod:`flodl_trio.chaos` and :mod:`flodl_trio.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.chaos import FaultPlan, FaultyStream
+from flodl_trio.testing import MemoryNetwork, MemoryStream
+
+COORD = "coordinator"
+NONCE = bytes(16)  # CBOR lengths do not depend on the nonce's value, only on its length
+
+
+# ------------------------------------------------------------------ the bytes of the handshakes
+
+
+@attrs.frozen
+class UpstreamHandshake:
+    """Byte lengths of the relay ↔ coordinator handshake of one relay (SPEC §2.6)."""
+
+    magic: int
+    hello: int
+    challenge: int
+    hello_ack: int
+
+    @property
+    def up(self) -> int:
+        """relay → coordinator: control magic, then the sealed Hello."""
+        return self.magic + self.hello
+
+    @property
+    def down(self) -> int:
+        """coordinator → relay: the sealed Challenge, then the sealed HelloAck."""
+        return self.challenge + self.hello_ack
+
+
+def upstream_handshake(host: str, ranks: Sequence[int]) -> UpstreamHandshake:
+    """The handshake's lengths, computed from the wire constants and the CBOR encoder."""
+
+    def record(msg: Any) -> int:
+        return wire.RECORD_HEADER_LEN + len(wire.encode(msg))
+
+    return UpstreamHandshake(
+        magic=len(wire.CHANNEL_MAGIC_CONTROL),
+        hello=record(wire.Hello(host=host, ranks=tuple(ranks), nonce=NONCE)),
+        challenge=record(wire.Challenge(NONCE)),
+        hello_ack=record(wire.HelloAck(NONCE)),
+    )
+
+
+# ------------------------------------------------------------------ events with mock time
+
+
+class EventLog(ft.Timeline):
+    """A Timeline that also notes the *Trio* time (MockClock in most tests) of every event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[float, Any]] = []
+
+    def event(self, ev: Any) -> Any:
+        self.entries.append((trio.current_time(), ev))
+        return super().event(ev)
+
+    def of(self, kind: type[Any]) -> list[tuple[float, Any]]:
+        return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
+
+    def kinds(self) -> list[str]:
+        return [type(ev).__name__ for _, ev in self.entries]
+
+
+# ------------------------------------------------------------------ dialers
+
+
+class FaultyFirstDial:
+    """A dialer whose first connection goes through ``FaultyStream(plan)``; re-dials are clean.
+
+    Attributes:
+        attempts: the client ends of every connection made, in order.
+        dialed_at: the Trio time of each dial.
+        faulty: the FaultyStream of the first connection (its ``plan`` may be changed live).
+        sent / received: bytes the caller sent / received on the first connection, as the
+            caller saw them (``record=True`` only).
+    """
+
+    def __init__(self, net: MemoryNetwork, name: str, plan: FaultPlan, *,
+                 faulty_attempts: int = 1) -> None:
+        self.net = net
+        self.name = name
+        self.plan = plan
+        self.faulty_attempts = faulty_attempts
+        self.attempts: list[MemoryStream] = []
+        self.dialed_at: list[float] = []
+        self.faulty: FaultyStream | None = None
+
+    async def __call__(self) -> trio.abc.Stream:
+        stream = await self.net.connect(self.name)
+        self.attempts.append(stream)
+        self.dialed_at.append(trio.current_time())
+        if len(self.attempts) <= self.faulty_attempts:
+            self.faulty = FaultyStream(stream, self.plan, direction_of_send="up")
+            return self.faulty
+        return stream
+
+    def peer(self, attempt: int) -> str:
+        """The peer name the listener side reports for that attempt (``mem:<name>:<n>``)."""
+        return f"mem:{self.name}:{self.attempts[attempt].connection.index}"
+
+
+class RecordingStream(trio.abc.HalfCloseableStream):
+    """Forwards to ``inner`` and keeps a copy of every byte sent and received."""
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream) -> None:
+        self.inner = inner
+        self.sent = bytearray()
+        self.received = bytearray()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data: bytes = await self.inner.receive_some(max_bytes)
+        self.received += data
+        return data
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class DuplicateOneSend(trio.abc.HalfCloseableStream):
+    """Forwards to ``inner``; the first ``send_all`` once ``after`` bytes were sent goes twice.
+
+    The relay writes whole sealed records in each ``send_all``, so after the handshake this
+    replays one batch of records inside the live connection.
+    """
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream, *, after: int) -> None:
+        self.inner = inner
+        self.after = after
+        self.sent = 0
+        self.duplicated: bytes | None = None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        payload = bytes(data)
+        await self.inner.send_all(payload)
+        if self.sent >= self.after and self.duplicated is None:
+            self.duplicated = payload
+            await self.inner.send_all(payload)
+        self.sent += len(payload)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data: bytes = await self.inner.receive_some(max_bytes)
+        return data
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def plain_dialer(net: MemoryNetwork, name: str) -> Callable[[], Any]:
+    async def dial() -> trio.abc.Stream:
+        return await net.connect(name)
+
+    return dial
+
+
+# ------------------------------------------------------------------ hosts that record
+
+
+@attrs.define(eq=False)
+class Host:
+    """One relay and its ranks running as tasks; what each rank received and how it all ended.
+
+    ``rank_outcome[r]`` is ``"ended"`` (clean end of iteration after Shutdown), a
+    ``CoordinatorLost`` or another exception; ``relay_exit`` is the ``RelayExit`` or the
+    exception ``open_relay`` raised.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    received: dict[int, list[Any]] = attrs.Factory(dict)
+    rank_outcome: dict[int, Any] = attrs.Factory(dict)
+    relay_exit: Any = None
+    relay: ft.Relay | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+    ranks_done: dict[int, trio.Event] = attrs.Factory(dict)
+    cancel: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def steps(self, rank: int) -> list[int]:
+        """The ``SetGlobalStep`` values rank received, in arrival order."""
+        return [int(m.global_step) for m in self.received.get(rank, [])
+                if isinstance(m, wire.SetGlobalStep)]
+
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set() and all(e.is_set() for e in self.ranks_done.values())
+
+
+async def _run_rank(host: Host, rank: int, dial: Any, *, salt: ft.SessionSalt, world: int,
+                    config: ft.RankConfig | None, delay: float) -> None:
+    done = host.ranks_done[rank]
+    try:
+        if delay:
+            await trio.sleep(delay)
+        async with ft.open_rank(dial, salt=salt, rank=rank, world_size=world,
+                                config=config) as ep:
+            inbox = host.received.setdefault(rank, [])
+            try:
+                async for msg in ep:
+                    inbox.append(msg)
+            except ft.CoordinatorLost as exc:
+                host.rank_outcome[rank] = exc
+            else:
+                host.rank_outcome[rank] = "ended"
+    except ft.FlodlError as exc:  # recorded: the test asserts on it
+        host.rank_outcome[rank] = exc
+    finally:
+        done.set()
+
+
+async def run_host(
+    net: MemoryNetwork, name: str, ranks: Sequence[int], *, salt: ft.SessionSalt, world: int,
+    upstream: Any = None, rank_dialers: dict[int, Any] | None = None,
+    relay_config: ft.RelayConfig | None = None, rank_config: ft.RankConfig | None = None,
+    rank_delay: float = 0.0, task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run relay ``name`` (rank listener ``relay:<name>``) and its ranks until they all end.
+
+    Started with ``nursery.start``, it reports the :class:`Host` once the relay is bound.
+    """
+    host = Host(name, tuple(ranks))
+    host.ranks_done = {r: trio.Event() for r in ranks}
+    upstream = upstream if upstream is not None else plain_dialer(net, COORD)
+    dialers = rank_dialers or {}
+    try:
+        with host.cancel:
+            async with trio.open_nursery() as nursery:
+                try:
+                    async with ft.open_relay(
+                        upstream, salt=salt, host=name, ranks=ranks, world_size=world,
+                        rank_listen=net.listener(f"relay:{name}"), config=relay_config,
+                    ) as relay:
+                        host.relay = relay
+                        task_status.started(host)
+                        for r in ranks:
+                            dial = dialers.get(r) or plain_dialer(net, f"relay:{name}")
+                            nursery.start_soon(partial(
+                                _run_rank, host, r, dial, salt=salt, world=world,
+                                config=rank_config, delay=rank_delay))
+                        host.relay_exit = await relay.wait_closed()
+                except ft.FlodlError as exc:  # recorded: the test asserts on it
+                    host.relay_exit = exc
+                    if not task_status_started(host):
+                        task_status.started(host)
+    finally:
+        host.done.set()
+        for event in host.ranks_done.values():
+            event.set()
+
+
+def task_status_started(host: Host) -> bool:
+    return host.relay is not None
+
+
+def partial(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from functools import partial as _partial
+
+    return _partial(fn, *args, **kwargs)
+
+
+async def wait_for(predicate: Callable[[], bool], *, within: float, step: float = 0.01) -> None:
+    """Poll ``predicate`` until true; ``trio.TooSlowError`` after ``within`` seconds.
+
+    Polling, because the conditions span several objects (coordinator state, hosts' inboxes)
+    that share no event to wait on.
+    """
+    with trio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(step)

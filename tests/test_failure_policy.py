@@ -1,0 +1,170 @@
+"""The failure policy (SPEC §4.5): when deaths stop the run, what the ranks are told, and what
+``open_coordinator`` raises. ``MockClock`` over ``MemoryNetwork``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from helpers import ProbedCluster, live_task_names, probed_cluster, wait_for
+
+import flodl_trio as ft
+from flodl_trio import SaveReason
+from flodl_trio.events import ClusterFailed, RankDeclaredDead
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import DeclareDead, ShutdownWithSave
+
+TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
+
+
+def config(max_failure: ft.MaxFailure | None, world: int = 4) -> ft.CoordinatorConfig:
+    return ft.CoordinatorConfig(world_size=world, formation_timeout=10, max_failure=max_failure)
+
+
+async def kill(c: ProbedCluster, ranks: list[int]) -> None:
+    for rank in ranks:
+        await c.coord.declare_dead(rank, "killed by the test")
+
+
+async def stays_running(c: ProbedCluster, seconds: float = 5) -> None:
+    await trio.sleep(seconds)
+    assert c.coord.phase == "running"
+    assert c.log.of(ClusterFailed) == []
+
+
+async def run_until_failure(net: MemoryNetwork, hosts: dict[str, list[int]],
+                            cfg: ft.CoordinatorConfig, act: Any, **kw: Any
+                            ) -> tuple[ft.ClusterFailure, ProbedCluster, list[str]]:
+    """Run ``act(cluster)`` in the body, then wait; returns the ClusterFailure that ended it."""
+    body: list[str] = []
+    holder: list[ProbedCluster] = []
+    with pytest.raises(ft.ClusterFailure) as info:
+        async with probed_cluster(net, hosts, coord_config=cfg, **kw) as c:
+            holder.append(c)
+            try:
+                await act(c)
+                await trio.sleep(60)
+                body.append("finished")
+            except trio.Cancelled:
+                body.append("cancelled")
+                raise
+    return info.value, holder[0], body
+
+
+@pytest.mark.parametrize(("policy", "deaths_tolerated"), [
+    (ft.MaxFailure.absolute(2), 1),
+    (ft.MaxFailure.absolute(0), 0),
+    (ft.MaxFailure.percent(0), 0),
+    (ft.MaxFailure.percent(0.5), 1),
+    (ft.MaxFailure.percent(0.3), 1),   # ceil(0.3 * 4) = 2
+    (ft.MaxFailure.percent(1), 3),     # only all four dead fails
+])
+async def test_max_failure_stops_the_run_at_its_limit_and_not_before(
+        policy: ft.MaxFailure, deaths_tolerated: int, autojump_clock: trio.abc.Clock,
+        memory_network: MemoryNetwork) -> None:
+    async def act(c: ProbedCluster) -> None:
+        await kill(c, list(range(deaths_tolerated)))
+        await stays_running(c)
+        await kill(c, [deaths_tolerated])
+
+    failure, c, body = await run_until_failure(memory_network, TWO_HOSTS, config(policy), act)
+    dead = frozenset(range(deaths_tolerated + 1))
+    assert failure.reason == SaveReason.MAX_FAILURE_EXCEEDED
+    assert failure.dead == dead
+    assert "MAX_FAILURE_EXCEEDED" in str(failure)
+    assert body == ["cancelled"]
+    assert c.log.events(ClusterFailed) == [ClusterFailed(reason="MAX_FAILURE_EXCEEDED",
+                                                         dead=tuple(sorted(dead)))]
+    for probe in c.peers.survivors(sorted(dead)):
+        assert probe.received[-1] == ShutdownWithSave(reason=SaveReason.MAX_FAILURE_EXCEEDED)
+        assert probe.lost is None  # a clean end of iteration
+
+
+async def test_losing_every_rank_without_max_failure_is_all_ranks_lost(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async def act(c: ProbedCluster) -> None:
+        c.peers.stop_relay("host-0")
+        await wait_for(lambda: c.coord.dead_ranks == {0, 1}, within=1)
+        await stays_running(c)
+        c.peers.stop_relay("host-1")
+
+    failure, c, body = await run_until_failure(memory_network, TWO_HOSTS, config(None), act)
+    assert failure.reason == SaveReason.ALL_RANKS_LOST
+    assert failure.dead == {0, 1, 2, 3}
+    assert body == ["cancelled"]
+    assert [ev.reason for ev in c.log.events(ClusterFailed)] == ["ALL_RANKS_LOST"]
+
+
+async def test_shutdown_with_save_is_sent_once_when_a_relay_with_three_ranks_dies(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    hosts = {"host-0": [0, 1, 2], "host-1": [3, 4]}
+
+    async def act(c: ProbedCluster) -> None:
+        c.upstream_of("host-0").client.reset()
+
+    failure, c, body = await run_until_failure(
+        memory_network, hosts, config(ft.MaxFailure.absolute(2), world=5), act,
+        raw_ranks={3: 1.0, 4: 1.0})
+    assert body == ["cancelled"]
+    assert failure.reason == SaveReason.MAX_FAILURE_EXCEEDED
+    assert failure.dead == {0, 1, 2}  # the three died together: one decision
+    assert len(c.log.events(ClusterFailed)) == 1
+    assert sorted(ev.rank for ev in c.log.events(RankDeclaredDead)) == [0, 1, 2]
+    for rank in (3, 4):
+        raw = c.raw[rank]  # raw ranks record every frame, even after ShutdownWithSave
+        assert raw.count(ShutdownWithSave) == 1
+        assert raw.labels() == ["DeclareDead"] * 3 + ["ShutdownWithSave"]
+        assert sorted(int(m.rank) for m in raw.received if isinstance(m, DeclareDead)) == [0, 1, 2]
+
+
+async def test_cluster_failure_leaves_no_task_and_no_open_stream(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async def act(c: ProbedCluster) -> None:
+        await kill(c, [3])
+
+    failure, _, _ = await run_until_failure(memory_network, TWO_HOSTS,
+                                            config(ft.MaxFailure.absolute(1)), act)
+    assert failure.dead == {3}
+    # No coordinator, relay or rank task is left in the run; every stream and listener closed.
+    assert [n for n in live_task_names() if "flodl_trio" in n or "helpers" in n] == []
+    assert memory_network.open_streams() == []
+    assert memory_network.open_listeners() == []
+
+
+async def test_explicit_shutdown_with_save_reaches_every_live_rank_once(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    hosts = {"host-0": [0, 1], "host-1": [2, 3]}
+    async with probed_cluster(memory_network, hosts, coord_config=config(None),
+                              raw_ranks={1: 1.0, 3: 1.0}) as c:
+        await c.coord.declare_dead(2, "gone")
+        await c.coord.shutdown_with_save(SaveReason.REDUCE_STALL)
+        await c.coord.shutdown_with_save(SaveReason.GRACEFUL_SHUTDOWN)  # latched: not sent
+        await wait_for(lambda: all(p.ended.is_set() for r, p in c.probes.items() if r != 2),
+                       within=1)
+        await trio.sleep(2)
+    for rank in (1, 3):
+        assert c.raw[rank].count(ShutdownWithSave) == 1
+        assert ShutdownWithSave(reason=SaveReason.REDUCE_STALL) in c.raw[rank].received
+    assert c.probes[0].received == [DeclareDead(rank=2),
+                                    ShutdownWithSave(reason=SaveReason.REDUCE_STALL)]
+    assert c.probes[0].lost is None
+    assert c.probes[2].received == []  # the dead rank is not addressed
+    assert c.log.of(ClusterFailed) == []  # a requested save is not a failure
+
+
+async def test_deaths_after_an_explicit_shutdown_with_save_still_raise_cluster_failure(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async def act(c: ProbedCluster) -> None:
+        await c.coord.shutdown_with_save(SaveReason.GRACEFUL_SHUTDOWN)
+        await kill(c, [0, 1])
+
+    failure, c, body = await run_until_failure(
+        memory_network, TWO_HOSTS, config(ft.MaxFailure.absolute(2)), act,
+        raw_ranks={2: 1.0, 3: 1.0})
+    assert failure.reason == SaveReason.MAX_FAILURE_EXCEEDED
+    assert failure.dead == {0, 1}
+    assert body == ["cancelled"]
+    # ShutdownWithSave is latched: the ranks already told to save are not told twice.
+    assert [c.raw[r].count(ShutdownWithSave) for r in (2, 3)] == [1, 1]

@@ -1,0 +1,83 @@
+"""A relay *process* SIGKILLed after formation (real processes, real loopback TCP): the kernel's
+close of its socket is what the coordinator sees, and its ranks are declared dead at once
+(SPEC §4.5, §13), not after the heartbeat timeout; the survivors are told.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from types import ModuleType
+
+import trio
+from helpers import EventLog
+
+import flodl_trio as ft
+from flodl_trio.events import RankDeclaredDead, RelayLost
+
+
+def _load_relay_proc() -> ModuleType:
+    """scripts/_relay_proc.py, the child program and its parent-side handle."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "_relay_proc.py"
+    spec = importlib.util.spec_from_file_location("_relay_proc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_relay_proc = _load_relay_proc()
+RelayProcess = _relay_proc.RelayProcess
+arrival_time = _relay_proc.arrival_time
+
+
+async def test_sigkilled_relay_process_ranks_are_declared_dead_at_once_and_survivors_told() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=8, heartbeat_timeout=30)
+    timeline = EventLog()
+    children: list[RelayProcess] = []
+    try:
+        with trio.fail_after(9):
+            async with trio.open_nursery() as nursery:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
+                    children.append(await RelayProcess.start(
+                        nursery, coordinator=bound.address, salt=salt, host=host, ranks=ranks,
+                        world_size=4))
+                victim, survivor = children
+                async with ft.open_coordinator(bound, salt=salt, config=cfg,
+                                               timeline=timeline) as coord:
+                    for child in children:
+                        await child.wait_lines(lambda s: s.startswith("relay ") and
+                                               " connected " in s)
+                    killed_at, killed_wall = trio.current_time(), time.time()
+                    victim.proc.kill()
+
+                    with trio.fail_after(1):
+                        while coord.dead_ranks != {0, 1}:  # noqa: ASYNC110 - measuring latency
+                            await trio.sleep(0.001)
+                    deaths = timeline.of(RankDeclaredDead)
+                    assert sorted(ev.rank for _, ev in deaths) == [0, 1]
+                    assert all(t - killed_at < 1.0 for t, _ in deaths)
+                    assert all("'host-a'" in ev.reason for _, ev in deaths)
+                    assert [ev.host for ev in timeline.events(RelayLost)] == ["host-a"]
+                    assert coord.live_ranks == {2, 3}
+
+                    with trio.fail_after(2):
+                        told = await survivor.wait_lines(lambda s: " got DeclareDead " in s, 4)
+                    assert sorted(" ".join(s.split()[:5]) for s in told) == [
+                        "rank 2 got DeclareDead 0", "rank 2 got DeclareDead 1",
+                        "rank 3 got DeclareDead 0", "rank 3 got DeclareDead 1"]
+                    assert all(arrival_time(s) - killed_wall < 1.0 for s in told)
+                # Leaving the block shuts the survivors down cleanly.
+                with trio.fail_after(5):
+                    await survivor.proc.wait()
+                    await survivor.wait_lines(lambda s: s.startswith("relay host-b exit "))
+                assert survivor.proc.returncode == 0, survivor.lines
+                assert len(survivor.matching(lambda s: " got Shutdown " in s)) == 2
+                assert victim.proc.returncode == -9
+                nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()

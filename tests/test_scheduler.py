@@ -1,0 +1,283 @@
+"""The Sync scheduler, seen from the ranks: the control messages it sends and when (raw endpoints
+over an in-memory cluster, MockClock), plus property tests of its partition math."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flodl_trio as ft
+from flodl_trio.scheduler import (
+    SyncScheduler,
+    partition_sizes,
+    plan_epoch,
+    split_remainder,
+    unprocessed_ranges,
+)
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import (
+    Batch,
+    ControlMsg,
+    EpochAggregated,
+    EpochPlan,
+    Metrics,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    StartEpoch,
+    SyncNow,
+)
+
+from helpers import layout, mini_cluster
+
+
+def batch(rank: int, step: int = 1) -> Batch:
+    return Batch(rank=rank, batch_ms=1.0, data_ms=0.0, step_count=step, param_norm=None,
+                 batch_loss=1.0)
+
+
+def metrics_for(rank: int, plan_epoch_: int, samples: int, *, avg_loss: float = 1.0,
+                scalars: dict[str, tuple[float, int]] | None = None,
+                epoch_ms: float = 100.0) -> Metrics:
+    return Metrics(rank=rank, epoch=plan_epoch_, avg_loss=avg_loss, batches_processed=1,
+                   epoch_ms=epoch_ms, samples_processed=samples, share_complete_ms=epoch_ms,
+                   compute_only_ms=epoch_ms / 2, data_starve_ms=1.0,
+                   scalars=scalars if scalars is not None else {"loss": (avg_loss, 1)})
+
+
+async def answer_with_metrics(ep: ft.RankEndpoint, seen: list[ControlMsg],
+                              loss: float = 1.0) -> None:
+    """A minimal rank: every StartEpoch is answered with a Metrics for the whole plan."""
+    async for msg in ep:
+        seen.append(msg)
+        if isinstance(msg, StartEpoch):
+            await ep.send(metrics_for(ep.rank, msg.plan.epoch, msg.plan.partition_size,
+                                      avg_loss=loss, scalars={"loss": (loss * 2, 2)}))
+
+
+# ---------------------------------------------------------------------------- wire sequences
+
+
+async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(2, 1)) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=4,
+                                         num_epochs=1).run)
+        for _, ep in sorted(c.ranks.items()):
+            assert isinstance(await ep.receive(), SetEpochCallbackRole)
+            assert isinstance(await ep.receive(), StartEpoch)
+        await c.ranks[0].send(batch(0))
+        await trio.sleep(1)
+        await c.ranks[1].send(batch(1))
+        for _, ep in sorted(c.ranks.items()):
+            assert isinstance(await ep.receive(), SyncNow)
+            step = await ep.receive()
+            assert isinstance(step, SetGlobalStep) and step.global_step == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_sync_until_every_live_rank_reported_a_batch(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(1, 2)) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=1,
+                                         num_epochs=1).run)
+        for _, ep in sorted(c.ranks.items()):
+            await ep.receive()
+            await ep.receive()
+        for step in range(1, 4):
+            await c.ranks[0].send(batch(0, step))
+        with trio.move_on_after(5) as waited:
+            await c.ranks[0].receive()
+        assert waited.cancelled_caught  # rank 1 has not stepped: no SyncNow
+        await c.ranks[1].send(batch(1))
+        assert isinstance(await c.ranks[0].receive(), SyncNow)
+        step_msg = await c.ranks[0].receive()
+        # the global step counts lock-step steps: the slowest rank took one
+        assert isinstance(step_msg, SetGlobalStep) and step_msg.global_step == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_ten_samples_over_two_ranks_plan_zero_five_and_five_five_after_one_role(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(1, 2)) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=10, batch_size=5,
+                                         num_epochs=1).run)
+        plans = {}
+        for rank, ep in sorted(c.ranks.items()):
+            assert await ep.receive() == SetEpochCallbackRole(rank=0)
+            start = await ep.receive()
+            assert isinstance(start, StartEpoch)
+            plans[rank] = (start.plan.epoch, start.plan.partition_offset,
+                           start.plan.partition_size)
+        assert plans == {0: (0, 0, 5), 1: (0, 5, 5)}
+        nursery.cancel_scope.cancel()
+
+
+async def test_partition_ratios_one_to_three_over_twelve_give_three_and_nine(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(2, 1)) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=12, batch_size=3, num_epochs=1,
+                                         partition_ratios=[1, 3]).run)
+        sizes = []
+        for _, ep in sorted(c.ranks.items()):
+            await ep.receive()
+            start = await ep.receive()
+            assert isinstance(start, StartEpoch)
+            sizes.append((start.plan.partition_offset, start.plan.partition_size))
+        assert sizes == [(0, 3), (3, 9)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_epochs_of_eight_samples_each_rank_sees_two_start_epochs_then_shutdown(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
+    async with mini_cluster(memory_network, layout(2, 1)) as c:
+        async with trio.open_nursery() as nursery:
+            for rank, ep in sorted(c.ranks.items()):
+                nursery.start_soon(answer_with_metrics, ep, seen[rank])
+            summary = await SyncScheduler(c.coord, total_samples=8, batch_size=4,
+                                          num_epochs=2).run()
+    assert summary.epochs_completed == 2 and len(summary.epoch_metrics) == 2
+    for rank in (0, 1):
+        kinds = [type(m).__name__ for m in seen[rank]]
+        assert kinds == ["SetEpochCallbackRole", "StartEpoch", "EpochAggregated", "StartEpoch",
+                         "EpochAggregated", "Shutdown"]
+        starts = [m for m in seen[rank] if isinstance(m, StartEpoch)]
+        assert [s.plan.epoch for s in starts] == [0, 1]
+        assert starts[0].plan == EpochPlan(epoch=0, partition_offset=4 * rank, partition_size=4)
+
+
+async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every_rank(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
+    async with mini_cluster(memory_network, layout(2, 1)) as c:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_with_metrics, c.ranks[0], seen[0], 10.0)
+            nursery.start_soon(answer_with_metrics, c.ranks[1], seen[1], 11.0)
+            summary = await SyncScheduler(c.coord, total_samples=10, batch_size=5,
+                                          num_epochs=1).run()
+    for rank in (0, 1):
+        (agg,) = [m for m in seen[rank] if isinstance(m, EpochAggregated)]
+        em = agg.metrics
+        assert em.epoch == 0
+        assert em.avg_loss == pytest.approx(10.5)
+        assert em.scalars == {"loss": pytest.approx(10.5)}  # (20 + 22) / (2 + 2)
+        assert em.per_rank[0]["avg_loss"] == 10.0 and em.per_rank[1]["avg_loss"] == 11.0
+        assert em.per_rank[0]["loss"] == 10.0 and em.per_rank[1]["loss"] == 11.0
+        assert em.per_rank_batch_share == (0.5, 0.5)
+        assert em.per_rank_throughput == (50.0, 50.0)  # 5 samples in 100 ms
+        assert em.per_rank_share_complete_ms == (100.0, 100.0)
+        assert em.per_rank_compute_only_ms == (50.0, 50.0)
+        assert em.per_rank_data_starve_ms == (1.0, 1.0)
+        assert em.epoch_ms == 100.0
+    assert summary.epoch_metrics[0] == em
+
+
+async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the_others(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(1, 3)) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=9, batch_size=1,
+                                         num_epochs=1).run)
+        for _, ep in sorted(c.ranks.items()):
+            await ep.receive()
+            await ep.receive()
+        await c.ranks[2].send(batch(2))
+        await c.ranks[2].send(ft.wire.Exiting(rank=2))  # 1 of its 3 samples done
+        got = [await c.ranks[r].receive() for r in (0, 1)]
+        assert got == [ft.wire.ExtendPartition(partition_offset=7, partition_size=1),
+                       ft.wire.ExtendPartition(partition_offset=8, partition_size=1)]
+        nursery.cancel_scope.cancel()
+
+
+def test_invalid_arguments_raise_config_error_naming_them() -> None:
+    class FakeCoord:
+        world_size = 2
+
+    coord: Any = FakeCoord()
+    with pytest.raises(ft.ConfigError, match="one partition ratio per rank"):
+        SyncScheduler(coord, total_samples=4, batch_size=1, num_epochs=1, partition_ratios=[1])
+    with pytest.raises(ft.ConfigError, match="rank 1: expected a finite number >= 0"):
+        SyncScheduler(coord, total_samples=4, batch_size=1, num_epochs=1,
+                      partition_ratios=[1, float("nan")])
+    with pytest.raises(ft.ConfigError, match="sum > 0"):
+        SyncScheduler(coord, total_samples=4, batch_size=1, num_epochs=1,
+                      partition_ratios=[0, 0])
+    with pytest.raises(ft.ConfigError, match="batch_size"):
+        SyncScheduler(coord, total_samples=4, batch_size=0, num_epochs=1)
+    with pytest.raises(ft.ConfigError, match="checkpoint_every"):
+        SyncScheduler(coord, total_samples=4, batch_size=1, num_epochs=1, checkpoint_every=0)
+
+
+# ---------------------------------------------------------------------------- partition math
+
+ratios_st = st.lists(st.one_of(st.integers(0, 1000), st.floats(0, 1e6)), min_size=1,
+                     max_size=64).filter(lambda rs: sum(rs) > 0)
+
+
+@given(total=st.integers(0, 10**9), ratios=ratios_st)
+def test_ratio_partitions_are_contiguous_and_cover_the_dataset_exactly(
+        total: int, ratios: list[float]) -> None:
+    plans = plan_epoch(3, total, list(range(len(ratios))), ratios)
+    offset = 0
+    for rank in range(len(ratios)):
+        assert plans[rank].epoch == 3 and plans[rank].partition_offset == offset
+        offset += plans[rank].partition_size
+    assert offset == total
+
+
+@given(total=st.integers(0, 10**6), ratios=ratios_st)
+def test_largest_remainder_sizes_are_within_one_of_the_exact_quota(
+        total: int, ratios: list[float]) -> None:
+    sizes = partition_sizes(total, ratios)
+    assert sum(sizes) == total
+    from fractions import Fraction
+    weight = sum(Fraction(r) for r in ratios)
+    for size, r in zip(sizes, ratios, strict=True):
+        assert abs(size - total * Fraction(r) / weight) < 1
+
+
+def test_equal_partitions_give_the_leftover_to_the_first_ranks() -> None:
+    assert partition_sizes(10, [1, 1, 1]) == [4, 3, 3]
+    assert partition_sizes(12, [1, 3]) == [3, 9]
+    assert partition_sizes(5, [0, 0]) == [3, 2]
+
+
+ranges_st = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 500)), max_size=8)
+
+
+@given(ranges=ranges_st, parts=st.integers(1, 40))
+def test_remainder_split_sums_exactly_and_keeps_every_sample_once(
+        ranges: list[tuple[int, int]], parts: int) -> None:
+    shares = split_remainder(ranges, parts)
+    assert len(shares) == parts
+    sizes = [sum(s for _, s in share) for share in shares]
+    total = sum(s for _, s in ranges)
+    assert sum(sizes) == total
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    flat = [(o, s) for share in shares for o, s in share]
+    assert all(s > 0 for _, s in flat)
+    expand = [i for o, s in flat for i in range(o, o + s)]
+    assert expand == [i for o, s in ranges for i in range(o, o + s)]
+
+
+@given(ranges=ranges_st, batch_size=st.integers(1, 50), data=st.data())
+def test_unprocessed_ranges_are_what_batches_in_order_did_not_cover(
+        ranges: list[tuple[int, int]], batch_size: int, data: st.DataObject) -> None:
+    batches = [(o + i, min(batch_size, s - i)) for o, s in ranges
+               for i in range(0, s, batch_size)]
+    k = data.draw(st.integers(0, len(batches) + 2))
+    done = [i for o, s in batches[:k] for i in range(o, o + s)]
+    rest = [i for o, s in unprocessed_ranges(ranges, k, batch_size) for i in range(o, o + s)]
+    assert done + rest == [i for o, s in ranges for i in range(o, o + s)]
+
+
+def test_a_dead_ranks_remainder_is_offset_plus_processed() -> None:
+    assert unprocessed_ranges([(20, 10)], 3, 2) == [(26, 4)]
+    assert unprocessed_ranges([(0, 5), (40, 3)], 3, 2) == [(40, 3)]
+    assert unprocessed_ranges([(0, 5), (40, 3)], 4, 2) == [(42, 1)]
+    assert split_remainder([(20, 10)], 3) == [[(20, 4)], [(24, 3)], [(27, 3)]]
+    assert split_remainder([(0, 1)], 3) == [[(0, 1)], [], []]

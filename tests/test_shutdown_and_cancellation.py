@@ -1,0 +1,292 @@
+"""Shutdown and cancellation (SPEC §4.6, §5, §6): leaving a block is graceful and bounded, an
+outside cancel propagates, and every ``open_*`` raises one exception, never an ExceptionGroup."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from helpers import (
+    COORD,
+    RawRelay,
+    events_of,
+    raw_relay_handshake,
+    recording_cluster,
+    start_host,
+    wait_until,
+)
+
+import flodl_trio as ft
+from flodl_trio.events import (
+    ClusterFailed,
+    FormationFailed,
+    RelayJoined,
+    ShutdownComplete,
+    ShutdownStarted,
+)
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
+
+HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
+
+
+# ------------------------------------------------------------------ graceful shutdown
+
+
+async def test_leaving_the_block_sends_shutdown_to_every_rank_and_closes_everything(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with recording_cluster(memory_network, HOSTS) as c:
+        coord = c.coord
+        await coord.broadcast_control(SetGlobalStep(global_step=1))
+        assert coord.state()["phase"] == "running"
+        assert not events_of(coord.timeline, ShutdownStarted)
+    kinds = [ev.kind for ev in coord.timeline.events()]
+    assert kinds.count("ShutdownStarted") == 1 and kinds.count("ShutdownComplete") == 1
+    assert kinds.index("ShutdownStarted") < kinds.index("ShutdownComplete")
+    (started,) = events_of(coord.timeline, ShutdownStarted)
+    assert started.reason == "the block exited"
+    assert coord.state()["phase"] == "closed"
+    assert coord.phase == "closed"
+    for run in c.rank_runs.values():
+        # Iteration ended cleanly right after yielding Shutdown.
+        assert run.received == [SetGlobalStep(global_step=1), Shutdown()]
+        assert run.outcome == "ended"
+    for hr in c.hosts.values():
+        assert isinstance(hr.exit, ft.RelayExit) and hr.exit.clean
+    memory_network.assert_all_closed()
+
+
+async def test_timing_and_metrics_consumers_see_end_of_channel_after_the_block(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with recording_cluster(memory_network, HOSTS) as c:
+        await trio.sleep(3)  # some heartbeats are queued, unread
+    drained = 0
+    with trio.fail_after(1):
+        async for _ in c.coord.timing:  # ends: the channel was closed by the shutdown
+            drained += 1
+    assert drained >= 4
+    with pytest.raises(trio.EndOfChannel):
+        await c.coord.timing.receive()
+    with pytest.raises(trio.EndOfChannel):
+        await c.coord.metrics.receive()
+
+
+async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=3, shutdown_grace=4)
+    timeline = ft.Timeline()
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=3)
+        stuck: list[RawRelay] = []
+
+        async def relay_that_stops_reading() -> None:
+            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
+                                            "host-stuck", [2])
+            stuck.append(raw)  # it neither reads nor closes from here on
+
+        nursery.start_soon(relay_that_stops_reading)
+        async with ft.open_coordinator(listener, salt=salt, config=cfg,
+                                       timeline=timeline) as coord:
+            await wait_until(lambda: bool(stuck))
+            left_at = trio.current_time()
+        shutdown_took = trio.current_time() - left_at
+        assert shutdown_took == pytest.approx(4, abs=0.01)
+        assert coord.phase == "closed"
+        assert len(events_of(timeline, ShutdownComplete)) == 1
+        # The coordinator closed the connection of the relay that never did.
+        raw = stuck[0]
+        with trio.fail_after(1):
+            while await raw.stream.receive_some(65536):
+                pass
+        await raw.stream.aclose()
+        await wait_until(lambda: host_a.all_done)
+    assert all(run.received == [Shutdown()] for run in host_a.ranks.values())
+
+
+# ------------------------------------------------------------------ cancellation from outside
+
+
+async def test_outside_cancel_during_formation_propagates_and_closes_every_stream(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    timeline = ft.Timeline()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+        # A connection stuck mid-handshake while the cancel arrives.
+        half_open = await memory_network.connect(COORD)
+        await half_open.send_all(b"\xe2\x17")
+        with trio.move_on_after(5) as scope:
+            async with ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline):
+                pytest.fail("formation cannot complete: host-b never comes")
+        assert scope.cancelled_caught
+        assert trio.current_time() == pytest.approx(5)
+        assert len(events_of(timeline, RelayJoined)) == 1
+        assert not events_of(timeline, FormationFailed)  # a cancel is not a formation failure
+        assert len(events_of(timeline, ShutdownComplete)) == 1
+        assert await half_open.receive_some(100) == b""
+        await half_open.aclose()
+        await wait_until(lambda: host_a.all_done)
+    memory_network.assert_all_closed()
+
+
+async def test_outside_cancel_while_running_propagates_after_a_graceful_shutdown(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4)
+    listener = memory_network.listener(COORD)
+    entered = False
+    async with trio.open_nursery() as nursery:
+        hosts = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
+                 for h, r in HOSTS.items()]
+        with trio.CancelScope() as scope:
+            async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+                entered = True
+                nursery.start_soon(cancel_after, scope, 3.0)
+                await trio.sleep_forever()
+        assert entered and scope.cancelled_caught
+        (started,) = events_of(coord.timeline, ShutdownStarted)
+        assert started.reason == "cancelled"
+        assert coord.phase == "closed"
+        await wait_until(lambda: all(hr.all_done for hr in hosts))
+    for hr in hosts:
+        for run in hr.ranks.values():
+            assert run.received == [Shutdown()] and run.outcome == "ended"
+    memory_network.assert_all_closed()
+
+
+async def cancel_after(scope: trio.CancelScope, seconds: float) -> None:
+    await trio.sleep(seconds)
+    scope.cancel()
+
+
+async def test_outside_cancel_of_relay_and_rank_propagates_and_closes_their_streams(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    listener = memory_network.listener(COORD)
+    cfg = ft.CoordinatorConfig(world_size=4)
+    async with trio.open_nursery() as nursery:
+        host_a, host_b = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
+                          for h, r in HOSTS.items()]
+        async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+            host_a.ranks[1].kill()
+            await wait_until(lambda: host_a.ranks[1].done.is_set())
+            assert host_a.ranks[1].outcome == "killed"  # Cancelled, not an exception group
+            await wait_until(lambda: 1 in coord.dead_ranks)
+            host_b.kill()
+            await wait_until(lambda: host_b.all_done)
+            assert host_b.exit == "killed"
+            await wait_until(lambda: coord.dead_ranks == frozenset({1, 2, 3}))
+            assert coord.live_ranks == frozenset({0})
+        await wait_until(lambda: host_a.all_done)
+    for rank in (2, 3):  # their relay vanished without a Shutdown
+        assert isinstance(host_b.ranks[rank].outcome, ft.CoordinatorLost)
+    assert host_a.ranks[0].outcome == "ended"
+    memory_network.assert_all_closed()
+
+
+# ------------------------------------------------------------------ one exception out
+
+
+async def test_coordinator_body_value_error_comes_out_as_exactly_that_value_error(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    boom = ValueError("the orchestrator's own bug")
+    async with trio.open_nursery() as nursery:
+        hosts = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
+                 for h, r in HOSTS.items()]
+        with pytest.raises(ValueError) as excinfo:  # raised by open_coordinator itself
+            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                           config=ft.CoordinatorConfig(world_size=4)) as coord:
+                raise boom
+        await wait_until(lambda: all(hr.all_done for hr in hosts))
+    assert excinfo.value is boom
+    assert type(excinfo.value) is ValueError
+    (started,) = events_of(coord.timeline, ShutdownStarted)
+    assert started.reason == "the block raised ValueError"
+    assert all(run.received == [Shutdown()] for hr in hosts for run in hr.ranks.values())
+
+
+async def test_relay_body_value_error_comes_out_as_exactly_that_value_error(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    boom = ValueError("relay body")
+    with pytest.raises(ValueError) as excinfo:
+        async with ft.open_relay(lambda: memory_network.connect(COORD),
+                                 salt=ft.SessionSalt.generate(), host="host-a", ranks=[0],
+                                 world_size=1, rank_listen=memory_network.listener("relay:a")):
+            await trio.sleep(1)
+            raise boom
+    assert excinfo.value is boom and type(excinfo.value) is ValueError
+    memory_network.assert_all_closed()
+
+
+async def test_rank_body_value_error_comes_out_as_exactly_that_value_error(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    boom = ValueError("rank body")
+    async with trio.open_nursery() as nursery:
+        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=ft.CoordinatorConfig(world_size=2)):
+            host.ranks[0].crash(boom)
+            await wait_until(lambda: host.ranks[0].done.is_set())
+        await wait_until(lambda: host.all_done)
+    assert host.ranks[0].outcome is boom
+    assert type(host.ranks[0].outcome) is ValueError
+
+
+async def test_formation_failure_comes_out_as_a_formation_error_not_a_group(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    cfg = ft.CoordinatorConfig(world_size=2, formation_timeout=3)
+    try:
+        async with ft.open_coordinator(memory_network.listener(COORD),
+                                       salt=ft.SessionSalt.generate(), config=cfg):
+            pytest.fail("unreachable")
+    except BaseExceptionGroup:  # pragma: no cover - the point of the test
+        pytest.fail("open_coordinator let an ExceptionGroup escape")
+    except ft.FormationTimeout as exc:
+        assert isinstance(exc, ft.FormationError)
+        assert exc.__cause__ is None or not isinstance(exc.__cause__, BaseExceptionGroup)
+
+
+async def test_cluster_failure_cancels_the_body_and_comes_out_alone(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, max_failure=ft.MaxFailure.absolute(2))
+    body_cancelled = False
+    async with trio.open_nursery() as nursery:
+        host_a, host_b = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
+                          for h, r in HOSTS.items()]
+        with pytest.raises(ft.ClusterFailure) as excinfo:  # raised by open_coordinator itself
+            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                           config=cfg) as coord:
+                host_b.kill()
+                try:
+                    await trio.sleep_forever()
+                except trio.Cancelled:
+                    body_cancelled = True
+                    raise
+        await wait_until(lambda: host_a.all_done and host_b.all_done)
+    assert type(excinfo.value) is ft.ClusterFailure
+    assert body_cancelled
+    assert excinfo.value.reason == ft.SaveReason.MAX_FAILURE_EXCEEDED
+    assert excinfo.value.dead == frozenset({2, 3})
+    (failed,) = events_of(coord.timeline, ClusterFailed)
+    assert failed.dead == (2, 3)
+    for run in host_a.ranks.values():
+        assert run.received[-1] == ShutdownWithSave(reason=ft.SaveReason.MAX_FAILURE_EXCEEDED)
+        assert Shutdown() not in run.received  # the save latch replaces the plain Shutdown
+        assert run.outcome == "ended"
