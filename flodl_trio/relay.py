@@ -242,6 +242,13 @@ class Relay:
                 raise
             except (WireError, trio.TooSlowError, *_GONE) as exc:
                 await trio.aclose_forcefully(stream)
+                if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+                    # Retrying cannot make an untrusted certificate trusted: say so now.
+                    raise HandshakeError(
+                        f"{what}: TLS: the coordinator at {_target_text(self._target)} presented "
+                        f"a certificate we do not trust ({exc.__cause__.verify_message}); pass "
+                        "an ssl_context that trusts its CA"
+                    ) from None
                 last = exc
                 if trio.current_time() + 0.5 >= deadline:
                     break

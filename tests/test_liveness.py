@@ -12,7 +12,7 @@ from helpers import COORD, probed_cluster, read_one_record, start_host, wait_for
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
+from flodl_trio.events import LostBroadcast, RankDeclaredDead, RankExited, RelayLost
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
 
@@ -209,6 +209,10 @@ async def test_lost_relay_falls_back_to_heartbeat_staleness_without_declare_dead
         # The last heartbeats got through less than one heartbeat_interval before the reset.
         await trio.sleep_until(lost_at + 5 - 1 - 0.01)
         assert c.coord.dead_ranks == frozenset()
+        # Meanwhile every CoordHeartbeat missed ranks 0 and 1: counted as lost broadcasts.
+        lost = c.log.events(LostBroadcast)
+        assert len(lost) == c.coord.lost_broadcasts >= 3
+        assert all(ev.control == "CoordHeartbeat" and set(ev.failures) == {0, 1} for ev in lost)
         await trio.sleep_until(lost_at + 5)
         await trio.testing.wait_all_tasks_blocked()
         assert c.coord.dead_ranks == {0, 1}

@@ -8,6 +8,7 @@ plus :mod:`flodl_trio.wire`, :mod:`flodl_trio.chaos` and :mod:`flodl_trio.testin
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -273,22 +274,10 @@ async def run_host(
                         host.relay_exit = await relay.wait_closed()
                 except ft.FlodlError as exc:  # recorded: the test asserts on it
                     host.relay_exit = exc
-                    if not task_status_started(host):
-                        task_status.started(host)
     finally:
         host.done.set()
         for event in host.ranks_done.values():
             event.set()
-
-
-def task_status_started(host: Host) -> bool:
-    return host.relay is not None
-
-
-def partial(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from functools import partial as _partial
-
-    return _partial(fn, *args, **kwargs)
 
 
 async def wait_for(predicate: Callable[[], bool], *, within: float, step: float = 0.01) -> None:
