@@ -69,6 +69,8 @@ from .wire import (
 
 log = logging.getLogger("flodl_trio.relay")
 
+# Bytes a rank may send before the pump starts that the relay reads ahead (SPEC §5 phase 1).
+_EARLY_LIMIT = 1 << 20
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -90,6 +92,10 @@ class _RankLink:
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self.out_send, self.out_recv = trio.open_memory_channel[bytes](config.queue_size)
         self.gone = False
+        # What the rank sent while the relay was still accepting ranks, and whether its link
+        # already ended then; the pump starts from these.
+        self.early = bytearray()
+        self.early_eof = False
 
 
 class Relay:
@@ -214,10 +220,39 @@ class Relay:
             await trio.aclose_forcefully(stream)
             raise
         self._reserved.discard(rank)
-        self._links[rank] = _RankLink(rank, stream, self.config)
+        link = _RankLink(rank, stream, self.config)
+        self._links[rank] = link
         log.info("relay %r: rank %d connected from %s", self.host, rank, peer)
         if len(self._links) == len(self.ranks):
             self._all_ranks.set()
+        else:
+            await self._watch_while_accepting(link)
+
+    async def _watch_while_accepting(self, link: _RankLink) -> None:
+        """Until every local rank is in (this task is then cancelled), notice a link that ends.
+
+        A written ack may still not reach the rank (the link broke, or the rank's own handshake
+        deadline fired first); that rank re-dials, so its slot must be free again, as the
+        coordinator frees the ranks of a relay lost during formation. Without this the re-dial
+        was refused as "already connected" and the rank was lost.
+        """
+        try:
+            while len(link.early) < _EARLY_LIMIT:
+                data = await link.stream.receive_some(65536)
+                if not data:
+                    break
+                link.early += data
+            else:
+                await trio.sleep_forever()  # past the limit the rank's writes wait for the pump
+        except _GONE:
+            pass
+        if self._all_ranks.is_set():
+            link.early_eof = True  # too late to free the slot: the pump reports RankExit
+            return
+        del self._links[link.rank]
+        log.warning("relay %r: rank %d's link ended before every local rank connected; "
+                    "accepting it again", self.host, link.rank)
+        await trio.aclose_forcefully(link.stream)
 
     # ------------------------------------------------------------------ phase 2
 
@@ -423,7 +458,13 @@ class Relay:
     async def _rank_writer(self, link: _RankLink) -> None:
         try:
             async for blob in link.out_recv:
-                await link.writer.send(blob)
+                batch = [blob]
+                while len(batch) < 64:  # one write for a burst of frames (each stays whole)
+                    try:
+                        batch.append(link.out_recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await link.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
             await link.writer.send_eof()
         except (trio.TooSlowError, *_GONE) as exc:
             if not link.gone:
@@ -436,12 +477,16 @@ class Relay:
                            finish: Any) -> None:
         decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
         try:
+            data = bytes(link.early)
+            link.early.clear()
             while True:
+                for blob in decoder.feed(data):
+                    await up_send.send((int(RecordKind.DATA), link.rank, blob))
+                if link.early_eof:
+                    break
                 data = await link.stream.receive_some(65536)
                 if not data:
                     break
-                for blob in decoder.feed(data):
-                    await up_send.send((int(RecordKind.DATA), link.rank, blob))
         except WireError as exc:
             log.warning("relay %r: rank %d sent a bad length frame (%s); closing it", self.host,
                         link.rank, exc)

@@ -22,9 +22,9 @@ from flodl_trio._errors import HandshakeError, WireError
 
 SALT = wire.SessionSalt(bytes(range(16)))
 KEY = b"K" * 32
-# FLODL_FUZZ_EXAMPLES=20000 runs a long campaign; the default keeps this file under ~10 s.
+# FLODL_FUZZ_EXAMPLES=20000 runs a long campaign; the default keeps this file at a few seconds.
 FUZZ = settings(
-    max_examples=int(os.environ.get("FLODL_FUZZ_EXAMPLES", "300")),
+    max_examples=int(os.environ.get("FLODL_FUZZ_EXAMPLES", "200")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

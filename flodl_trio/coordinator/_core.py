@@ -587,10 +587,12 @@ class Coordinator:
         paused_at = trio.current_time()
         conn.paused_since = paused_at
         try:
-            await send.send(msg)
+            with trio.CancelScope() as conn.delivery_scope:
+                await send.send(msg)  # shutdown cancels this wait: nobody will read any more
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return
         finally:
+            conn.delivery_scope = None
             paused = trio.current_time() - paused_at
             conn.paused_since = None
             # The coordinator was not reading this relay; that time is not the ranks' silence.
@@ -660,6 +662,9 @@ class Coordinator:
         self._shutting_down = True
         self._phase = "shutting_down"
         self._timeline.event(ShutdownStarted(reason=reason))
+        for conn in self._relays:
+            if conn.delivery_scope is not None:
+                conn.delivery_scope.cancel()
         log.info("shutting down: %s", reason)
         with trio.move_on_after(self.config.shutdown_grace):
             if not self._save_latched and self.live_ranks:

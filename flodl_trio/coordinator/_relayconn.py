@@ -40,6 +40,7 @@ class RelayConn:
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
         self.paused_since: float | None = None
+        self.delivery_scope: trio.CancelScope | None = None
         self.closed = False
 
     @property

@@ -246,9 +246,12 @@ async def run_host(
     net: MemoryNetwork, name: str, ranks: Sequence[int], *, salt: ft.SessionSalt, world: int,
     upstream: Any = None, rank_dialers: dict[int, Any] | None = None,
     relay_config: ft.RelayConfig | None = None, rank_config: ft.RankConfig | None = None,
-    rank_delay: float = 0.0, task_status: Any = trio.TASK_STATUS_IGNORED,
+    rank_delay: float = 0.0, rank_delays: dict[int, float] | None = None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run relay ``name`` (rank listener ``relay:<name>``) and its ranks until they all end.
+
+    Each rank starts ``rank_delays.get(rank, rank_delay)`` seconds after the relay is bound.
 
     Started with ``nursery.start``, it reports the :class:`Host` once the relay is bound.
     """
@@ -270,7 +273,8 @@ async def run_host(
                             dial = dialers.get(r) or plain_dialer(net, f"relay:{name}")
                             nursery.start_soon(partial(
                                 _run_rank, host, r, dial, salt=salt, world=world,
-                                config=rank_config, delay=rank_delay))
+                                config=rank_config,
+                                delay=(rank_delays or {}).get(r, rank_delay)))
                         host.relay_exit = await relay.wait_closed()
                 except ft.FlodlError as exc:  # recorded: the test asserts on it
                     host.relay_exit = exc
