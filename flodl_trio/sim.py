@@ -17,7 +17,7 @@ import logging
 import math
 import random
 from collections import deque
-from typing import Literal
+from typing import Literal, TypeVar
 
 import attrs
 import trio
@@ -46,6 +46,8 @@ from .wire import (
 __all__ = ["SimRecord", "SimulatedCrash", "SimulatedRank"]
 
 log = logging.getLogger("flodl_trio.sim")
+
+_M = TypeVar("_M", bound=ControlMsg)
 
 
 class SimulatedCrash(Exception):
@@ -76,8 +78,8 @@ class SimRecord:
         """Every sample index it processed in ``epoch``, in order (duplicates kept)."""
         return [i for e, off, size in self.processed if e == epoch for i in range(off, off + size)]
 
-    def of_type(self, cls: type[ControlMsg]) -> list[ControlMsg]:
-        """The received messages of one class."""
+    def of_type(self, cls: type[_M]) -> list[_M]:
+        """The received messages of one class, in order."""
         return [m for m in self.received if isinstance(m, cls)]
 
 

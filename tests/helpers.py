@@ -811,6 +811,7 @@ async def sim_cluster(
     sims: dict[int, Any] = {}
     outcomes: dict[int, Any] = {}
     scopes: dict[int, trio.CancelScope] = {}
+    all_connected = trio.Event()
     listener = net.listener(COORD)
 
     async def run_relay(host: str, host_ranks: Sequence[int], task_status: Any) -> None:
@@ -830,6 +831,8 @@ async def sim_cluster(
                     world_size=world, config=(rank_configs or {}).get(rank),
                 ) as ep:
                     sims[rank] = SimulatedRank(ep, **sim_args(rank))
+                    if len(sims) == world:
+                        all_connected.set()
                     outcomes[rank] = await sims[rank].run()
             except (SimulatedCrash, ft.FlodlError) as exc:
                 outcomes[rank] = exc
@@ -845,8 +848,7 @@ async def sim_cluster(
             ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
         )
         with trio.fail_after(5):
-            while len(sims) < world:
-                await trio.sleep(0.01)
+            await all_connected.wait()
         try:
             yield SimCluster(coord, sims, outcomes, net)
         finally:

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ProbedCluster, live_task_names, probed_cluster, wait_for
 
 import flodl_trio as ft
 from flodl_trio import SaveReason
 from flodl_trio.events import ClusterFailed, RankDeclaredDead
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import DeclareDead, ShutdownWithSave
+
+from helpers import ProbedCluster, live_task_names, probed_cluster, wait_for
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import trio
-from helpers import COORD, events_of, start_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio.events import FormationComplete, FormationFailed, RelayJoined
 from flodl_trio.testing import MemoryNetwork
+
+from helpers import COORD, events_of, start_host, wait_until
 
 
 async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_covered(

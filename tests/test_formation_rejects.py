@@ -7,15 +7,6 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import (
-    COORD,
-    events_of,
-    live_task_names,
-    raw_relay_handshake,
-    recording_cluster,
-    start_host,
-    wait_until,
-)
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -27,6 +18,16 @@ from flodl_trio.events import (
     RelayJoined,
 )
 from flodl_trio.testing import MemoryNetwork
+
+from helpers import (
+    COORD,
+    events_of,
+    live_task_names,
+    raw_relay_handshake,
+    recording_cluster,
+    start_host,
+    wait_until,
+)
 
 
 def rejected_total(coord_or_timeline: Any) -> int:

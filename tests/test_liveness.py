@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from helpers import COORD, probed_cluster, read_one_record, start_host, wait_for
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import LostBroadcast, RankDeclaredDead, RankExited, RelayLost
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
+
+from helpers import COORD, probed_cluster, read_one_record, start_host, wait_for
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 

@@ -10,6 +10,13 @@ from typing import Any
 
 import pytest
 import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import RankDeclaredDead, RankExited
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import CoordHeartbeat, DeclareDead, Heartbeat, SetGlobalStep, Shutdown
+
 from helpers import (
     COORD,
     HostRun,
@@ -19,12 +26,6 @@ from helpers import (
     start_host,
     wait_until,
 )
-
-import flodl_trio as ft
-from flodl_trio import wire
-from flodl_trio.events import RankDeclaredDead, RankExited
-from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import CoordHeartbeat, DeclareDead, Heartbeat, SetGlobalStep, Shutdown
 
 
 async def test_rank_not_below_world_size_is_a_config_error_before_dialing() -> None:

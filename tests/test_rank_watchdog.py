@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import COORD, open_peers, raw_coordinator_accept, read_exactly, read_one_record
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
+
+from helpers import COORD, open_peers, raw_coordinator_accept, read_exactly, read_one_record
 
 FAKE_RELAY = "fake-relay"
 WORLD = 4

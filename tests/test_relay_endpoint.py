@@ -7,6 +7,13 @@ from typing import Any
 
 import pytest
 import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown
+
 from helpers import (
     COORD,
     events_of,
@@ -17,12 +24,6 @@ from helpers import (
     start_rank,
     wait_until,
 )
-
-import flodl_trio as ft
-from flodl_trio import wire
-from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
-from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown
 
 
 async def raw_rank_hello(net: MemoryNetwork, relay: str, hello: bytes) -> bytes:

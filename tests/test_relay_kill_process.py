@@ -11,10 +11,11 @@ from pathlib import Path
 from types import ModuleType
 
 import trio
-from helpers import EventLog
 
 import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayLost
+
+from helpers import EventLog
 
 
 def _load_relay_proc() -> ModuleType:

@@ -27,7 +27,6 @@ from flodl_trio.wire import (
     Metrics,
     SetEpochCallbackRole,
     SetGlobalStep,
-    Shutdown,
     StartEpoch,
     SyncNow,
 )

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
+
 from helpers import (
     COORD,
     RawRelay,
@@ -13,12 +20,6 @@ from helpers import (
     start_host,
     wait_until,
 )
-
-import flodl_trio as ft
-from flodl_trio import wire
-from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
-from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 

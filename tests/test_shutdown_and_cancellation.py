@@ -5,15 +5,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-from helpers import (
-    COORD,
-    RawRelay,
-    events_of,
-    raw_relay_handshake,
-    recording_cluster,
-    start_host,
-    wait_until,
-)
 
 import flodl_trio as ft
 from flodl_trio.events import (
@@ -25,6 +16,16 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
+
+from helpers import (
+    COORD,
+    RawRelay,
+    events_of,
+    raw_relay_handshake,
+    recording_cluster,
+    start_host,
+    wait_until,
+)
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 

@@ -53,8 +53,7 @@ def assert_each_epoch_processed_exactly_once(records: list[SimRecord], total: in
 
 
 def extensions(record: SimRecord) -> list[tuple[int, int]]:
-    return [(m.partition_offset, m.partition_size) for m in record.of_type(ExtendPartition)
-            if isinstance(m, ExtendPartition)]
+    return [(m.partition_offset, m.partition_size) for m in record.of_type(ExtendPartition)]
 
 
 async def run_scheduler(c: SimCluster, **kw: Any) -> RunSummary:
@@ -144,9 +143,9 @@ async def test_failed_checkpoint_moves_the_role_to_the_next_rank_and_retries_the
         summary = await run_scheduler(c, total_samples=12, batch_size=2, num_epochs=2,
                                       checkpoint_every=1)
     r0, r1, r2 = (c.sims[r].record for r in range(3))
-    roles = [m for m in r1.received if isinstance(m, SetEpochCallbackRole)]
+    roles = r1.of_type(SetEpochCallbackRole)
     assert roles == [SetEpochCallbackRole(rank=0), SetEpochCallbackRole(rank=1)]
-    assert [m for m in r2.received if isinstance(m, SetEpochCallbackRole)] == roles
+    assert r2.of_type(SetEpochCallbackRole) == roles
     assert r0.of_type(Checkpoint)[0] == Checkpoint(version=1, target_rank=0)
     assert Checkpoint(version=1, target_rank=1) in r1.of_type(Checkpoint)
     # the role moved before the retry reached its new holder
@@ -166,8 +165,8 @@ async def test_role_rank_dying_moves_the_role_and_its_eval_to_the_lowest_survivo
                                       eval_every=1)
     r1, r2 = c.sims[1].record, c.sims[2].record
     for rec in (r1, r2):
-        assert [m for m in rec.received if isinstance(m, SetEpochCallbackRole)] == [
-            SetEpochCallbackRole(rank=0), SetEpochCallbackRole(rank=1)]
+        assert rec.of_type(SetEpochCallbackRole) == [SetEpochCallbackRole(rank=0),
+                                                     SetEpochCallbackRole(rank=1)]
     evals = r1.of_type(ExecuteEvalCallback)
     assert evals == [ExecuteEvalCallback(schedule_id=1, epoch=1, target_rank=1),
                      ExecuteEvalCallback(schedule_id=2, epoch=2, target_rank=1)]
