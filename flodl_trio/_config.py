@@ -24,7 +24,13 @@ def _cadence(default: float) -> Any:
 
 
 def _to_seconds(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
-    # A bare float() converter let "abc" or None escape as ValueError/TypeError, not ConfigError.
+    # A bare float() converter let "abc" or None escape as ValueError/TypeError, not ConfigError,
+    # and turned True into 1.0 s: a bool is a flag, not a duration.
+    if isinstance(value, bool):
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected a number of seconds, got "
+            f"{value!r} (a bool is not a duration)"
+        )
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -20,14 +20,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ._errors import FlodlError
 from .wire import SessionSalt
 
 START_DEADLINE_S = 30.0
 RUN_DEADLINE_S = 120.0
 
 
-class DemoError(Exception):
-    pass
+class DemoError(FlodlError):
+    """The demo could not run its cluster (a process did not start, or the run hung)."""
 
 
 def _cli(*args: str) -> list[str]:
@@ -65,6 +66,12 @@ def _get_state(address: str) -> dict[str, Any] | None:
         return None
     finally:
         conn.close()
+
+
+def _log(folder: Path, name: str) -> IO[str]:
+    # Children's stderr goes to a file each: a killed relay's ranks report CoordinatorLost, which
+    # is the point of the demo, not noise for the terminal.
+    return (folder / f"{name}.log").open("w", encoding="utf-8")
 
 
 def _read_line(stream: IO[str] | None, deadline: float, what: str) -> str:
@@ -114,7 +121,9 @@ def _render(state: dict[str, Any] | None, prog: _Progress, layout: dict[str, lis
             epochs: int, killed: set[str]) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"flodl-trio demo — epoch {prog.epoch + 1 if state else 0}/{epochs}, "
+    phase = (state or {}).get("phase", "starting")
+    table = Table(title="flodl-trio demo", min_width=64,
+                  caption=f"{phase}: epoch {prog.epoch + 1 if state else 0}/{epochs}, "
                   f"{prog.syncs} syncs, {len(prog.deaths)} deaths")
     table.add_column("host")
     table.add_column("rank", justify="right")
@@ -150,7 +159,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if timeline.exists():
         timeline.unlink()
     summary_file = work / "summary.json"
+    logs = work / "logs"
+    logs.mkdir()
     procs: list[subprocess.Popen[str]] = []
+    rank_procs: list[subprocess.Popen[str]] = []
     relay_procs: dict[str, subprocess.Popen[str]] = {}
     killed: set[str] = set()
     start_deadline = time.monotonic() + START_DEADLINE_S
@@ -171,18 +183,21 @@ def run_demo(args: argparse.Namespace) -> int:
             relay = subprocess.Popen(
                 _cli("--log-level", "ERROR", "relay", "--coordinator", address, "--host", host,
                      "--ranks", ",".join(map(str, layout[host])), "--world-size", str(world)),
-                env=env, stdout=subprocess.PIPE, text=True)
+                env=env, stdout=subprocess.PIPE, stderr=_log(logs, host), text=True)
             procs.append(relay)
             relay_procs[host] = relay
             rank_addr = _read_line(relay.stdout, start_deadline, f"relay {host}").split()[-1]
             for r in layout[host]:
-                procs.append(subprocess.Popen(
+                rank_procs.append(subprocess.Popen(
                     _cli("--log-level", "CRITICAL", "rank", "--relay", rank_addr, "--rank",
                          str(r), "--world-size", str(world), "--batch-size",
                          str(args.batch_size), "--batch-ms", str(args.batch_ms * (1 + i))),
-                    env=env, stdout=subprocess.DEVNULL, text=True))
+                    env=env, stdout=subprocess.DEVNULL, stderr=_log(logs, f"rank-{r}"),
+                    text=True))
+        procs.extend(rank_procs)
+        print(f"process logs: {logs}")
         return _watch(args, coord, address, timeline, summary_file, layout, relay_procs, kills,
-                      killed)
+                      killed, [*relay_procs.values(), *rank_procs])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -200,7 +215,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _watch(args: argparse.Namespace, coord: subprocess.Popen[str], address: str,
            timeline: Path, summary_file: Path, layout: dict[str, list[int]],
            relay_procs: dict[str, subprocess.Popen[str]], kills: dict[str, float],
-           killed: set[str]) -> int:
+           killed: set[str], children: list[subprocess.Popen[str]]) -> int:
     prog = _Progress(timeline)
     live_ui = not args.no_live and sys.stdout.isatty()
     started: float | None = None
@@ -216,6 +231,8 @@ def _watch(args: argparse.Namespace, coord: subprocess.Popen[str], address: str,
         while coord.poll() is None:
             if time.monotonic() > deadline:
                 raise DemoError(f"the run did not finish within {RUN_DEADLINE_S:g}s")
+            if any(p.poll() == 2 for p in children):  # a usage error: waiting cannot help
+                raise DemoError("a relay or rank process rejected its command line (exit 2)")
             polled = _get_state(address)
             state = polled or state
             prog.poll()

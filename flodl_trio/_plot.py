@@ -67,7 +67,7 @@ def plot_timeline(path: str | Path, output: str | Path) -> None:
         raise ConfigError(f"{path}: the timeline is empty")
     lanes = rank_lanes(events)
     end = max(ev.get("t_ms", 0.0) for ev in events) / 1000.0
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * max(1, len(lanes))))
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.45 * max(1, len(lanes))))
     for rank, changes in sorted(lanes.items()):
         for i, (t, state) in enumerate(changes):
             stop = changes[i + 1][0] if i + 1 < len(changes) else end
@@ -100,7 +100,8 @@ def plot_timeline(path: str | Path, output: str | Path) -> None:
     handles.append(Line2D([], [], marker="v", linestyle="", color="#d68a00",
                               label="lost broadcast"))
     handles.append(Line2D([], [], marker="X", linestyle="", color="black", label="death"))
-    ax.legend(handles=handles, loc="upper right", fontsize=8, ncol=3)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8,
+              ncol=len(handles), frameon=False)
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "multi-host training cluster, on Trio.")
     parser.add_argument("--version", action="version", version=f"flodl-trio {__version__}")
     parser.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default WARNING")
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="default WARNING")
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
@@ -184,7 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("commands: salt, coordinator, relay, rank, status, demo, plot (see --help)")
         return EXIT_OK
     try:
-        return _dispatch(args)
+        try:
+            return _dispatch(args)
+        except BaseExceptionGroup as group:
+            from .coordinator import pick_one_exception
+
+            chosen = pick_one_exception(group, None, None)
+            if chosen is None:
+                raise
+            raise chosen from None
     except UsageError as exc:
         sys.stderr.write(f"flodl-trio: error: {exc}\n")
         return EXIT_USAGE

@@ -477,7 +477,7 @@ class Relay:
                            finish: Any) -> None:
         decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
         try:
-            data = bytes(link.early)
+            data: bytes | bytearray = bytes(link.early)  # read while accepting ranks
             link.early.clear()
             while True:
                 for blob in decoder.feed(data):

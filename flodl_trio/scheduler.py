@@ -21,7 +21,9 @@ How it decides, in one place:
   never mixing two ranges in one batch (the last batch of a range may be short), so ``k`` batches
   cover an exact prefix. The remainder is split across the survivors in ascending rank order, equal
   parts and the leftover one sample each to the first ranks, sent as ``ExtendPartition`` messages
-  (contiguous sub-ranges whose sizes sum to exactly the remainder).
+  (contiguous sub-ranges whose sizes sum to exactly the remainder). Only batches whose ``Batch``
+  reached the coordinator count as done: work whose report died with the rank (a lost relay, a
+  rank declared stale while it was still working) is processed again, at least once.
 - **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
   extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, the
@@ -57,6 +59,7 @@ from ._epoch_math import (
     unprocessed_ranges,
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
+from .events import Note
 from .wire import (
     Batch,
     Checkpoint,
@@ -360,6 +363,8 @@ class SyncScheduler:
             self._steps = dict.fromkeys(live, 0)
             await self._broadcast(SetEpochCallbackRole(rank=self._role))
         self._epoch = epoch
+        self._coord.timeline.event(Note(what="epoch_started",
+                                        fields={"epoch": epoch, "ranks": sorted(plans)}))
         self._shares = {r: _Share([(p.partition_offset, p.partition_size)])
                         for r, p in plans.items()}
         self._metrics = {}
@@ -440,6 +445,7 @@ class SyncScheduler:
     async def _sync(self, participants: Sequence[int]) -> None:
         self._syncs += 1
         self._global_step += min(self._steps.get(r, 0) for r in participants)
+        self._coord.timeline.event(Note(what="sync", fields={"global_step": self._global_step}))
         await self._broadcast(SyncNow())
         await self._broadcast(SetGlobalStep(global_step=self._global_step))
         live = self._survivors()
@@ -476,6 +482,8 @@ class SyncScheduler:
             world_size=self._coord.world_size, total_samples=self._total)
         self._aggregated.append(metrics)
         log.info("epoch %d aggregated: avg_loss %.4f", self._epoch, metrics.avg_loss)
+        self._coord.timeline.event(Note(what="epoch_aggregated", fields={
+            "epoch": self._epoch, "avg_loss": metrics.avg_loss}))
         await self._broadcast(EpochAggregated(metrics=metrics))
         completed = self._epoch + 1
         for kind, every in (("checkpoint", self._checkpoint_every), ("eval", self._eval_every)):

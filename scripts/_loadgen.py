@@ -36,6 +36,7 @@ async def main(args: argparse.Namespace) -> None:
     ranks_ready = 0
     total_ranks = args.relays * args.per_relay
     all_ready = trio.Event()
+    lost: list[str] = []
 
     async def dial_when_released() -> trio.abc.Stream:
         await go.wait()
@@ -45,17 +46,20 @@ async def main(args: argparse.Namespace) -> None:
     async def rank_task(addr: tuple[str, int], rank: int) -> None:
         nonlocal ranks_ready
         cfg = ft.RankConfig(connect_timeout=60, coord_liveness_timeout=120)
-        async with ft.open_rank(addr, salt=salt, rank=rank, world_size=args.world_size,
-                                config=cfg) as ep:
-            ranks_ready += 1
-            if ranks_ready == total_ranks:
-                all_ready.set()
-            async for msg in ep:
-                if isinstance(msg, SetGlobalStep):
-                    now = time.monotonic()
-                    slot = arrivals.setdefault(int(msg.global_step), [0.0, 0])
-                    slot[0] = max(slot[0], now)
-                    slot[1] += 1
+        try:
+            async with ft.open_rank(addr, salt=salt, rank=rank, world_size=args.world_size,
+                                    config=cfg) as ep:
+                ranks_ready += 1
+                if ranks_ready == total_ranks:
+                    all_ready.set()
+                async for msg in ep:
+                    if isinstance(msg, SetGlobalStep):
+                        now = time.monotonic()
+                        slot = arrivals.setdefault(int(msg.global_step), [0.0, 0])
+                        slot[0] = max(slot[0], now)
+                        slot[1] += 1
+        except ft.CoordinatorLost as exc:
+            lost.append(str(exc))
 
     async def relay_task(index: int, nursery: trio.Nursery) -> None:
         first = args.first_rank + index * args.per_relay
@@ -80,7 +84,8 @@ async def main(args: argparse.Namespace) -> None:
         await all_ready.wait()
         emit({"ready": True})
         nursery.start_soon(read_go)
-    emit({"arrivals": {str(k): v for k, v in arrivals.items()}})
+    emit({"arrivals": {str(k): v for k, v in arrivals.items()}, "lost": lost[:3],
+          "lost_count": len(lost)})
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int) -> d
     salt = ft.SessionSalt.generate()
     relays = world // per_relay
     cfg = ft.CoordinatorConfig(world_size=world, formation_timeout=120, handshake_timeout=60,
-                               heartbeat_timeout=120, timing_buffer=65536)
+                               heartbeat_timeout=120, timing_buffer=65536,
+                               shutdown_grace=60)
     bound = await ft.bind_coordinator(("127.0.0.1", 0))
     addr = f"{bound.address[0]}:{bound.address[1]}"
     children = spawn_load_generators(addr, salt, world, per_relay, relays, procs)

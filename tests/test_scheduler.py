@@ -192,6 +192,18 @@ async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the
         nursery.cancel_scope.cancel()
 
 
+async def test_every_rank_exiting_before_the_run_ends_raises_cluster_failure(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with mini_cluster(memory_network, layout(1, 2)) as c:
+        sched = SyncScheduler(c.coord, total_samples=4, batch_size=1, num_epochs=1)
+        for rank, ep in sorted(c.ranks.items()):
+            await ep.send(ft.wire.Exiting(rank=rank))
+        with trio.fail_after(10), pytest.raises(ft.ClusterFailure, match="no live rank left"):
+            await sched.run()
+        with pytest.raises(ft.ConfigError, match="runs once"):
+            await sched.run()
+
+
 def test_invalid_arguments_raise_config_error_naming_them() -> None:
     class FakeCoord:
         world_size = 2

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flodl_trio as ft
 from flodl_trio.scheduler import RunSummary, SyncScheduler
@@ -216,3 +219,31 @@ def test_simulated_rank_rejects_invalid_arguments() -> None:
         SimulatedRank(ep, batch_size=1, batch_ms=1.0, jitter=1.5)
     with pytest.raises(ft.ConfigError, match="fail_mode"):
         SimulatedRank(ep, batch_size=1, batch_ms=1.0, fail_mode="explode")  # type: ignore[arg-type]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_cohorts_with_random_crashes_process_every_epoch_exactly_once(
+        data: st.DataObject) -> None:
+    world = data.draw(st.integers(2, 4), label="world")
+    total = data.draw(st.integers(world, 80), label="total")
+    batch_size = data.draw(st.integers(1, 5), label="batch_size")
+    epochs = data.draw(st.integers(1, 2), label="epochs")
+    speeds = {r: data.draw(st.sampled_from([5.0, 10.0, 20.0, 40.0])) for r in range(world)}
+    doomed = data.draw(st.lists(st.integers(0, world - 1), max_size=world - 1, unique=True))
+    crash_after = {r: data.draw(st.integers(1, 2 + total // (world * batch_size)))
+                   for r in doomed}
+
+    async def scenario() -> None:
+        net = MemoryNetwork()
+        sims = args(batch_size, speeds, fail_after_batches=crash_after)
+        async with sim_cluster(net, layout(1, world), sims) as c:
+            summary = await run_scheduler(c, total_samples=total, batch_size=batch_size,
+                                          num_epochs=epochs)
+        assert summary.epochs_completed == epochs
+        assert_each_epoch_processed_exactly_once([c.sims[r].record for r in range(world)],
+                                                 total, epochs)
+        assert set(summary.deaths) <= set(doomed)
+        net.assert_all_closed()
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hmac
 import struct
-from typing import NamedTuple
+from collections.abc import Callable
+from functools import partial
+from hmac import compare_digest
+from typing import Any, NamedTuple
 
 from .._errors import AuthError, FrameTooLarge, HandshakeError, WireError
 from ._constants import (
@@ -128,6 +131,10 @@ class Frame(NamedTuple):
     payload: bytes
 
 
+# NamedTuple's generated __new__ is a Python function; a frame is built on every frame opened.
+_new_frame: Callable[[tuple[int, bytes]], Frame] = partial(tuple.__new__, Frame)  # type: ignore[arg-type]
+
+
 def kind_of(msg: WireMessage) -> MsgKind:
     if isinstance(msg, ControlMsg):
         return MsgKind.CONTROL
@@ -143,25 +150,27 @@ def kind_of(msg: WireMessage) -> MsgKind:
 class FrameCodec:
     """ControlFrame sealing and opening with one salt, keyed once."""
 
-    __slots__ = ("_mac", "max_payload")
+    __slots__ = ("_kinds", "_mac", "max_payload")
 
     def __init__(self, salt: SessionSalt | bytes, *, max_payload: int = MAX_CONTROL_PAYLOAD):
         self._mac = Mac64(bytes(salt))
         self.max_payload = max_payload
+        self._kinds: dict[type[WireMessage], int] = {}  # message class -> its MsgKind
 
     def seal(self, kind: int, payload: bytes) -> bytes:
-        if len(payload) > self.max_payload:
+        n = len(payload)
+        if n > self.max_payload:
             raise FrameTooLarge(
-                f"ControlFrame: payload of {len(payload)} bytes is over the ceiling of "
-                f"{self.max_payload}"
+                f"ControlFrame: payload of {n} bytes is over the ceiling of {self.max_payload}"
             )
-        kind_len = _KIND_LEN.pack(kind, len(payload))
-        tag = self._mac.tag(kind_len, payload)
-        return _U32.pack(CONTROL_FRAME_MAGIC) + _U32.pack(PROTOCOL_VERSION) + tag + kind_len + \
-            payload
+        tag = self._mac.tag2(_KIND_LEN.pack(kind, n), payload)
+        return _FRAME_HEAD.pack(CONTROL_FRAME_MAGIC, PROTOCOL_VERSION, tag, kind, n) + payload
 
     def encode(self, msg: WireMessage) -> bytes:
-        return self.seal(kind_of(msg), encode(msg))
+        kind = self._kinds.get(type(msg))
+        if kind is None:
+            kind = self._kinds[type(msg)] = int(kind_of(msg))
+        return self.seal(kind, encode(msg))
 
     def check_header(self, head: bytes | bytearray) -> tuple[bytes, int, int]:
         """Validate a 24-byte header (magic, version, kind, length); return (tag, kind, len)."""
@@ -184,7 +193,7 @@ class FrameCodec:
             )
         return tag, kind, length
 
-    def open(self, data: bytes) -> Frame:
+    def open(self, data: bytes | bytearray) -> Frame:
         """Exactly one whole frame."""
         if len(data) < FRAME_HEADER_LEN:
             raise WireError(
@@ -197,12 +206,12 @@ class FrameCodec:
                 f"{len(data) - FRAME_HEADER_LEN}"
             )
         payload = bytes(data[FRAME_HEADER_LEN:])
-        if not self._mac.verify(tag, data[16:24], payload):
+        if not compare_digest(self._mac.tag2(data[16:24], payload), tag):
             raise AuthError(
                 f"ControlFrame (kind {kind}): HMAC verification failed (wrong session salt or "
                 "tampered frame)"
             )
-        return Frame(kind, payload)
+        return _new_frame((kind, payload))
 
 
 def encode_frame(salt: SessionSalt, msg: WireMessage) -> bytes:
@@ -215,15 +224,34 @@ def decode_frame(salt: SessionSalt, data: bytes) -> Frame:
     return FrameCodec(salt).open(data)
 
 
+_DECODERS: dict[int, Callable[[bytes], WireMessage]] = {
+    MsgKind.CONTROL: decode_control,
+    MsgKind.TIMING: decode_timing,
+    MsgKind.METRICS: decode_metrics,
+}
+
+
 def frame_message(frame: Frame) -> WireMessage | None:
     """Decode a frame's payload by its kind; ``None`` for the reserved kinds 4-7."""
-    if frame.kind == MsgKind.CONTROL:
-        return decode_control(frame.payload)
-    if frame.kind == MsgKind.TIMING:
-        return decode_timing(frame.payload)
-    if frame.kind == MsgKind.METRICS:
-        return decode_metrics(frame.payload)
-    return None
+    decode = _DECODERS.get(frame.kind)
+    return None if decode is None else decode(frame.payload)
+
+
+def frames_before(exc: BaseException) -> list[Any]:
+    """The whole frames (or blobs, or records) a decoder's ``feed`` decoded before it raised.
+
+    A chunk can hold good frames followed by a bad one. ``feed`` raises at the bad one, and the
+    frames before it travel with the error, in order, so the caller can act on them before it ends
+    the connection. They come with the first raise only: a poisoned decoder raises the same error
+    again with none (``[]``), since that later call decoded nothing.
+    """
+    frames: list[Any] = getattr(exc, "frames_before", [])
+    return frames
+
+
+def _attach(exc: WireError, frames: list[Any]) -> WireError:
+    exc.frames_before = frames  # type: ignore[attr-defined]
+    return exc
 
 
 class _Poisonable:
@@ -238,14 +266,14 @@ class _Poisonable:
         """True when no partial frame is buffered (EOF here is a clean end)."""
         return not self._buf
 
-    def _poison(self, exc: WireError) -> WireError:
-        self._error = exc
+    def _poison(self, exc: WireError, frames: list[Any]) -> WireError:
+        self._error = _attach(exc, frames)
         self._buf.clear()
         return exc
 
     def _check_poison(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise _attach(self._error, [])
 
     def eof_error(self, who: str) -> WireError | None:
         """The error for an EOF now, or None when EOF is clean."""
@@ -262,6 +290,13 @@ class FrameDecoder(_Poisonable):
         self._codec = FrameCodec(salt, max_payload=max_payload)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Buffer ``data`` and return every frame it completes.
+
+        Raises:
+            WireError: at the first invalid frame (``AuthError``, ``FrameTooLarge`` included);
+                the frames of this call before it are in :func:`frames_before`. From then on the
+                decoder is poisoned: every later ``feed`` raises the same error.
+        """
         self._check_poison()
         buf = self._buf
         buf += data
@@ -276,7 +311,7 @@ class FrameDecoder(_Poisonable):
                 out.append(self._codec.open(bytes(buf[:total])))
                 del buf[:total]
         except WireError as exc:
-            raise self._poison(exc) from None
+            raise self._poison(exc, out) from None
         return out
 
 
@@ -293,6 +328,12 @@ class LenFrameDecoder(_Poisonable):
         self.max_len = max_len
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """Buffer ``data`` and return every blob it completes.
+
+        Raises:
+            FrameTooLarge: a declared length over ``max_len``; the blobs of this call before it
+                are in :func:`frames_before`. From then on every ``feed`` raises the same error.
+        """
         self._check_poison()
         buf = self._buf
         buf += data
@@ -304,7 +345,8 @@ class LenFrameDecoder(_Poisonable):
                     FrameTooLarge(
                         f"length frame: declared {length} bytes is over the ceiling of "
                         f"{self.max_len}"
-                    )
+                    ),
+                    out,
                 )
             total = LEN_PREFIX_LEN + length
             if len(buf) < total:

@@ -11,6 +11,8 @@ from typing import Any
 import attrs
 
 from .._errors import WireError
+from ._cbor import cbor_dumps, cbor_loads
+from ._codegen import finalize
 from ._schema import (
     F32,
     F64,
@@ -22,9 +24,6 @@ from ._schema import (
     HostName,
     Nonce,
     WireMessage,
-    cbor_dumps,
-    cbor_loads,
-    finalize,
     variant,
 )
 
@@ -462,7 +461,7 @@ def decode_timing(b: bytes) -> TimingMsg:
 
 def decode_metrics(b: bytes) -> Metrics:
     """Strictly decode a Metrics payload."""
-    value: Any = Metrics._load_fields(cbor_loads(b, "Metrics"), "Metrics")
+    value: Any = Metrics._strict_load(cbor_loads(b, "Metrics"), "Metrics")
     assert isinstance(value, Metrics)
     return value
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from typing import NamedTuple
+from functools import partial
+from hmac import compare_digest
+from typing import Any, NamedTuple
 
 from .._errors import AuthError, FrameTooLarge, WireError
 from ._constants import (
@@ -22,12 +24,16 @@ from ._constants import (
     RecordKind,
 )
 from ._crypto import Mac64
-from ._schema import cbor_dumps, cbor_loads, describe
+from ._frames import _attach
+from ._cbor import cbor_dumps, cbor_loads
+from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
 _SEQ = struct.Struct("<BQ")  # direction byte, sequence number
 _KINDS = {int(RecordKind.DATA), int(RecordKind.CONTROL), int(RecordKind.FANOUT)}
 _DIRECTIONS = {RELAY_TO_COORD: "relay→coordinator", COORD_TO_RELAY: "coordinator→relay"}
+_U32_LIMIT = 1 << 32
+_KIND_TYPES = (int, RecordKind)  # exactly these: True == 1 would otherwise pass as DATA
 
 
 class Record(NamedTuple):
@@ -36,6 +42,10 @@ class Record(NamedTuple):
     kind: int
     rank: int
     payload: bytes
+
+
+# NamedTuple's generated __new__ is a Python function; a record is built per record opened.
+_new_record: Any = partial(tuple.__new__, Record)
 
 
 def _check_direction(direction: int) -> int:
@@ -64,16 +74,41 @@ class RecordSealer:
         """Switch keys; the sequence number keeps counting."""
         self._mac = Mac64(bytes(key))
 
-    def seal(self, kind: int, rank: int, payload: bytes) -> bytes:
-        if len(payload) > self.max_payload:
+    def seal(self, kind: int, rank: int, payload: bytes | bytearray | memoryview) -> bytes:
+        """One sealed record: header, tag, payload; the sequence number advances by one.
+
+        Raises:
+            WireError: ``kind`` is not DATA, CONTROL or FANOUT, ``rank`` is not a u32, or
+                ``payload`` is not bytes-like (``FrameTooLarge``: over ``max_payload``).
+        """
+        if (type(kind) not in _KIND_TYPES or kind not in _KINDS or type(rank) is not int
+                or not 0 <= rank < _U32_LIMIT or type(payload) is not bytes):  # fmt: skip
+            kind, rank, payload = _checked_seal_args(kind, rank, payload)
+        n = len(payload)
+        if n > self.max_payload:
             raise FrameTooLarge(
-                f"record: payload of {len(payload)} bytes is over the ceiling of "
-                f"{self.max_payload}"
+                f"record: payload of {n} bytes is over the ceiling of {self.max_payload}"
             )
-        head = _HEAD.pack(RECORD_MAGIC, PROTOCOL_VERSION, kind, rank, len(payload))
+        head = _HEAD.pack(RECORD_MAGIC, PROTOCOL_VERSION, kind, rank, n)
         tag = self._mac.tag(_SEQ.pack(self.direction, self.seq), head, payload)
         self.seq += 1
         return head + tag + payload
+
+
+def _checked_seal_args(kind: Any, rank: Any, payload: Any) -> tuple[int, int, bytes]:
+    """The slow path of ``seal``: accept what is valid but unusual, name what is not."""
+    if isinstance(kind, bool) or not isinstance(kind, int) or kind not in _KINDS:
+        raise WireError(
+            f"record: kind must be RecordKind.DATA (1), CONTROL (2) or FANOUT (5), got {kind!r}"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < _U32_LIMIT:
+        raise WireError(f"record: rank must be a u32 (0 to 2**32-1), got {rank!r}")
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise WireError(
+            f"record: payload must be bytes, bytearray or memoryview, got "
+            f"{type(payload).__name__}"
+        )
+    return int(kind), int(rank), bytes(payload)
 
 
 class RecordOpener:
@@ -115,25 +150,44 @@ class RecordOpener:
         return None
 
     def push(self, data: bytes | bytearray | memoryview) -> None:
-        """Buffer bytes without opening anything."""
+        """Buffer bytes without opening anything.
+
+        Raises:
+            WireError: the opener is poisoned (an earlier record failed); the same error again.
+        """
         if self._error is not None:
-            raise self._error
+            raise _attach(self._error, [])
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
         self._buf += data
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Record]:
+        """Buffer ``data`` and open every record it completes.
+
+        Raises:
+            WireError: at the first record that fails (``AuthError``: its tag does not verify;
+                ``FrameTooLarge``: its declared length); the records this call opened before it
+                are in :func:`~flodl_trio.wire.frames_before`. From then on the opener is
+                poisoned: every later call raises the same error.
+        """
         self.push(data)
         out: list[Record] = []
-        while (rec := self.next_record()) is not None:
-            out.append(rec)
+        try:
+            while (rec := self.next_record()) is not None:
+                out.append(rec)
+        except WireError as exc:
+            raise _attach(exc, out) from None
         return out
 
     def next_record(self) -> Record | None:
-        """Open the next complete buffered record, or None if none is complete yet."""
+        """Open the next complete buffered record, or None if none is complete yet.
+
+        Raises:
+            WireError: as :meth:`feed`; the opener is poisoned from then on.
+        """
         if self._error is not None:
-            raise self._error
+            raise _attach(self._error, [])
         buf, pos = self._buf, self._pos
         if len(buf) - pos < RECORD_HEADER_LEN:
             self._compact()
@@ -167,7 +221,8 @@ class RecordOpener:
             head = buf[pos : pos + 17]
             tag = buf[pos + 17 : pos + RECORD_HEADER_LEN]
             payload = bytes(buf[pos + RECORD_HEADER_LEN : end])
-            if not self._mac.verify(tag, _SEQ.pack(self.direction, self.seq), head, payload):
+            seq = _SEQ.pack(self.direction, self.seq)
+            if not compare_digest(self._mac.tag(seq, head, payload), tag):
                 raise AuthError(
                     f"record #{self.seq} ({_DIRECTIONS[self.direction]}, kind {kind}, rank "
                     f"{rank}): tag does not verify (wrong session salt, replayed, reordered, "
@@ -176,13 +231,14 @@ class RecordOpener:
             if kind != RecordKind.DATA and rank != 0:
                 raise WireError(f"record #{self.seq}: kind {kind} must carry rank 0, got {rank}")
         except WireError as exc:
-            self._error = exc
+            self._error = _attach(exc, [])
             self._buf = bytearray()
             self._pos = 0
             raise
         self.seq += 1
         self._pos = end
-        return Record(kind, rank, payload)
+        rec: Record = _new_record((kind, rank, payload))
+        return rec
 
     def _compact(self) -> None:
         # Drop consumed bytes lazily so a burst of small records costs O(n), not O(n^2).
@@ -191,13 +247,25 @@ class RecordOpener:
             self._pos = 0
 
 
-def encode_fanout(ranks: Iterable[int], frame: bytes) -> bytes:
-    """FANOUT payload: CBOR ``[ranks ascending, frame]``."""
-    ordered = sorted(set(ranks))
-    for r in ordered:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 1 << 32:
+def encode_fanout(ranks: Iterable[int], frame: bytes | bytearray | memoryview) -> bytes:
+    """FANOUT payload: CBOR ``[ranks ascending, frame]`` (duplicates dropped).
+
+    Raises:
+        WireError: a rank that is not a u32, ``ranks`` not iterable, or ``frame`` not bytes-like.
+    """
+    try:
+        listed = list(ranks)
+    except TypeError:
+        raise WireError(
+            f"FANOUT: ranks must be an iterable of u32, got {type(ranks).__name__}"
+        ) from None
+    # Checked before sorting: sorted() of mixed types raises TypeError, not our error.
+    for r in listed:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < _U32_LIMIT:
             raise WireError(f"FANOUT: ranks must be u32, got {r!r}")
-    return cbor_dumps([ordered, bytes(frame)])
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise WireError(f"FANOUT: frame must be bytes, got {type(frame).__name__}")
+    return cbor_dumps([sorted({int(r) for r in listed}), bytes(frame)])
 
 
 def decode_fanout(payload: bytes) -> tuple[tuple[int, ...], bytes]:

@@ -158,12 +158,14 @@ class DuplicateOneSend(trio.abc.HalfCloseableStream):
         self.after = after
         self.sent = 0
         self.duplicated: bytes | None = None
+        self.duplicated_at: float | None = None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         payload = bytes(data)
         await self.inner.send_all(payload)
         if self.sent >= self.after and self.duplicated is None:
             self.duplicated = payload
+            self.duplicated_at = trio.current_time()
             await self.inner.send_all(payload)
         self.sent += len(payload)
 
@@ -243,21 +245,24 @@ async def _run_rank(host: Host, rank: int, dial: Any, *, salt: ft.SessionSalt, w
 
 
 async def run_host(
-    net: MemoryNetwork, name: str, ranks: Sequence[int], *, salt: ft.SessionSalt, world: int,
-    upstream: Any = None, rank_dialers: dict[int, Any] | None = None,
+    net: MemoryNetwork | None, name: str, ranks: Sequence[int], *, salt: ft.SessionSalt,
+    world: int, upstream: Any = None, rank_dialers: dict[int, Any] | None = None,
     relay_config: ft.RelayConfig | None = None, rank_config: ft.RankConfig | None = None,
     rank_delay: float = 0.0, rank_delays: dict[int, float] | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run relay ``name`` (rank listener ``relay:<name>``) and its ranks until they all end.
+    """Run relay ``name`` and its ranks until they all end.
 
-    Each rank starts ``rank_delays.get(rank, rank_delay)`` seconds after the relay is bound.
-
-    Started with ``nursery.start``, it reports the :class:`Host` once the relay is bound.
+    On ``net`` the relay listens on ``relay:<name>`` and dials ``coordinator`` unless
+    ``upstream`` says otherwise; with ``net=None`` it listens on loopback TCP and ``upstream``
+    must be given. Each rank starts ``rank_delays.get(rank, rank_delay)`` seconds after the
+    relay is bound. Started with ``nursery.start``, it reports the :class:`Host` then.
     """
     host = Host(name, tuple(ranks))
     host.ranks_done = {r: trio.Event() for r in ranks}
-    upstream = upstream if upstream is not None else plain_dialer(net, COORD)
+    if upstream is None:
+        assert net is not None, "over TCP, pass upstream=(host, port)"
+        upstream = plain_dialer(net, COORD)
     dialers = rank_dialers or {}
     try:
         with host.cancel:
@@ -265,12 +270,15 @@ async def run_host(
                 try:
                     async with ft.open_relay(
                         upstream, salt=salt, host=name, ranks=ranks, world_size=world,
-                        rank_listen=net.listener(f"relay:{name}"), config=relay_config,
+                        rank_listen=None if net is None else net.listener(f"relay:{name}"),
+                        config=relay_config,
                     ) as relay:
                         host.relay = relay
                         task_status.started(host)
                         for r in ranks:
-                            dial = dialers.get(r) or plain_dialer(net, f"relay:{name}")
+                            dial = dialers.get(r) or (
+                                relay.rank_address if net is None
+                                else plain_dialer(net, f"relay:{name}"))
                             nursery.start_soon(partial(
                                 _run_rank, host, r, dial, salt=salt, world=world,
                                 config=rank_config,
@@ -293,3 +301,116 @@ async def wait_for(predicate: Callable[[], bool], *, within: float, step: float 
     with trio.fail_after(within):
         while not predicate():  # noqa: ASYNC110
             await trio.sleep(step)
+
+
+# ------------------------------------------------------------------ one cluster, one fault
+
+
+@attrs.define(eq=False)
+class Outcome:
+    """What one fault scenario ended with; tests assert on it, the sweep tabulates it.
+
+    Attributes:
+        scenario: a short name, e.g. ``"upstream cut up@12"``.
+        formed: the coordinator's block was entered (every rank covered).
+        error: what ``open_coordinator`` raised (a FlodlError), or None.
+        dead: rank → reason, as the coordinator had it when its block ended.
+        decision: what happened to the faulted connection or relay, in words.
+        decision_time: seconds from the fault to that decision (Trio clock), if known.
+        leaks: streams, listeners or tasks still open once everything ended.
+    """
+
+    scenario: str
+    log: EventLog
+    hosts: dict[str, Host] = attrs.Factory(dict)
+    formed: bool = False
+    error: BaseException | None = None
+    dead: dict[int, str] = attrs.Factory(dict)
+    decision: str = ""
+    decision_time: float | None = None
+    leaks: list[str] = attrs.Factory(list)
+    details: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def label(self) -> str:
+        """The outcome class the sweep counts."""
+        if self.error is not None:
+            return type(self.error).__name__
+        return "formed, ranks dead" if self.dead else "formed"
+
+
+HostSpec = dict[str, Any]  # keyword arguments of run_host besides net/salt/world
+
+
+async def run_cluster(
+    net: MemoryNetwork, out: Outcome, hosts: dict[str, HostSpec], *,
+    config: ft.CoordinatorConfig, salt: ft.SessionSalt, body: Any = None,
+    side_tasks: Sequence[Any] = (), teardown: float = 120.0,
+) -> None:
+    """Coordinator + relays + ranks on ``net``; ``body(coord)`` runs inside the block.
+
+    ``side_tasks`` are ``async fn()`` started next to the hosts (raw attackers and the like).
+    Fills ``out`` (formed, error, dead, hosts, leaks); every task has ended when it returns.
+    """
+    world = config.world_size
+    listener = net.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        for name, spec in hosts.items():
+            kwargs = dict(spec)
+            out.hosts[name] = await nursery.start(partial(
+                run_host, net, name, kwargs.pop("ranks"), salt=salt, world=world, **kwargs))
+        for task in side_tasks:
+            nursery.start_soon(task)
+        try:
+            async with ft.open_coordinator(listener, salt=salt, config=config,
+                                           timeline=out.log) as coord:
+                out.formed = True
+                out.details["coord"] = coord
+                try:
+                    if body is not None:
+                        await body(coord)
+                finally:
+                    out.dead = {r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)}
+        except ft.FlodlError as exc:
+            out.error = exc
+        # The coordinator is closed: every peer ends on its own (EOF or its own deadlines).
+        with trio.move_on_after(teardown):
+            await wait_for(lambda: all(h.finished for h in out.hosts.values()), within=teardown)
+        nursery.cancel_scope.cancel()
+    out.leaks = leaks(net)
+
+
+def leaks(net: MemoryNetwork) -> list[str]:
+    """Open stream ends and listeners of ``net`` and flodl tasks still alive in this run."""
+    found = [repr(end) for end in net.open_streams()]
+    found += [repr(listener) for listener in net.open_listeners()]
+    found += [f"task {name}" for name in live_task_names() if name.startswith("flodl_trio.")]
+    return found
+
+
+def live_task_names() -> list[str]:
+    """Names of every task alive in this Trio run (a bounded walk of the task tree)."""
+    names: list[str] = []
+    todo = [trio.lowlevel.current_root_task()]
+    while todo and len(names) < 100_000:
+        task = todo.pop()
+        if task is None:
+            continue
+        names.append(task.name)
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return names
+
+
+def first(log: EventLog, kind: type[Any], predicate: Callable[[Any], bool] = lambda ev: True
+          ) -> tuple[float, Any] | None:
+    """The first event of ``kind`` satisfying ``predicate``, with its Trio time."""
+    for t, ev in log.of(kind):
+        if predicate(ev):
+            return t, ev
+    return None
+
+
+def category(reason: str) -> str:
+    """The category of a HandshakeRejected reason (``"bad mac: ..."`` → ``"bad mac"``)."""
+    return reason.split(":", 1)[0]
