@@ -46,6 +46,7 @@ from .wire import (
     control_label,
     decode_control,
     encode_rank_hello,
+    frames_before,
     len_frame,
     verify_rank_ack,
 )
@@ -167,7 +168,13 @@ class RankEndpoint:
                 data = await self._stream.receive_some(65536)
                 if not data:
                     break
-                for blob in decoder.feed(data):
+                try:
+                    blobs = decoder.feed(data)
+                except WireError as exc:
+                    for blob in frames_before(exc):  # whole frames before the bad length
+                        await self._on_blob(blob)
+                    raise
+                for blob in blobs:
                     await self._on_blob(blob)
         except WireError as exc:
             self._set_lost(f"protocol error on the link: {exc}")

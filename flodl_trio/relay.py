@@ -63,6 +63,7 @@ from .wire import (
     decode_relay,
     encode,
     encode_rank_ack,
+    frames_before,
     hs_key,
     len_frame,
 )
@@ -408,14 +409,20 @@ class Relay:
     async def _read_upstream(self, stream: trio.abc.Stream, opener: RecordOpener,
                              finish: Any) -> None:
         try:
-            records = opener.feed(b"")  # whatever arrived together with HelloAck
+            data: bytes | bytearray = b""  # the first feed opens what came with HelloAck
             while True:
+                try:
+                    records = opener.feed(data)
+                except WireError as exc:
+                    # Records authenticated before the bad one are delivered; then it ends.
+                    for rec in frames_before(exc):
+                        await self._route(rec)
+                    raise
                 for rec in records:
                     await self._route(rec)
                 data = await stream.receive_some(65536)
                 if not data:
                     break
-                records = opener.feed(data)
         except WireError as exc:
             self._error = exc
             finish(f"upstream protocol error: {exc}", False)
@@ -480,7 +487,13 @@ class Relay:
             data: bytes | bytearray = bytes(link.early)  # read while accepting ranks
             link.early.clear()
             while True:
-                for blob in decoder.feed(data):
+                try:
+                    blobs = decoder.feed(data)
+                except WireError as exc:
+                    for blob in frames_before(exc):  # whole frames before the bad length
+                        await up_send.send((int(RecordKind.DATA), link.rank, blob))
+                    raise
+                for blob in blobs:
                     await up_send.send((int(RecordKind.DATA), link.rank, blob))
                 if link.early_eof:
                     break

@@ -55,6 +55,7 @@ from ..wire import (
     decode_timing,
     encode,
     encode_fanout,
+    frames_before,
 )
 from . import liveness
 from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
@@ -502,7 +503,14 @@ class Coordinator:
                     err = conn.opener.eof_error(f"relay {conn.host!r}")
                     cause = str(err) if err is not None else "connection closed by the relay (EOF)"
                     break
-                for rec in conn.opener.feed(data):
+                try:
+                    records = conn.opener.feed(data)
+                except WireError as exc:
+                    # Records authenticated before the bad one are acted on; then it ends.
+                    for rec in frames_before(exc):
+                        await self._on_record(conn, rec)
+                    raise
+                for rec in records:
                     await self._on_record(conn, rec)
         except AuthError as exc:
             cause = f"authentication failure: {exc}"

@@ -117,9 +117,10 @@ class _Source:
                           f"        if type(k) is not str or {bad}:", "            raise Mismatch",
                           "    return x"]  # fmt: skip
             else:
+                inner = self.convert(spec.inner)
                 lines += ["    for k in x:", "        if type(k) is not str:",
                           "            raise Mismatch",
-                          f"    return {{k: {self.convert(spec.inner)}(e) for k, e in x.items()}}"]  # fmt: skip
+                          f"    return {{k: {inner}(e) for k, e in x.items()}}"]  # fmt: skip
         else:
             raise TypeError(f"{self.cls_name}: no fast loader for {type(spec).__name__}")
         return self._function("load", ["x"], lines)
@@ -153,7 +154,7 @@ class _Source:
         source = "\n".join(self.blocks)
         filename = f"<flodl_trio.wire generated {kind} of {self.cls_name}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        exec(compile(source, filename, "exec"), self.ns)  # noqa: S102 - our own generated source
+        exec(compile(source, filename, "exec"), self.ns)  # our own source, built above
         fn: Callable[..., Any] = self.ns[entry]
         return fn, source
 
@@ -201,12 +202,13 @@ def build_dumper(cls: type[WireMessage], index: int | None) -> Callable[[Any], l
 def _install(cls: type[WireMessage]) -> None:
     in_family = cls._family is not None
     loader, source = build_loader(cls, offset=1 if in_family else 0)
-    cls._fast_load = staticmethod(loader)  # type: ignore[assignment]
+    cls._fast_load = staticmethod(loader)
     cls._loader_source = source
     dumper = build_dumper(cls, cls._index if in_family else None)
-    cls._to_wire = dumper  # type: ignore[method-assign]
+    # Generated methods replace the reference ones (a plain struct's wire form is its fields).
+    setattr(cls, "_to_wire", dumper)  # noqa: B010 - mypy refuses assigning to a method
     if not in_family:
-        cls._dump_fields = dumper  # type: ignore[method-assign]
+        setattr(cls, "_dump_fields", dumper)  # noqa: B010
     if cls._family is not None:
         cls._family.fast[cls._index] = loader
 

@@ -132,7 +132,7 @@ class Frame(NamedTuple):
 
 
 # NamedTuple's generated __new__ is a Python function; a frame is built on every frame opened.
-_new_frame: Callable[[tuple[int, bytes]], Frame] = partial(tuple.__new__, Frame)  # type: ignore[arg-type]
+_new_frame: Callable[[tuple[int, bytes]], Frame] = partial(tuple.__new__, Frame)
 
 
 def kind_of(msg: WireMessage) -> MsgKind:

@@ -14,6 +14,7 @@ from hmac import compare_digest
 from typing import Any, NamedTuple
 
 from .._errors import AuthError, FrameTooLarge, WireError
+from ._cbor import cbor_dumps, cbor_loads
 from ._constants import (
     COORD_TO_RELAY,
     MAX_RECORD_PAYLOAD,
@@ -25,7 +26,6 @@ from ._constants import (
 )
 from ._crypto import Mac64
 from ._frames import _attach
-from ._cbor import cbor_dumps, cbor_loads
 from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
