@@ -251,6 +251,8 @@ class Relay:
             link.early_eof = True  # too late to free the slot: the pump reports RankExit
             return
         del self._links[link.rank]
+        self._rejects.append(f"rank {link.rank}: its link ended after the ack, before every "
+                             "local rank connected (a re-dial is accepted)")
         log.warning("relay %r: rank %d's link ended before every local rank connected; "
                     "accepting it again", self.host, link.rank)
         await trio.aclose_forcefully(link.stream)

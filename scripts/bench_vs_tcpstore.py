@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import shutil
+import socket
 import statistics
 import subprocess
 import sys

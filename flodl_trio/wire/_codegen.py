@@ -82,18 +82,24 @@ class _Source:
             return None if inner is None else f"{x} is not None and ({inner})"
         return None
 
-    def convert(self, spec: Spec) -> str:
-        """The name of a generated function ``f(x) -> value`` that raises Mismatch."""
+    def convert(self, spec: Spec, label: str) -> str:
+        """The name of a generated function ``f(x) -> value`` that raises Mismatch; ``label``
+        (``"Metrics_scalars"``) names it in the source."""
         if isinstance(spec, StructSpec):
             if "_fast_load" not in spec.cls.__dict__:
                 _install(spec.cls)  # a nested struct is generated before the classes using it
-            return self.name(spec.cls.__name__, spec.cls._fast_load)
-        if isinstance(spec, EnumSpec):
-            return self._enum(spec)
+            return self.name(f"load_{spec.cls.__name__}", spec.cls._fast_load)
         lines: list[str]
-        if isinstance(spec, Opt):
-            inner = self.convert(spec.inner)
-            lines = ["    return None if x is None else " + inner + "(x)"]
+        if isinstance(spec, EnumSpec):
+            members = self.name(f"{spec.cls.__name__}_members", {int(m): m for m in spec.cls})
+            # A value outside the enum goes to the reference path: it applies the fallback
+            # member (SaveReason) or raises the error listing the known values.
+            lines = [f"    if {self.bad(spec.uint, 'x')}:", "        raise Mismatch",
+                     f"    m = {members}.get(x)", "    if m is None:", "        raise Mismatch",
+                     "    return m"]  # fmt: skip
+        elif isinstance(spec, Opt):
+            inner = self.convert(spec.inner, label)
+            lines = [f"    return None if x is None else {inner}(x)"]
         elif isinstance(spec, Seq):
             lines = ["    if type(x) is not list:", "        raise Mismatch"]
             bad = self.bad(spec.inner, "e")
@@ -101,14 +107,15 @@ class _Source:
                 lines += ["    for e in x:", f"        if {bad}:", "            raise Mismatch",
                           "    return tuple(x)"]  # fmt: skip
             else:
-                lines += [f"    return tuple([{self.convert(spec.inner)}(e) for e in x])"]
+                inner = self.convert(spec.inner, f"{label}_item")
+                lines += [f"    return tuple([{inner}(e) for e in x])"]
         elif isinstance(spec, Pair):
-            n = len(spec.items)
-            names = [f"a{i}" for i in range(n)]
-            lines = [f"    if type(x) is not list or len(x) != {n}:", "        raise Mismatch",
-                     f"    {', '.join(names)}, = x"]  # fmt: skip
-            lines += self._checks(list(zip(names, spec.items, strict=True)))
-            lines += [f"    return ({', '.join(names)},)"]
+            names = [f"a{i}" for i in range(len(spec.items))]
+            lines = [f"    if type(x) is not list or len(x) != {len(names)}:",
+                     "        raise Mismatch", f"    {_targets(names)} = x"]  # fmt: skip
+            items = zip(names, spec.items, strict=True)
+            lines += self.checks([(n, s, f"{label}_{i}") for i, (n, s) in enumerate(items)])
+            lines += [f"    return ({_targets(names)})"]
         elif isinstance(spec, TextMap):
             lines = ["    if type(x) is not dict:", "        raise Mismatch"]
             bad = self.bad(spec.inner, "e")
@@ -117,34 +124,26 @@ class _Source:
                           f"        if type(k) is not str or {bad}:", "            raise Mismatch",
                           "    return x"]  # fmt: skip
             else:
-                inner = self.convert(spec.inner)
+                inner = self.convert(spec.inner, f"{label}_value")
                 lines += ["    for k in x:", "        if type(k) is not str:",
                           "            raise Mismatch",
                           f"    return {{k: {inner}(e) for k, e in x.items()}}"]  # fmt: skip
         else:
             raise TypeError(f"{self.cls_name}: no fast loader for {type(spec).__name__}")
-        return self._function("load", ["x"], lines)
+        return self.function(f"load_{label}", ["x"], lines)
 
-    def _enum(self, spec: EnumSpec) -> str:
-        members = self.name("members", {int(m): m for m in spec.cls})
-        # A value outside the enum goes to the reference path: it applies the fallback member
-        # (SaveReason) or raises the error listing the known values.
-        lines = [f"    if {self.bad(spec.uint, 'x')}:", "        raise Mismatch",
-                 f"    m = {members}.get(x)", "    if m is None:", "        raise Mismatch",
-                 "    return m"]  # fmt: skip
-        return self._function("load_enum", ["x"], lines)
-
-    def _checks(self, pairs: list[tuple[str, Spec]]) -> list[str]:
+    def checks(self, fields: list[tuple[str, Spec, str]]) -> list[str]:
+        """Lines checking (or converting) each local variable of ``(variable, spec, label)``."""
         lines = []
-        for var, spec in pairs:
+        for var, spec, label in fields:
             bad = self.bad(spec, var)
             if bad is not None:
                 lines += [f"    if {bad}:", "        raise Mismatch"]
             else:
-                lines += [f"    {var} = {self.convert(spec)}({var})"]
+                lines += [f"    {var} = {self.convert(spec, label)}({var})"]
         return lines
 
-    def _function(self, stem: str, args: list[str], body: list[str]) -> str:
+    def function(self, stem: str, args: list[str], body: list[str]) -> str:
         self._count += 1
         name = f"_{stem}_{self._count}"
         self.blocks.append(f"def {name}({', '.join(args)}):\n" + "\n".join(body) + "\n")
@@ -159,6 +158,11 @@ class _Source:
         return fn, source
 
 
+def _targets(names: list[str]) -> str:
+    """Assignment targets that unpack exactly ``len(names)`` items."""
+    return ", ".join(names) + ("," if len(names) == 1 else "")
+
+
 def build_loader(cls: type[WireMessage], offset: int) -> tuple[Callable[[Any], Any], str]:
     """``load(array) -> instance`` for ``cls``; ``offset`` is 1 when item 0 is a variant index
     (already checked by the family's dispatch)."""
@@ -166,12 +170,14 @@ def build_loader(cls: type[WireMessage], offset: int) -> tuple[Callable[[Any], A
     src = _Source(cls.__name__)
     src.ns["_new"] = object.__new__
     src.ns["_cls"] = cls
+    # Locals are prefixed: a field may be called ``type`` or ``len``.
     names = [f"f_{name}" for name, _ in fields]
     body = [f"    if type(v) is not list or len(v) != {len(fields) + offset}:",
             "        raise Mismatch"]  # fmt: skip
     if fields:
-        body += [f"    {', '.join(['_'] * offset + names)}, = v"]
-        body += src._checks([(n, spec) for n, (_, spec) in zip(names, fields, strict=True)])
+        body += [f"    {_targets(['_'] * offset + names)} = v"]
+        body += src.checks([(var, spec, f"{cls.__name__}_{name}")
+                            for var, (name, spec) in zip(names, fields, strict=True)])  # fmt: skip
     body += ["    inst = _new(_cls)"]
     for var, (name, _) in zip(names, fields, strict=True):
         # The slot descriptor's __set__ is how a frozen attrs class is filled without __init__.
@@ -179,7 +185,7 @@ def build_loader(cls: type[WireMessage], offset: int) -> tuple[Callable[[Any], A
         setter = src.name(f"set_{name}", slot.__set__)
         body += [f"    {setter}(inst, {var})"]
     body += ["    return inst"]
-    entry = src._function(f"load_{cls.__name__}", ["v"], body)
+    entry = src.function(f"load_{cls.__name__}", ["v"], body)
     return src.compile(entry, "loader")
 
 
@@ -188,13 +194,13 @@ def build_dumper(cls: type[WireMessage], index: int | None) -> Callable[[Any], l
     src = _Source(cls.__name__)
     items = [] if index is None else [str(index)]
     for name, spec in cls._fields:
-        if spec.plain:
+        if spec.plain or (isinstance(spec, Seq) and spec.inner.plain):  # a tuple is an array
             items.append(f"self.{name}")
         elif isinstance(spec, EnumSpec):
             items.append(f"int(self.{name})")
         else:
             items.append(f"{src.name(f'dump_{name}', spec.dump)}(self.{name})")
-    entry = src._function(f"dump_{cls.__name__}", ["self"], [f"    return [{', '.join(items)}]"])
+    entry = src.function(f"dump_{cls.__name__}", ["self"], [f"    return [{', '.join(items)}]"])
     fn, _ = src.compile(entry, "dumper")
     return fn
 

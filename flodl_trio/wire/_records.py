@@ -33,6 +33,7 @@ _SEQ = struct.Struct("<BQ")  # direction byte, sequence number
 _KINDS = {int(RecordKind.DATA), int(RecordKind.CONTROL), int(RecordKind.FANOUT)}
 _DIRECTIONS = {RELAY_TO_COORD: "relay→coordinator", COORD_TO_RELAY: "coordinator→relay"}
 _U32_LIMIT = 1 << 32
+_DATA = int(RecordKind.DATA)
 _KIND_TYPES = (int, RecordKind)  # exactly these: True == 1 would otherwise pass as DATA
 
 
@@ -171,13 +172,34 @@ class RecordOpener:
                 are in :func:`~flodl_trio.wire.frames_before`. From then on the opener is
                 poisoned: every later call raises the same error.
         """
-        self.push(data)
+        if self._error is not None:
+            raise _attach(self._error, [])
+        if self._pos < len(self._buf):
+            # A partial record is waiting: complete it in the buffer.
+            self._buf += data
+            buf: bytes | bytearray = self._buf
+            pos = self._pos
+        else:
+            # Nothing buffered (the common case): open the records straight from ``data`` and
+            # buffer only an incomplete tail, instead of copying every chunk into the buffer.
+            buf = data if type(data) is bytes else bytes(data)
+            pos = 0
         out: list[Record] = []
         try:
-            while (rec := self.next_record()) is not None:
+            while (rec := self._open(buf, pos)) is not None:
                 out.append(rec)
+                pos += RECORD_HEADER_LEN + len(rec.payload)
         except WireError as exc:
-            raise _attach(exc, out) from None
+            raise self._poison(exc, out) from None
+        if buf is self._buf:
+            self._pos = pos
+            self._compact()
+        elif pos < len(buf):
+            self._buf = bytearray(buf[pos:])  # the incomplete tail waits for the next chunk
+            self._pos = 0
+        elif self._buf:
+            self._buf.clear()  # consumed bytes of an earlier next_record()
+            self._pos = 0
         return out
 
     def next_record(self) -> Record | None:
@@ -188,57 +210,65 @@ class RecordOpener:
         """
         if self._error is not None:
             raise _attach(self._error, [])
-        buf, pos = self._buf, self._pos
-        if len(buf) - pos < RECORD_HEADER_LEN:
+        try:
+            rec = self._open(self._buf, self._pos)
+        except WireError as exc:
+            raise self._poison(exc, []) from None
+        if rec is None:
             self._compact()
             return None
-        try:
-            magic, version, kind, rank, length = _HEAD.unpack_from(buf, pos)
-            if magic != RECORD_MAGIC:
-                raise WireError(
-                    f"record: bad magic: expected 0x{RECORD_MAGIC:08X}, got 0x{magic:08X}"
-                )
-            if version != PROTOCOL_VERSION:
-                raise WireError(
-                    f"record: protocol version mismatch: expected 0x{PROTOCOL_VERSION:08X}, "
-                    f"got 0x{version:08X}"
-                )
-            if kind not in _KINDS:
-                raise WireError(
-                    f"record: unknown or reserved kind {kind} (expected DATA 1, CONTROL 2 or "
-                    "FANOUT 5)"
-                )
-            if length > self.max_payload:
-                raise FrameTooLarge(
-                    f"record: declared payload of {length} bytes is over the ceiling of "
-                    f"{self.max_payload}"
-                )
-            end = pos + RECORD_HEADER_LEN + length
-            if len(buf) < end:
-                self._compact()
-                return None
-            # bytearray slices go straight into the MAC (one copy each, not two).
-            head = buf[pos : pos + 17]
-            tag = buf[pos + 17 : pos + RECORD_HEADER_LEN]
-            payload = bytes(buf[pos + RECORD_HEADER_LEN : end])
-            seq = _SEQ.pack(self.direction, self.seq)
-            if not compare_digest(self._mac.tag(seq, head, payload), tag):
-                raise AuthError(
-                    f"record #{self.seq} ({_DIRECTIONS[self.direction]}, kind {kind}, rank "
-                    f"{rank}): tag does not verify (wrong session salt, replayed, reordered, "
-                    "dropped or tampered record)"
-                )
-            if kind != RecordKind.DATA and rank != 0:
-                raise WireError(f"record #{self.seq}: kind {kind} must carry rank 0, got {rank}")
-        except WireError as exc:
-            self._error = _attach(exc, [])
-            self._buf = bytearray()
-            self._pos = 0
-            raise
+        self._pos += RECORD_HEADER_LEN + len(rec.payload)
+        return rec
+
+    def _open(self, buf: bytes | bytearray, pos: int) -> Record | None:
+        """Verify the record at ``buf[pos:]`` and count it; None if it is not complete yet."""
+        if len(buf) - pos < RECORD_HEADER_LEN:
+            return None
+        magic, version, kind, rank, length = _HEAD.unpack_from(buf, pos)
+        if magic != RECORD_MAGIC:
+            raise WireError(
+                f"record: bad magic: expected 0x{RECORD_MAGIC:08X}, got 0x{magic:08X}"
+            )
+        if version != PROTOCOL_VERSION:
+            raise WireError(
+                f"record: protocol version mismatch: expected 0x{PROTOCOL_VERSION:08X}, "
+                f"got 0x{version:08X}"
+            )
+        if kind not in _KINDS:
+            raise WireError(
+                f"record: unknown or reserved kind {kind} (expected DATA 1, CONTROL 2 or "
+                "FANOUT 5)"
+            )
+        # The declared length is checked before a byte of the payload is waited for.
+        if length > self.max_payload:
+            raise FrameTooLarge(
+                f"record: declared payload of {length} bytes is over the ceiling of "
+                f"{self.max_payload}"
+            )
+        end = pos + RECORD_HEADER_LEN + length
+        if len(buf) < end:
+            return None
+        head = buf[pos : pos + 17]
+        tag = buf[pos + 17 : pos + RECORD_HEADER_LEN]
+        payload = bytes(buf[pos + RECORD_HEADER_LEN : end])
+        seq = _SEQ.pack(self.direction, self.seq)
+        if not compare_digest(self._mac.tag(seq, head, payload), tag):
+            raise AuthError(
+                f"record #{self.seq} ({_DIRECTIONS[self.direction]}, kind {kind}, rank "
+                f"{rank}): tag does not verify (wrong session salt, replayed, reordered, "
+                "dropped or tampered record)"
+            )
+        if kind != _DATA and rank != 0:
+            raise WireError(f"record #{self.seq}: kind {kind} must carry rank 0, got {rank}")
         self.seq += 1
-        self._pos = end
         rec: Record = _new_record((kind, rank, payload))
         return rec
+
+    def _poison(self, exc: WireError, before: list[Record]) -> WireError:
+        self._error = _attach(exc, before)
+        self._buf = bytearray()
+        self._pos = 0
+        return exc
 
     def _compact(self) -> None:
         # Drop consumed bytes lazily so a burst of small records costs O(n), not O(n^2).

@@ -31,6 +31,21 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+def check_utf8(text: str, where: str, label: str) -> None:
+    """Refuse a str that has no UTF-8 encoding at construction, not in ``encode`` much later.
+
+    A lone surrogate (``"\\udc80"``, e.g. from ``os.fsdecode`` of a name that is not UTF-8) is a
+    valid Python str that cbor2 cannot encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise WireError(
+            f"{where}: expected {label}, got a str that is not valid UTF-8 ({exc.reason} at "
+            f"index {exc.start})"
+        ) from None
+
+
 class Spec:
     """One wire type. ``load`` is strict (decoding); ``coerce`` is for user construction."""
 
@@ -108,15 +123,7 @@ class Text(Spec):
 
     def coerce(self, value: Any, where: str) -> Any:
         if type(value) is str:
-            # A lone surrogate ('\udc80', e.g. from os.fsdecode of a non-UTF-8 name) is a str
-            # that cbor2 cannot encode; refuse it here rather than in encode() much later.
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise WireError(
-                    f"{where}: expected {self.label}, got a str that is not valid UTF-8 "
-                    f"({exc.reason} at index {exc.start})"
-                ) from None
+            check_utf8(value, where, self.label)
         return self.load(value, where)
 
 
@@ -234,6 +241,7 @@ class TextMap(Spec):
         for k, v in value.items():
             if type(k) is not str:
                 raise WireError(f"{where}: expected text map keys, got key {describe(k)}")
+            check_utf8(k, f"{where} key {k!r}", "text map keys")
             out[k] = self.inner.coerce(v, f"{where}[{k!r}]")
         return out
 

@@ -1,0 +1,148 @@
+"""A chunk that holds whole frames followed by a bad one: the peers act on the whole frames, then
+end the connection (``wire.frames_before``). Before, a decoder error dropped every frame of the
+chunk it arrived in, and the peer never saw messages that had arrived intact.
+
+The far ends are written with the sans-IO wire API (``helpers``), on ``MemoryNetwork`` and
+``MockClock``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import RelayLost
+from flodl_trio.testing import MemoryNetwork
+
+from helpers import (
+    COORD,
+    events_of,
+    open_peers,
+    raw_coordinator_accept,
+    raw_relay_handshake,
+    read_exactly,
+    read_one_record,
+    wait_until,
+)
+
+OVERSIZED = struct.pack("<I", wire.MAX_LEN_FRAME + 1)  # a length prefix over the ceiling
+
+
+async def test_rank_receives_the_frames_before_a_bad_length_then_loses_the_coordinator(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    received: list[Any] = []
+
+    async def fake_relay(listener: trio.abc.Listener[Any]) -> None:
+        stream = await listener.accept()
+        await read_exactly(stream, wire.RANK_HELLO_LEN)
+        await stream.send_all(wire.encode_rank_ack(salt))
+        frames = [wire.len_frame(wire.encode_frame(salt, wire.SetGlobalStep(step)))
+                  for step in (5, 6)]  # fmt: skip
+        await stream.send_all(b"".join(frames) + OVERSIZED)  # one chunk
+        with trio.move_on_after(10):
+            while await stream.receive_some(65536):
+                pass
+        await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as nursery, memory_network.listener("relay") as listener:
+        nursery.start_soon(fake_relay, listener)
+        async with ft.open_rank(lambda: memory_network.connect("relay"), salt=salt, rank=0,
+                                world_size=1) as ep:
+            try:
+                async for msg in ep:
+                    received.append(msg)
+            except ft.CoordinatorLost as exc:
+                lost: ft.CoordinatorLost | None = exc
+            else:
+                lost = None
+    assert received == [wire.SetGlobalStep(5), wire.SetGlobalStep(6)]
+    assert lost is not None and "protocol error" in str(lost) and "ceiling" in str(lost)
+
+
+async def test_relay_forwards_a_ranks_frames_before_its_bad_length_then_drops_that_rank(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    records: list[wire.Record] = []
+    upstream_ready = trio.Event()
+
+    async def coordinator() -> None:
+        side = await raw_coordinator_accept(listener, salt)
+        await listener.aclose()
+        upstream_ready.set()
+        try:
+            while (rec := await read_one_record(side.stream, side.opener)) is not None:
+                records.append(rec)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(side.stream)
+
+    async with trio.open_nursery() as nursery:
+        listener = memory_network.listener(COORD)
+        nursery.start_soon(coordinator)
+        async with open_peers(memory_network, {"host-0": [0, 1]}, salt=salt,
+                              raw_ranks={0: None, 1: None}) as peers:
+            await upstream_ready.wait()
+            frames = [wire.encode_frame(salt, wire.LrUpdate(rank=0, lr=lr)) for lr in (0.1, 0.2)]
+            await peers.raw[0].stream.send_all(
+                b"".join(wire.len_frame(f) for f in frames) + OVERSIZED)
+            await peers.raw[0].eof.wait()  # the relay closed rank 0's link
+            await wait_until(lambda: any(r.kind == wire.RecordKind.CONTROL for r in records))
+            nursery.cancel_scope.cancel()
+
+    from_rank_0 = [r for r in records if r.kind == wire.RecordKind.DATA and r.rank == 0]
+    assert [r.payload for r in from_rank_0] == frames
+    exits = [wire.decode_relay(r.payload) for r in records if r.kind == wire.RecordKind.CONTROL]
+    assert exits == [wire.RankExit(0)]
+
+
+async def test_coordinator_acts_on_records_before_a_bad_one_then_loses_the_relay(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    listener = memory_network.listener(COORD)
+    cfg = ft.CoordinatorConfig(world_size=1, declare_dead_on_relay_loss=False)
+    timeline = ft.Timeline()
+    relay: list[Any] = []
+    handshaken = trio.Event()
+
+    async def raw_relay() -> None:
+        raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-0", [0])
+        relay.append(raw)
+        handshaken.set()  # the coordinator may enter its block before the relay read HelloAck
+        with trio.move_on_after(30):
+            try:
+                while await raw.stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await trio.aclose_forcefully(raw.stream)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw_relay)
+        async with ft.open_coordinator(listener, salt=salt, config=cfg,
+                                       timeline=timeline) as coord:
+            await handshaken.wait()
+            (raw,) = relay
+            good = [raw.sealer.seal(wire.RecordKind.DATA, 0,
+                                    wire.encode_frame(salt, wire.LrUpdate(rank=0, lr=lr)))
+                    for lr in (0.1, 0.2)]  # fmt: skip
+            tampered = bytearray(raw.sealer.seal(
+                wire.RecordKind.DATA, 0, wire.encode_frame(salt, wire.LrUpdate(rank=0, lr=0.3))))
+            tampered[-1] ^= 1
+            await raw.stream.send_all(b"".join(good) + bytes(tampered))  # one chunk
+            with trio.fail_after(5):
+                got = [await coord.timing.receive(), await coord.timing.receive()]
+            await wait_until(lambda: events_of(timeline, RelayLost))
+        nursery.cancel_scope.cancel()
+
+    assert got == [wire.LrUpdate(rank=0, lr=0.1), wire.LrUpdate(rank=0, lr=0.2)]
+    (lost,) = events_of(timeline, RelayLost)
+    assert lost.host == "host-0" and "authentication failure" in lost.reason
