@@ -93,6 +93,7 @@ class _RankLink:
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self.out_send, self.out_recv = trio.open_memory_channel[bytes](config.queue_size)
         self.gone = False
+        self.writer_done = trio.Event()
         # What the rank sent while the relay was still accepting ranks, and whether its link
         # already ended then; the pump starts from these.
         self.early = bytearray()
@@ -427,9 +428,11 @@ class Relay:
                     break
         except WireError as exc:
             self._error = exc
+            await self._flush_ranks()
             finish(f"upstream protocol error: {exc}", False)
             return
         except _GONE as exc:
+            await self._flush_ranks()
             finish(f"upstream connection lost ({type(exc).__name__})", False)
             return
         # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
@@ -439,6 +442,14 @@ class Relay:
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
         finish("coordinator closed the connection")
+
+    async def _flush_ranks(self) -> None:
+        """Let the rank writers deliver what was verified and queued before the link broke."""
+        for link in self._links.values():
+            link.out_send.close()
+        with trio.move_on_after(min(1.0, self.config.shutdown_grace)):
+            for link in self._links.values():
+                await link.writer_done.wait()
 
     async def _route(self, rec: Any) -> None:
         if rec.kind == RecordKind.DATA:
@@ -465,6 +476,12 @@ class Relay:
             pass
 
     async def _rank_writer(self, link: _RankLink) -> None:
+        try:
+            await self._write_to_rank(link)
+        finally:
+            link.writer_done.set()
+
+    async def _write_to_rank(self, link: _RankLink) -> None:
         try:
             async for blob in link.out_recv:
                 batch = [blob]
