@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import trio
-from helpers import COORD, raw_coordinator_accept, start_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
+
+from helpers import COORD, raw_coordinator_accept, start_host, wait_until
 
 
 async def test_frames_verified_before_a_tampered_record_reach_every_rank(

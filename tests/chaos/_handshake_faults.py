@@ -13,15 +13,16 @@ from __future__ import annotations
 from typing import Literal
 
 import trio
+from _streams import FaultyFirstDial
 from _util import (
     COORD,
     EventLog,
-    FaultyFirstDial,
     Outcome,
     category,
     first,
     run_cluster,
     upstream_handshake,
+    wait_for,
 )
 
 import flodl_trio as ft
@@ -44,6 +45,8 @@ HOST_B_LATE = 3.0  # host-b's rank starts this late, so host-b joins after host-
 # The Hello record of host-a, field by field (offsets inside the record, SPEC §2.5).
 _RECORD_FIELDS = (("magic", 4), ("version", 4), ("kind", 1), ("rank", 4), ("payload_len", 4),
                   ("tag", 8))
+assert sum(size for _, size in _RECORD_FIELDS) == wire.RECORD_HEADER_LEN
+_PAYLOAD_LEN_AT = 13  # offset of payload_len inside the record header
 
 
 def hello_field(up_offset: int) -> str:
@@ -71,7 +74,7 @@ def corrupt_hello_categories(up_offset: int) -> set[str]:
     if field in ("magic", "version", "kind"):
         return {"malformed"}
     if field == "payload_len":
-        shift = 8 * (up_offset - UPSTREAM.magic - 13)
+        shift = 8 * (up_offset - UPSTREAM.magic - _PAYLOAD_LEN_AT)  # little-endian u32
         declared = (UPSTREAM.hello - wire.RECORD_HEADER_LEN) ^ (0xFF << shift)
         return {"malformed"} if declared > MAX_HANDSHAKE_PAYLOAD else {"timeout"}
     return {"bad mac"}  # rank, tag, payload: all covered by the tag
@@ -184,9 +187,7 @@ async def last_relay_hello_ack_cut(net: MemoryNetwork, offset_in_ack: int) -> Ou
     }
 
     async def body(coord: ft.Coordinator) -> None:
-        with trio.fail_after(10):
-            while not {0, 1} <= coord.dead_ranks:  # noqa: ASYNC110 - no event for it
-                await trio.sleep(0.01)
+        await wait_for(lambda: {0, 1} <= coord.dead_ranks, within=10)
         await trio.sleep(2)  # host-a's re-dials meet the formed cohort
 
     await run_cluster(net, out, hosts, config=config, salt=salt, body=body)

@@ -10,13 +10,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import trio
+from _streams import DuplicateOneSend, FaultyFirstDial, RecordingStream
 from _util import (
     COORD,
-    DuplicateOneSend,
     EventLog,
-    FaultyFirstDial,
     Outcome,
-    RecordingStream,
     category,
     first,
     run_cluster,

@@ -1,4 +1,4 @@
-"""Helpers of the fault suite: faulty dialers, recorded hosts, handshake byte maps.
+"""Helpers of the fault suite: handshake byte maps, hosts that record, one-fault clusters.
 
 Self-contained (no import of ``tests/helpers.py``), so ``pytest tests/chaos`` and
 ``scripts/chaos_sweep.py`` both work on their own. Everything here is built from the public API
@@ -13,11 +13,11 @@ from typing import Any
 
 import attrs
 import trio
+from _streams import plain_dialer
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.chaos import FaultPlan, FaultyStream
-from flodl_trio.testing import MemoryNetwork, MemoryStream
+from flodl_trio.testing import MemoryNetwork
 
 COORD = "coordinator"
 NONCE = bytes(16)  # CBOR lengths do not depend on the nonce's value, only on its length
@@ -77,117 +77,6 @@ class EventLog(ft.Timeline):
     def of(self, kind: type[Any]) -> list[tuple[float, Any]]:
         return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
 
-    def kinds(self) -> list[str]:
-        return [type(ev).__name__ for _, ev in self.entries]
-
-
-# ------------------------------------------------------------------ dialers
-
-
-class FaultyFirstDial:
-    """A dialer whose first connection goes through ``FaultyStream(plan)``; re-dials are clean.
-
-    Attributes:
-        attempts: the client ends of every connection made, in order.
-        dialed_at: the Trio time of each dial.
-        faulty: the FaultyStream of the first connection (its ``plan`` may be changed live).
-        sent / received: bytes the caller sent / received on the first connection, as the
-            caller saw them (``record=True`` only).
-    """
-
-    def __init__(self, net: MemoryNetwork, name: str, plan: FaultPlan, *,
-                 faulty_attempts: int = 1) -> None:
-        self.net = net
-        self.name = name
-        self.plan = plan
-        self.faulty_attempts = faulty_attempts
-        self.attempts: list[MemoryStream] = []
-        self.dialed_at: list[float] = []
-        self.faulty: FaultyStream | None = None
-
-    async def __call__(self) -> trio.abc.Stream:
-        stream = await self.net.connect(self.name)
-        self.attempts.append(stream)
-        self.dialed_at.append(trio.current_time())
-        if len(self.attempts) <= self.faulty_attempts:
-            self.faulty = FaultyStream(stream, self.plan, direction_of_send="up")
-            return self.faulty
-        return stream
-
-    def peer(self, attempt: int) -> str:
-        """The peer name the listener side reports for that attempt (``mem:<name>:<n>``)."""
-        return f"mem:{self.name}:{self.attempts[attempt].connection.index}"
-
-
-class RecordingStream(trio.abc.HalfCloseableStream):
-    """Forwards to ``inner`` and keeps a copy of every byte sent and received."""
-
-    def __init__(self, inner: trio.abc.HalfCloseableStream) -> None:
-        self.inner = inner
-        self.sent = bytearray()
-        self.received = bytearray()
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.sent += data
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data: bytes = await self.inner.receive_some(max_bytes)
-        self.received += data
-        return data
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-class DuplicateOneSend(trio.abc.HalfCloseableStream):
-    """Forwards to ``inner``; the first ``send_all`` once ``after`` bytes were sent goes twice.
-
-    The relay writes whole sealed records in each ``send_all``, so after the handshake this
-    replays one batch of records inside the live connection.
-    """
-
-    def __init__(self, inner: trio.abc.HalfCloseableStream, *, after: int) -> None:
-        self.inner = inner
-        self.after = after
-        self.sent = 0
-        self.duplicated: bytes | None = None
-        self.duplicated_at: float | None = None
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        payload = bytes(data)
-        await self.inner.send_all(payload)
-        if self.sent >= self.after and self.duplicated is None:
-            self.duplicated = payload
-            self.duplicated_at = trio.current_time()
-            await self.inner.send_all(payload)
-        self.sent += len(payload)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data: bytes = await self.inner.receive_some(max_bytes)
-        return data
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-def plain_dialer(net: MemoryNetwork, name: str) -> Callable[[], Any]:
-    async def dial() -> trio.abc.Stream:
-        return await net.connect(name)
-
-    return dial
 
 
 # ------------------------------------------------------------------ hosts that record

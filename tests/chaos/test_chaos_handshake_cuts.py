@@ -15,7 +15,8 @@ from _handshake_faults import (
     rank_fault,
     upstream_cut,
 )
-from _util import COORD, RecordingStream, run_host, wait_for
+from _streams import RecordingStream
+from _util import COORD, run_host, wait_for
 
 import flodl_trio as ft
 from flodl_trio import wire

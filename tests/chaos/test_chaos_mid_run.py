@@ -57,6 +57,7 @@ async def test_upstream_fault_mid_run_kills_only_that_relays_ranks_and_the_rest_
     for step, exc in errors:
         assert step >= FAULT_AT
         assert exc.failed_ranks == VICTIM_RANKS
+        assert "ranks [0, 1]" in str(exc) and "host-a" in str(exc)
         assert exc.result.delivered == SURVIVOR_RANKS
     for _, ev in out.log.of(LostBroadcast):
         assert set(ev.failures) == VICTIM_RANKS

@@ -5,8 +5,7 @@ formation or a clean, explained FlodlError within the deadlines (SPEC §4.2, §4
 from __future__ import annotations
 
 import pytest
-import trio
-from _procs import FORMATION_TIMEOUT, RUN_SECONDS, explained, kill_plans, kill_scenarios
+from _procs import explained, kill_plans, kill_scenarios
 
 import flodl_trio as ft
 
@@ -16,7 +15,6 @@ PLANS = kill_plans(6, seed=1234)
 @pytest.mark.slow
 async def test_sigkilled_relay_and_rank_processes_end_in_formation_or_an_explained_error(
 ) -> None:
-    started = trio.current_time()
     outcomes = await kill_scenarios(PLANS, concurrency=2)
     report = "\n".join(f"{o.scenario}: {o.label}; {o.decision}" for o in outcomes)
     assert len(outcomes) == len(PLANS), report
@@ -25,6 +23,5 @@ async def test_sigkilled_relay_and_rank_processes_end_in_formation_or_an_explain
         assert explained(out, plan) == [], f"{plan}: {out.details['children']}\n{report}"
         if out.error is not None:
             assert isinstance(out.error, ft.FormationTimeout | ft.ClusterFailure), report
-    # Bounded: three rounds of two, each within formation deadline + run + shutdown grace.
-    rounds = (len(PLANS) + 1) // 2
-    assert trio.current_time() - started < rounds * (FORMATION_TIMEOUT + RUN_SECONDS + 3)
+        # Within its deadlines (formation, the short run, shutdown grace), never hung.
+        assert out.details["seconds"] < plan.deadline, report
