@@ -59,7 +59,7 @@ from ..wire import (
 )
 from . import liveness
 from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
-from ._relayconn import RelayConn, ranks_text
+from ._relayconn import Delivery, RelayConn, ranks_text
 
 log = logging.getLogger("flodl_trio.coordinator")
 
@@ -140,6 +140,8 @@ class Coordinator:
         # dead after formation.
         self._acks_in_flight: set[RelayConn] = set()
         self._tls = False
+        self._writers: trio.Nursery = None  # type: ignore[assignment]  # set by _form
+        self._writers_scope: trio.CancelScope | None = None
         self._warned_hosts: set[str] = set()
         self._nursery: trio.Nursery = None  # type: ignore[assignment]  # set by open_coordinator
 
@@ -203,7 +205,7 @@ class Coordinator:
     # ------------------------------------------------------------------ control
 
     async def send_control(self, rank: int, msg: WireMessage) -> None:
-        """Send one control message to one rank.
+        """Send one control message to one rank (queued whole before the first checkpoint).
 
         Raises:
             SendError: rank out of range, never announced, dead or exited; the connection is
@@ -222,8 +224,10 @@ class Coordinator:
             raise SendError(f"{what}: rank {rank} exited cleanly and is never addressed again")
         if not conn.alive:
             raise SendError(f"{what}: {conn.describe()} is gone ({conn.lost_reason})")
-        frame = self._codec.encode(msg)
-        failure = await self._write(conn, RecordKind.DATA, rank, frame)
+        delivery = Delivery(1)
+        conn.submit(RecordKind.DATA, rank, self._codec.encode(msg), delivery)
+        await delivery.done.wait()
+        failure = delivery.failures.get(conn)
         if failure is not None:
             raise SendError(f"{what}: {conn.describe()}: {failure}")
 
@@ -231,7 +235,10 @@ class Coordinator:
         """Send ``msg`` to every live, non-exited rank; best effort, never fail-fast.
 
         The frame is encoded once and every relay gets one FANOUT record for all its target
-        ranks; relays are written concurrently, so one stalled host delays nobody else.
+        ranks; relays are written concurrently (each by its own writer task), so one stalled
+        host delays nobody else. Cancelling the call does not unsend: the records are queued
+        before the first checkpoint and every relay gets each record whole, so a cancelled
+        broadcast never tears a relay link.
 
         Returns:
             BroadcastResult with the delivered ranks (and no failures).
@@ -249,25 +256,19 @@ class Coordinator:
                 groups.setdefault(conn, []).append(rank)
             else:
                 failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason})"
+        # Every relay's writer task gets its record now; they write concurrently.
+        delivery = Delivery(len(groups))
+        for conn, ranks in groups.items():
+            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+        await delivery.done.wait()
         delivered: set[int] = set()
-
-        async def deliver(conn: RelayConn, ranks: list[int]) -> None:
-            failure = await self._write(conn, RecordKind.FANOUT, 0, encode_fanout(ranks, frame))
+        for conn, ranks in groups.items():
+            failure = delivery.failures.get(conn)
             if failure is None:
                 delivered.update(ranks)
             else:
                 for r in ranks:
                     failed[r] = f"relay {conn.host!r}: {failure}"
-
-        if len(groups) == 1:
-            ((conn, ranks),) = groups.items()
-            await deliver(conn, ranks)
-        elif groups:
-            async with trio.open_nursery() as nursery:
-                for conn, ranks in groups.items():
-                    nursery.start_soon(deliver, conn, ranks)
-        else:
-            await trio.lowlevel.checkpoint()
         result = BroadcastResult(frozenset(delivered), failed)
         if failed:
             if not isinstance(msg, Shutdown) and not self._shutting_down:
@@ -304,20 +305,6 @@ class Coordinator:
         """Tell every live rank to save and stop (``ShutdownWithSave``); sent once per run."""
         await liveness.stop_with_save(self, SaveReason(reason))
 
-    async def _write(
-        self, conn: RelayConn, kind: RecordKind, rank: int, payload: bytes
-    ) -> str | None:
-        """Write one record; on failure the connection is lost and the cause is returned."""
-        try:
-            await conn.send_record(kind, rank, payload)
-        except trio.TooSlowError:
-            cause = f"write stall: no progress for {self.config.write_stall_timeout:g}s"
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            cause = f"connection closed while writing ({type(exc).__name__})"
-        else:
-            return None
-        liveness.relay_lost(self, conn, cause)
-        return cause
 
     # ------------------------------------------------------------------ formation
 
@@ -447,7 +434,7 @@ class Coordinator:
         ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
         try:
             with trio.fail_after(self.config.handshake_timeout):
-                await conn.writer.send(ack)
+                await stream.send_all(ack)
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._acks_in_flight.discard(conn)
             self._unregister(conn)
@@ -458,6 +445,8 @@ class Coordinator:
             return
         self._acks_in_flight.discard(conn)
         switch_to_connection_keys(auth, self._salt)
+        conn.on_lost = self._on_write_failure
+        self._writers.start_soon(conn.run_writer)
         self._warn_cleartext(peer)
         log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
         self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
@@ -465,6 +454,9 @@ class Coordinator:
                 and self._phase == "forming"):
             self._complete_formation()
         await self._read_relay(conn)
+
+    def _on_write_failure(self, conn: RelayConn, cause: str) -> None:
+        liveness.relay_lost(self, conn, cause)
 
     def _warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")
@@ -634,6 +626,7 @@ class Coordinator:
 
     async def _form(self, control: list[trio.abc.Listener[Any]], abort: trio.Event | None) -> None:
         nursery = self._nursery
+        self._writers = await nursery.start(self._host_writers)
         self._formation_started = trio.current_time()
         for listener in control:
             nursery.start_soon(self._accept_loop, listener)
@@ -656,6 +649,18 @@ class Coordinator:
             log.error("%s", failure)
             raise failure
 
+    async def _host_writers(self, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+        """Host the relay writer tasks where an outside cancellation cannot reach them.
+
+        The shielded shutdown still has to write ``Shutdown`` and the half-closes through them;
+        ``_shutdown`` cancels this scope once it is done.
+        """
+        with trio.CancelScope(shield=True) as scope:
+            self._writers_scope = scope
+            async with trio.open_nursery() as writers:
+                task_status.started(writers)
+                await trio.sleep_forever()
+
     async def _watch_abort(self, abort: trio.Event) -> None:
         await abort.wait()
         if self._phase == "forming":
@@ -667,6 +672,14 @@ class Coordinator:
             await self._shutdown_done.wait()
             return
         self._shutdown_begun = True
+        try:
+            await self._shutdown_steps(reason)
+        finally:
+            # Whatever happened above, the shielded writers must not outlive the coordinator.
+            if self._writers_scope is not None:
+                self._writers_scope.cancel()
+
+    async def _shutdown_steps(self, reason: str) -> None:
         self._shutting_down = True
         self._phase = "shutting_down"
         self._timeline.event(ShutdownStarted(reason=reason))
@@ -682,10 +695,11 @@ class Coordinator:
                     pass
             # Half-close first: the relays read everything we wrote, then see EOF and close;
             # our readers drain until then, so nothing in flight turns into a reset.
-            async with trio.open_nursery() as nursery:
-                for conn in self._relays:
-                    if conn.alive:
-                        nursery.start_soon(self._half_close, conn)
+            alive = [conn for conn in self._relays if conn.alive]
+            eofs = Delivery(len(alive))
+            for conn in alive:
+                conn.submit_eof(eofs)  # after everything already queued for it
+            await eofs.done.wait()
             await self._readers_idle.wait()
         for conn in list(self._relays):
             await conn.close()
@@ -696,9 +710,4 @@ class Coordinator:
         self._timeline.event(ShutdownComplete())
         self._shutdown_done.set()
 
-    async def _half_close(self, conn: RelayConn) -> None:
-        try:
-            if not await conn.writer.send_eof():
-                await conn.close()
-        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
-            await conn.close()
+

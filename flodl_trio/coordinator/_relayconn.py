@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import trio
 
-from .._transport import StreamWriter
-from ..wire import RecordKind, RecordOpener, RecordSealer
+from ..wire import RecordOpener, RecordSealer
+
+_EOF = -1  # queue marker: half-close after everything queued before it
+_BATCH = 64
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class Delivery:
+    """Completion of one send or one broadcast: how many relays are still to write it."""
+
+    __slots__ = ("done", "failures", "pending")
+
+    def __init__(self, pending: int) -> None:
+        self.pending = pending
+        self.done = trio.Event()
+        self.failures: dict[RelayConn, str] = {}
+        if pending == 0:
+            self.done.set()
+
+    def settle(self, conn: RelayConn, failure: str | None) -> None:
+        if failure is not None:
+            self.failures[conn] = failure
+        self.pending -= 1
+        if self.pending <= 0:
+            self.done.set()
 
 
 class RelayConn:
     """An upstream connection after ``HelloAck``: its ranks, its sealed directions, its writer.
 
-    Records are sealed under the writer's lock, so the sequence numbers on the wire are in the
-    order the records are written.
+    Every record goes through one writer task (``run_writer``) fed by an unbounded queue, so a
+    broadcast costs one ``send_nowait`` per relay, a burst is coalesced into one write, records
+    are sealed in the order they are written, and a stalled relay delays nobody but itself (its
+    writer gives up after ``write_stall_timeout`` and the connection is lost).
     """
 
     def __init__(
@@ -34,8 +62,11 @@ class RelayConn:
         self.stream = stream
         self.sealer = sealer
         self.opener = opener
-        self.writer = StreamWriter(stream, write_stall_timeout=write_stall_timeout)
+        self.write_stall_timeout = write_stall_timeout
         self.index = index
+        self.on_lost: Callable[[RelayConn, str], None] = lambda conn, cause: None
+        self._queue_send, self._queue_recv = trio.open_memory_channel[
+            tuple[int, int, bytes, Delivery | None]](math.inf)
         self.lost_reason: str | None = None
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
@@ -47,13 +78,68 @@ class RelayConn:
     def alive(self) -> bool:
         return self.lost_reason is None and not self.closed
 
-    async def send_record(self, kind: RecordKind, rank: int, payload: bytes) -> None:
-        sealer = self.sealer
-        await self.writer.send(lambda: sealer.seal(kind, rank, payload))
+    def submit(self, kind: int, rank: int, payload: bytes, delivery: Delivery | None) -> None:
+        """Queue one record for the writer; ``delivery`` is settled once it is written or lost."""
+        if not self.alive:
+            if delivery is not None:
+                delivery.settle(self, f"connection lost ({self.lost_reason or 'closed'})")
+            return
+        try:
+            self._queue_send.send_nowait((kind, rank, payload, delivery))
+        except _GONE:
+            if delivery is not None:
+                delivery.settle(self, "connection closed")
+
+    def submit_eof(self, delivery: Delivery | None) -> None:
+        """Half-close once everything queued so far is written."""
+        self.submit(_EOF, 0, b"", delivery)
+
+    async def run_writer(self) -> None:
+        """The single writer of this connection (runs in the coordinator's nursery)."""
+        async for item in self._queue_recv:
+            batch = [item]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue_recv.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            failure = self.lost_reason and f"connection lost ({self.lost_reason})"
+            if failure is None:
+                failure = await self._write(batch)
+            for _, _, _, delivery in batch:
+                if delivery is not None:
+                    delivery.settle(self, failure)
+            if failure is not None and self.lost_reason is None:
+                self.on_lost(self, failure)
+
+    async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]) -> str | None:
+        seal = self.sealer.seal
+        data = b"".join([seal(kind, rank, payload) for kind, rank, payload, _ in batch
+                         if kind != _EOF])
+        half_close = any(kind == _EOF for kind, _, _, _ in batch)
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + self.write_stall_timeout) as cs:
+                if data:
+                    await self.stream.send_all(data)
+                if half_close:
+                    if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                        await self.stream.send_eof()
+                    else:
+                        await self.close()
+        except _GONE as exc:
+            return f"connection closed while writing ({type(exc).__name__})"
+        if cs.cancelled_caught:
+            return f"write stall: no progress for {self.write_stall_timeout:g}s"
+        return None
+
+    def stop_writer(self) -> None:
+        """No more records: the writer settles what is queued as lost and ends."""
+        self._queue_send.close()
 
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._queue_send.close()
             await trio.aclose_forcefully(self.stream)
 
     def describe(self) -> str:

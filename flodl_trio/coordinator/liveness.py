@@ -49,6 +49,7 @@ def relay_lost(coord: Coordinator, conn: RelayConn, cause: str) -> None:
     if conn.lost_reason is not None:
         return
     conn.lost_reason = cause
+    conn.stop_writer()
     coord._nursery.start_soon(conn.close)
     if coord._shutting_down:
         return
