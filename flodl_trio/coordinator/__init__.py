@@ -19,6 +19,7 @@ from ..port_mux import open_port_mux
 from ..status import serve_status
 from ..timeline import Timeline
 from ..wire import SessionSalt
+from . import formation
 from ._core import Coordinator
 
 __all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
@@ -207,7 +208,7 @@ async def open_coordinator(
                         stack.push_async_callback(listener.aclose)
                     control = direct
                 try:
-                    await coord._form(control, abort)
+                    await formation.form(coord, control, abort)
                     with trio.CancelScope() as body_scope:
                         coord._body_scope = body_scope
                         try:

@@ -13,36 +13,20 @@ import trio
 from .._config import CoordinatorConfig
 from .._coord_types import BroadcastResult, RelayInfo
 from .._errors import (
-    AuthError,
     BroadcastError,
     ConfigError,
-    FormationAborted,
     FormationError,
-    FormationTimeout,
     SendError,
-    WireError,
 )
-from .._transport import close_all, is_local_or_private, peer_of
 from ..events import (
-    FormationComplete,
-    FormationFailed,
-    HandshakeRejected,
-    InvalidFrame,
     LostBroadcast,
-    RankExited,
-    RelayJoined,
     ShutdownComplete,
     ShutdownStarted,
 )
 from ..timeline import Timeline
 from ..wire import (
-    Exiting,
     FrameCodec,
-    HelloAck,
     Metrics,
-    MsgKind,
-    RankExit,
-    Record,
     RecordKind,
     SaveReason,
     SessionSalt,
@@ -50,15 +34,9 @@ from ..wire import (
     TimingMsg,
     WireMessage,
     control_label,
-    decode_metrics,
-    decode_relay,
-    decode_timing,
-    encode,
     encode_fanout,
-    frames_before,
 )
 from . import liveness
-from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
 from ._relayconn import Delivery, RelayConn, ranks_text
 
 log = logging.getLogger("flodl_trio.coordinator")
@@ -306,348 +284,10 @@ class Coordinator:
         await liveness.stop_with_save(self, SaveReason(reason))
 
 
-    # ------------------------------------------------------------------ formation
-
-    async def _accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return
-            except OSError as exc:
-                # Out of file descriptors and the like: back off instead of spinning.
-                log.warning("accept failed: %r; retrying in 0.1 s", exc)
-                await trio.sleep(0.1)
-                continue
-            self._nursery.start_soon(self._serve_connection, stream)
-
-    def _reject(self, peer: str, category: str, detail: str) -> None:
-        self._rejects[category] += 1
-        log.info("handshake rejected (%s): %s", category, detail)
-        self._timeline.event(HandshakeRejected(peer=peer, reason=f"{category}: {detail}"))
-        if self._phase != "forming":
-            return
-        total = sum(self._rejects.values())
-        if self.config.strict_formation:
-            self._fail_formation(FormationError(self._formation_text(
-                f"strict formation: handshake from {peer} rejected ({category}: {detail})")))
-        elif total > self.config.max_rejected_handshakes:
-            self._fail_formation(FormationError(self._formation_text(
-                f"more than max_rejected_handshakes={self.config.max_rejected_handshakes} "
-                "rejected handshakes")))
-
-    def _fail_formation(self, exc: FormationError) -> None:
-        if self._formation_failure is None and self._phase == "forming":
-            self._formation_failure = exc
-            self._formation_settled.set()
-
-    def _formation_text(self, headline: str) -> str:
-        covered = len(self._conn_of_rank)
-        joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in self._relays) or "none"
-        rejects = ", ".join(f"{k} x{n}" for k, n in sorted(self._rejects.items())) or "none"
-        return (
-            f"{headline}: {covered}/{self.world_size} ranks covered; hosts joined: {joined}; "
-            f"rejected connections: {rejects}"
-        )
-
-    def _hello_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
-        who = f"authenticated Hello from relay {host!r} at {peer}"
-        if not ranks:
-            return f"{who}: expected at least one rank, got an empty rank list"
-        if list(ranks) != sorted(ranks):
-            return f"{who}: expected ranks in ascending order, got {list(ranks)[:16]}"
-        seen: set[int] = set()
-        for r in ranks:
-            if r in seen:
-                return f"{who}: rank {r} is announced twice in one Hello"
-            seen.add(r)
-            if r >= self.world_size:
-                return f"{who}: rank {r} is out of range for world_size {self.world_size}"
-            owner = self._conn_of_rank.get(r)
-            if owner is not None:
-                return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
-                        f"{owner.peer}")
-        return None
-
-    def _unregister(self, conn: RelayConn) -> None:
-        if conn in self._relays:
-            self._relays.remove(conn)
-        for r in conn.ranks:
-            if self._conn_of_rank.get(r) is conn:
-                del self._conn_of_rank[r]
-                self._last_seen.pop(r, None)
-
-    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
-        peer = peer_of(stream)
-        if self._phase != "forming":
-            await trio.aclose_forcefully(stream)
-            self._reject(peer, "cohort formed", f"{peer}: connection after formation completed")
-            return
-        try:
-            with trio.fail_after(self.config.handshake_timeout):
-                auth = await coordinator_handshake(stream, self._salt, peer)
-        except trio.TooSlowError:
-            await trio.aclose_forcefully(stream)
-            self._reject(peer, "timeout", f"{peer}: no authenticated Hello within "
-                         f"handshake_timeout={self.config.handshake_timeout:g}s")
-            return
-        except Rejected as rej:
-            await trio.aclose_forcefully(stream)
-            self._reject(peer, rej.category, rej.detail)
-            return
-        except BaseException:
-            await close_all([stream])  # cancelled mid-handshake: the stream must not leak
-            raise
-        hello = auth.hello
-        if self._phase != "forming":
-            await trio.aclose_forcefully(stream)
-            self._reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
-                         "formation completed")
-            return
-        # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
-        # that is a reconnect, not a contradiction.
-        ranks = tuple(hello.ranks)
-        for old in list(self._relays):
-            if old.host == hello.host and old.ranks == ranks:
-                log.info("relay %r re-joined from %s; dropping its old connection", hello.host,
-                         peer)
-                old.lost_reason = "superseded by a new connection"
-                self._unregister(old)
-                self._nursery.start_soon(old.close)
-        problem = self._hello_problem(hello.host, ranks, peer)
-        if problem is not None:
-            await trio.aclose_forcefully(stream)
-            self._fail_formation(FormationError(self._formation_text(problem)))
-            return
-        self._conn_counter += 1
-        conn = RelayConn(
-            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
-            opener=auth.opener, write_stall_timeout=self.config.write_stall_timeout,
-            index=self._conn_counter,
-        )
-        self._relays.append(conn)
-        self._acks_in_flight.add(conn)
-        now = trio.current_time()
-        for r in ranks:
-            self._conn_of_rank[r] = conn
-            self._last_seen[r] = now
-        ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
-        try:
-            with trio.fail_after(self.config.handshake_timeout):
-                await stream.send_all(ack)
-        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._acks_in_flight.discard(conn)
-            self._unregister(conn)
-            conn.lost_reason = "HelloAck not delivered"
-            await conn.close()
-            self._reject(peer, "connection error", f"relay {hello.host!r} at {peer}: HelloAck "
-                         f"not delivered ({type(exc).__name__})")
-            return
-        self._acks_in_flight.discard(conn)
-        switch_to_connection_keys(auth, self._salt)
-        conn.on_lost = self._on_write_failure
-        self._writers.start_soon(conn.run_writer)
-        self._warn_cleartext(peer)
-        log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
-        self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
-        if (len(self._conn_of_rank) == self.world_size and not self._acks_in_flight
-                and self._phase == "forming"):
-            self._complete_formation()
-        await self._read_relay(conn)
-
     def _on_write_failure(self, conn: RelayConn, cause: str) -> None:
         liveness.relay_lost(self, conn, cause)
 
-    def _warn_cleartext(self, peer: str) -> None:
-        host = peer.rsplit(":", 1)[0].strip("[]")
-        if self._tls or host in self._warned_hosts or is_local_or_private(host):
-            return
-        if host.startswith("<") or host.startswith("mem:"):
-            return
-        self._warned_hosts.add(host)
-        log.warning("relay at %s joined over cleartext from outside loopback/private ranges: "
-                    "frames are authenticated but readable on the network; use TLS "
-                    "(ssl_context=)", peer)
-
-    def _complete_formation(self) -> None:
-        self._phase = "running"
-        now = trio.current_time()
-        for r in self._conn_of_rank:
-            self._last_seen[r] = now
-        elapsed = (now - self._formation_started) * 1000.0
-        self._timeline.event(FormationComplete(
-            relays=len(self._relays), world_size=self.world_size, elapsed_ms=round(elapsed, 3)))
-        log.info("formation complete: %d ranks over %d relays in %.1f ms", self.world_size,
-                 len(self._relays), elapsed)
-        self._formation_settled.set()
-        self._liveness_wake.set()
-
-    # ------------------------------------------------------------------ readers
-
-    async def _read_relay(self, conn: RelayConn) -> None:
-        self._readers_active += 1
-        self._readers_idle = trio.Event() if self._readers_active == 1 else self._readers_idle
-        cause: str | None = None
-        try:
-            while cause is None:
-                data = await conn.stream.receive_some(65536)
-                if not data:
-                    err = conn.opener.eof_error(f"relay {conn.host!r}")
-                    cause = str(err) if err is not None else "connection closed by the relay (EOF)"
-                    break
-                try:
-                    records = conn.opener.feed(data)
-                except WireError as exc:
-                    # Records authenticated before the bad one are acted on; then it ends.
-                    for rec in frames_before(exc):
-                        await self._on_record(conn, rec)
-                    raise
-                for rec in records:
-                    await self._on_record(conn, rec)
-        except AuthError as exc:
-            cause = f"authentication failure: {exc}"
-        except WireError as exc:
-            cause = f"protocol error: {exc}"
-        except trio.BrokenResourceError as exc:
-            cause = f"connection reset ({exc.__cause__!r})" if exc.__cause__ else "connection reset"
-        except trio.ClosedResourceError:
-            cause = "connection closed"
-        finally:
-            self._readers_active -= 1
-            if self._readers_active == 0:
-                self._readers_idle.set()
-        if cause is not None and conn.lost_reason is None:
-            liveness.relay_lost(self, conn, cause)
-
-    async def _on_record(self, conn: RelayConn, rec: Record) -> None:
-        if rec.kind == RecordKind.DATA:
-            await self._on_frame(conn, rec)
-        elif rec.kind == RecordKind.CONTROL:
-            self._on_relay_control(conn, rec.payload)
-        else:
-            log.warning("%s sent a record of kind %d, which only flows coordinator→relay; "
-                        "dropped", conn.describe(), rec.kind)
-
-    def _invalid(self, conn: RelayConn, rank: int, reason: str) -> None:
-        log.warning("%s, rank %d: %s; frame dropped", conn.describe(), rank, reason)
-        self._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=reason))
-
-    async def _on_frame(self, conn: RelayConn, rec: Record) -> None:
-        try:
-            frame = self._codec.open(rec.payload)
-        except WireError as exc:
-            self._invalid(conn, rec.rank, str(exc))
-            return
-        msg: TimingMsg | Metrics
-        try:
-            if frame.kind == MsgKind.TIMING:
-                msg = decode_timing(frame.payload)
-            elif frame.kind == MsgKind.METRICS:
-                msg = decode_metrics(frame.payload)
-            else:
-                if frame.kind not in (MsgKind.RESERVED_4, MsgKind.RESERVED_5):
-                    log.info("%s: frame of kind %d is not for this direction; dropped",
-                             conn.describe(), frame.kind)
-                return
-        except WireError as exc:
-            self._invalid(conn, rec.rank, str(exc))
-            return
-        rank = int(msg.rank)
-        if rank not in conn.rank_set:
-            self._invalid(conn, rank, f"{type(msg).__name__} speaks for rank {rank}, which relay "
-                          f"{conn.host!r} does not carry {ranks_text(conn.ranks)}")
-            return
-        if rank in self._dead:
-            log.debug("rank %d was declared dead; its late %s is dropped", rank,
-                      type(msg).__name__)
-            return
-        if isinstance(msg, TimingMsg):
-            self._last_seen[rank] = trio.current_time()
-            if isinstance(msg, Exiting) and rank not in self._exited:
-                self._exited.add(rank)
-                self._timeline.event(RankExited(rank=rank))
-            await self._deliver(conn, self._timing_send, msg)
-        else:
-            await self._deliver(conn, self._metrics_send, msg)
-
-    async def _deliver(self, conn: RelayConn, send: trio.MemorySendChannel[Any], msg: Any) -> None:
-        if self._shutting_down:
-            try:
-                send.send_nowait(msg)
-            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # nobody is reading any more; never block shutdown on it
-            return
-        try:
-            send.send_nowait(msg)
-            return
-        except trio.WouldBlock:
-            pass
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return
-        paused_at = trio.current_time()
-        conn.paused_since = paused_at
-        try:
-            with trio.CancelScope() as conn.delivery_scope:
-                await send.send(msg)  # shutdown cancels this wait: nobody will read any more
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return
-        finally:
-            conn.delivery_scope = None
-            paused = trio.current_time() - paused_at
-            conn.paused_since = None
-            # The coordinator was not reading this relay; that time is not the ranks' silence.
-            for r in conn.ranks:
-                if r in self._last_seen:
-                    self._last_seen[r] += paused
-            self._liveness_wake.set()
-
-    def _on_relay_control(self, conn: RelayConn, payload: bytes) -> None:
-        try:
-            msg = decode_relay(payload)
-        except WireError as exc:
-            self._invalid(conn, 0, f"relay control record: {exc}")
-            return
-        if not isinstance(msg, RankExit):
-            log.warning("%s sent %s after the handshake; dropped", conn.describe(),
-                        type(msg).__name__)
-            return
-        rank = int(msg.rank)
-        if rank not in conn.rank_set:
-            self._invalid(conn, rank, f"RankExit for rank {rank}, which relay {conn.host!r} does "
-                          "not carry")
-            return
-        if rank in self._exited:
-            log.info("rank %d disconnected after Exiting", rank)
-            return
-        liveness.mark_dead(self, rank, f"relay {conn.host!r} reported that rank {rank}'s "
-                           "connection ended without Exiting")
-
     # ------------------------------------------------------------------ lifecycle
-
-    async def _form(self, control: list[trio.abc.Listener[Any]], abort: trio.Event | None) -> None:
-        nursery = self._nursery
-        self._writers = await nursery.start(self._host_writers)
-        self._formation_started = trio.current_time()
-        for listener in control:
-            nursery.start_soon(self._accept_loop, listener)
-        nursery.start_soon(liveness.death_worker, self)
-        nursery.start_soon(liveness.coord_heartbeats, self)
-        nursery.start_soon(liveness.staleness_watch, self)
-        if abort is not None:
-            nursery.start_soon(self._watch_abort, abort)
-        timeout = self.config.formation_timeout
-        with trio.move_on_after(timeout):
-            await self._formation_settled.wait()
-        failure = self._formation_failure
-        if failure is None and self._phase == "forming":
-            failure = FormationTimeout(self._formation_text(
-                f"formation timed out after {timeout:g}s"))
-        if failure is not None:
-            self._formation_failure = failure
-            self._timeline.event(FormationFailed(reason=str(failure),
-                                                 covered=len(self._conn_of_rank)))
-            log.error("%s", failure)
-            raise failure
 
     async def _host_writers(self, task_status: trio.TaskStatus[trio.Nursery]) -> None:
         """Host the relay writer tasks where an outside cancellation cannot reach them.
@@ -660,11 +300,6 @@ class Coordinator:
             async with trio.open_nursery() as writers:
                 task_status.started(writers)
                 await trio.sleep_forever()
-
-    async def _watch_abort(self, abort: trio.Event) -> None:
-        await abort.wait()
-        if self._phase == "forming":
-            self._fail_formation(FormationAborted(self._formation_text("formation aborted")))
 
     async def _shutdown(self, reason: str) -> None:
         """Graceful, bounded, idempotent shutdown (SPEC §4.6); the caller shields it."""

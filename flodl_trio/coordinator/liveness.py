@@ -20,6 +20,7 @@ import trio
 from .._errors import BroadcastError, ClusterFailure
 from ..events import ClusterFailed, RankDeclaredDead, RelayLost
 from ..wire import CoordHeartbeat, DeclareDead, SaveReason, ShutdownWithSave
+from . import formation
 
 if TYPE_CHECKING:
     from ._core import Coordinator
@@ -56,7 +57,7 @@ def relay_lost(coord: Coordinator, conn: RelayConn, cause: str) -> None:
     reason = f"relay {conn.host!r} at {conn.peer} lost: {cause}"
     coord._timeline.event(RelayLost(host=conn.host, ranks=conn.ranks, reason=cause))
     if coord._phase == "forming":
-        coord._unregister(conn)
+        formation.unregister(coord, conn)
         log.warning("%s during formation; its ranks are uncovered again", reason)
         return
     log.warning("%s", reason)
