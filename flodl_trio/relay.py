@@ -8,9 +8,7 @@ the single upstream writer, and one upstream reader routes DATA and FANOUT recor
 
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -38,33 +36,22 @@ from ._transport import (
     receive_exactly,
 )
 from .coordinator import pick_one_exception
-from .coordinator._handshake import MAX_HANDSHAKE_PAYLOAD, read_record
+from .coordinator._handshake import relay_handshake
 from .timeline import Timeline
 from .wire import (
-    CHANNEL_MAGIC_CONTROL,
-    COORD_TO_RELAY,
     MAX_LEN_FRAME,
-    MAX_RECORD_PAYLOAD,
-    NONCE_LEN,
     RANK_HELLO_LEN,
-    RELAY_TO_COORD,
-    Challenge,
-    Hello,
-    HelloAck,
     LenFrameDecoder,
     RankExit,
     RecordKind,
     RecordOpener,
     RecordSealer,
     SessionSalt,
-    conn_key,
     decode_fanout,
     decode_rank_hello,
-    decode_relay,
     encode,
     encode_rank_ack,
     frames_before,
-    hs_key,
     len_frame,
 )
 
@@ -274,7 +261,9 @@ class Relay:
                                                 server_hostname=self._server_hostname,
                                                 https_compatible=False)
                         await stream.do_handshake()
-                    sealer, opener = await self._upstream_handshake(stream)
+                    sealer, opener = await relay_handshake(
+                        stream, self._salt, host=self.host, ranks=self.ranks,
+                        coordinator=_target_text(self._target))
                 return stream, sealer, opener
             except AuthError:
                 await trio.aclose_forcefully(stream)
@@ -300,43 +289,6 @@ class Relay:
             f"{what}: expected an upstream handshake with {_target_text(self._target)} within "
             f"connect_timeout={self.config.connect_timeout:g}s, last attempt failed: {last!r}"
         )
-
-    async def _upstream_handshake(self, stream: trio.abc.Stream
-                                  ) -> tuple[RecordSealer, RecordOpener]:
-        coordinator = _target_text(self._target)
-        await stream.send_all(CHANNEL_MAGIC_CONTROL)
-        opener = RecordOpener(bytes(self._salt), COORD_TO_RELAY,
-                              max_payload=MAX_HANDSHAKE_PAYLOAD)
-        try:
-            rec = await read_record(stream, opener, what=f"Challenge from {coordinator}")
-        except AuthError as exc:
-            raise AuthError(
-                f"relay {self.host!r}: the coordinator at {coordinator} is not of this session "
-                f"(Challenge did not verify with our salt): {exc}"
-            ) from None
-        challenge = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
-        if not isinstance(challenge, Challenge):
-            raise WireError(f"relay {self.host!r}: expected Challenge from {coordinator}, got "
-                            f"{type(challenge).__name__ if challenge else f'kind {rec.kind}'}")
-        key = hs_key(self._salt, challenge.nonce)
-        sealer = RecordSealer(key, RELAY_TO_COORD)
-        relay_nonce = secrets.token_bytes(NONCE_LEN)
-        hello = Hello(host=self.host, ranks=self.ranks, nonce=relay_nonce)
-        await stream.send_all(sealer.seal(RecordKind.CONTROL, 0, encode(hello)))
-        opener.rekey(key)
-        rec = await read_record(stream, opener, what=f"HelloAck from {coordinator}")
-        ack = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
-        if not isinstance(ack, HelloAck):
-            raise WireError(f"relay {self.host!r}: expected HelloAck from {coordinator}, got "
-                            f"{type(ack).__name__ if ack else f'kind {rec.kind}'}")
-        if not hmac.compare_digest(ack.nonce, relay_nonce):
-            raise AuthError(f"relay {self.host!r}: HelloAck from {coordinator} does not echo our "
-                            "nonce (replayed coordinator records?)")
-        final = conn_key(self._salt, challenge.nonce, relay_nonce)
-        sealer.rekey(final)
-        opener.rekey(final)
-        opener.max_payload = MAX_RECORD_PAYLOAD
-        return sealer, opener
 
     # ------------------------------------------------------------------ phase 3
 

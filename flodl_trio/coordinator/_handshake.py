@@ -1,7 +1,9 @@
-"""The coordinator side of the upstream handshake (SPEC §2.6), up to an authenticated Hello."""
+"""Both ends of the upstream handshake (SPEC §2.6): the coordinator up to an authenticated
+Hello, and the relay through HelloAck."""
 
 from __future__ import annotations
 
+import hmac
 import secrets
 
 import attrs
@@ -20,6 +22,7 @@ from ..wire import (
     RELAY_TO_COORD,
     Challenge,
     Hello,
+    HelloAck,
     Record,
     RecordKind,
     RecordOpener,
@@ -141,3 +144,50 @@ def switch_to_connection_keys(auth: AuthenticatedHello, salt: SessionSalt) -> No
     auth.sealer.rekey(key)
     auth.opener.rekey(key)
     auth.opener.max_payload = MAX_RECORD_PAYLOAD
+
+
+async def relay_handshake(
+    stream: trio.abc.Stream, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
+    coordinator: str,
+) -> tuple[RecordSealer, RecordOpener]:
+    """The relay side (SPEC §2.6): magic, verify Challenge, Hello, verify HelloAck, rekey.
+
+    The caller bounds it by ``handshake_timeout``.
+
+    Raises:
+        AuthError: the coordinator is of another session, or its HelloAck does not echo us.
+        WireError: EOF or a malformed record (the caller may re-dial).
+    """
+    await stream.send_all(CHANNEL_MAGIC_CONTROL)
+    opener = RecordOpener(bytes(salt), COORD_TO_RELAY,
+                          max_payload=MAX_HANDSHAKE_PAYLOAD)
+    try:
+        rec = await read_record(stream, opener, what=f"Challenge from {coordinator}")
+    except AuthError as exc:
+        raise AuthError(
+            f"relay {host!r}: the coordinator at {coordinator} is not of this session "
+            f"(Challenge did not verify with our salt): {exc}"
+        ) from None
+    challenge = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
+    if not isinstance(challenge, Challenge):
+        raise WireError(f"relay {host!r}: expected Challenge from {coordinator}, got "
+                        f"{type(challenge).__name__ if challenge else f'kind {rec.kind}'}")
+    key = hs_key(salt, challenge.nonce)
+    sealer = RecordSealer(key, RELAY_TO_COORD)
+    relay_nonce = secrets.token_bytes(NONCE_LEN)
+    hello = Hello(host=host, ranks=ranks, nonce=relay_nonce)
+    await stream.send_all(sealer.seal(RecordKind.CONTROL, 0, encode(hello)))
+    opener.rekey(key)
+    rec = await read_record(stream, opener, what=f"HelloAck from {coordinator}")
+    ack = decode_relay(rec.payload) if rec.kind == RecordKind.CONTROL else None
+    if not isinstance(ack, HelloAck):
+        raise WireError(f"relay {host!r}: expected HelloAck from {coordinator}, got "
+                        f"{type(ack).__name__ if ack else f'kind {rec.kind}'}")
+    if not hmac.compare_digest(ack.nonce, relay_nonce):
+        raise AuthError(f"relay {host!r}: HelloAck from {coordinator} does not echo our "
+                        "nonce (replayed coordinator records?)")
+    final = conn_key(salt, challenge.nonce, relay_nonce)
+    sealer.rekey(final)
+    opener.rekey(final)
+    opener.max_payload = MAX_RECORD_PAYLOAD
+    return sealer, opener
