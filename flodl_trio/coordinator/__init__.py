@@ -26,6 +26,11 @@ __all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinat
 
 log = logging.getLogger("flodl_trio.coordinator")
 
+# Connections routed to a leg but not yet accepted. The accept loop spawns a handshake task per
+# connection at once, but a burst of hundreds of relays can route faster than one scheduler pass
+# lets it run; a dropped relay would only re-dial 0.5 s later.
+MUX_QUEUE = 4096
+
 ListenSpec = int | tuple[str, int] | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 
 
@@ -198,7 +203,7 @@ async def open_coordinator(
                     stack.push_async_callback(bind.aclose)
                     mux = await stack.enter_async_context(
                         open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
-                                      legs=("control", "status"))
+                                      legs=("control", "status"), queue_size=MUX_QUEUE)
                     )
                     nursery.start_soon(partial(serve_status, mux.status, coord.state,
                                                request_timeout=config.peek_timeout))
