@@ -1,0 +1,267 @@
+"""The host relay (SPEC §5): terminates its local ranks' handshakes on loopback and carries all
+their frames over one sealed upstream connection to the coordinator.
+
+Phases: (1) accept every local rank within ``rank_accept_timeout``; (2) dial the coordinator and
+run the upstream handshake; (3) pump: one reader per local rank feeds a bounded queue drained by
+the single upstream writer, and one upstream reader routes DATA and FANOUT records to ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from .._config import RelayConfig
+from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._transport import DialTarget, close_all, dial, format_address
+from ..coordinator import pick_one_exception
+from ..coordinator._handshake import relay_handshake
+from ..timeline import Timeline
+from ..wire import RecordOpener, RecordSealer, SessionSalt
+from . import pump, ranks
+from ._link import RankLink, RelayExit
+
+__all__ = ["Relay", "RelayExit", "open_relay"]
+
+log = logging.getLogger("flodl_trio.relay")
+
+RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+
+
+class Relay:
+    """A running relay, as yielded by :func:`open_relay`.
+
+    Attributes:
+        host: this relay's host name.
+        ranks: the global ranks it carries (ascending).
+        rank_address: ``(host, port)`` where local ranks dial, when it bound TCP itself.
+    """
+
+    def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
+                 ranks: tuple[int, ...], world_size: int, config: RelayConfig,
+                 timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
+                 server_hostname: str | None) -> None:
+        self.host = host
+        self.ranks = ranks
+        self.world_size = world_size
+        self.config = config
+        self.timeline = timeline
+        self.rank_address: tuple[str, int] | None = None
+        self._target = target
+        self._salt = salt
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname
+        self._rank_set = frozenset(ranks)
+        self._links: dict[int, RankLink] = {}
+        self._reserved: set[int] = set()  # hello verified, ack not yet written
+        self._rejects: list[str] = []
+        self._all_ranks = trio.Event()
+        self._connected = trio.Event()
+        self._closed = trio.Event()
+        self._exit: RelayExit | None = None
+        self._error: FlodlError | None = None
+        self._no_ranks_left = trio.Event()
+        self._upstream_done = trio.Event()
+        self._upstream: trio.abc.Stream | None = None
+        self._pump_scope: trio.CancelScope | None = None
+        self._body_scope: trio.CancelScope | None = None
+
+    @property
+    def connected_ranks(self) -> frozenset[int]:
+        """Local ranks whose connection is up."""
+        return frozenset(r for r, link in self._links.items() if not link.gone)
+
+    async def wait_connected(self) -> None:
+        """Return once the coordinator acknowledged this relay (``HelloAck``)."""
+        await self._connected.wait()
+
+    async def wait_closed(self) -> RelayExit:
+        """Return how the relay ended, once it has."""
+        await self._closed.wait()
+        assert self._exit is not None
+        return self._exit
+
+    # ------------------------------------------------------------------ phase 2
+
+    async def _connect_upstream(self) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
+        deadline = trio.current_time() + self.config.connect_timeout
+        what = f"relay {self.host!r}"
+        last: BaseException | None = None
+        while True:
+            remaining = max(0.0, deadline - trio.current_time())
+            stream = await dial(self._target, connect_timeout=remaining, what=what)
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    if self._ssl_context is not None:
+                        stream = trio.SSLStream(stream, self._ssl_context,
+                                                server_hostname=self._server_hostname,
+                                                https_compatible=False)
+                        await stream.do_handshake()
+                    sealer, opener = await relay_handshake(
+                        stream, self._salt, host=self.host, ranks=self.ranks,
+                        coordinator=_target_text(self._target))
+                return stream, sealer, opener
+            except AuthError:
+                await trio.aclose_forcefully(stream)
+                raise
+            except (WireError, trio.TooSlowError, *_GONE) as exc:
+                await trio.aclose_forcefully(stream)
+                if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+                    # Retrying cannot make an untrusted certificate trusted: say so now.
+                    raise HandshakeError(
+                        f"{what}: TLS: the coordinator at {_target_text(self._target)} presented "
+                        f"a certificate we do not trust ({exc.__cause__.verify_message}); pass "
+                        "an ssl_context that trusts its CA"
+                    ) from None
+                last = exc
+                if trio.current_time() + 0.5 >= deadline:
+                    break
+                log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
+                await trio.sleep(0.5)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+        raise HandshakeError(
+            f"{what}: expected an upstream handshake with {_target_text(self._target)} within "
+            f"connect_timeout={self.config.connect_timeout:g}s, last attempt failed: {last!r}"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        try:
+            await ranks.accept_ranks(self, listeners)
+            stream, sealer, opener = await self._connect_upstream()
+            self._upstream = stream
+            self._connected.set()
+            log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
+            exit_ = await pump.pump(self, stream, sealer, opener)
+        except FlodlError as exc:
+            self._error = exc
+            exit_ = RelayExit(f"failed: {exc}", False)
+        finally:
+            # Runs on cancellation too: no rank or upstream socket outlives the relay.
+            await self._close_all()
+        self._exit = exit_
+        self._closed.set()
+        if self._error is not None and self._body_scope is not None:
+            self._body_scope.cancel()
+
+    async def _close_all(self) -> None:
+        for link in self._links.values():
+            link.gone = True
+        streams: list[Any] = [link.stream for link in self._links.values()]
+        if self._upstream is not None:
+            streams.append(self._upstream)
+        await close_all(streams)
+
+
+def _target_text(target: DialTarget) -> str:
+    return format_address(target) if not callable(target) else "the coordinator"
+
+
+def _check_relay_args(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    if not isinstance(host, str) or not 1 <= len(host.encode("utf-8")) <= 255:
+        raise ConfigError(f"open_relay: expected host to be 1-255 UTF-8 bytes, got {host!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ConfigError(f"open_relay({host!r}): expected world_size > 0, got {world_size!r}")
+    out = sorted(ranks)
+    if not out:
+        raise ConfigError(f"open_relay({host!r}): expected at least one rank, got none")
+    for r in out:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+            raise ConfigError(f"open_relay({host!r}): rank {r!r} is outside [0, {world_size})")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"open_relay({host!r}): ranks contain duplicates: {list(ranks)}")
+    return tuple(out)
+
+
+async def _rank_listeners(rank_listen: RankListen) -> list[trio.abc.Listener[Any]]:
+    if rank_listen is None or (isinstance(rank_listen, int) and not isinstance(rank_listen, bool)):
+        port = 0 if rank_listen is None else rank_listen
+        return list(await trio.open_tcp_listeners(port, host="127.0.0.1"))
+    if isinstance(rank_listen, trio.abc.Listener):
+        return [rank_listen]
+    if isinstance(rank_listen, Sequence) and all(
+            isinstance(x, trio.abc.Listener) for x in rank_listen):
+        return list(rank_listen)
+    raise ConfigError(f"open_relay: expected rank_listen None, a port or Listener(s), got "
+                      f"{rank_listen!r}")
+
+
+@asynccontextmanager
+async def open_relay(
+    coordinator: DialTarget,
+    *,
+    salt: SessionSalt,
+    host: str,
+    ranks: Sequence[int],
+    world_size: int,
+    rank_listen: RankListen = None,
+    config: RelayConfig | None = None,
+    timeline: Timeline | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> AsyncIterator[Relay]:
+    """Run a host relay. The block is entered once the rank port is bound.
+
+    Args:
+        coordinator: ``(host, port)`` of the coordinator, or an async callable returning a stream.
+        salt: the run's :class:`SessionSalt`.
+        host: this host's name (1-255 UTF-8 bytes), as the coordinator will report it.
+        ranks: the global ranks this host carries.
+        world_size: the world size every rank must agree on.
+        rank_listen: where local ranks dial: None (loopback, ephemeral port), a port on
+            127.0.0.1, or any ``trio.abc.Listener`` (or several).
+        config: deadlines (:class:`RelayConfig`).
+        ssl_context: wrap the upstream connection in TLS (the channel magic travels inside).
+        server_hostname: the name to verify the coordinator's certificate against.
+
+    Raises:
+        ConfigError: invalid arguments.
+        FormationTimeout: not every local rank connected within ``rank_accept_timeout``.
+        HandshakeError: no upstream handshake within ``connect_timeout``.
+        AuthError / WireError: the coordinator is of another session, or broke the protocol.
+    """
+    ordered = _check_relay_args(host, ranks, world_size)
+    if not isinstance(salt, SessionSalt):
+        raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
+    cfg = config if config is not None else RelayConfig()
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
+                  config=cfg, timeline=timeline, ssl_context=ssl_context,
+                  server_hostname=server_hostname)
+    listeners = await _rank_listeners(rank_listen)
+    sock = getattr(listeners[0], "socket", None)
+    if sock is not None:
+        name = sock.getsockname()
+        relay.rank_address = (str(name[0]), int(name[1]))
+    body_exc: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay._run, listeners)
+            with trio.CancelScope() as body_scope:
+                relay._body_scope = body_scope
+                try:
+                    yield relay
+                except BaseException as exc:
+                    body_exc = exc
+                    raise
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        chosen = pick_one_exception(group, body_exc, relay._error)
+        if chosen is None:
+            raise
+        error: BaseException = chosen
+    else:
+        if relay._error is None:
+            return
+        error = relay._error
+    raise error
