@@ -31,8 +31,10 @@ from contextlib import contextmanager
 import trio
 
 from ._errors import ConfigError
+from .events import Event
+from .timeline import Stamped, Timeline
 
-__all__ = ["MemoryConnection", "MemoryListener", "MemoryNetwork", "MemoryStream"]
+__all__ = ["EventLog", "MemoryConnection", "MemoryListener", "MemoryNetwork", "MemoryStream"]
 
 
 class _ConflictGuard:
@@ -448,3 +450,24 @@ class MemoryNetwork:
         leaks += [repr(listener) for listener in self.open_listeners()]
         if leaks:
             raise AssertionError(f"{len(leaks)} still open: " + ", ".join(leaks))
+
+
+class EventLog(Timeline):
+    """A :class:`~flodl_trio.timeline.Timeline` that also notes the *Trio* time of each event.
+
+    ``Timeline`` stamps real monotonic time, which says nothing under ``MockClock``; tests that
+    assert *when* something was decided (``RankDeclaredDead`` exactly at ``heartbeat_timeout``)
+    read ``entries`` or :meth:`of` instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[float, Event]] = []
+
+    def event(self, ev: Event) -> Stamped:
+        self.entries.append((trio.current_time(), ev))
+        return super().event(ev)
+
+    def of(self, kind: type[Event]) -> list[tuple[float, Event]]:
+        """``(trio time, event)`` for every event of class ``kind``, oldest first."""
+        return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]

@@ -12,7 +12,7 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import events
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork
 
 COORD = "coordinator"
 
@@ -442,23 +442,6 @@ def live_task_names() -> list[str]:
 # Liveness helpers: ranks that record what arrives, raw wire-level peers, and mock-time events.
 
 
-class EventLog(ft.Timeline):
-    """A Timeline that also keeps each event with the *Trio* time it was recorded at.
-
-    ``Timeline`` stamps events with the real monotonic clock; deadline tests run on
-    ``MockClock``, so this notes ``trio.current_time()`` as each event is recorded.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: list[tuple[float, Any]] = []
-
-    def event(self, ev: Any) -> Any:
-        self.entries.append((trio.current_time(), ev))
-        return super().event(ev)
-
-    def of(self, kind: type[Any]) -> list[tuple[float, Any]]:
-        return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
 
 
 @attrs.define(eq=False)

@@ -17,7 +17,7 @@ from _streams import plain_dialer
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork
 
 COORD = "coordinator"
 NONCE = bytes(16)  # CBOR lengths do not depend on the nonce's value, only on its length
@@ -63,19 +63,6 @@ def upstream_handshake(host: str, ranks: Sequence[int]) -> UpstreamHandshake:
 # ------------------------------------------------------------------ events with mock time
 
 
-class EventLog(ft.Timeline):
-    """A Timeline that also notes the *Trio* time (MockClock in most tests) of every event."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: list[tuple[float, Any]] = []
-
-    def event(self, ev: Any) -> Any:
-        self.entries.append((trio.current_time(), ev))
-        return super().event(ev)
-
-    def of(self, kind: type[Any]) -> list[tuple[float, Any]]:
-        return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
 
 
 
