@@ -18,8 +18,8 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._lifecycle import Lifecycle, open_lifecycle
 from .._transport import DialTarget, close_all, dial, format_address
-from ..coordinator import pick_one_exception
 from ..coordinator._handshake import relay_handshake
 from ..timeline import Timeline
 from ..wire import RecordOpener, RecordSealer, SessionSalt
@@ -72,7 +72,6 @@ class Relay:
         self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
         self._pump_scope: trio.CancelScope | None = None
-        self._body_scope: trio.CancelScope | None = None
 
     @property
     def connected_ranks(self) -> frozenset[int]:
@@ -136,7 +135,12 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+    @property
+    def error(self) -> FlodlError | None:
+        """The failure that ended the relay, or None."""
+        return self._error
+
+    async def _run(self, listeners: list[trio.abc.Listener[Any]], life: Lifecycle) -> None:
         try:
             await ranks.accept_ranks(self, listeners)
             stream, sealer, opener = await self._connect_upstream()
@@ -152,8 +156,8 @@ class Relay:
             await self._close_all()
         self._exit = exit_
         self._closed.set()
-        if self._error is not None and self._body_scope is not None:
-            self._body_scope.cancel()
+        if self._error is not None:
+            life.cancel_body()
 
     async def _close_all(self) -> None:
         for link in self._links.values():
@@ -243,25 +247,7 @@ async def open_relay(
     if sock is not None:
         name = sock.getsockname()
         relay.rank_address = (str(name[0]), int(name[1]))
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._run, listeners)
-            with trio.CancelScope() as body_scope:
-                relay._body_scope = body_scope
-                try:
-                    yield relay
-                except BaseException as exc:
-                    body_exc = exc
-                    raise
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay._error)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        if relay._error is None:
-            return
-        error = relay._error
-    raise error
+    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
+        life.nursery.start_soon(relay._run, listeners, life)
+        with life.body():
+            yield relay
