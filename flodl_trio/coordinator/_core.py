@@ -15,7 +15,7 @@ from .._coord_types import BroadcastResult, RelayInfo
 from .._errors import BroadcastError, ConfigError, FormationError
 from ..events import ShutdownComplete, ShutdownStarted
 from ..timeline import Timeline
-from ..wire import FrameCodec, Metrics, SaveReason, SessionSalt, Shutdown, TimingMsg, WireMessage
+from ..wire import ControlMsg, FrameCodec, Metrics, SaveReason, SessionSalt, Shutdown, TimingMsg
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -31,7 +31,8 @@ class Coordinator:
     Attributes:
         world_size: number of global ranks.
         config: the :class:`CoordinatorConfig` in force.
-        address: ``(host, port)`` when the coordinator bound TCP itself, else ``None``.
+        address: ``(host, port)`` it listens on (a property; a ``ConfigError`` when it was
+            given listeners instead of an address to bind).
         timing: receive channel of every TimingMsg (heartbeats included), bounded.
         metrics: receive channel of every Metrics message, bounded.
         lost_broadcasts: broadcasts that did not reach every live rank.
@@ -57,7 +58,7 @@ class Coordinator:
             )
         self.world_size = config.world_size
         self.config = config
-        self.address = address
+        self._address = address
         self.timeline = timeline if timeline is not None else Timeline()
         self._started_wall = time.monotonic()
         self._timing_send, self.timing = trio.open_memory_channel[TimingMsg](
@@ -124,6 +125,19 @@ class Coordinator:
     # ------------------------------------------------------------------ public view
 
     @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the coordinator bound (set for the whole block when it bound TCP).
+
+        Raises:
+            ConfigError: it was given listeners (e.g. a ``MemoryNetwork``'s), so it has no
+                address of its own.
+        """
+        if self._address is None:
+            raise ConfigError("coord.address: expected a coordinator that bound TCP itself, got "
+                              "one serving listeners it was given (it has no address)")
+        return self._address
+
+    @property
     def relays(self) -> tuple[RelayInfo, ...]:
         """The relays that joined, in join order."""
         return tuple(RelayInfo(c.host, c.ranks, c.peer) for c in self._roster.relays)
@@ -176,16 +190,17 @@ class Coordinator:
 
     # ------------------------------------------------------------------ control
 
-    async def send_control(self, rank: int, msg: WireMessage) -> None:
+    async def send_control(self, rank: int, msg: ControlMsg) -> None:
         """Send one control message to one rank (queued whole before the first checkpoint).
 
         Raises:
-            SendError: rank out of range, never announced, dead or exited; the connection is
-                closed or stalled (a stalled connection is then treated as lost).
+            SendError: ``msg`` is not a ControlMsg; rank out of range, never announced, dead or
+                exited; the connection is closed or stalled (a stalled connection is then
+                treated as lost).
         """
         await self._sender.send_control(rank, msg)
 
-    async def broadcast_control(self, msg: WireMessage) -> BroadcastResult:
+    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
         """Send ``msg`` to every live, non-exited rank; best effort, never fail-fast.
 
         The frame is encoded once and every relay gets one FANOUT record for all its target
@@ -199,6 +214,7 @@ class Coordinator:
 
         Raises:
             BroadcastError: some live rank was not reached; ``.result`` names who and why.
+            SendError: ``msg`` is not a ControlMsg (nothing was sent).
         """
         return await self._sender.broadcast_control(msg)
 

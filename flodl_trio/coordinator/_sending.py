@@ -8,7 +8,7 @@ from .._coord_types import BroadcastResult
 from .._errors import BroadcastError, SendError
 from ..events import LostBroadcast
 from ..timeline import Timeline
-from ..wire import FrameCodec, RecordKind, Shutdown, WireMessage, control_label, encode_fanout
+from ..wire import ControlMsg, FrameCodec, RecordKind, Shutdown, control_label, encode_fanout
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster, ranks_text
 
@@ -49,10 +49,12 @@ class Sender:
         if self._writers_scope is not None:
             self._writers_scope.cancel()
 
-    async def send_control(self, rank: int, msg: WireMessage) -> None:
+    async def send_control(self, rank: int, msg: ControlMsg) -> None:
         """See :meth:`Coordinator.send_control`."""
         label = control_label(msg)
         what = f"send_control({label}) to rank {rank}"
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"{what}: expected a ControlMsg (coordinator → rank), got {label}")
         if (isinstance(rank, bool) or not isinstance(rank, int)
                 or not 0 <= rank < self._world_size):
             raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
@@ -73,9 +75,12 @@ class Sender:
         if failure is not None:
             raise SendError(f"{what}: {conn.describe()}: {failure}")
 
-    async def broadcast_control(self, msg: WireMessage) -> BroadcastResult:
+    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
         """See :meth:`Coordinator.broadcast_control`."""
         label = control_label(msg)
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
+                            f"got {label}")
         frame = self._codec.encode(msg)
         groups: dict[RelayConn, list[int]] = {}
         failed: dict[int, str] = {}
