@@ -20,7 +20,6 @@ from ..port_mux import open_port_mux
 from ..status import serve_status
 from ..timeline import Timeline
 from ..wire import SessionSalt
-from . import formation
 from ._core import Coordinator
 
 __all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
@@ -141,14 +140,13 @@ async def open_coordinator(
         )
     try:
         coord = Coordinator(salt=salt, config=config, timeline=timeline,
-                            address=bind.address if bind else None)
+                            address=bind.address if bind else None, tls=ssl_context is not None)
     except BaseException:
         if bind is not None:
             await bind.aclose()
         raise
     if bind is not None and timeline is None:
         coord.timeline.event(Listening(address=format_address(bind.address)))
-    coord._tls = ssl_context is not None
     mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
     if ssl_context is not None:
         # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or
@@ -156,8 +154,7 @@ async def open_coordinator(
         mux_listeners = [trio.SSLListener(lst, ssl_context, https_compatible=False)
                          for lst in mux_listeners]
         direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
-    async with open_lifecycle("coordinator", failure=lambda: coord._failure) as life:
-        coord._nursery = life.nursery
+    async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
         async with AsyncExitStack() as stack:
             if bind is not None:
                 stack.push_async_callback(bind.aclose)
@@ -174,9 +171,14 @@ async def open_coordinator(
                 control = direct
             setup_exc: BaseException | None = None
             try:
-                await formation.form(coord, control, abort)
+                # Every background task of the run starts here, and only here, in the
+                # lifecycle's nursery: out of the caller's reach until the block ends.
+                await life.nursery.start(coord.host_writers)
+                for task in coord.background_tasks(control, abort):
+                    life.nursery.start_soon(task)
+                await coord.formed()
                 with life.body() as body_scope:
-                    coord._body_scope = body_scope
+                    coord.cancel_on_failure(body_scope)
                     yield coord
             except BaseException as exc:
                 setup_exc = exc  # for the shutdown reason only
@@ -186,14 +188,14 @@ async def open_coordinator(
                 # Shielded, and the readers and writers it needs are out of the caller's reach:
                 # an outside cancellation still ends with Shutdown, half-close and drain.
                 with trio.CancelScope(shield=True):
-                    await coord._shutdown(reason)
+                    await coord.shutdown(reason)
 
 
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:
-    if coord._failure is not None:
-        return f"cluster failure: {coord._failure}"
-    if coord._formation_failure is not None:
-        return f"formation failed: {type(coord._formation_failure).__name__}"
+    if coord.failure is not None:
+        return f"cluster failure: {coord.failure}"
+    if coord.formation_failure is not None:
+        return f"formation failed: {type(coord.formation_failure).__name__}"
     if body_exc is not None and not isinstance(body_exc, trio.Cancelled):
         return f"the block raised {type(body_exc).__name__}"
     if body_exc is not None:
