@@ -15,9 +15,8 @@ import trio
 from .._errors import FormationAborted, FormationError, FormationTimeout
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
-from ..wire import HelloAck, RecordKind, encode
 from . import liveness, readers
-from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
+from ._handshake import Rejected, coordinator_handshake, send_hello_ack
 from ._relayconn import RelayConn, ranks_text
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
         return
     try:
         with trio.fail_after(coord.config.handshake_timeout):
-            auth = await coordinator_handshake(stream, coord._salt, peer)
+            machine, received = await coordinator_handshake(stream, coord._salt, peer)
     except trio.TooSlowError:
         await trio.aclose_forcefully(stream)
         reject(coord, peer, "timeout", f"{peer}: no authenticated Hello within "
@@ -122,7 +121,7 @@ async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
     except BaseException:
         await close_all([stream])  # cancelled mid-handshake: the stream must not leak
         raise
-    hello = auth.hello
+    hello = received.hello
     if coord._phase != "forming":
         await trio.aclose_forcefully(stream)
         reject(coord, peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
@@ -145,8 +144,8 @@ async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
         return
     coord._conn_counter += 1
     conn = RelayConn(
-        host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
-        opener=auth.opener, write_stall_timeout=coord.config.write_stall_timeout,
+        host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=machine.sealer,
+        opener=machine.opener, write_stall_timeout=coord.config.write_stall_timeout,
         index=coord._conn_counter,
     )
     coord._relays.append(conn)
@@ -155,10 +154,9 @@ async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
     for r in ranks:
         coord._conn_of_rank[r] = conn
         coord._last_seen[r] = now
-    ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
     try:
         with trio.fail_after(coord.config.handshake_timeout):
-            await stream.send_all(ack)
+            await send_hello_ack(stream, machine)
     except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         coord._acks_in_flight.discard(conn)
         unregister(coord, conn)
@@ -168,7 +166,6 @@ async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
                      f"not delivered ({type(exc).__name__})")
         return
     coord._acks_in_flight.discard(conn)
-    switch_to_connection_keys(auth, coord._salt)
     conn.on_lost = coord._on_write_failure
     coord._writers.start_soon(conn.run_writer)
     warn_cleartext(coord, peer)

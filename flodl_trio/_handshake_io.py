@@ -1,0 +1,47 @@
+"""The one IO loop every handshake runs: feed the sans-IO machine, write what it wants sent.
+
+The protocol lives in ``wire`` (``CoordinatorHandshake``, ``RelayHandshake``,
+``RankDialHandshake``, ``RankAcceptHandshake``); this loop only moves bytes. The caller bounds
+it with its deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import trio
+
+from .wire import NeedData
+
+# A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
+HANDSHAKE_READ = 65536
+
+Event = TypeVar("Event", covariant=True)
+
+
+class HandshakeMachine(Protocol[Event]):
+    def receive_data(self, data: bytes) -> None: ...
+
+    def next_event(self) -> Event | NeedData: ...
+
+    def data_to_send(self) -> bytes: ...
+
+
+async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event]) -> Event:
+    """Drive ``machine`` over ``stream`` until it has an event other than NEED_DATA.
+
+    Whatever the machine queued is written first, the event's answer included (the relay's
+    Ready goes out before its Established is returned).
+
+    Raises:
+        WireError / HandshakeError: from the machine.
+        trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
+    """
+    while True:
+        event = machine.next_event()
+        out = machine.data_to_send()
+        if out:
+            await stream.send_all(out)
+        if not isinstance(event, NeedData):
+            return event
+        machine.receive_data(bytes(await stream.receive_some(HANDSHAKE_READ)))
