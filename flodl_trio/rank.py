@@ -44,7 +44,6 @@ from .wire import (
     Shutdown,
     ShutdownWithSave,
     TimingMsg,
-    WireMessage,
     control_label,
     decode_control,
     frames_before,
@@ -125,7 +124,7 @@ class RankEndpoint:
         except StopAsyncIteration:
             raise trio.EndOfChannel from None
 
-    async def send(self, msg: WireMessage) -> None:
+    async def send(self, msg: TimingMsg | Metrics) -> None:
         """Send a TimingMsg or Metrics to the coordinator.
 
         Raises:

@@ -25,6 +25,7 @@ from ..events import (
 )
 from ..timeline import Timeline
 from ..wire import (
+    ControlMsg,
     FrameCodec,
     Metrics,
     RecordKind,
@@ -32,7 +33,6 @@ from ..wire import (
     SessionSalt,
     Shutdown,
     TimingMsg,
-    WireMessage,
     control_label,
     encode_fanout,
 )
@@ -50,7 +50,8 @@ class Coordinator:
     Attributes:
         world_size: number of global ranks.
         config: the :class:`CoordinatorConfig` in force.
-        address: ``(host, port)`` when the coordinator bound TCP itself, else ``None``.
+        address: ``(host, port)`` it listens on (a property; a ``ConfigError`` when it was
+            given listeners instead of an address to bind).
         timing: receive channel of every TimingMsg (heartbeats included), bounded.
         metrics: receive channel of every Metrics message, bounded.
         lost_broadcasts: broadcasts that did not reach every live rank.
@@ -75,7 +76,7 @@ class Coordinator:
             )
         self.world_size = config.world_size
         self.config = config
-        self.address = address
+        self._address = address
         self.timeline = timeline if timeline is not None else Timeline()
         self._timeline = self.timeline
         self._salt = salt
@@ -124,6 +125,19 @@ class Coordinator:
         self._nursery: trio.Nursery = None  # type: ignore[assignment]  # set by open_coordinator
 
     # ------------------------------------------------------------------ public view
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the coordinator bound (set for the whole block when it bound TCP).
+
+        Raises:
+            ConfigError: it was given listeners (e.g. a ``MemoryNetwork``'s), so it has no
+                address of its own.
+        """
+        if self._address is None:
+            raise ConfigError("coord.address: expected a coordinator that bound TCP itself, got "
+                              "one serving listeners it was given (it has no address)")
+        return self._address
 
     @property
     def relays(self) -> tuple[RelayInfo, ...]:
@@ -182,15 +196,18 @@ class Coordinator:
 
     # ------------------------------------------------------------------ control
 
-    async def send_control(self, rank: int, msg: WireMessage) -> None:
+    async def send_control(self, rank: int, msg: ControlMsg) -> None:
         """Send one control message to one rank (queued whole before the first checkpoint).
 
         Raises:
-            SendError: rank out of range, never announced, dead or exited; the connection is
-                closed or stalled (a stalled connection is then treated as lost).
+            SendError: ``msg`` is not a ControlMsg; rank out of range, never announced, dead or
+                exited; the connection is closed or stalled (a stalled connection is then
+                treated as lost).
         """
         label = control_label(msg)
         what = f"send_control({label}) to rank {rank}"
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"{what}: expected a ControlMsg (coordinator → rank), got {label}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise SendError(f"{what}: expected a rank in [0, {self.world_size}), got {rank!r}")
         conn = self._conn_of_rank.get(rank)
@@ -209,7 +226,7 @@ class Coordinator:
         if failure is not None:
             raise SendError(f"{what}: {conn.describe()}: {failure}")
 
-    async def broadcast_control(self, msg: WireMessage) -> BroadcastResult:
+    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
         """Send ``msg`` to every live, non-exited rank; best effort, never fail-fast.
 
         The frame is encoded once and every relay gets one FANOUT record for all its target
@@ -223,8 +240,12 @@ class Coordinator:
 
         Raises:
             BroadcastError: some live rank was not reached; ``.result`` names who and why.
+            SendError: ``msg`` is not a ControlMsg (nothing was sent).
         """
         label = control_label(msg)
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
+                            f"got {label}")
         frame = self._codec.encode(msg)
         groups: dict[RelayConn, list[int]] = {}
         failed: dict[int, str] = {}
