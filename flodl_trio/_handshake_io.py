@@ -7,10 +7,12 @@ it with its deadline.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol, TypeVar
 
 import trio
 
+from ._errors import FlodlError
 from .wire import NeedData
 
 # A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
@@ -38,7 +40,15 @@ async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event
         trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
     """
     while True:
-        event = machine.next_event()
+        try:
+            event = machine.next_event()
+        except FlodlError:
+            # What the machine queued before it failed was due (the coordinator's Challenge
+            # ahead of a replayed Hello that arrived in the same chunk): the peer sees it.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                if out := machine.data_to_send():
+                    await stream.send_all(out)
+            raise
         out = machine.data_to_send()
         if out:
             await stream.send_all(out)
