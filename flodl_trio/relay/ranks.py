@@ -14,13 +14,9 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
-from .._transport import close_all, peer_of, receive_exactly
-from ..wire import (
-    RANK_HELLO_LEN,
-    SessionSalt,
-    decode_rank_hello,
-    encode_rank_ack,
-)
+from .._handshake_io import run_handshake
+from .._transport import close_all, peer_of
+from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
 
 log = logging.getLogger("flodl_trio.relay")
@@ -38,7 +34,7 @@ class LocalRanks:
         self.world_size = world_size
         self.salt = salt
         self.config = config
-        self._rank_set = frozenset(ranks)
+        self.rank_set = frozenset(ranks)
         self._links: dict[int, RankLink] = {}
         self._reserved: set[int] = set()  # hello verified, ack not yet written
         self._rejects: list[str] = []
@@ -68,13 +64,8 @@ class LocalRanks:
         """Hold ``rank``'s slot while its ack is written.
 
         Raises:
-            HandshakeError: ``rank`` is not ours, or is connected (or being connected) already.
+            HandshakeError: ``rank`` is connected (or being connected) already.
         """
-        if rank not in self._rank_set:
-            raise HandshakeError(
-                f"rank hello from {peer}: rank {rank} does not belong to host "
-                f"{self.host!r} (its ranks are {list(self.ranks)})"
-            )
         if rank in self._links or rank in self._reserved:
             raise HandshakeError(f"rank hello from {peer}: rank {rank} is already connected")
         self._reserved.add(rank)
@@ -99,7 +90,7 @@ class LocalRanks:
         self._rejects.append(text)
 
     def timeout_error(self, timeout: float) -> FormationTimeout:
-        missing = sorted(self._rank_set - set(self._links))
+        missing = sorted(self.rank_set - set(self._links))
         rejects = "; ".join(self._rejects[-5:]) or "none"
         return FormationTimeout(
             f"relay {self.host!r}: rank accept timed out after {timeout:g}s: "
@@ -140,13 +131,18 @@ async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
 async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
     peer = peer_of(stream)
     reserved: int | None = None
+    machine = RankAcceptHandshake(local.salt, world_size=local.world_size, host=local.host,
+                                  ranks=local.rank_set, peer=peer)
     try:
         with trio.fail_after(local.config.handshake_timeout):
-            data = await receive_exactly(stream, RANK_HELLO_LEN, what=f"rank hello from {peer}")
-            rank = decode_rank_hello(local.salt, data, world_size=local.world_size)
+            hello = await run_handshake(stream, machine)
+            assert isinstance(hello, RankHelloReceived)
+            rank = hello.rank
             local.reserve(rank, peer)
             reserved = rank
-            await stream.send_all(encode_rank_ack(local.salt))
+            machine.accept()
+            confirmed = await run_handshake(stream, machine)
+            assert isinstance(confirmed, RankConfirmed)
     except (trio.TooSlowError, WireError, HandshakeError, *_GONE) as exc:
         if reserved is not None:
             local.release(reserved)
@@ -163,6 +159,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
         await trio.aclose_forcefully(stream)
         raise
     link = RankLink(rank, stream, local.config)
+    link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):
         await watch_while_accepting(local, link)
