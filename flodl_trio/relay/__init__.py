@@ -19,12 +19,13 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
-from .._lifecycle import Lifecycle, open_lifecycle
+from .._lifecycle import open_lifecycle
 from .._transport import DialTarget, close_all, dial, format_address
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
-from . import pump, ranks
-from ._link import RankLink, RelayExit
+from ._link import RelayExit
+from .pump import Pump
+from .ranks import LocalRanks, accept_ranks
 
 __all__ = ["Relay", "RelayExit", "open_relay"]
 
@@ -60,19 +61,14 @@ class Relay:
         self._salt = salt
         self._ssl_context = ssl_context
         self._server_hostname = server_hostname
-        self._rank_set = frozenset(ranks)
-        self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
-        self._all_ranks = trio.Event()
+        self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
+                                 config=config)
         self._connected = trio.Event()
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
-        self._pump_scope: trio.CancelScope | None = None
+        self._body_scope: trio.CancelScope | None = None
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -89,7 +85,16 @@ class Relay:
     @property
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
-        return frozenset(r for r, link in self._links.items() if not link.gone)
+        return self._local.connected
+
+    @property
+    def error(self) -> FlodlError | None:
+        """Why the relay failed (what ``open_relay`` raises), else None."""
+        return self._error
+
+    def cancel_on_error(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the user's block) when the relay fails."""
+        self._body_scope = scope
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
@@ -149,19 +154,17 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def error(self) -> FlodlError | None:
-        """The failure that ended the relay, or None."""
-        return self._error
-
-    async def _run(self, listeners: list[trio.abc.Listener[Any]], life: Lifecycle) -> None:
+    async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
-            await ranks.accept_ranks(self, listeners)
+            await accept_ranks(self._local, listeners)
             stream, sealer, opener = await self._connect_upstream()
             self._upstream = stream
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await pump.pump(self, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener)
+            exit_ = await pump.run()
+            self._error = pump.error
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
@@ -170,13 +173,14 @@ class Relay:
             await self._close_all()
         self._exit = exit_
         self._closed.set()
-        if self._error is not None:
-            life.cancel_body()
+        if self._error is not None and self._body_scope is not None:
+            self._body_scope.cancel()
 
     async def _close_all(self) -> None:
-        for link in self._links.values():
+        links = list(self._local.links())
+        for link in links:
             link.gone = True
-        streams: list[Any] = [link.stream for link in self._links.values()]
+        streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
         await close_all(streams)
@@ -263,6 +267,7 @@ async def open_relay(
                   config=cfg, timeline=timeline, ssl_context=ssl_context,
                   server_hostname=server_hostname, rank_address=rank_address)
     async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
-        life.nursery.start_soon(relay._run, listeners, life)
-        with life.body():
+        life.nursery.start_soon(relay.run, listeners)
+        with life.body() as body_scope:
+            relay.cancel_on_error(body_scope)
             yield relay
