@@ -22,10 +22,12 @@ from ._errors import (
     SendError,
     WireError,
 )
+from ._reformation import ReformationError
 from ._timeouts import timeout_scale
 from ._version import __version__
 from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
 from .rank import RankEndpoint, open_rank
+from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
 from .timeline import Timeline
 from .wire import SaveReason, SessionSalt
@@ -48,8 +50,10 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "MaxFailure",
+    "RankClient",
     "RankConfig",
     "RankEndpoint",
+    "ReformationError",
     "Relay",
     "RelayConfig",
     "RelayExit",

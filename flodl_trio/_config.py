@@ -76,39 +76,84 @@ def _non_negative_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) ->
 class MaxFailure:
     """How many dead ranks the run tolerates before it stops with ``MAX_FAILURE_EXCEEDED``.
 
-    Build it with :meth:`absolute` or :meth:`percent`; the limit is reached when the number of dead
-    ranks is >= :meth:`limit`.
+    Build it with :meth:`absolute`, :meth:`fraction` or :meth:`percent`; the limit is reached when
+    the number of dead ranks is >= :meth:`limit`. Out-of-range arguments are a
+    :class:`~flodl_trio.ConfigError`, never clamped: ``percent(0.25)`` is a quarter of one
+    percent, not 25 %.
+
+    >>> MaxFailure.percent(25).limit(8)
+    2
+    >>> MaxFailure.fraction(0.25) == MaxFailure.percent(25)
+    True
+    >>> MaxFailure.absolute(3).limit(8)
+    3
+
+    Attributes:
+        count: the absolute limit, or None.
+        dead_fraction: the limit as a share of the world in [0, 1], or None.
     """
 
     count: int | None = None
-    fraction: float | None = None
+    dead_fraction: float | None = None
 
     @classmethod
     def absolute(cls, n: int) -> MaxFailure:
-        """Fail once ``n`` ranks are dead (0 means: on the first death, like 1)."""
+        """Fail once ``n`` ranks are dead (0 means: on the first death, like 1).
+
+        Raises:
+            ConfigError: ``n`` is not an integer >= 0.
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"MaxFailure.absolute: expected an integer >= 0, got {n!r}")
         return cls(count=n)
 
     @classmethod
+    def fraction(cls, f: float) -> MaxFailure:
+        """Fail once ``ceil(f * world_size)`` ranks are dead (at least 1).
+
+        Args:
+            f: a share of the world in [0, 1] (``0.25`` is a quarter of the ranks).
+
+        Raises:
+            ConfigError: ``f`` is not a number in [0, 1].
+        """
+        return cls(dead_fraction=_in_range("MaxFailure.fraction", f, 1.0, "a fraction"))
+
+    @classmethod
     def percent(cls, p: float) -> MaxFailure:
-        """Fail once ``ceil(clamp(p, 0, 1) * world_size)`` ranks are dead (p is a fraction)."""
-        if isinstance(p, bool) or not isinstance(p, int | float) or math.isnan(p):
-            raise ConfigError(f"MaxFailure.percent: expected a fraction in [0, 1], got {p!r}")
-        return cls(fraction=min(1.0, max(0.0, float(p))))
+        """Fail once ``ceil(p / 100 * world_size)`` ranks are dead (at least 1).
+
+        Args:
+            p: a percentage of the world in [0, 100] (``25`` is a quarter of the ranks).
+
+        Raises:
+            ConfigError: ``p`` is not a number in [0, 100].
+        """
+        value = _in_range("MaxFailure.percent", p, 100.0, "a percentage")
+        return cls(dead_fraction=value / 100.0)
 
     def limit(self, world_size: int) -> int:
         """The dead-rank count at which the run fails; at least 1."""
         if self.count is not None:
             return max(1, self.count)
-        assert self.fraction is not None
+        assert self.dead_fraction is not None
         # Round off binary-float noise first: 0.07 * 100 is 7.000000000000001, whose ceil is 8.
-        return max(1, math.ceil(round(self.fraction * world_size, 9)))
+        return max(1, math.ceil(round(self.dead_fraction * world_size, 9)))
 
     def describe(self, world_size: int) -> str:
+        """The policy and its limit in this world, for error messages and logs."""
         if self.count is not None:
             return f"absolute({self.count})"
-        return f"percent({self.fraction}) = {self.limit(world_size)} of {world_size}"
+        assert self.dead_fraction is not None
+        percent = round(self.dead_fraction * 100, 9)
+        return f"percent({percent:g}) = {self.limit(world_size)} of {world_size}"
+
+
+def _in_range(what: str, value: Any, top: float, kind: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or not 0 <= value <= top):
+        raise ConfigError(f"{what}: expected {kind} in [0, {top:g}], got {value!r}")
+    return float(value)
 
 
 @attrs.frozen(kw_only=True)

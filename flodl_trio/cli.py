@@ -188,10 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _dispatch(args)
         except BaseExceptionGroup as group:
-            from .coordinator import pick_one_exception
+            from ._lifecycle import choose_one_exception
 
-            chosen = pick_one_exception(group, None, None)
-            if chosen is None:
+            chosen = choose_one_exception(group, body_exc=None, failure=None,
+                                          cancelled_from_outside=False, what="flodl-trio")
+            if isinstance(chosen, trio.Cancelled):
                 raise
             raise chosen from None
     except UsageError as exc:
@@ -361,7 +362,6 @@ async def _relay(args: argparse.Namespace) -> int:
                               world_size=args.world_size, rank_listen=args.rank_port,
                               config=RelayConfig(), ssl_context=ssl_context,
                               server_hostname=args.tls_server_name) as relay:
-            assert relay.rank_address is not None
             print(f"relay {args.host} ranks {ranks} listening for ranks on "
                   f"{format_address(relay.rank_address)}", flush=True)
             outcome = await relay.wait_closed()

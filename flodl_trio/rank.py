@@ -12,7 +12,6 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import trio
 
@@ -24,11 +23,11 @@ from ._errors import (
     SendError,
     WireError,
 )
-from ._transport import DialTarget, StreamWriter, dial, format_address, receive_exactly
-from .coordinator import pick_one_exception
+from ._handshake_io import run_handshake
+from ._lifecycle import open_lifecycle
+from ._transport import DialTarget, StreamWriter, dial, format_address
 from .wire import (
     MAX_LEN_FRAME,
-    RANK_ACK_LEN,
     ControlMsg,
     CoordHeartbeat,
     DeclareDead,
@@ -38,17 +37,16 @@ from .wire import (
     LenFrameDecoder,
     Metrics,
     MsgKind,
+    RankConfirmed,
+    RankDialHandshake,
     SessionSalt,
     Shutdown,
     ShutdownWithSave,
     TimingMsg,
-    WireMessage,
     control_label,
     decode_control,
-    encode_rank_hello,
     frames_before,
     len_frame,
-    verify_rank_ack,
 )
 
 log = logging.getLogger("flodl_trio.rank")
@@ -69,7 +67,7 @@ class RankEndpoint:
     """
 
     def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
-                 config: RankConfig, relay: str) -> None:
+                 config: RankConfig, relay: str, leftover: bytes = b"") -> None:
         self.rank = rank
         self.world_size = world_size
         self.step_count = 0
@@ -88,6 +86,7 @@ class RankEndpoint:
         self._wake = trio.Event()
         self._leaving = False
         self._reader_done = trio.Event()
+        self._leftover = leftover  # what the relay sent right behind its ack
 
     @property
     def coordinator_lost(self) -> str | None:
@@ -124,7 +123,7 @@ class RankEndpoint:
         except StopAsyncIteration:
             raise trio.EndOfChannel from None
 
-    async def send(self, msg: WireMessage) -> None:
+    async def send(self, msg: TimingMsg | Metrics) -> None:
         """Send a TimingMsg or Metrics to the coordinator.
 
         Raises:
@@ -163,11 +162,14 @@ class RankEndpoint:
 
     async def _read_until_end(self) -> None:
         decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+        data: bytes | bytearray = self._leftover
+        self._leftover = b""
         try:
             while True:
-                data = await self._stream.receive_some(65536)
                 if not data:
-                    break
+                    data = await self._stream.receive_some(65536)
+                    if not data:
+                        break
                 try:
                     blobs = decoder.feed(data)
                 except WireError as exc:
@@ -176,6 +178,7 @@ class RankEndpoint:
                     raise
                 for blob in blobs:
                     await self._on_blob(blob)
+                data = b""
         except WireError as exc:
             self._set_lost(f"protocol error on the link: {exc}")
             return
@@ -266,7 +269,7 @@ class RankEndpoint:
 
 
 async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size: int,
-                   config: RankConfig) -> trio.abc.Stream:
+                   config: RankConfig) -> tuple[trio.abc.Stream, bytes]:
     deadline = trio.current_time() + config.connect_timeout
     what = f"rank {rank}"
     where = format_address(target) if not callable(target) else "the relay"
@@ -275,11 +278,11 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
                             what=what)
         try:
+            machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
             with trio.fail_after(config.handshake_timeout):
-                await stream.send_all(encode_rank_hello(salt, rank, world_size))
-                ack = await receive_exactly(stream, RANK_ACK_LEN, what=f"ack from relay {where}")
-                verify_rank_ack(salt, ack)
-            return stream
+                confirmed = await run_handshake(stream, machine)
+            assert isinstance(confirmed, RankConfirmed)
+            return stream, confirmed.leftover
         except HandshakeError:
             await trio.aclose_forcefully(stream)
             raise
@@ -331,35 +334,22 @@ async def open_rank(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_rank: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RankConfig()
-    stream = await _connect(relay, salt, rank, world_size, cfg)
+    stream, leftover = await _connect(relay, salt, rank, world_size, cfg)
     where = format_address(relay) if not callable(relay) else "in-process"
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
-                      relay=where)
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ep._reader)
-            nursery.start_soon(ep._watchdog)
-            nursery.start_soon(ep._heartbeats)
-            try:
+                      relay=where, leftover=leftover)
+    async with open_lifecycle(f"rank {rank}", failure=lambda: None) as life:
+        life.nursery.start_soon(ep._reader)
+        life.nursery.start_soon(ep._watchdog)
+        life.nursery.start_soon(ep._heartbeats)
+        try:
+            with life.body():
                 yield ep
-            except BaseException as exc:
-                body_exc = exc
-                raise
-            else:
-                with trio.CancelScope(shield=True):
-                    await ep._say_goodbye()
-            finally:
-                nursery.cancel_scope.cancel()
-                # Shielded: unshielded, the close's Cancelled (the nursery is cancelled now)
-                # replaced the body's exception, and the nursery then swallowed it.
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(stream)
-    except BaseExceptionGroup as group:
-        chosen: Any = pick_one_exception(group, body_exc, None)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        return
-    raise error
+            with trio.CancelScope(shield=True):
+                await ep._say_goodbye()
+        finally:
+            life.stop_tasks()  # first: the reader must not report the close as a lost link
+            # Shielded: under an outside cancellation an unshielded close raised Cancelled at
+            # its first checkpoint and left the stream open.
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)

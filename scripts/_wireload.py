@@ -44,7 +44,6 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.coordinator._handshake import relay_handshake
 
 HERE = Path(__file__).resolve().parent
 _LEN_AT = 13  # offset of payload_len in a record header
@@ -76,6 +75,19 @@ def rank_frame(salt: ft.SessionSalt, kind: str, rank: int) -> bytes:
                                               batch_loss=0.125))
 
 
+async def drive_handshake(stream: trio.abc.Stream,
+                          machine: wire.RelayHandshake | wire.CoordinatorHandshake) -> object:
+    """Run a sans-IO handshake machine over ``stream`` until its next event that is not
+    NEED_DATA (what it queued is written first)."""
+    while True:
+        event = machine.next_event()
+        if out := machine.data_to_send():
+            await stream.send_all(out)
+        if not isinstance(event, wire.NeedData):
+            return event
+        machine.receive_data(bytes(await stream.receive_some(65536)))
+
+
 class LoadRelay:
     """One upstream connection of a load process."""
 
@@ -98,11 +110,14 @@ class LoadRelay:
         if raw:
             self.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
             return
-        self.sealer, opener = await relay_handshake(
-            self.stream, salt, host=self.host, ranks=tuple(self.ranks),
-            coordinator=f"{target[0]}:{target[1]}")
-        if opener.buffered:  # bytes that followed the HelloAck in its read
-            raise RuntimeError(f"{self.host}: {opener.buffered} unexpected bytes after HelloAck")
+        machine = wire.RelayHandshake(salt, host=self.host, ranks=tuple(self.ranks),
+                                      coordinator=f"{target[0]}:{target[1]}")
+        done = await drive_handshake(self.stream, machine)
+        assert isinstance(done, wire.Established)
+        self.sealer = done.sealer
+        if done.opener.buffered:  # bytes that followed the HelloAck in its read
+            raise RuntimeError(f"{self.host}: {done.opener.buffered} unexpected bytes after "
+                               "HelloAck")
 
     def seal_ahead(self, n: int) -> None:
         assert self.sealer is not None

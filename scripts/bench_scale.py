@@ -7,8 +7,8 @@ in one write, as a relay forwards ranks that started together) and reads the Coo
   - RSS: this process (the coordinator only) after the idle window;
   - idle CPU: this process's CPU time over the idle window / its wall time (heartbeats only);
   - floor, in the same run: bare Trio accepts the same number of relays and does the same
-    per-connection handshake work (the library's coordinator side of the handshake, HelloAck
-    sealed and sent), without any coordinator state.
+    per-connection handshake work (the library's sans-IO ``CoordinatorHandshake`` driven to
+    ``Established``), without any coordinator state.
 
     .venv/bin/python scripts/bench_scale.py [--quick] [--json]
 """
@@ -25,7 +25,6 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.coordinator._handshake import coordinator_handshake
 
 FORM_S, RSS_MB, IDLE_CPU = 2.0, 150.0, 0.25
 
@@ -45,10 +44,12 @@ async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
     async def serve(stream: trio.SocketStream) -> None:
         nonlocal done, done_t
         streams.append(stream)
-        auth = await coordinator_handshake(stream, salt, "load")
-        ack = auth.sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(
-            wire.HelloAck(auth.hello.nonce)))
-        await stream.send_all(ack)
+        machine = wire.CoordinatorHandshake(salt, peer="load")
+        hello = await load.drive_handshake(stream, machine)
+        assert isinstance(hello, wire.HelloReceived), hello
+        machine.accept()
+        established = await load.drive_handshake(stream, machine)
+        assert isinstance(established, wire.Established), established
         done += 1
         if done == relays:
             done_t = time.monotonic()

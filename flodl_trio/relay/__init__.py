@@ -18,13 +18,14 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._handshake_io import run_handshake
+from .._lifecycle import open_lifecycle
 from .._transport import DialTarget, close_all, dial, format_address
-from ..coordinator import pick_one_exception
-from ..coordinator._handshake import relay_handshake
 from ..timeline import Timeline
-from ..wire import RecordOpener, RecordSealer, SessionSalt
-from . import pump, ranks
-from ._link import RankLink, RelayExit
+from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
+from ._link import RelayExit
+from .pump import Pump
+from .ranks import LocalRanks, accept_ranks
 
 __all__ = ["Relay", "RelayExit", "open_relay"]
 
@@ -42,42 +43,58 @@ class Relay:
     Attributes:
         host: this relay's host name.
         ranks: the global ranks it carries (ascending).
-        rank_address: ``(host, port)`` where local ranks dial, when it bound TCP itself.
+        rank_address: ``(host, port)`` where local ranks dial (a property; a ``ConfigError``
+            when it was given listeners instead of binding TCP itself).
     """
 
     def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
                  ranks: tuple[int, ...], world_size: int, config: RelayConfig,
                  timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
-                 server_hostname: str | None) -> None:
+                 server_hostname: str | None, rank_address: tuple[str, int] | None) -> None:
         self.host = host
         self.ranks = ranks
         self.world_size = world_size
         self.config = config
         self.timeline = timeline
-        self.rank_address: tuple[str, int] | None = None
+        self._rank_address = rank_address
         self._target = target
         self._salt = salt
         self._ssl_context = ssl_context
         self._server_hostname = server_hostname
-        self._rank_set = frozenset(ranks)
-        self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
-        self._all_ranks = trio.Event()
+        self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
+                                 config=config)
         self._connected = trio.Event()
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
-        self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
+
+    @property
+    def rank_address(self) -> tuple[str, int]:
+        """``(host, port)`` where local ranks dial (set for the whole block when it bound TCP).
+
+        Raises:
+            ConfigError: it was given listeners (e.g. a ``MemoryNetwork``'s) to accept on.
+        """
+        if self._rank_address is None:
+            raise ConfigError(f"relay {self.host!r}: rank_address: expected a relay that bound "
+                              "TCP itself, got one accepting on listeners it was given")
+        return self._rank_address
 
     @property
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
-        return frozenset(r for r, link in self._links.items() if not link.gone)
+        return self._local.connected
+
+    @property
+    def error(self) -> FlodlError | None:
+        """Why the relay failed (what ``open_relay`` raises), else None."""
+        return self._error
+
+    def cancel_on_error(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the user's block) when the relay fails."""
+        self._body_scope = scope
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
@@ -105,10 +122,11 @@ class Relay:
                                                 server_hostname=self._server_hostname,
                                                 https_compatible=False)
                         await stream.do_handshake()
-                    sealer, opener = await relay_handshake(
-                        stream, self._salt, host=self.host, ranks=self.ranks,
-                        coordinator=_target_text(self._target))
-                return stream, sealer, opener
+                    machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
+                                             coordinator=_target_text(self._target))
+                    done = await run_handshake(stream, machine)
+                assert isinstance(done, Established)
+                return stream, done.sealer, done.opener
             except AuthError:
                 await trio.aclose_forcefully(stream)
                 raise
@@ -136,14 +154,17 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+    async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
-            await ranks.accept_ranks(self, listeners)
+            await accept_ranks(self._local, listeners)
             stream, sealer, opener = await self._connect_upstream()
             self._upstream = stream
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await pump.pump(self, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener)
+            exit_ = await pump.run()
+            self._error = pump.error
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
@@ -156,9 +177,10 @@ class Relay:
             self._body_scope.cancel()
 
     async def _close_all(self) -> None:
-        for link in self._links.values():
+        links = list(self._local.links())
+        for link in links:
             link.gone = True
-        streams: list[Any] = [link.stream for link in self._links.values()]
+        streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
         await close_all(streams)
@@ -235,33 +257,17 @@ async def open_relay(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RelayConfig()
-    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
-                  config=cfg, timeline=timeline, ssl_context=ssl_context,
-                  server_hostname=server_hostname)
     listeners = await _rank_listeners(rank_listen)
     sock = getattr(listeners[0], "socket", None)
+    rank_address = None
     if sock is not None:
         name = sock.getsockname()
-        relay.rank_address = (str(name[0]), int(name[1]))
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._run, listeners)
-            with trio.CancelScope() as body_scope:
-                relay._body_scope = body_scope
-                try:
-                    yield relay
-                except BaseException as exc:
-                    body_exc = exc
-                    raise
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay._error)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        if relay._error is None:
-            return
-        error = relay._error
-    raise error
+        rank_address = (str(name[0]), int(name[1]))
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
+                  config=cfg, timeline=timeline, ssl_context=ssl_context,
+                  server_hostname=server_hostname, rank_address=rank_address)
+    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
+        life.nursery.start_soon(relay.run, listeners)
+        with life.body() as body_scope:
+            relay.cancel_on_error(body_scope)
+            yield relay
