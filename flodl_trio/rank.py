@@ -155,7 +155,7 @@ class RankEndpoint:
             log.warning("rank %d: coordinator lost: %s", self.rank, reason)
         self._inbox_send.close()
 
-    async def _reader(self) -> None:
+    async def run_reader(self) -> None:
         try:
             await self._read_until_end()
         finally:
@@ -230,7 +230,7 @@ class RankEndpoint:
             self._last_inbound = trio.current_time()
             self._wake.set()
 
-    async def _watchdog(self) -> None:
+    async def run_watchdog(self) -> None:
         timeout = self.config.coord_liveness_timeout
         while self._lost is None and not self._shutdown_seen:
             due = self._last_inbound + timeout
@@ -245,7 +245,7 @@ class RankEndpoint:
             with trio.move_on_at(math.inf if self._paused else due):
                 await self._wake.wait()
 
-    async def _heartbeats(self) -> None:
+    async def run_heartbeats(self) -> None:
         while True:
             await trio.sleep(self.config.heartbeat_interval)
             if self._lost is not None:
@@ -255,7 +255,7 @@ class RankEndpoint:
             except SendError:
                 return
 
-    async def _say_goodbye(self) -> None:
+    async def say_goodbye(self) -> None:
         """Best-effort ``Exiting``, then a half-close and a short drain so it is not reset away."""
         if self._lost is not None:
             return
@@ -342,9 +342,9 @@ async def open_rank(
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ep._reader)
-            nursery.start_soon(ep._watchdog)
-            nursery.start_soon(ep._heartbeats)
+            nursery.start_soon(ep.run_reader)
+            nursery.start_soon(ep.run_watchdog)
+            nursery.start_soon(ep.run_heartbeats)
             try:
                 yield ep
             except BaseException as exc:
@@ -352,7 +352,7 @@ async def open_rank(
                 raise
             else:
                 with trio.CancelScope(shield=True):
-                    await ep._say_goodbye()
+                    await ep.say_goodbye()
             finally:
                 nursery.cancel_scope.cancel()
                 # Shielded: unshielded, the close's Cancelled (the nursery is cancelled now)
