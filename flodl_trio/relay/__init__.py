@@ -18,6 +18,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._ratelimit import JunkCounter
 from .._transport import DialTarget, close_all, dial, format_address
 from ..coordinator import pick_one_exception
 from ..coordinator._handshake import relay_handshake
@@ -62,7 +63,7 @@ class Relay:
         self._rank_set = frozenset(ranks)
         self._links: dict[int, RankLink] = {}
         self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
+        self._rejects = JunkCounter()  # rank-port rejects, by reason
         self._all_ranks = trio.Event()
         self._connected = trio.Event()
         self._closed = trio.Event()
@@ -78,6 +79,11 @@ class Relay:
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
         return frozenset(r for r, link in self._links.items() if not link.gone)
+
+    @property
+    def rank_port_rejects(self) -> dict[str, int]:
+        """Connections to the rank port rejected so far, by reason (``"bad mac"``, ...)."""
+        return self._rejects.by_reason()
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""

@@ -39,14 +39,26 @@ async def accept_ranks(relay: Relay, listeners: list[trio.abc.Listener[Any]]) ->
                 nursery.cancel_scope.cancel()
     finally:
         await close_all(listeners)
+    report = relay._rejects.flush(trio.current_time(), force=True)
+    if report is not None:
+        log.warning("relay %r rank port: %s", relay.host, report.text())
     if not relay._all_ranks.is_set():
-        missing = sorted(relay._rank_set - set(relay._links))
-        rejects = "; ".join(relay._rejects[-5:]) or "none"
         raise FormationTimeout(
             f"relay {relay.host!r}: rank accept timed out after {timeout:g}s: "
-            f"{len(relay._links)}/{len(relay.ranks)} local ranks connected (missing {missing}); "
-            f"{len(relay._rejects)} rejected connection(s): {rejects}"
+            f"{waiting_text(relay)}"
         )
+
+
+def waiting_text(relay: Relay) -> str:
+    """What phase 1 is waiting for, and why: the rank port's rejects by reason, the latest
+    ones in full (a wrong-salt or wrong-world rank is named here, not only in the log)."""
+    missing = sorted(relay._rank_set - set(relay._links))
+    rejects = relay._rejects
+    text = (f"{len(relay._links)}/{len(relay.ranks)} local ranks connected (missing {missing}); "
+            f"{rejects.total} rejected connection(s)")
+    if rejects.total:
+        text += f" by reason: {rejects.summary()}; latest: {'; '.join(rejects.recent[-3:])}"
+    return text
 
 async def rank_accept_loop(relay: Relay, listener: trio.abc.Listener[Any],
                             nursery: trio.Nursery) -> None:
@@ -85,8 +97,7 @@ async def rank_handshake(relay: Relay, stream: trio.abc.Stream) -> None:
         text = (f"rank hello from {peer}: no hello within handshake_timeout="
                 f"{relay.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
                 else str(exc) or type(exc).__name__)
-        relay._rejects.append(text)
-        log.warning("relay %r rejected a rank connection: %s", relay.host, text)
+        count_reject(relay, reject_reason(exc), text)
         await trio.aclose_forcefully(stream)
         return
     except BaseException:
@@ -125,8 +136,37 @@ async def watch_while_accepting(relay: Relay, link: RankLink) -> None:
         link.early_eof = True  # too late to free the slot: the pump reports RankExit
         return
     del relay._links[link.rank]
-    relay._rejects.append(f"rank {link.rank}: its link ended after the ack, before every "
-                         "local rank connected (a re-dial is accepted)")
-    log.warning("relay %r: rank %d's link ended before every local rank connected; "
-                "accepting it again", relay.host, link.rank)
+    count_reject(relay, "link ended early", f"rank {link.rank}: its link ended after the ack, "
+                 "before every local rank connected (a re-dial is accepted)")
     await trio.aclose_forcefully(link.stream)
+
+
+def count_reject(relay: Relay, reason: str, detail: str) -> None:
+    """Count one rank-port reject; a few become WARNINGs, the rest are folded into summaries
+    (a rank retrying with the wrong salt every 0.5 s logged a WARNING every 0.5 s)."""
+    report = relay._rejects.add(reason, detail, trio.current_time())
+    if report is not None:
+        log.warning("relay %r rejected a rank connection: %s", relay.host, report.text())
+
+
+# Reasons by the words of the hello check that failed (SPEC §2.3 validation order).
+_HELLO_REASONS = (
+    ("magic", "bad magic"),
+    ("version", "wrong version"),
+    ("world_size", "world_size mismatch"),
+    ("HMAC", "bad mac"),
+    ("does not belong", "rank of another host"),
+    ("already connected", "duplicate rank"),
+    ("expected 24 bytes", "malformed"),
+)
+
+
+def reject_reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, HandshakeError):
+        text = str(exc)
+        return next((reason for word, reason in _HELLO_REASONS if word in text), "malformed")
+    if isinstance(exc, WireError):
+        return "eof before hello"
+    return "connection error"

@@ -1,0 +1,93 @@
+"""Junk is counted, never amplified (issue 12): the rate-limited counter every hostile-input path
+uses, and the relay's rank port under a flood of bad hellos."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio._ratelimit import JunkCounter
+from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import SetGlobalStep, Shutdown
+
+from helpers import COORD, start_host, start_rank, wait_until
+
+
+def test_counter_reports_a_burst_then_one_summary_per_interval_with_the_folded_counts() -> None:
+    junk = JunkCounter(burst=3, interval=10.0)
+    reports = [junk.add("bad mac" if i % 2 else "timeout", f"conn {i}", now=0.0)
+               for i in range(1000)]
+    shown = [r for r in reports if r is not None]
+    assert [r.detail for r in shown] == ["conn 0", "conn 1", "conn 2"]
+    assert junk.total == 1000
+    assert junk.by_reason() == {"timeout": 500, "bad mac": 500}
+    assert junk.folded_total == 997
+    assert junk.recent[-1] == "conn 999"
+    assert len(junk.recent) == 5
+    # Still inside the interval: nothing more is reported, however many arrive.
+    assert junk.add("timeout", "conn 1000", now=9.0) is None
+    later = junk.add("bad mac", "conn 1001", now=12.0)
+    assert later is not None
+    assert later.folded == {"timeout": 499, "bad mac": 499}
+    assert later.text() == ("conn 1001; 998 more not logged since the last report "
+                            "(bad mac x499, timeout x499)")
+    assert junk.summary() == "bad mac x501, timeout x501"
+
+
+def test_flush_summarises_the_tail_and_is_forced_only_when_asked() -> None:
+    junk = JunkCounter(burst=1, interval=10.0)
+    assert junk.add("eof", "a", now=0.0) is not None
+    assert junk.add("eof", "b", now=0.0) is None
+    assert junk.flush(now=1.0) is None  # rate-limited like everything else
+    forced = junk.flush(now=1.0, force=True)
+    assert forced is not None and forced.detail is None
+    assert forced.text() == "1 more not logged since the last report (eof x1)"
+    assert junk.flush(now=100.0, force=True) is None  # nothing folded any more
+
+
+def test_counter_rejects_nonsense_limits() -> None:
+    with pytest.raises(ValueError, match="burst >= 1"):
+        JunkCounter(burst=0)
+    with pytest.raises(ValueError, match="interval > 0"):
+        JunkCounter(interval=0.0)
+
+
+async def flood_rank_port(net: MemoryNetwork, relay: str, hello: bytes, count: int) -> None:
+    for _ in range(count):
+        stream = await net.connect(relay)
+        await stream.send_all(hello)
+        with trio.fail_after(30):
+            assert await stream.receive_some(100) == b""  # closed without an ack
+        await stream.aclose()
+
+
+async def test_wrong_salt_flood_on_the_rank_port_is_counted_with_a_few_log_lines(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="flodl_trio")
+    salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2,
+                                start_ranks=[0])
+        assert host.relay is not None
+        await flood_rank_port(memory_network, "relay:host-a",
+                              wire.encode_rank_hello(other_salt, 1, 2), 300)
+        await flood_rank_port(memory_network, "relay:host-a",
+                              wire.encode_rank_hello(salt, 1, 3), 200)
+        assert host.relay.rank_port_rejects == {"bad mac": 300, "world_size mismatch": 200}
+        start_rank(nursery, memory_network, host.ranks[1], salt=salt, world=2)
+        async with ft.open_coordinator(listener, salt=salt,
+                                       config=ft.CoordinatorConfig(world_size=2)) as coord:
+            await coord.broadcast_control(SetGlobalStep(global_step=1))
+        await wait_until(lambda: host.all_done)
+    warnings = [r for r in caplog.records if r.name == "flodl_trio.relay"
+                and r.levelno >= logging.WARNING and "rejected" in r.getMessage()]
+    assert 1 <= len(warnings) <= 10
+    for run in host.ranks.values():
+        assert run.received == [SetGlobalStep(global_step=1), Shutdown()]
