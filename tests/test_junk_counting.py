@@ -11,10 +11,20 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio._ratelimit import JunkCounter
+from flodl_trio.events import InvalidFrame
+from flodl_trio.status import render_prometheus
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown
 
-from helpers import COORD, start_host, start_rank, wait_until
+from helpers import (
+    COORD,
+    RawRelay,
+    events_of,
+    raw_relay_handshake,
+    start_host,
+    start_rank,
+    wait_until,
+)
 
 
 def test_counter_reports_a_burst_then_one_summary_per_interval_with_the_folded_counts() -> None:
@@ -91,3 +101,55 @@ async def test_wrong_salt_flood_on_the_rank_port_is_counted_with_a_few_log_lines
     assert 1 <= len(warnings) <= 10
     for run in host.ranks.values():
         assert run.received == [SetGlobalStep(global_step=1), Shutdown()]
+
+
+def batch(rank: int, step: int) -> wire.Batch:
+    return wire.Batch(rank=rank, batch_ms=1.0, data_ms=0.5, step_count=step, param_norm=None,
+                      batch_loss=0.1, sync_divergence=None)
+
+
+async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_logged(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="flodl_trio")
+    salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
+    listener = memory_network.listener(COORD)
+    codec, forger = wire.FrameCodec(salt), wire.FrameCodec(other_salt)
+    relays: list[RawRelay] = []
+
+    async def raw_relay() -> None:
+        relays.append(await raw_relay_handshake(await memory_network.connect(COORD), salt,
+                                                "host-a", [0]))
+
+    foreign, forged = 1500, 500
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw_relay)
+        async with ft.open_coordinator(listener, salt=salt,
+                                       config=ft.CoordinatorConfig(world_size=1)) as coord:
+            await wait_until(lambda: relays)
+            (relay,) = relays
+            junk = [relay.sealer.seal(wire.RecordKind.DATA, 0, codec.encode(batch(7, i)))
+                    for i in range(foreign)]
+            junk += [relay.sealer.seal(wire.RecordKind.DATA, 0, forger.encode(batch(0, i)))
+                     for i in range(forged)]
+            genuine = batch(0, 12345)
+            junk.append(relay.sealer.seal(wire.RecordKind.DATA, 0, codec.encode(genuine)))
+            await relay.stream.send_all(b"".join(junk))
+            with trio.fail_after(30):
+                async for msg in coord.timing:
+                    if msg == genuine:
+                        break
+                    assert isinstance(msg, wire.Heartbeat) or msg.rank == 0
+            state = coord.state()
+            assert state["invalid_frames"] == {"foreign rank": foreign, "bad mac": forged}
+            metrics = render_prometheus(state)
+            assert f'flodl_trio_invalid_frames_total{{reason="foreign rank"}} {foreign}' in metrics
+            assert coord.live_ranks == frozenset({0})
+            events = events_of(coord.timeline, InvalidFrame)
+        await relay.stream.aclose()
+    assert 1 <= len(events) <= 10
+    assert "does not carry" in events[0].reason
+    lines = [r for r in caplog.records if r.name.startswith("flodl_trio")
+             and "frame dropped" in r.getMessage()]
+    assert 1 <= len(lines) <= 10

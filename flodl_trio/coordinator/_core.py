@@ -18,6 +18,7 @@ from .._errors import (
     FormationError,
     SendError,
 )
+from .._ratelimit import JunkCounter
 from ..events import (
     LostBroadcast,
     ShutdownComplete,
@@ -86,6 +87,8 @@ class Coordinator:
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
         self._rejects: Counter[str] = Counter()
+        # Frames dropped from authenticated relays (forged, foreign-rank, undecodable).
+        self._invalid_frames = JunkCounter()
         self.lost_broadcasts = 0
         self._phase = "forming"
         self._started_wall = time.monotonic()
@@ -177,6 +180,7 @@ class Coordinator:
             "exited": sorted(self._exited),
             "lost_broadcasts": self.lost_broadcasts,
             "rejected_handshakes": dict(self._rejects),
+            "invalid_frames": self._invalid_frames.by_reason(),
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         }
 
@@ -322,6 +326,9 @@ class Coordinator:
             if conn.delivery_scope is not None:
                 conn.delivery_scope.cancel()
         log.info("shutting down: %s", reason)
+        tail = self._invalid_frames.flush(trio.current_time(), force=True)
+        if tail is not None:
+            log.warning("frames dropped: %s", tail.text())
         with trio.move_on_after(self.config.shutdown_grace):
             if not self._save_latched and self.live_ranks:
                 try:

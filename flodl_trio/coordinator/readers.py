@@ -78,20 +78,31 @@ async def on_record(coord: Coordinator, conn: RelayConn, rec: Record) -> None:
     elif rec.kind == RecordKind.CONTROL:
         on_relay_control(coord, conn, rec.payload)
     else:
-        log.warning("%s sent a record of kind %d, which only flows coordinator→relay; "
-                    "dropped", conn.describe(), rec.kind)
+        invalid(coord, conn, rec.rank, f"record of kind {rec.kind}, which only flows "
+                "coordinator→relay", category="wrong direction")
 
 
-def invalid(coord: Coordinator, conn: RelayConn, rank: int, reason: str) -> None:
-    log.warning("%s, rank %d: %s; frame dropped", conn.describe(), rank, reason)
-    coord._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=reason))
+def invalid(coord: Coordinator, conn: RelayConn, rank: int, reason: str, *,
+            category: str) -> None:
+    """Count a dropped frame; only a rate-limited few become a WARNING and an event (one
+    each let a relay with the salt turn 100k forged frames into 19.6 MB of log and evict the
+    real events from the bounded timeline)."""
+    report = coord._invalid_frames.add(category, f"{conn.describe()}, rank {rank}: {reason}",
+                                       trio.current_time())
+    if report is None:
+        return
+    log.warning("frame dropped: %s", report.text())
+    coord._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=report.text()))
 
 
 async def on_frame(coord: Coordinator, conn: RelayConn, rec: Record) -> None:
     try:
         frame = coord._codec.open(rec.payload)
+    except AuthError as exc:
+        invalid(coord, conn, rec.rank, str(exc), category="bad mac")
+        return
     except WireError as exc:
-        invalid(coord, conn, rec.rank, str(exc))
+        invalid(coord, conn, rec.rank, str(exc), category="malformed")
         return
     msg: TimingMsg | Metrics
     try:
@@ -105,12 +116,13 @@ async def on_frame(coord: Coordinator, conn: RelayConn, rec: Record) -> None:
                          conn.describe(), frame.kind)
             return
     except WireError as exc:
-        invalid(coord, conn, rec.rank, str(exc))
+        invalid(coord, conn, rec.rank, str(exc), category="undecodable")
         return
     rank = int(msg.rank)
     if rank not in conn.rank_set:
         invalid(coord, conn, rank, f"{type(msg).__name__} speaks for rank {rank}, which relay "
-                      f"{conn.host!r} does not carry {ranks_text(conn.ranks)}")
+                f"{conn.host!r} does not carry {ranks_text(conn.ranks)}",
+                category="foreign rank")
         return
     if rank in coord._dead:
         log.debug("rank %d was declared dead; its late %s is dropped", rank,
@@ -163,16 +175,16 @@ def on_relay_control(coord: Coordinator, conn: RelayConn, payload: bytes) -> Non
     try:
         msg = decode_relay(payload)
     except WireError as exc:
-        invalid(coord, conn, 0, f"relay control record: {exc}")
+        invalid(coord, conn, 0, f"relay control record: {exc}", category="undecodable")
         return
     if not isinstance(msg, RankExit):
-        log.warning("%s sent %s after the handshake; dropped", conn.describe(),
-                    type(msg).__name__)
+        invalid(coord, conn, 0, f"{type(msg).__name__} after the handshake",
+                category="unexpected control")
         return
     rank = int(msg.rank)
     if rank not in conn.rank_set:
         invalid(coord, conn, rank, f"RankExit for rank {rank}, which relay {conn.host!r} does "
-                      "not carry")
+                "not carry", category="foreign rank")
         return
     if rank in coord._exited:
         log.info("rank %d disconnected after Exiting", rank)
