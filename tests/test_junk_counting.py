@@ -153,3 +153,52 @@ async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_log
     lines = [r for r in caplog.records if r.name.startswith("flodl_trio")
              and "frame dropped" in r.getMessage()]
     assert 1 <= len(lines) <= 10
+
+
+# ------------------------------------------------------------------ a rank with the wrong salt
+
+
+@pytest.mark.parametrize("fault", ["wrong salt", "wrong world size"])
+async def test_a_rejected_sibling_is_named_by_the_relay_and_its_healthy_ranks_at_its_deadline(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+    caplog: pytest.LogCaptureFixture, fault: str,
+) -> None:
+    caplog.set_level(logging.INFO, logger="flodl_trio")
+    salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
+    started = trio.current_time()
+    ended: dict[int, float] = {}
+    async with trio.open_nursery() as nursery:
+        # Default deadlines: rank coord_liveness 30 s and connect 30 s, relay rank accept 60 s.
+        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2,
+                                start_ranks=[0])
+        bad_salt, bad_world = (other_salt, 2) if fault == "wrong salt" else (salt, 3)
+        bad = host.ranks[1]
+        start_rank(nursery, memory_network, bad, salt=bad_salt, world=bad_world)
+
+        async def note_end(rank: int) -> None:
+            await host.ranks[rank].done.wait()
+            ended[rank] = trio.current_time() - started
+
+        nursery.start_soon(note_end, 0)
+        nursery.start_soon(note_end, 1)
+        with trio.fail_after(120):
+            await host.done.wait()
+        await wait_until(lambda: host.all_done)
+    reason = "bad mac" if fault == "wrong salt" else "world_size mismatch"
+    cause = "wrong session salt?" if fault == "wrong salt" else "world_size 3 != expected 2"
+    # The relay's own error names the cause.
+    assert type(host.exit) is ft.FormationTimeout
+    assert f"{reason} x" in str(host.exit) and cause in str(host.exit)
+    # The healthy sibling lived until the relay's own deadline, and its error says why.
+    assert ended[0] == pytest.approx(60, abs=1.5)
+    healthy = host.ranks[0].outcome
+    assert isinstance(healthy, ft.CoordinatorLost)
+    assert "relay 'host-a' gave up" in str(healthy)
+    assert cause in str(healthy)
+    assert "missing [1]" in str(healthy)
+    # The rejected rank gave up after its connect_timeout; the relay did not log every retry.
+    assert isinstance(bad.outcome, ft.HandshakeError)
+    assert ended[1] == pytest.approx(30, abs=1.5)
+    warnings = [r for r in caplog.records if r.name == "flodl_trio.relay"
+                and r.levelno >= logging.WARNING]
+    assert len(warnings) <= 12

@@ -23,7 +23,7 @@ from .._transport import DialTarget, close_all, dial, format_address
 from ..coordinator import pick_one_exception
 from ..coordinator._handshake import relay_handshake
 from ..timeline import Timeline
-from ..wire import RecordOpener, RecordSealer, SessionSalt
+from ..wire import FrameCodec, RecordOpener, RecordSealer, RelayWaiting, SessionSalt, len_frame
 from . import pump, ranks
 from ._link import RankLink, RelayExit
 
@@ -33,6 +33,9 @@ log = logging.getLogger("flodl_trio.relay")
 
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+# Cadence of RelayWaiting notices (not scaled: a rate, not patience), and the bound on one write.
+RELAY_NOTICE_INTERVAL = 1.0
+NOTICE_WRITE_LIMIT = 1.0
 
 
 
@@ -74,6 +77,8 @@ class Relay:
         self._upstream: trio.abc.Stream | None = None
         self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
+        self._codec = FrameCodec(salt)  # only for RelayWaiting notices to local ranks
+        self._upstream_status = "about to dial the coordinator"
 
     @property
     def connected_ranks(self) -> frozenset[int]:
@@ -103,6 +108,8 @@ class Relay:
         last: BaseException | None = None
         while True:
             remaining = max(0.0, deadline - trio.current_time())
+            if last is None:
+                self._upstream_status = f"dialing the coordinator at {_target_text(self._target)}"
             stream = await dial(self._target, connect_timeout=remaining, what=what)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
@@ -128,6 +135,8 @@ class Relay:
                         "an ssl_context that trusts its CA"
                     ) from None
                 last = exc
+                self._upstream_status = (f"re-dialing the coordinator at "
+                                         f"{_target_text(self._target)} (last attempt: {exc!r})")
                 if trio.current_time() + 0.5 >= deadline:
                     break
                 log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
@@ -144,15 +153,21 @@ class Relay:
 
     async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
         try:
-            await ranks.accept_ranks(self, listeners)
-            stream, sealer, opener = await self._connect_upstream()
-            self._upstream = stream
+            stop_notices = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_ranks_informed, stop_notices)
+                joined = await self._join(listeners, stop_notices)
+            if isinstance(joined, FlodlError):
+                raise joined  # outside the nursery: not wrapped in an ExceptionGroup
+            stream, sealer, opener = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
             exit_ = await pump.pump(self, stream, sealer, opener)
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
+            # The ranks would otherwise only see their link end: tell them why first.
+            await self._tell_ranks(f"relay {self.host!r} gave up: {exc}")
         finally:
             # Runs on cancellation too: no rank or upstream socket outlives the relay.
             await self._close_all()
@@ -160,6 +175,54 @@ class Relay:
         self._closed.set()
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
+
+    # ------------------------------------------------------------------ notices
+
+    def _waiting_for(self) -> str:
+        if not self._all_ranks.is_set():
+            return f"relay {self.host!r} is waiting for its local ranks: {ranks.waiting_text(self)}"
+        return f"relay {self.host!r} has all its local ranks and is {self._upstream_status}"
+
+    async def _keep_ranks_informed(self, stop: trio.Event) -> None:
+        """Until the relay joins, tell its connected ranks every second what it waits for.
+
+        Without this a healthy rank heard nothing while its sibling was rejected (wrong salt,
+        wrong world size) and died of coord_liveness_timeout (30 s) long before the relay's
+        rank_accept_timeout (60 s), blaming the coordinator, which had never been dialed.
+        """
+        while not stop.is_set():
+            await self._tell_ranks(self._waiting_for())
+            with trio.move_on_after(RELAY_NOTICE_INTERVAL):
+                await stop.wait()
+
+    async def _tell_ranks(self, detail: str) -> None:
+        blob = len_frame(self._codec.encode(RelayWaiting(host=self.host, detail=detail)))
+        for link in list(self._links.values()):
+            if link.gone:
+                continue
+            # Shielded so a cancellation never leaves half a frame on a rank's stream; bounded
+            # because a rank that does not read must not hold the relay.
+            with trio.CancelScope(shield=True,
+                                  deadline=trio.current_time() + NOTICE_WRITE_LIMIT) as scope:
+                try:
+                    await link.writer.send(blob)
+                except (trio.TooSlowError, *_GONE):
+                    await trio.aclose_forcefully(link.stream)
+            if scope.cancelled_caught:
+                await trio.aclose_forcefully(link.stream)
+
+    async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
+                    ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener] | FlodlError:
+        """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
+        try:
+            await ranks.accept_ranks(self, listeners)
+            joined = await self._connect_upstream()
+            self._upstream = joined[0]
+            return joined
+        except FlodlError as exc:
+            return exc
+        finally:
+            stop_notices.set()  # the notice task ends after its current write
 
     async def _close_all(self) -> None:
         for link in self._links.values():
