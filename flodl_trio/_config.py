@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from typing import Any
 
@@ -76,39 +77,84 @@ def _non_negative_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) ->
 class MaxFailure:
     """How many dead ranks the run tolerates before it stops with ``MAX_FAILURE_EXCEEDED``.
 
-    Build it with :meth:`absolute` or :meth:`percent`; the limit is reached when the number of dead
-    ranks is >= :meth:`limit`.
+    Build it with :meth:`absolute`, :meth:`fraction` or :meth:`percent`; the limit is reached when
+    the number of dead ranks is >= :meth:`limit`. Out-of-range arguments are a
+    :class:`~flodl_trio.ConfigError`, never clamped: ``percent(0.25)`` is a quarter of one
+    percent, not 25 %.
+
+    >>> MaxFailure.percent(25).limit(8)
+    2
+    >>> MaxFailure.fraction(0.25) == MaxFailure.percent(25)
+    True
+    >>> MaxFailure.absolute(3).limit(8)
+    3
+
+    Attributes:
+        count: the absolute limit, or None.
+        dead_fraction: the limit as a share of the world in [0, 1], or None.
     """
 
     count: int | None = None
-    fraction: float | None = None
+    dead_fraction: float | None = None
 
     @classmethod
     def absolute(cls, n: int) -> MaxFailure:
-        """Fail once ``n`` ranks are dead (0 means: on the first death, like 1)."""
+        """Fail once ``n`` ranks are dead (0 means: on the first death, like 1).
+
+        Raises:
+            ConfigError: ``n`` is not an integer >= 0.
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"MaxFailure.absolute: expected an integer >= 0, got {n!r}")
         return cls(count=n)
 
     @classmethod
+    def fraction(cls, f: float) -> MaxFailure:
+        """Fail once ``ceil(f * world_size)`` ranks are dead (at least 1).
+
+        Args:
+            f: a share of the world in [0, 1] (``0.25`` is a quarter of the ranks).
+
+        Raises:
+            ConfigError: ``f`` is not a number in [0, 1].
+        """
+        return cls(dead_fraction=_in_range("MaxFailure.fraction", f, 1.0, "a fraction"))
+
+    @classmethod
     def percent(cls, p: float) -> MaxFailure:
-        """Fail once ``ceil(clamp(p, 0, 1) * world_size)`` ranks are dead (p is a fraction)."""
-        if isinstance(p, bool) or not isinstance(p, int | float) or math.isnan(p):
-            raise ConfigError(f"MaxFailure.percent: expected a fraction in [0, 1], got {p!r}")
-        return cls(fraction=min(1.0, max(0.0, float(p))))
+        """Fail once ``ceil(p / 100 * world_size)`` ranks are dead (at least 1).
+
+        Args:
+            p: a percentage of the world in [0, 100] (``25`` is a quarter of the ranks).
+
+        Raises:
+            ConfigError: ``p`` is not a number in [0, 100].
+        """
+        value = _in_range("MaxFailure.percent", p, 100.0, "a percentage")
+        return cls(dead_fraction=value / 100.0)
 
     def limit(self, world_size: int) -> int:
         """The dead-rank count at which the run fails; at least 1."""
         if self.count is not None:
             return max(1, self.count)
-        assert self.fraction is not None
+        assert self.dead_fraction is not None
         # Round off binary-float noise first: 0.07 * 100 is 7.000000000000001, whose ceil is 8.
-        return max(1, math.ceil(round(self.fraction * world_size, 9)))
+        return max(1, math.ceil(round(self.dead_fraction * world_size, 9)))
 
     def describe(self, world_size: int) -> str:
+        """The policy and its limit in this world, for error messages and logs."""
         if self.count is not None:
             return f"absolute({self.count})"
-        return f"percent({self.fraction}) = {self.limit(world_size)} of {world_size}"
+        assert self.dead_fraction is not None
+        percent = round(self.dead_fraction * 100, 9)
+        return f"percent({percent:g}) = {self.limit(world_size)} of {world_size}"
+
+
+def _in_range(what: str, value: Any, top: float, kind: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or not 0 <= value <= top):
+        raise ConfigError(f"{what}: expected {kind} in [0, {top:g}], got {value!r}")
+    return float(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -126,7 +172,16 @@ class CoordinatorConfig:
         heartbeat_interval: cadence of ``CoordHeartbeat`` (not scaled).
         max_failure: failure policy; ``None`` stops only when every rank is lost.
         strict_formation: make every pre-auth reject fatal (flodl's behaviour).
-        max_rejected_handshakes: more pre-auth rejects than this fail formation.
+        max_pending_handshakes: at most this many connections may be unauthenticated at once
+            (between accept and a verified Hello); a new one beyond it sheds the *oldest*
+            pending one (counted as ``shed``), so a slow or silent dialer holding slots cannot
+            keep a relay out, while a genuine relay, whose handshake takes one round trip,
+            finishes long before it becomes the oldest. Pre-auth memory is bounded by this
+            times the Hello ceiling (``wire.max_hello_payload(world_size)``). Raise it when
+            more relays than this dial at the same instant.
+        max_rejected_handshakes: **deprecated, ignored** (a ``DeprecationWarning`` when set):
+            since FT/2 no number of pre-auth rejects fails formation, or anyone who can reach
+            the port could kill it; use ``strict_formation=True`` for flodl's behaviour.
         timing_buffer / metrics_buffer: capacity of ``coord.timing`` / ``coord.metrics``.
         declare_dead_on_relay_loss: a lost relay connection declares its ranks dead at once.
     """
@@ -141,10 +196,22 @@ class CoordinatorConfig:
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
     max_failure: MaxFailure | None = attrs.field(default=None)
     strict_formation: bool = attrs.field(default=False, converter=bool)
-    max_rejected_handshakes: int = attrs.field(default=1024, validator=_non_negative_int)
+    max_pending_handshakes: int = attrs.field(default=1024, validator=_positive_int)
+    max_rejected_handshakes: int | None = attrs.field(default=None)
     timing_buffer: int = attrs.field(default=4096, validator=_positive_int)
     metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
+
+    @max_rejected_handshakes.validator
+    def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        _non_negative_int(self, attribute, value)
+        warnings.warn(
+            "CoordinatorConfig.max_rejected_handshakes is deprecated and ignored: since FT/2 "
+            "pre-auth rejects never fail formation (strict_formation=True makes each one "
+            "fatal); their resources are bounded by max_pending_handshakes",
+            DeprecationWarning, stacklevel=3)
 
     @max_failure.validator
     def _check_max_failure(self, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -33,13 +33,19 @@ def timeout_scale(environ: dict[str, str] | None = None) -> float:
     """Return ``FLODL_NET_TIMEOUT_SCALE`` (default 1.0).
 
     Raises:
-        ConfigError: the variable is set but is not a finite number >= 0.1; the message quotes
-            the raw value and the rule.
+        ConfigError: the variable is set but is not a finite number >= 0.1 (an empty value
+            included: ``FLODL_NET_TIMEOUT_SCALE= cmd`` is more likely a script bug than a wish
+            for the default); the message quotes the raw value and the rule.
     """
     env = os.environ if environ is None else environ
     raw = env.get(SCALE_ENV)
-    if raw is None or raw.strip() == "":
+    if raw is None:
         return 1.0
+    if raw.strip() == "":
+        raise ConfigError(
+            f"{SCALE_ENV}={raw!r}: expected a finite number >= {MIN_SCALE}, got an empty value "
+            "(unset the variable for the default 1.0)"
+        )
     try:
         value = float(raw.strip())
     except ValueError:

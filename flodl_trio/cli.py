@@ -361,7 +361,6 @@ async def _relay(args: argparse.Namespace) -> int:
                               world_size=args.world_size, rank_listen=args.rank_port,
                               config=RelayConfig(), ssl_context=ssl_context,
                               server_hostname=args.tls_server_name) as relay:
-            assert relay.rank_address is not None
             print(f"relay {args.host} ranks {ranks} listening for ranks on "
                   f"{format_address(relay.rank_address)}", flush=True)
             outcome = await relay.wait_closed()

@@ -10,12 +10,48 @@ Fixtures:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Literal, Protocol
 
 import pytest
 
+from ._config import CoordinatorConfig, RankConfig, RelayConfig
+from .chaos import ChaosProxy, open_chaos_proxy
+from .local_cluster import LocalCluster, open_local_cluster
 from .testing import MemoryNetwork
+from .timeline import Timeline
+from .wire import SessionSalt
+
+__all__ = ["ChaosProxyFactory", "LocalClusterFactory"]
+
+
+class LocalClusterFactory(Protocol):
+    """The type of the ``local_cluster_factory`` fixture (annotate test arguments with it)."""
+
+    def __call__(
+        self,
+        hosts: Mapping[str, Sequence[int]],
+        *,
+        transport: Literal["memory", "tcp"] = ...,
+        salt: SessionSalt | None = ...,
+        coord_config: CoordinatorConfig | None = ...,
+        relay_config: RelayConfig | None = ...,
+        rank_config: RankConfig | None = ...,
+        timeline: Timeline | None = ...,
+    ) -> AbstractAsyncContextManager[LocalCluster]: ...
+
+
+class ChaosProxyFactory(Protocol):
+    """The type of the ``chaos_proxy_factory`` fixture (annotate test arguments with it)."""
+
+    def __call__(
+        self,
+        target: tuple[str, int],
+        *,
+        listen: tuple[str, int] = ...,
+        close_grace: float = ...,
+    ) -> AbstractAsyncContextManager[ChaosProxy]: ...
 
 
 @pytest.fixture
@@ -27,40 +63,51 @@ def memory_network() -> Iterator[MemoryNetwork]:
 
 
 @pytest.fixture
-def local_cluster_factory(memory_network: MemoryNetwork) -> Any:
+def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
     """``open_local_cluster`` bound to this test's ``memory_network``.
 
     ``async with local_cluster_factory({"h": [0, 1]}) as cluster:`` (any keyword of
-    :func:`flodl_trio.local_cluster.open_local_cluster` may be passed; ``transport="tcp"`` uses
-    real loopback sockets instead).
+    :func:`flodl_trio.local_cluster.open_local_cluster` but ``network`` may be passed;
+    ``transport="tcp"`` uses real loopback sockets instead).
     """
-    from .local_cluster import open_local_cluster
 
-    def factory(hosts: Mapping[str, Sequence[int]], **kwargs: Any) -> Any:
-        if kwargs.get("transport", "memory") == "memory":
-            kwargs.setdefault("network", memory_network)
-        return open_local_cluster(hosts, **kwargs)
+    def factory(
+        hosts: Mapping[str, Sequence[int]],
+        *,
+        transport: Literal["memory", "tcp"] = "memory",
+        salt: SessionSalt | None = None,
+        coord_config: CoordinatorConfig | None = None,
+        relay_config: RelayConfig | None = None,
+        rank_config: RankConfig | None = None,
+        timeline: Timeline | None = None,
+    ) -> AbstractAsyncContextManager[LocalCluster]:
+        return open_local_cluster(
+            hosts, transport=transport, network=memory_network if transport == "memory" else None,
+            salt=salt, coord_config=coord_config, relay_config=relay_config,
+            rank_config=rank_config, timeline=timeline,
+        )
 
     return factory
 
 
 @pytest.fixture
-def chaos_proxy_factory() -> Iterator[Any]:
+def chaos_proxy_factory() -> Iterator[ChaosProxyFactory]:
     """``async with chaos_proxy_factory(target, **kw) as proxy:`` runs a fault-injecting TCP
     proxy in front of ``target`` (any keyword of :func:`flodl_trio.chaos.open_chaos_proxy`).
 
     At teardown every connection of every proxy the test opened must have ended: a proxy is
     closed with its ``async with`` block, so a leftover means a proxy that was never left.
     """
-    from contextlib import asynccontextmanager
-
-    from .chaos import ChaosProxy, open_chaos_proxy
-
     opened: list[ChaosProxy] = []
 
     @asynccontextmanager
-    async def factory(target: tuple[str, int], **kwargs: Any) -> Any:
-        async with open_chaos_proxy(target, **kwargs) as proxy:
+    async def factory(
+        target: tuple[str, int],
+        *,
+        listen: tuple[str, int] = ("127.0.0.1", 0),
+        close_grace: float = 0.5,
+    ) -> AsyncIterator[ChaosProxy]:
+        async with open_chaos_proxy(target, listen=listen, close_grace=close_grace) as proxy:
             opened.append(proxy)
             yield proxy
 

@@ -43,7 +43,6 @@ from .wire import (
     Shutdown,
     ShutdownWithSave,
     TimingMsg,
-    WireMessage,
     control_label,
     decode_control,
     encode_rank_hello,
@@ -128,7 +127,7 @@ class RankEndpoint:
         except StopAsyncIteration:
             raise trio.EndOfChannel from None
 
-    async def send(self, msg: WireMessage) -> None:
+    async def send(self, msg: TimingMsg | Metrics) -> None:
         """Send a TimingMsg or Metrics to the coordinator.
 
         Raises:

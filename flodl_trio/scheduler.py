@@ -64,6 +64,7 @@ from .wire import (
     Batch,
     Checkpoint,
     CheckpointResult,
+    ControlMsg,
     EpochAggregated,
     EpochMetrics,
     EpochPlan,
@@ -79,7 +80,6 @@ from .wire import (
     SyncAck,
     SyncNow,
     TimingMsg,
-    WireMessage,
 )
 
 __all__ = [
@@ -146,7 +146,7 @@ class _Callback:
     target: int
     tried: set[int] = attrs.Factory(set)
 
-    def message(self) -> WireMessage:
+    def message(self) -> ControlMsg:
         if self.kind == "checkpoint":
             return Checkpoint(version=self.number, target_rank=self.target)
         return ExecuteEvalCallback(schedule_id=self.number, epoch=self.number,
@@ -326,14 +326,14 @@ class SyncScheduler:
 
     # ------------------------------------------------------------------ sending
 
-    async def _send(self, rank: int, msg: WireMessage) -> None:
+    async def _send(self, rank: int, msg: ControlMsg) -> None:
         try:
             await self._coord.send_control(rank, msg)
         except SendError as exc:
             # The failed write declared the rank dead (or it already was); _reconcile handles it.
             log.warning("%s", exc)
 
-    async def _broadcast(self, msg: WireMessage) -> None:
+    async def _broadcast(self, msg: ControlMsg) -> None:
         try:
             await self._coord.broadcast_control(msg)
         except BroadcastError as exc:

@@ -67,7 +67,6 @@ async def main(args: argparse.Namespace) -> None:
         cfg = ft.RelayConfig(rank_accept_timeout=120, connect_timeout=120, handshake_timeout=60)
         async with ft.open_relay(dial_when_released, salt=salt, host=f"lg{args.id}-r{index}",
                                  ranks=ranks, world_size=args.world_size, config=cfg) as relay:
-            assert relay.rank_address is not None
             for r in ranks:
                 nursery.start_soon(rank_task, relay.rank_address, r)
             await relay.wait_closed()

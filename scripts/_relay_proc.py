@@ -85,7 +85,6 @@ async def main(args: argparse.Namespace) -> int:
     outcome: dict[int, bool] = {}
     async with ft.open_relay((host, int(port)), salt=ft.SessionSalt.from_hex(args.salt_hex),
                              host=args.host, ranks=ranks, world_size=args.world_size) as relay:
-        assert relay.rank_address is not None
         async with trio.open_nursery() as nursery:
             for rank in ranks:
                 nursery.start_soon(run_rank, relay.rank_address, rank, args, outcome)

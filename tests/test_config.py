@@ -87,7 +87,9 @@ def test_scale_is_read_when_the_config_is_created(monkeypatch: pytest.MonkeyPatc
     assert RankConfig().handshake_timeout == 50.0
 
 
-@pytest.mark.parametrize("raw", ["abc", "0.05", "nan", "inf", "-inf", "-1", "0", "1e400", "2x"])
+@pytest.mark.parametrize(
+    "raw", ["abc", "0.05", "nan", "inf", "-inf", "-1", "0", "1e400", "2x", "", "  "]
+)
 @pytest.mark.parametrize("make", [c.values[0] for c in CONFIGS], ids=["coord", "relay", "rank"])
 def test_invalid_timeout_scale_is_config_error_quoting_raw_value_and_rule(
     monkeypatch: pytest.MonkeyPatch, raw: str, make: object
@@ -122,6 +124,8 @@ def test_math_inf_disables_a_deadline(make: object) -> None:
         ({"world_size": 2, "max_failure": 3}, ["max_failure", "MaxFailure or None"]),
         ({"world_size": 2, "timing_buffer": 0}, ["timing_buffer", "integer > 0"]),
         ({"world_size": 2, "max_rejected_handshakes": -1}, ["max_rejected_handshakes", ">= 0"]),
+        ({"world_size": 2, "max_pending_handshakes": 0}, ["max_pending_handshakes", "> 0"]),
+        ({"world_size": 2, "max_pending_handshakes": 2.5}, ["max_pending_handshakes", "2.5"]),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v if k != "world_size" or len(v) == 1)
     if isinstance(v, dict) else None,
@@ -170,20 +174,21 @@ def test_configs_are_frozen() -> None:
         (MaxFailure.absolute(2), 8, 2),
         (MaxFailure.absolute(0), 8, 1),  # 0 means: the first death
         (MaxFailure.absolute(50), 8, 50),
-        (MaxFailure.percent(0.5), 3, 2),  # ceil(1.5)
-        (MaxFailure.percent(0.5), 4, 2),
-        (MaxFailure.percent(0.25), 10, 3),  # ceil(2.5)
-        (MaxFailure.percent(0.07), 100, 7),  # 0.07 * 100 is 7.000000000000001 in floats
-        (MaxFailure.percent(0.14), 50, 7),
-        (MaxFailure.percent(1.0), 7, 7),
-        (MaxFailure.percent(2), 7, 7),  # clamped to 1
-        (MaxFailure.percent(0), 7, 1),  # clamped to 0 → limit 1: any death
-        (MaxFailure.percent(-1), 7, 1),
+        (MaxFailure.fraction(0.5), 3, 2),  # ceil(1.5)
+        (MaxFailure.percent(50), 4, 2),
+        (MaxFailure.fraction(0.25), 10, 3),  # ceil(2.5)
+        (MaxFailure.percent(25), 10, 3),
+        (MaxFailure.percent(7), 100, 7),  # 0.07 * 100 is 7.000000000000001 in floats
+        (MaxFailure.fraction(0.14), 50, 7),
+        (MaxFailure.fraction(1.0), 7, 7),
+        (MaxFailure.percent(100), 7, 7),
+        (MaxFailure.fraction(0), 7, 1),  # limit 1: any death
+        (MaxFailure.percent(0.25), 8, 1),  # a quarter of one percent, not a quarter
     ],
-    ids=["abs2", "abs0", "abs-over-world", "half-of-3", "half-of-4", "quarter-of-10",
-         "0.07-of-100", "0.14-of-50", "all", "clamp-high", "zero", "clamp-low"],
+    ids=["abs2", "abs0", "abs-over-world", "half-of-3", "50pct-of-4", "quarter-of-10",
+         "25pct-of-10", "7pct-of-100", "0.14-of-50", "all", "100pct", "zero", "0.25pct"],
 )  # fmt: skip
-def test_max_failure_limit_is_ceil_of_clamped_fraction_and_at_least_one(
+def test_max_failure_limit_is_ceil_of_the_share_and_at_least_one(
     policy: MaxFailure, world: int, limit: int
 ) -> None:
     assert policy.limit(world) == limit
@@ -192,7 +197,13 @@ def test_max_failure_limit_is_ceil_of_clamped_fraction_and_at_least_one(
 @given(percent=st.integers(0, 100), world=st.integers(1, 4096))
 def test_max_failure_percent_matches_exact_decimal_arithmetic(percent: int, world: int) -> None:
     exact = math.ceil(Fraction(percent, 100) * world)
-    assert MaxFailure.percent(percent / 100).limit(world) == max(1, exact)
+    assert MaxFailure.percent(percent).limit(world) == max(1, exact)
+    assert MaxFailure.fraction(percent / 100).limit(world) == max(1, exact)
+
+
+def test_percent_and_fraction_name_the_same_policy() -> None:
+    assert MaxFailure.percent(25) == MaxFailure.fraction(0.25)
+    assert MaxFailure.percent(25).describe(8) == "percent(25) = 2 of 8"
 
 
 @pytest.mark.parametrize(
@@ -203,9 +214,15 @@ def test_max_failure_percent_matches_exact_decimal_arithmetic(percent: int, worl
         (lambda: MaxFailure.absolute(True), ["MaxFailure.absolute", "True"]),
         (lambda: MaxFailure.percent(math.nan), ["MaxFailure.percent", "nan"]),
         (lambda: MaxFailure.percent("50%"), ["MaxFailure.percent", "'50%'"]),
+        (lambda: MaxFailure.percent(101), ["MaxFailure.percent", "[0, 100]", "101"]),
+        (lambda: MaxFailure.percent(-1), ["MaxFailure.percent", "[0, 100]", "-1"]),
+        (lambda: MaxFailure.fraction(25), ["MaxFailure.fraction", "[0, 1]", "25"]),
+        (lambda: MaxFailure.fraction(-0.1), ["MaxFailure.fraction", "[0, 1]", "-0.1"]),
+        (lambda: MaxFailure.fraction(True), ["MaxFailure.fraction", "True"]),
     ],
-    ids=["abs-negative", "abs-float", "abs-bool", "pct-nan", "pct-str"],
-)
+    ids=["abs-negative", "abs-float", "abs-bool", "pct-nan", "pct-str", "pct-over-100",
+         "pct-negative", "frac-over-1", "frac-negative", "frac-bool"],
+)  # fmt: skip
 def test_invalid_max_failure_is_config_error(make: object, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
         make()  # type: ignore[operator]
@@ -214,5 +231,12 @@ def test_invalid_max_failure_is_config_error(make: object, words: list[str]) -> 
 
 
 def test_coordinator_config_accepts_a_max_failure_policy() -> None:
-    cfg = CoordinatorConfig(world_size=3, max_failure=MaxFailure.percent(0.5))
+    cfg = CoordinatorConfig(world_size=3, max_failure=MaxFailure.percent(50))
     assert cfg.max_failure is not None and cfg.max_failure.limit(cfg.world_size) == 2
+
+
+def test_max_rejected_handshakes_is_accepted_but_deprecated_and_pending_has_a_default() -> None:
+    assert CoordinatorConfig(world_size=2).max_pending_handshakes == 1024
+    with pytest.warns(DeprecationWarning, match="max_rejected_handshakes is deprecated"):
+        cfg = CoordinatorConfig(world_size=2, max_rejected_handshakes=5)
+    assert cfg.max_rejected_handshakes == 5

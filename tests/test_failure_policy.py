@@ -58,9 +58,9 @@ async def run_until_failure(net: MemoryNetwork, hosts: dict[str, list[int]],
     (ft.MaxFailure.absolute(2), 1),
     (ft.MaxFailure.absolute(0), 0),
     (ft.MaxFailure.percent(0), 0),
-    (ft.MaxFailure.percent(0.5), 1),
-    (ft.MaxFailure.percent(0.3), 1),   # ceil(0.3 * 4) = 2
-    (ft.MaxFailure.percent(1), 3),     # only all four dead fails
+    (ft.MaxFailure.percent(50), 1),
+    (ft.MaxFailure.fraction(0.3), 1),  # ceil(0.3 * 4) = 2
+    (ft.MaxFailure.percent(100), 3),   # only all four dead fails
 ])
 async def test_max_failure_stops_the_run_at_its_limit_and_not_before(
         policy: ft.MaxFailure, deaths_tolerated: int, autojump_clock: trio.abc.Clock,

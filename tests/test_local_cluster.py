@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
+from flodl_trio import ConfigError, SendError
 from flodl_trio.local_cluster import layout
-from flodl_trio.wire import DeclareDead, SyncNow
+from flodl_trio.pytest_plugin import LocalClusterFactory
+from flodl_trio.wire import DeclareDead, Heartbeat, SyncNow
 
 
 async def test_local_cluster_factory_forms_and_delivers_over_memory(
-    autojump_clock: trio.abc.Clock, local_cluster_factory: Any
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
 ) -> None:
     async with local_cluster_factory(layout(2, 2)) as cluster:
         assert cluster.coord.live_ranks == frozenset(range(4))
@@ -20,7 +23,7 @@ async def test_local_cluster_factory_forms_and_delivers_over_memory(
 
 
 async def test_killed_relay_in_local_cluster_is_declared_dead_and_survivors_told(
-    autojump_clock: trio.abc.Clock, local_cluster_factory: Any
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
 ) -> None:
     async with local_cluster_factory(layout(2, 2)) as cluster:
         cluster.kill_relay("host-1")
@@ -36,7 +39,36 @@ async def test_local_cluster_over_real_tcp() -> None:
 
     with trio.fail_after(10):
         async with open_local_cluster(layout(2, 1), transport="tcp") as cluster:
-            assert cluster.coord.address is not None
+            assert cluster.coord.address[0] == "127.0.0.1"
             await cluster.coord.broadcast_control(SyncNow())
             for r in (0, 1):
                 assert isinstance(await cluster.ranks[r].receive(), SyncNow)
+
+
+async def test_addresses_of_parts_given_listeners_are_config_errors_not_none(
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
+) -> None:
+    async with local_cluster_factory(layout(1, 1)) as cluster:
+        with pytest.raises(ConfigError, match=r"coord\.address: expected a coordinator that bound"):
+            _ = cluster.coord.address
+        with pytest.raises(ConfigError, match="relay 'host-0': rank_address: expected a relay"):
+            _ = cluster.relays["host-0"].rank_address
+
+
+async def test_sending_a_message_the_wrong_way_is_refused_before_anything_is_written(
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
+) -> None:
+    async with local_cluster_factory(layout(1, 2)) as cluster:
+        wrong_way: Any = Heartbeat(rank=0, step_count=1)  # a TimingMsg: rank → coordinator only
+        with pytest.raises(SendError, match=r"send_control\(Heartbeat\) to rank 0: expected a "
+                           r"ControlMsg \(coordinator → rank\), got Heartbeat"):
+            await cluster.coord.send_control(0, wrong_way)
+        with pytest.raises(SendError, match="broadcast of Heartbeat: expected a ControlMsg"):
+            await cluster.coord.broadcast_control(wrong_way)
+        upstream: Any = SyncNow()  # a ControlMsg: coordinator → rank only
+        with pytest.raises(ConfigError, match="send expects a TimingMsg or Metrics, got SyncNow"):
+            await cluster.ranks[1].send(upstream)
+        # Nothing was sent: the links still carry a broadcast, in order, to both ranks.
+        await cluster.coord.broadcast_control(SyncNow())
+        for r in (0, 1):
+            assert isinstance(await cluster.ranks[r].receive(), SyncNow)

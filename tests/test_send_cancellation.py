@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 
 from flodl_trio.local_cluster import layout
+from flodl_trio.pytest_plugin import LocalClusterFactory
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep
 
 
 async def test_cancelled_broadcasts_still_leave_every_link_in_sync(
-    autojump_clock: trio.abc.Clock, local_cluster_factory: Any, memory_network: MemoryNetwork
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory,
+    memory_network: MemoryNetwork,
 ) -> None:
     async with local_cluster_factory(layout(2, 2)) as cluster:
         coord = cluster.coord

@@ -46,19 +46,20 @@ class Relay:
     Attributes:
         host: this relay's host name.
         ranks: the global ranks it carries (ascending).
-        rank_address: ``(host, port)`` where local ranks dial, when it bound TCP itself.
+        rank_address: ``(host, port)`` where local ranks dial (a property; a ``ConfigError``
+            when it was given listeners instead of binding TCP itself).
     """
 
     def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
                  ranks: tuple[int, ...], world_size: int, config: RelayConfig,
                  timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
-                 server_hostname: str | None) -> None:
+                 server_hostname: str | None, rank_address: tuple[str, int] | None) -> None:
         self.host = host
         self.ranks = ranks
         self.world_size = world_size
         self.config = config
         self.timeline = timeline
-        self.rank_address: tuple[str, int] | None = None
+        self._rank_address = rank_address
         self._target = target
         self._salt = salt
         self._ssl_context = ssl_context
@@ -79,6 +80,18 @@ class Relay:
         self._body_scope: trio.CancelScope | None = None
         self._codec = FrameCodec(salt)  # only for RelayWaiting notices to local ranks
         self._upstream_status = "about to dial the coordinator"
+
+    @property
+    def rank_address(self) -> tuple[str, int]:
+        """``(host, port)`` where local ranks dial (set for the whole block when it bound TCP).
+
+        Raises:
+            ConfigError: it was given listeners (e.g. a ``MemoryNetwork``'s) to accept on.
+        """
+        if self._rank_address is None:
+            raise ConfigError(f"relay {self.host!r}: rank_address: expected a relay that bound "
+                              "TCP itself, got one accepting on listeners it was given")
+        return self._rank_address
 
     @property
     def connected_ranks(self) -> frozenset[int]:
@@ -304,14 +317,15 @@ async def open_relay(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RelayConfig()
-    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
-                  config=cfg, timeline=timeline, ssl_context=ssl_context,
-                  server_hostname=server_hostname)
     listeners = await _rank_listeners(rank_listen)
     sock = getattr(listeners[0], "socket", None)
+    rank_address = None
     if sock is not None:
         name = sock.getsockname()
-        relay.rank_address = (str(name[0]), int(name[1]))
+        rank_address = (str(name[0]), int(name[1]))
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
+                  config=cfg, timeline=timeline, ssl_context=ssl_context,
+                  server_hostname=server_hostname, rank_address=rank_address)
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:

@@ -4,7 +4,6 @@ what the coordinator sees is what the kernel does with a FIN or an RST."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import trio
 from _util import EventLog, category, first, run_host, wait_for
@@ -13,12 +12,13 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.chaos import FaultPlan
 from flodl_trio.events import FormationComplete, HandshakeRejected, RankDeclaredDead, RelayLost
+from flodl_trio.pytest_plugin import ChaosProxyFactory
 
 PATIENCE = 10  # real seconds; every step below takes milliseconds
 
 
 async def test_relay_cut_mid_hello_over_tcp_is_rejected_and_re_dials_through_the_proxy(
-    chaos_proxy_factory: Any,
+    chaos_proxy_factory: ChaosProxyFactory,
 ) -> None:
     salt = ft.SessionSalt.generate()
     log = EventLog()
@@ -47,7 +47,7 @@ async def test_relay_cut_mid_hello_over_tcp_is_rejected_and_re_dials_through_the
 
 
 async def test_relay_connection_reset_mid_run_over_tcp_kills_its_ranks_only(
-    chaos_proxy_factory: Any,
+    chaos_proxy_factory: ChaosProxyFactory,
 ) -> None:
     salt = ft.SessionSalt.generate()
     log = EventLog()
