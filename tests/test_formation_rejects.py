@@ -29,7 +29,6 @@ from helpers import (
     wait_until,
 )
 
-
 SERVE = "flodl_trio.coordinator.formation.Formation.serve_connection"
 
 

@@ -79,7 +79,7 @@ async def read_record(
 
 
 async def coordinator_handshake(
-    stream: trio.abc.Stream, salt: SessionSalt, peer: str
+    stream: trio.abc.Stream, salt: SessionSalt, peer: str, *, max_hello: int
 ) -> AuthenticatedHello:
     """Magic, Challenge, then an authenticated Hello. The caller bounds it by handshake_timeout.
 
@@ -111,7 +111,9 @@ async def coordinator_handshake(
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         raise Rejected("connection error", f"{peer}: sending Challenge: {exc!r}") from None
     key = hs_key(salt, coord_nonce)
-    opener = RecordOpener(key, RELAY_TO_COORD, max_payload=MAX_HANDSHAKE_PAYLOAD)
+    # The ceiling is fitted to the largest legal Hello (wire.max_hello_payload): a stranger
+    # cannot make us buffer more than that before the MAC.
+    opener = RecordOpener(key, RELAY_TO_COORD, max_payload=max_hello)
     try:
         rec = await read_record(stream, opener, what=f"Hello from {peer}")
     except AuthError as exc:

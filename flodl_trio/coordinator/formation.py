@@ -18,8 +18,9 @@ from .._ratelimit import JunkReport
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import HelloAck, RecordKind, SessionSalt, encode
+from ..wire import HelloAck, RecordKind, SessionSalt, encode, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
+from ._pending import PendingHandshakes
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -58,6 +59,8 @@ class Formation:
         self._tls = tls
         self._warned_hosts: set[str] = set()
         self._conn_counter = 0
+        self._pending = PendingHandshakes(config.max_pending_handshakes)
+        self._max_hello = max_hello_payload(config.world_size)
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
@@ -113,21 +116,30 @@ class Formation:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "cohort formed", f"{peer}: connection after formation completed")
             return
-        try:
-            with trio.fail_after(self._config.handshake_timeout):
-                auth = await coordinator_handshake(stream, self._salt, peer)
-        except trio.TooSlowError:
+        auth = None
+        with self._pending.slot() as shed_scope:
+            try:
+                with shed_scope, trio.fail_after(self._config.handshake_timeout):
+                    auth = await coordinator_handshake(stream, self._salt, peer,
+                                                       max_hello=self._max_hello)
+            except trio.TooSlowError:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
+                            f"handshake_timeout={self._config.handshake_timeout:g}s")
+                return
+            except Rejected as rej:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, rej.category, rej.detail)
+                return
+            except BaseException:
+                await close_all([stream])  # cancelled mid-handshake: the stream must not leak
+                raise
+        if auth is None:  # shed: the oldest of more than max_pending_handshakes
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
-                        f"handshake_timeout={self._config.handshake_timeout:g}s")
+            self.reject(peer, "shed", f"{peer}: still unauthenticated when "
+                        f"max_pending_handshakes={self._pending.limit} newer connections "
+                        "were pending; the oldest is shed")
             return
-        except Rejected as rej:
-            await trio.aclose_forcefully(stream)
-            self.reject(peer, rej.category, rej.detail)
-            return
-        except BaseException:
-            await close_all([stream])  # cancelled mid-handshake: the stream must not leak
-            raise
         hello = auth.hello
         if not self._roster.forming:
             await trio.aclose_forcefully(stream)

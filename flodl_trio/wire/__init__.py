@@ -41,6 +41,13 @@ from ._frames import (
     len_frame,
     verify_rank_ack,
 )
+from ._limits import (
+    MAX_HOST_BYTES,
+    MAX_MODEL_SIG_DIGEST,
+    MAX_MODEL_SIG_NAME,
+    MAX_MODEL_SIGS,
+    max_hello_payload,
+)
 from ._messages import (
     Batch,
     Challenge,
@@ -111,7 +118,11 @@ __all__ = [
     "COORD_TO_RELAY",
     "FRAME_HEADER_LEN",
     "MAX_CONTROL_PAYLOAD",
+    "MAX_HOST_BYTES",
     "MAX_LEN_FRAME",
+    "MAX_MODEL_SIGS",
+    "MAX_MODEL_SIG_DIGEST",
+    "MAX_MODEL_SIG_NAME",
     "MAX_RECORD_PAYLOAD",
     "NONCE_LEN",
     "PROTOCOL_VERSION",
@@ -206,5 +217,6 @@ __all__ = [
     "kind_of",
     "len_frame",
     "mac64",
+    "max_hello_payload",
     "verify_rank_ack",
 ]
