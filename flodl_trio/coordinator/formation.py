@@ -18,8 +18,8 @@ from .._ratelimit import JunkReport
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import HelloAck, RecordKind, SessionSalt, encode, max_hello_payload
-from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
+from ..wire import SessionSalt, max_hello_payload
+from ._handshake import Rejected, coordinator_handshake, send_hello_ack
 from ._pending import PendingHandshakes
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
@@ -116,12 +116,12 @@ class Formation:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "cohort formed", f"{peer}: connection after formation completed")
             return
-        auth = None
+        handshake = None
         with self._pending.slot() as shed_scope:
             try:
                 with shed_scope, trio.fail_after(self._config.handshake_timeout):
-                    auth = await coordinator_handshake(stream, self._salt, peer,
-                                                       max_hello=self._max_hello)
+                    handshake = await coordinator_handshake(stream, self._salt, peer,
+                                                            max_hello=self._max_hello)
             except trio.TooSlowError:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
@@ -134,13 +134,14 @@ class Formation:
             except BaseException:
                 await close_all([stream])  # cancelled mid-handshake: the stream must not leak
                 raise
-        if auth is None:  # shed: the oldest of more than max_pending_handshakes
+        if handshake is None:  # shed: the oldest of more than max_pending_handshakes
             await trio.aclose_forcefully(stream)
             self.reject(peer, "shed", f"{peer}: still unauthenticated when "
                         f"max_pending_handshakes={self._pending.limit} newer connections "
                         "were pending; the oldest is shed")
             return
-        hello = auth.hello
+        machine, received = handshake
+        hello = received.hello
         if not self._roster.forming:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
@@ -164,17 +165,16 @@ class Formation:
             return
         self._conn_counter += 1
         conn = RelayConn(
-            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
-            opener=auth.opener, write_stall_timeout=self._config.write_stall_timeout,
+            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=machine.sealer,
+            opener=machine.opener, write_stall_timeout=self._config.write_stall_timeout,
             index=self._conn_counter,
         )
         self._roster.register(conn, trio.current_time())
         for old in superseded:  # only now: no other Hello may slip in between the checks
             await old.close()
-        ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
         try:
             with trio.fail_after(self._config.handshake_timeout):
-                await stream.send_all(ack)
+                await send_hello_ack(stream, machine)
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._roster.unregister(conn)
             conn.abandon("HelloAck not delivered")
@@ -183,7 +183,6 @@ class Formation:
                         f"not delivered ({type(exc).__name__})")
             return
         complete = self._roster.confirm(conn)
-        switch_to_connection_keys(auth, self._salt)
         conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
         self.warn_cleartext(peer)
