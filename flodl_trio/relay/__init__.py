@@ -19,22 +19,14 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
-from .._ratelimit import JunkCounter
 from .._transport import DialTarget, close_all, dial, format_address
 from ..coordinator import pick_one_exception
 from ..timeline import Timeline
-from ..wire import (
-    Established,
-    FrameCodec,
-    RecordOpener,
-    RecordSealer,
-    RelayHandshake,
-    RelayWaiting,
-    SessionSalt,
-    len_frame,
-)
-from . import pump, ranks
-from ._link import RankLink, RelayExit
+from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
+from ._link import RelayExit
+from .notices import RankNotices
+from .pump import Pump
+from .ranks import LocalRanks, accept_ranks
 
 __all__ = ["Relay", "RelayExit", "open_relay"]
 
@@ -42,9 +34,6 @@ log = logging.getLogger("flodl_trio.relay")
 
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
-# Cadence of RelayWaiting notices (not scaled: a rate, not patience), and the bound on one write.
-RELAY_NOTICE_INTERVAL = 1.0
-NOTICE_WRITE_LIMIT = 1.0
 
 
 
@@ -73,22 +62,15 @@ class Relay:
         self._salt = salt
         self._ssl_context = ssl_context
         self._server_hostname = server_hostname
-        self._rank_set = frozenset(ranks)
-        self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects = JunkCounter()  # rank-port rejects, by reason
-        self._all_ranks = trio.Event()
+        self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
+                                 config=config)
         self._connected = trio.Event()
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
-        self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
-        self._codec = FrameCodec(salt)  # only for RelayWaiting notices to local ranks
-        self._upstream_status = "about to dial the coordinator"
+        self._notices = RankNotices(self._local, salt)
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -105,12 +87,21 @@ class Relay:
     @property
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
-        return frozenset(r for r, link in self._links.items() if not link.gone)
+        return self._local.connected
+
+    @property
+    def error(self) -> FlodlError | None:
+        """Why the relay failed (what ``open_relay`` raises), else None."""
+        return self._error
+
+    def cancel_on_error(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the user's block) when the relay fails."""
+        self._body_scope = scope
 
     @property
     def rank_port_rejects(self) -> dict[str, int]:
         """Connections to the rank port rejected so far, by reason (``"bad mac"``, ...)."""
-        return self._rejects.by_reason()
+        return self._local.rejects
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
@@ -131,7 +122,8 @@ class Relay:
         while True:
             remaining = max(0.0, deadline - trio.current_time())
             if last is None:
-                self._upstream_status = f"dialing the coordinator at {_target_text(self._target)}"
+                self._notices.upstream_status = (
+                    f"dialing the coordinator at {_target_text(self._target)}")
             stream = await dial(self._target, connect_timeout=remaining, what=what)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
@@ -158,8 +150,9 @@ class Relay:
                         "an ssl_context that trusts its CA"
                     ) from None
                 last = exc
-                self._upstream_status = (f"re-dialing the coordinator at "
-                                         f"{_target_text(self._target)} (last attempt: {exc!r})")
+                self._notices.upstream_status = (f"re-dialing the coordinator at "
+                                                 f"{_target_text(self._target)} (last attempt: "
+                                                 f"{exc!r})")
                 if trio.current_time() + 0.5 >= deadline:
                     break
                 log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
@@ -174,23 +167,26 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+    async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
             stop_notices = trio.Event()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._keep_ranks_informed, stop_notices)
+                nursery.start_soon(self._notices.keep_informed, stop_notices)
                 joined = await self._join(listeners, stop_notices)
             if isinstance(joined, FlodlError):
                 raise joined  # outside the nursery: not wrapped in an ExceptionGroup
             stream, sealer, opener = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await pump.pump(self, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener)
+            exit_ = await pump.run()
+            self._error = pump.error
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
             # The ranks would otherwise only see their link end: tell them why first.
-            await self._tell_ranks(f"relay {self.host!r} gave up: {exc}")
+            await self._notices.tell(f"relay {self.host!r} gave up: {exc}")
         finally:
             # Runs on cancellation too: no rank or upstream socket outlives the relay.
             await self._close_all()
@@ -199,46 +195,11 @@ class Relay:
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
 
-    # ------------------------------------------------------------------ notices
-
-    def _waiting_for(self) -> str:
-        if not self._all_ranks.is_set():
-            return f"relay {self.host!r} is waiting for its local ranks: {ranks.waiting_text(self)}"
-        return f"relay {self.host!r} has all its local ranks and is {self._upstream_status}"
-
-    async def _keep_ranks_informed(self, stop: trio.Event) -> None:
-        """Until the relay joins, tell its connected ranks every second what it waits for.
-
-        Without this a healthy rank heard nothing while its sibling was rejected (wrong salt,
-        wrong world size) and died of coord_liveness_timeout (30 s) long before the relay's
-        rank_accept_timeout (60 s), blaming the coordinator, which had never been dialed.
-        """
-        while not stop.is_set():
-            await self._tell_ranks(self._waiting_for())
-            with trio.move_on_after(RELAY_NOTICE_INTERVAL):
-                await stop.wait()
-
-    async def _tell_ranks(self, detail: str) -> None:
-        blob = len_frame(self._codec.encode(RelayWaiting(host=self.host, detail=detail)))
-        for link in list(self._links.values()):
-            if link.gone:
-                continue
-            # Shielded so a cancellation never leaves half a frame on a rank's stream; bounded
-            # because a rank that does not read must not hold the relay.
-            with trio.CancelScope(shield=True,
-                                  deadline=trio.current_time() + NOTICE_WRITE_LIMIT) as scope:
-                try:
-                    await link.writer.send(blob)
-                except (trio.TooSlowError, *_GONE):
-                    await trio.aclose_forcefully(link.stream)
-            if scope.cancelled_caught:
-                await trio.aclose_forcefully(link.stream)
-
     async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
                     ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener] | FlodlError:
         """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
         try:
-            await ranks.accept_ranks(self, listeners)
+            await accept_ranks(self._local, listeners)
             joined = await self._connect_upstream()
             self._upstream = joined[0]
             return joined
@@ -248,9 +209,10 @@ class Relay:
             stop_notices.set()  # the notice task ends after its current write
 
     async def _close_all(self) -> None:
-        for link in self._links.values():
+        links = list(self._local.links())
+        for link in links:
             link.gone = True
-        streams: list[Any] = [link.stream for link in self._links.values()]
+        streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
         await close_all(streams)
@@ -339,9 +301,9 @@ async def open_relay(
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._run, listeners)
+            nursery.start_soon(relay.run, listeners)
             with trio.CancelScope() as body_scope:
-                relay._body_scope = body_scope
+                relay.cancel_on_error(body_scope)
                 try:
                     yield relay
                 except BaseException as exc:
@@ -349,12 +311,12 @@ async def open_relay(
                     raise
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay._error)
+        chosen = pick_one_exception(group, body_exc, relay.error)
         if chosen is None:
             raise
         error: BaseException = chosen
     else:
-        if relay._error is None:
+        if relay.error is None:
             return
-        error = relay._error
+        error = relay.error
     raise error
