@@ -184,10 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _dispatch(args)
         except BaseExceptionGroup as group:
-            from .coordinator import pick_one_exception
+            from ._lifecycle import choose_one_exception
 
-            chosen = pick_one_exception(group, None, None)
-            if chosen is None:
+            chosen = choose_one_exception(group, body_exc=None, failure=None,
+                                          cancelled_from_outside=False, what="flodl-trio")
+            if isinstance(chosen, trio.Cancelled):
                 raise
             raise chosen from None
     except UsageError as exc:
