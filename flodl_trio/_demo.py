@@ -44,7 +44,7 @@ def _parse_kills(specs: list[str], hosts: list[str]) -> dict[str, float]:
         except ValueError:
             when = -1.0
         if not sep or host not in hosts or when < 0:
-            from .cli import UsageError
+            from ._cli_common import UsageError
 
             raise UsageError(f"--kill-relay: expected HOST@SECONDS with HOST one of {hosts}, "
                              f"got {spec!r}")

@@ -142,3 +142,25 @@ def test_salt_file_is_read_and_trimmed(tmp_path: Path) -> None:
     f.write_text("  " + "CD" * 16 + "\n")
     args = argparse.Namespace(salt_file=str(f), salt_hex=None)
     assert load_salt(args, long_running=True).hex() == "cd" * 16
+
+
+def test_every_option_of_every_command_has_help_text_and_shows_its_default() -> None:
+    import argparse
+
+    from flodl_trio.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"salt", "coordinator", "relay", "rank", "status", "demo", "plot"}
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            if action.default not in (None, False, [], argparse.SUPPRESS) and not action.required:
+                assert f"(default: {action.default})" in " ".join(text.split()), (
+                    f"{name} {action.option_strings}: default {action.default!r} not shown")
+    rank_help = " ".join(sub.choices["rank"].format_help().split())
+    assert "--jitter FRACTION random spread of each batch time" in rank_help
+    assert "--batch-ms MS simulated milliseconds per batch (default: 20.0)" in rank_help
