@@ -26,6 +26,7 @@ from ._timeouts import timeout_scale
 from ._version import __version__
 from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
 from .rank import RankEndpoint, open_rank
+from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
 from .timeline import Timeline
 from .wire import SaveReason, SessionSalt
@@ -48,6 +49,7 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "MaxFailure",
+    "RankClient",
     "RankConfig",
     "RankEndpoint",
     "Relay",

@@ -160,7 +160,7 @@ async def test_connection_closing_after_every_prefix_of_a_valid_handshake_never_
                 assert sum(state["rejected_handshakes"].values()) == len(recorded) + 1
                 # Every rejected connection's task is gone: only the joined relay's remains.
                 assert live_task_names().count(
-                    "flodl_trio.coordinator.formation.serve_connection") == 1
+                    "flodl_trio.coordinator.formation.Formation.serve_connection") == 1
                 assert coord.state()["phase"] == "running"
 
         nursery.start_soon(coordinator)

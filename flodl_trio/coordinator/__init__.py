@@ -19,7 +19,6 @@ from ..port_mux import open_port_mux
 from ..status import serve_status
 from ..timeline import Timeline
 from ..wire import SessionSalt
-from . import formation
 from ._core import Coordinator
 
 __all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
@@ -179,14 +178,13 @@ async def open_coordinator(
         )
     try:
         coord = Coordinator(salt=salt, config=config, timeline=timeline,
-                            address=bind.address if bind else None)
+                            address=bind.address if bind else None, tls=ssl_context is not None)
     except BaseException:
         if bind is not None:
             await bind.aclose()
         raise
     if bind is not None and timeline is None:
         coord.timeline.event(Listening(address=format_address(bind.address)))
-    coord._tls = ssl_context is not None
     mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
     if ssl_context is not None:
         # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or
@@ -197,7 +195,6 @@ async def open_coordinator(
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            coord._nursery = nursery
             async with AsyncExitStack() as stack:
                 if bind is not None:
                     stack.push_async_callback(bind.aclose)
@@ -213,9 +210,13 @@ async def open_coordinator(
                         stack.push_async_callback(listener.aclose)
                     control = direct
                 try:
-                    await formation.form(coord, control, abort)
+                    # Every background task of the run starts here, and only here.
+                    await nursery.start(coord.host_writers)
+                    for task in coord.background_tasks(control, abort):
+                        nursery.start_soon(task)
+                    await coord.formed()
                     with trio.CancelScope() as body_scope:
-                        coord._body_scope = body_scope
+                        coord.cancel_on_failure(body_scope)
                         try:
                             yield coord
                         except BaseException as exc:
@@ -227,25 +228,25 @@ async def open_coordinator(
                 finally:
                     reason = _shutdown_reason(coord, body_exc)
                     with trio.CancelScope(shield=True):
-                        await coord._shutdown(reason)
+                        await coord.shutdown(reason)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, coord._failure)
+        chosen = pick_one_exception(group, body_exc, coord.failure)
         if chosen is None:
             raise
         error: BaseException = chosen
     else:
-        if coord._failure is None:
+        if coord.failure is None:
             return
-        error = coord._failure
+        error = coord.failure
     raise error
 
 
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:
-    if coord._failure is not None:
-        return f"cluster failure: {coord._failure}"
-    if coord._formation_failure is not None:
-        return f"formation failed: {type(coord._formation_failure).__name__}"
+    if coord.failure is not None:
+        return f"cluster failure: {coord.failure}"
+    if coord.formation_failure is not None:
+        return f"formation failed: {type(coord.formation_failure).__name__}"
     if body_exc is not None and not isinstance(body_exc, trio.Cancelled):
         return f"the block raised {type(body_exc).__name__}"
     if body_exc is not None:

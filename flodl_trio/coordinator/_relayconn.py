@@ -8,6 +8,7 @@ from collections.abc import Callable
 import trio
 
 from ..wire import RecordOpener, RecordSealer
+from ._roster import ranks_text
 
 _EOF = -1  # queue marker: half-close after everything queued before it
 _BATCH = 64
@@ -72,6 +73,7 @@ class RelayConn:
         # not reading this connection, so that time must not count towards heartbeat staleness.
         self.paused_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
+        self._write_scope: trio.CancelScope | None = None
         self.closed = False
 
     @property
@@ -111,6 +113,8 @@ class RelayConn:
                     delivery.settle(self, failure)
             if failure is not None and self.lost_reason is None:
                 self.on_lost(self, failure)
+        # Lost (or shut down): nothing more will be written, and the reader must stop too.
+        await self.close()
 
     async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]) -> str | None:
         seal = self.sealer.seal
@@ -119,6 +123,7 @@ class RelayConn:
         half_close = any(kind == _EOF for kind, _, _, _ in batch)
         try:
             with trio.CancelScope(deadline=trio.current_time() + self.write_stall_timeout) as cs:
+                self._write_scope = cs
                 if data:
                     await self.stream.send_all(data)
                 if half_close:
@@ -128,13 +133,22 @@ class RelayConn:
                         await self.close()
         except _GONE as exc:
             return f"connection closed while writing ({type(exc).__name__})"
+        finally:
+            self._write_scope = None
+        if self.lost_reason is not None:
+            return f"connection lost ({self.lost_reason})"
         if cs.cancelled_caught:
             return f"write stall: no progress for {self.write_stall_timeout:g}s"
         return None
 
-    def stop_writer(self) -> None:
-        """No more records: the writer settles what is queued as lost and ends."""
+    def abandon(self, reason: str) -> None:
+        """The connection is lost: the writer stops writing at once, settles what is queued as
+        lost and closes the stream (which ends the reader too)."""
+        if self.lost_reason is None:
+            self.lost_reason = reason
         self._queue_send.close()
+        if self._write_scope is not None:
+            self._write_scope.cancel()
 
     async def close(self) -> None:
         if not self.closed:
@@ -143,14 +157,4 @@ class RelayConn:
             await trio.aclose_forcefully(self.stream)
 
     def describe(self) -> str:
-        return f"relay {self.host!r} at {self.peer} (ranks {_ranks_text(self.ranks)})"
-
-
-def _ranks_text(ranks: tuple[int, ...]) -> str:
-    if len(ranks) <= 8:
-        return str(list(ranks))
-    return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
-
-
-def ranks_text(ranks: tuple[int, ...] | list[int]) -> str:
-    return _ranks_text(tuple(ranks))
+        return f"relay {self.host!r} at {self.peer} (ranks {ranks_text(self.ranks)})"

@@ -8,237 +8,216 @@ connection mid-handshake and re-dials with the same host and ranks simply replac
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
-from ..wire import HelloAck, RecordKind, encode
-from . import liveness, readers
+from ..timeline import Timeline
+from ..wire import HelloAck, RecordKind, SessionSalt, encode
 from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
-from ._relayconn import RelayConn, ranks_text
-
-if TYPE_CHECKING:
-    from ._core import Coordinator
+from ._relayconn import RelayConn
+from ._roster import Roster, ranks_text
+from ._sending import Sender
+from .liveness import Liveness
+from .readers import Readers
 
 log = logging.getLogger("flodl_trio.coordinator")
 
 
-async def accept_loop(coord: Coordinator, listener: trio.abc.Listener[Any]) -> None:
-    while True:
-        try:
-            stream = await listener.accept()
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+class Formation:
+    """Accepts relay connections, runs their handshakes and tells the roster who joined.
+
+    Attributes:
+        failure: why formation failed (set once), else None.
+    """
+
+    def __init__(
+        self,
+        *,
+        roster: Roster[RelayConn],
+        sender: Sender,
+        liveness: Liveness,
+        readers: Readers,
+        config: CoordinatorConfig,
+        salt: SessionSalt,
+        timeline: Timeline,
+        tls: bool,
+    ) -> None:
+        self._roster = roster
+        self._sender = sender
+        self._liveness = liveness
+        self._readers = readers
+        self._config = config
+        self._salt = salt
+        self._timeline = timeline
+        self._tls = tls
+        self._warned_hosts: set[str] = set()
+        self._conn_counter = 0
+        self._settled = trio.Event()
+        self._started = 0.0
+        self.failure: FormationError | None = None
+
+    async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
+        """Accept relay connections from ``listener``; one handshake task each."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    return
+                except OSError as exc:
+                    # Out of file descriptors and the like: back off instead of spinning.
+                    log.warning("accept failed: %r; retrying in 0.1 s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                nursery.start_soon(self.serve_connection, stream)
+
+    def reject(self, peer: str, category: str, detail: str) -> None:
+        total = self._roster.reject(category)
+        log.info("handshake rejected (%s): %s", category, detail)
+        self._timeline.event(HandshakeRejected(peer=peer, reason=f"{category}: {detail}"))
+        if not self._roster.forming:
             return
-        except OSError as exc:
-            # Out of file descriptors and the like: back off instead of spinning.
-            log.warning("accept failed: %r; retrying in 0.1 s", exc)
-            await trio.sleep(0.1)
-            continue
-        coord._nursery.start_soon(serve_connection, coord, stream)
+        if self._config.strict_formation:
+            self.fail(FormationError(self._roster.coverage_text(
+                f"strict formation: handshake from {peer} rejected ({category}: {detail})")))
+        elif total > self._config.max_rejected_handshakes:
+            self.fail(FormationError(self._roster.coverage_text(
+                f"more than max_rejected_handshakes={self._config.max_rejected_handshakes} "
+                "rejected handshakes")))
 
+    def fail(self, exc: FormationError) -> None:
+        if self.failure is None and self._roster.forming:
+            self.failure = exc
+            self._settled.set()
 
-def reject(coord: Coordinator, peer: str, category: str, detail: str) -> None:
-    coord._rejects[category] += 1
-    log.info("handshake rejected (%s): %s", category, detail)
-    coord._timeline.event(HandshakeRejected(peer=peer, reason=f"{category}: {detail}"))
-    if coord._phase != "forming":
-        return
-    total = sum(coord._rejects.values())
-    if coord.config.strict_formation:
-        fail_formation(coord, FormationError(formation_text(coord,
-            f"strict formation: handshake from {peer} rejected ({category}: {detail})")))
-    elif total > coord.config.max_rejected_handshakes:
-        fail_formation(coord, FormationError(formation_text(coord,
-            f"more than max_rejected_handshakes={coord.config.max_rejected_handshakes} "
-            "rejected handshakes")))
-
-
-def fail_formation(coord: Coordinator, exc: FormationError) -> None:
-    if coord._formation_failure is None and coord._phase == "forming":
-        coord._formation_failure = exc
-        coord._formation_settled.set()
-
-
-def formation_text(coord: Coordinator, headline: str) -> str:
-    covered = len(coord._conn_of_rank)
-    joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in coord._relays) or "none"
-    rejects = ", ".join(f"{k} x{n}" for k, n in sorted(coord._rejects.items())) or "none"
-    return (
-        f"{headline}: {covered}/{coord.world_size} ranks covered; hosts joined: {joined}; "
-        f"rejected connections: {rejects}"
-    )
-
-
-def hello_problem(coord: Coordinator, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
-    who = f"authenticated Hello from relay {host!r} at {peer}"
-    if not ranks:
-        return f"{who}: expected at least one rank, got an empty rank list"
-    if list(ranks) != sorted(ranks):
-        return f"{who}: expected ranks in ascending order, got {list(ranks)[:16]}"
-    seen: set[int] = set()
-    for r in ranks:
-        if r in seen:
-            return f"{who}: rank {r} is announced twice in one Hello"
-        seen.add(r)
-        if r >= coord.world_size:
-            return f"{who}: rank {r} is out of range for world_size {coord.world_size}"
-        owner = coord._conn_of_rank.get(r)
-        if owner is not None:
-            return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
-                    f"{owner.peer}")
-    return None
-
-
-def unregister(coord: Coordinator, conn: RelayConn) -> None:
-    if conn in coord._relays:
-        coord._relays.remove(conn)
-    for r in conn.ranks:
-        if coord._conn_of_rank.get(r) is conn:
-            del coord._conn_of_rank[r]
-            coord._last_seen.pop(r, None)
-
-
-async def serve_connection(coord: Coordinator, stream: trio.abc.Stream) -> None:
-    peer = peer_of(stream)
-    if coord._phase != "forming":
-        await trio.aclose_forcefully(stream)
-        reject(coord, peer, "cohort formed", f"{peer}: connection after formation completed")
-        return
-    try:
-        with trio.fail_after(coord.config.handshake_timeout):
-            auth = await coordinator_handshake(stream, coord._salt, peer)
-    except trio.TooSlowError:
-        await trio.aclose_forcefully(stream)
-        reject(coord, peer, "timeout", f"{peer}: no authenticated Hello within "
-                     f"handshake_timeout={coord.config.handshake_timeout:g}s")
-        return
-    except Rejected as rej:
-        await trio.aclose_forcefully(stream)
-        reject(coord, peer, rej.category, rej.detail)
-        return
-    except BaseException:
-        await close_all([stream])  # cancelled mid-handshake: the stream must not leak
-        raise
-    hello = auth.hello
-    if coord._phase != "forming":
-        await trio.aclose_forcefully(stream)
-        reject(coord, peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
-                     "formation completed")
-        return
-    # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
-    # that is a reconnect, not a contradiction.
-    ranks = tuple(hello.ranks)
-    for old in list(coord._relays):
-        if old.host == hello.host and old.ranks == ranks:
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        peer = peer_of(stream)
+        if not self._roster.forming:
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "cohort formed", f"{peer}: connection after formation completed")
+            return
+        try:
+            with trio.fail_after(self._config.handshake_timeout):
+                auth = await coordinator_handshake(stream, self._salt, peer)
+        except trio.TooSlowError:
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
+                        f"handshake_timeout={self._config.handshake_timeout:g}s")
+            return
+        except Rejected as rej:
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, rej.category, rej.detail)
+            return
+        except BaseException:
+            await close_all([stream])  # cancelled mid-handshake: the stream must not leak
+            raise
+        hello = auth.hello
+        if not self._roster.forming:
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
+                        "formation completed")
+            return
+        # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
+        # that is a reconnect, not a contradiction.
+        ranks = tuple(hello.ranks)
+        superseded = self._roster.same_relay(hello.host, ranks)
+        for old in superseded:
             log.info("relay %r re-joined from %s; dropping its old connection", hello.host,
                      peer)
-            old.lost_reason = "superseded by a new connection"
-            unregister(coord, old)
-            coord._nursery.start_soon(old.close)
-    problem = hello_problem(coord, hello.host, ranks, peer)
-    if problem is not None:
-        await trio.aclose_forcefully(stream)
-        fail_formation(coord, FormationError(formation_text(coord, problem)))
-        return
-    coord._conn_counter += 1
-    conn = RelayConn(
-        host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
-        opener=auth.opener, write_stall_timeout=coord.config.write_stall_timeout,
-        index=coord._conn_counter,
-    )
-    coord._relays.append(conn)
-    coord._acks_in_flight.add(conn)
-    now = trio.current_time()
-    for r in ranks:
-        coord._conn_of_rank[r] = conn
-        coord._last_seen[r] = now
-    ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
-    try:
-        with trio.fail_after(coord.config.handshake_timeout):
-            await stream.send_all(ack)
-    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        coord._acks_in_flight.discard(conn)
-        unregister(coord, conn)
-        conn.lost_reason = "HelloAck not delivered"
-        await conn.close()
-        reject(coord, peer, "connection error", f"relay {hello.host!r} at {peer}: HelloAck "
-                     f"not delivered ({type(exc).__name__})")
-        return
-    coord._acks_in_flight.discard(conn)
-    switch_to_connection_keys(auth, coord._salt)
-    conn.on_lost = coord._on_write_failure
-    coord._writers.start_soon(conn.run_writer)
-    warn_cleartext(coord, peer)
-    log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
-    coord._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
-    if (len(coord._conn_of_rank) == coord.world_size and not coord._acks_in_flight
-            and coord._phase == "forming"):
-        complete_formation(coord)
-    await readers.read_relay(coord, conn)
+            self._roster.unregister(old)
+            old.abandon("superseded by a new connection")
+        problem = self._roster.hello_problem(hello.host, ranks, peer)
+        if problem is not None:
+            self.fail(FormationError(self._roster.coverage_text(problem)))
+            await trio.aclose_forcefully(stream)
+            for old in superseded:
+                await old.close()
+            return
+        self._conn_counter += 1
+        conn = RelayConn(
+            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
+            opener=auth.opener, write_stall_timeout=self._config.write_stall_timeout,
+            index=self._conn_counter,
+        )
+        self._roster.register(conn, trio.current_time())
+        for old in superseded:  # only now: no other Hello may slip in between the checks
+            await old.close()
+        ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
+        try:
+            with trio.fail_after(self._config.handshake_timeout):
+                await stream.send_all(ack)
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._roster.unregister(conn)
+            conn.abandon("HelloAck not delivered")
+            await conn.close()
+            self.reject(peer, "connection error", f"relay {hello.host!r} at {peer}: HelloAck "
+                        f"not delivered ({type(exc).__name__})")
+            return
+        complete = self._roster.confirm(conn)
+        switch_to_connection_keys(auth, self._salt)
+        conn.on_lost = self._liveness.relay_lost
+        self._sender.start_writer(conn)
+        self.warn_cleartext(peer)
+        log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
+        self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
+        if complete:
+            self.complete()
+        await self._readers.read_relay(conn)
 
+    def warn_cleartext(self, peer: str) -> None:
+        host = peer.rsplit(":", 1)[0].strip("[]")
+        if self._tls or host in self._warned_hosts or is_local_or_private(host):
+            return
+        if host.startswith("<") or host.startswith("mem:"):
+            return
+        self._warned_hosts.add(host)
+        log.warning("relay at %s joined over cleartext from outside loopback/private ranges: "
+                    "frames are authenticated but readable on the network; use TLS "
+                    "(ssl_context=)", peer)
 
-def warn_cleartext(coord: Coordinator, peer: str) -> None:
-    host = peer.rsplit(":", 1)[0].strip("[]")
-    if coord._tls or host in coord._warned_hosts or is_local_or_private(host):
-        return
-    if host.startswith("<") or host.startswith("mem:"):
-        return
-    coord._warned_hosts.add(host)
-    log.warning("relay at %s joined over cleartext from outside loopback/private ranges: "
-                "frames are authenticated but readable on the network; use TLS "
-                "(ssl_context=)", peer)
+    def complete(self) -> None:
+        now = trio.current_time()
+        self._roster.start_running(now)
+        elapsed = (now - self._started) * 1000.0
+        relays = len(self._roster.relays)
+        world = self._roster.world_size
+        self._timeline.event(FormationComplete(
+            relays=relays, world_size=world, elapsed_ms=round(elapsed, 3)))
+        log.info("formation complete: %d ranks over %d relays in %.1f ms", world, relays,
+                 elapsed)
+        self._settled.set()
+        self._liveness.wake()
 
+    def start_clock(self) -> None:
+        """Formation's deadline and elapsed time count from now."""
+        self._started = trio.current_time()
 
-def complete_formation(coord: Coordinator) -> None:
-    coord._phase = "running"
-    now = trio.current_time()
-    for r in coord._conn_of_rank:
-        coord._last_seen[r] = now
-    elapsed = (now - coord._formation_started) * 1000.0
-    coord._timeline.event(FormationComplete(
-        relays=len(coord._relays), world_size=coord.world_size, elapsed_ms=round(elapsed, 3)))
-    log.info("formation complete: %d ranks over %d relays in %.1f ms", coord.world_size,
-             len(coord._relays), elapsed)
-    coord._formation_settled.set()
-    coord._liveness_wake.set()
+    async def wait(self) -> None:
+        """Return once every rank is covered (the tasks run in ``open_coordinator``'s nursery).
 
+        Raises:
+            FormationTimeout / FormationAborted / FormationError: the c/W text says why.
+        """
+        timeout = self._config.formation_timeout
+        with trio.move_on_at(self._started + timeout):
+            await self._settled.wait()
+        failure = self.failure
+        if failure is None and self._roster.forming:
+            failure = FormationTimeout(self._roster.coverage_text(
+                f"formation timed out after {timeout:g}s"))
+        if failure is not None:
+            self.failure = failure
+            self._timeline.event(FormationFailed(reason=str(failure),
+                                                 covered=len(self._roster.covered)))
+            log.error("%s", failure)
+            raise failure
 
-async def form(coord: Coordinator, control: list[trio.abc.Listener[Any]],
-               abort: trio.Event | None) -> None:
-    """Run formation in ``coord``'s nursery; return once every rank is covered.
-
-    Raises:
-        FormationTimeout / FormationAborted / FormationError: the c/W text says why.
-    """
-    nursery = coord._nursery
-    coord._writers = await nursery.start(coord._host_writers)
-    coord._formation_started = trio.current_time()
-    for listener in control:
-        nursery.start_soon(accept_loop, coord, listener)
-    nursery.start_soon(liveness.death_worker, coord)
-    nursery.start_soon(liveness.coord_heartbeats, coord)
-    nursery.start_soon(liveness.staleness_watch, coord)
-    if abort is not None:
-        nursery.start_soon(watch_abort, coord, abort)
-    timeout = coord.config.formation_timeout
-    with trio.move_on_after(timeout):
-        await coord._formation_settled.wait()
-    failure = coord._formation_failure
-    if failure is None and coord._phase == "forming":
-        failure = FormationTimeout(formation_text(coord,
-            f"formation timed out after {timeout:g}s"))
-    if failure is not None:
-        coord._formation_failure = failure
-        coord._timeline.event(FormationFailed(reason=str(failure),
-                                             covered=len(coord._conn_of_rank)))
-        log.error("%s", failure)
-        raise failure
-
-
-async def watch_abort(coord: Coordinator, abort: trio.Event) -> None:
-    await abort.wait()
-    if coord._phase == "forming":
-        fail_formation(coord, FormationAborted(formation_text(coord, "formation aborted")))
+    async def watch_abort(self, abort: trio.Event) -> None:
+        await abort.wait()
+        if self._roster.forming:
+            self.fail(FormationAborted(self._roster.coverage_text("formation aborted")))

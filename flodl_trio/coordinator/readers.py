@@ -8,14 +8,16 @@ channel is full the reader waits, and that time does not count towards heartbeat
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from .._errors import AuthError, WireError
 from ..events import InvalidFrame, RankExited
+from ..timeline import Timeline
 from ..wire import (
     Exiting,
+    FrameCodec,
     Metrics,
     MsgKind,
     RankExit,
@@ -27,155 +29,173 @@ from ..wire import (
     decode_timing,
     frames_before,
 )
-from . import liveness
-from ._relayconn import RelayConn, ranks_text
-
-if TYPE_CHECKING:
-    from ._core import Coordinator
+from ._relayconn import RelayConn
+from ._roster import Roster, ranks_text
+from .liveness import Liveness
 
 log = logging.getLogger("flodl_trio.coordinator")
 
 
-async def read_relay(coord: Coordinator, conn: RelayConn) -> None:
-    coord._readers_active += 1
-    coord._readers_idle = trio.Event() if coord._readers_active == 1 else coord._readers_idle
-    cause: str | None = None
-    try:
-        while cause is None:
-            data = await conn.stream.receive_some(65536)
-            if not data:
-                err = conn.opener.eof_error(f"relay {conn.host!r}")
-                cause = str(err) if err is not None else "connection closed by the relay (EOF)"
-                break
-            try:
-                records = conn.opener.feed(data)
-            except WireError as exc:
-                # Records authenticated before the bad one are acted on; then it ends.
-                for rec in frames_before(exc):
-                    await on_record(coord, conn, rec)
-                raise
-            for rec in records:
-                await on_record(coord, conn, rec)
-    except AuthError as exc:
-        cause = f"authentication failure: {exc}"
-    except WireError as exc:
-        cause = f"protocol error: {exc}"
-    except trio.BrokenResourceError as exc:
-        cause = f"connection reset ({exc.__cause__!r})" if exc.__cause__ else "connection reset"
-    except trio.ClosedResourceError:
-        cause = "connection closed"
-    finally:
-        coord._readers_active -= 1
-        if coord._readers_active == 0:
-            coord._readers_idle.set()
-    if cause is not None and conn.lost_reason is None:
-        liveness.relay_lost(coord, conn, cause)
+class Readers:
+    """The relay connections' readers, and whether any of them is still reading."""
 
+    def __init__(
+        self,
+        *,
+        roster: Roster[RelayConn],
+        liveness: Liveness,
+        codec: FrameCodec,
+        timeline: Timeline,
+        timing: trio.MemorySendChannel[TimingMsg],
+        metrics: trio.MemorySendChannel[Metrics],
+    ) -> None:
+        self._roster = roster
+        self._liveness = liveness
+        self._codec = codec
+        self._timeline = timeline
+        self._timing = timing
+        self._metrics = metrics
+        self._active = 0
+        self._idle = trio.Event()
+        self._idle.set()
 
-async def on_record(coord: Coordinator, conn: RelayConn, rec: Record) -> None:
-    if rec.kind == RecordKind.DATA:
-        await on_frame(coord, conn, rec)
-    elif rec.kind == RecordKind.CONTROL:
-        on_relay_control(coord, conn, rec.payload)
-    else:
-        log.warning("%s sent a record of kind %d, which only flows coordinator→relay; "
-                    "dropped", conn.describe(), rec.kind)
+    async def wait_idle(self) -> None:
+        """Return once no reader is running (every relay connection reached its end)."""
+        await self._idle.wait()
 
+    async def read_relay(self, conn: RelayConn) -> None:
+        self._active += 1
+        self._idle = trio.Event() if self._active == 1 else self._idle
+        cause: str | None = None
+        try:
+            while cause is None:
+                data = await conn.stream.receive_some(65536)
+                if not data:
+                    err = conn.opener.eof_error(f"relay {conn.host!r}")
+                    cause = (str(err) if err is not None
+                             else "connection closed by the relay (EOF)")
+                    break
+                try:
+                    records = conn.opener.feed(data)
+                except WireError as exc:
+                    # Records authenticated before the bad one are acted on; then it ends.
+                    for rec in frames_before(exc):
+                        await self.on_record(conn, rec)
+                    raise
+                for rec in records:
+                    await self.on_record(conn, rec)
+        except AuthError as exc:
+            cause = f"authentication failure: {exc}"
+        except WireError as exc:
+            cause = f"protocol error: {exc}"
+        except trio.BrokenResourceError as exc:
+            cause = (f"connection reset ({exc.__cause__!r})" if exc.__cause__
+                     else "connection reset")
+        except trio.ClosedResourceError:
+            cause = "connection closed"
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+        if cause is not None and conn.lost_reason is None:
+            self._liveness.relay_lost(conn, cause)
 
-def invalid(coord: Coordinator, conn: RelayConn, rank: int, reason: str) -> None:
-    log.warning("%s, rank %d: %s; frame dropped", conn.describe(), rank, reason)
-    coord._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=reason))
-
-
-async def on_frame(coord: Coordinator, conn: RelayConn, rec: Record) -> None:
-    try:
-        frame = coord._codec.open(rec.payload)
-    except WireError as exc:
-        invalid(coord, conn, rec.rank, str(exc))
-        return
-    msg: TimingMsg | Metrics
-    try:
-        if frame.kind == MsgKind.TIMING:
-            msg = decode_timing(frame.payload)
-        elif frame.kind == MsgKind.METRICS:
-            msg = decode_metrics(frame.payload)
+    async def on_record(self, conn: RelayConn, rec: Record) -> None:
+        if rec.kind == RecordKind.DATA:
+            await self.on_frame(conn, rec)
+        elif rec.kind == RecordKind.CONTROL:
+            self.on_relay_control(conn, rec.payload)
         else:
-            if frame.kind not in (MsgKind.RESERVED_4, MsgKind.RESERVED_5):
-                log.info("%s: frame of kind %d is not for this direction; dropped",
-                         conn.describe(), frame.kind)
+            log.warning("%s sent a record of kind %d, which only flows coordinator→relay; "
+                        "dropped", conn.describe(), rec.kind)
+
+    def invalid(self, conn: RelayConn, rank: int, reason: str) -> None:
+        log.warning("%s, rank %d: %s; frame dropped", conn.describe(), rank, reason)
+        self._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=reason))
+
+    async def on_frame(self, conn: RelayConn, rec: Record) -> None:
+        try:
+            frame = self._codec.open(rec.payload)
+        except WireError as exc:
+            self.invalid(conn, rec.rank, str(exc))
             return
-    except WireError as exc:
-        invalid(coord, conn, rec.rank, str(exc))
-        return
-    rank = int(msg.rank)
-    if rank not in conn.rank_set:
-        invalid(coord, conn, rank, f"{type(msg).__name__} speaks for rank {rank}, which relay "
-                      f"{conn.host!r} does not carry {ranks_text(conn.ranks)}")
-        return
-    if rank in coord._dead:
-        log.debug("rank %d was declared dead; its late %s is dropped", rank,
-                  type(msg).__name__)
-        return
-    if isinstance(msg, TimingMsg):
-        coord._last_seen[rank] = trio.current_time()
-        if isinstance(msg, Exiting) and rank not in coord._exited:
-            coord._exited.add(rank)
-            coord._timeline.event(RankExited(rank=rank))
-        await deliver(coord, conn, coord._timing_send, msg)
-    else:
-        await deliver(coord, conn, coord._metrics_send, msg)
+        msg: TimingMsg | Metrics
+        try:
+            if frame.kind == MsgKind.TIMING:
+                msg = decode_timing(frame.payload)
+            elif frame.kind == MsgKind.METRICS:
+                msg = decode_metrics(frame.payload)
+            else:
+                if frame.kind not in (MsgKind.RESERVED_4, MsgKind.RESERVED_5):
+                    log.info("%s: frame of kind %d is not for this direction; dropped",
+                             conn.describe(), frame.kind)
+                return
+        except WireError as exc:
+            self.invalid(conn, rec.rank, str(exc))
+            return
+        rank = int(msg.rank)
+        if rank not in conn.rank_set:
+            self.invalid(conn, rank, f"{type(msg).__name__} speaks for rank {rank}, which "
+                         f"relay {conn.host!r} does not carry {ranks_text(conn.ranks)}")
+            return
+        if self._roster.is_dead(rank):
+            log.debug("rank %d was declared dead; its late %s is dropped", rank,
+                      type(msg).__name__)
+            return
+        if isinstance(msg, TimingMsg):
+            self._roster.seen(rank, trio.current_time())
+            if isinstance(msg, Exiting) and self._roster.mark_exited(rank):
+                self._timeline.event(RankExited(rank=rank))
+            await self.deliver(conn, self._timing, msg)
+        else:
+            await self.deliver(conn, self._metrics, msg)
 
-
-async def deliver(coord: Coordinator, conn: RelayConn, send: trio.MemorySendChannel[Any],
-                  msg: Any) -> None:
-    if coord._shutting_down:
+    async def deliver(self, conn: RelayConn, send: trio.MemorySendChannel[Any],
+                      msg: Any) -> None:
+        if self._roster.shutting_down:
+            try:
+                send.send_nowait(msg)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # nobody is reading any more; never block shutdown on it
+            return
         try:
             send.send_nowait(msg)
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # nobody is reading any more; never block shutdown on it
-        return
-    try:
-        send.send_nowait(msg)
-        return
-    except trio.WouldBlock:
-        pass
-    except (trio.ClosedResourceError, trio.BrokenResourceError):
-        return
-    paused_at = trio.current_time()
-    conn.paused_since = paused_at
-    try:
-        with trio.CancelScope() as conn.delivery_scope:
-            await send.send(msg)  # shutdown cancels this wait: nobody will read any more
-    except (trio.ClosedResourceError, trio.BrokenResourceError):
-        return
-    finally:
-        conn.delivery_scope = None
-        paused = trio.current_time() - paused_at
-        conn.paused_since = None
-        # The coordinator was not reading this relay; that time is not the ranks' silence.
-        for r in conn.ranks:
-            if r in coord._last_seen:
-                coord._last_seen[r] += paused
-        coord._liveness_wake.set()
+            return
+        except trio.WouldBlock:
+            pass
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return
+        paused_at = trio.current_time()
+        conn.paused_since = paused_at
+        try:
+            with trio.CancelScope() as conn.delivery_scope:
+                await send.send(msg)  # shutdown cancels this wait: nobody will read any more
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return
+        finally:
+            conn.delivery_scope = None
+            conn.paused_since = None
+            # The coordinator was not reading this relay; that time is not the ranks' silence.
+            self._roster.credit_pause(conn, trio.current_time() - paused_at)
+            self._liveness.wake()
 
-
-def on_relay_control(coord: Coordinator, conn: RelayConn, payload: bytes) -> None:
-    try:
-        msg = decode_relay(payload)
-    except WireError as exc:
-        invalid(coord, conn, 0, f"relay control record: {exc}")
-        return
-    if not isinstance(msg, RankExit):
-        log.warning("%s sent %s after the handshake; dropped", conn.describe(),
-                    type(msg).__name__)
-        return
-    rank = int(msg.rank)
-    if rank not in conn.rank_set:
-        invalid(coord, conn, rank, f"RankExit for rank {rank}, which relay {conn.host!r} does "
-                      "not carry")
-        return
-    if rank in coord._exited:
-        log.info("rank %d disconnected after Exiting", rank)
-        return
-    liveness.mark_dead(coord, rank, f"relay {conn.host!r} reported that rank {rank}'s "
-                       "connection ended without Exiting")
+    def on_relay_control(self, conn: RelayConn, payload: bytes) -> None:
+        try:
+            msg = decode_relay(payload)
+        except WireError as exc:
+            self.invalid(conn, 0, f"relay control record: {exc}")
+            return
+        if not isinstance(msg, RankExit):
+            log.warning("%s sent %s after the handshake; dropped", conn.describe(),
+                        type(msg).__name__)
+            return
+        rank = int(msg.rank)
+        if rank not in conn.rank_set:
+            self.invalid(conn, rank, f"RankExit for rank {rank}, which relay {conn.host!r} "
+                         "does not carry")
+            return
+        if self._roster.has_exited(rank):
+            log.info("rank %d disconnected after Exiting", rank)
+            return
+        self._liveness.mark_dead(rank, f"relay {conn.host!r} reported that rank {rank}'s "
+                                 "connection ended without Exiting")

@@ -1,0 +1,275 @@
+"""The run's membership, as plain data with methods (no trio, no IO; time is passed in).
+
+Which relays joined and which ranks each carries, who is dead (and why), who exited cleanly,
+when each rank was last heard from, how many handshakes were rejected and in which phase the
+run is. The coordinator's IO modules (formation, readers, liveness, sending) ask and tell this
+object; it never waits and never reads a clock, so every rule here is testable without trio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
+
+from .._config import MaxFailure
+from ..wire import SaveReason
+
+PHASES = ("forming", "running", "shutting_down", "closed")
+
+
+class Member(Protocol):
+    """What the roster needs to know about a relay connection."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def peer(self) -> str: ...
+
+
+M = TypeVar("M", bound=Member)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """A rank list for messages: all of it when short, else first..last and a count."""
+    ranks = tuple(ranks)
+    if len(ranks) <= 8:
+        return str(list(ranks))
+    return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
+
+
+class Roster(Generic[M]):
+    """Relays, rank → relay, dead ranks (with reasons), exited ranks, last-seen clocks, reject
+    counters and the run's phase (``forming``, ``running``, ``shutting_down``, ``closed``)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._relays: list[M] = []
+        self._relay_of: dict[int, M] = {}
+        self._unconfirmed: list[M] = []  # registered, HelloAck not yet written
+        self._dead: dict[int, str] = {}
+        self._exited: set[int] = set()
+        self._last_seen: dict[int, float] = {}
+        self._rejects: Counter[str] = Counter()
+        self._phase = "forming"
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @property
+    def forming(self) -> bool:
+        return self._phase == "forming"
+
+    @property
+    def running(self) -> bool:
+        return self._phase == "running"
+
+    @property
+    def shutting_down(self) -> bool:
+        """True from the start of shutdown on (deaths are no longer declared)."""
+        return self._phase in ("shutting_down", "closed")
+
+    @property
+    def relays(self) -> tuple[M, ...]:
+        """Registered relays, in join order."""
+        return tuple(self._relays)
+
+    @property
+    def covered(self) -> frozenset[int]:
+        return frozenset(self._relay_of)
+
+    @property
+    def live(self) -> frozenset[int]:
+        """Covered ranks that are neither dead nor cleanly exited."""
+        return frozenset(r for r in self._relay_of if r not in self._dead
+                         and r not in self._exited)
+
+    @property
+    def dead(self) -> dict[int, str]:
+        """Dead ranks and why (a copy)."""
+        return dict(self._dead)
+
+    @property
+    def exited(self) -> frozenset[int]:
+        return frozenset(self._exited)
+
+    @property
+    def rejects(self) -> dict[str, int]:
+        """Rejected handshakes by category (a copy)."""
+        return dict(self._rejects)
+
+    def relay_of(self, rank: int) -> M | None:
+        return self._relay_of.get(rank)
+
+    def is_dead(self, rank: int) -> bool:
+        return rank in self._dead
+
+    def dead_reason(self, rank: int) -> str | None:
+        return self._dead.get(rank)
+
+    def has_exited(self, rank: int) -> bool:
+        return rank in self._exited
+
+    def is_registered(self, relay: M) -> bool:
+        return relay in self._relays
+
+    # ------------------------------------------------------------------ formation
+
+    def hello_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
+        """Why an authenticated Hello contradicts the world, or None when it fits."""
+        who = f"authenticated Hello from relay {host!r} at {peer}"
+        if not ranks:
+            return f"{who}: expected at least one rank, got an empty rank list"
+        if list(ranks) != sorted(ranks):
+            return f"{who}: expected ranks in ascending order, got {list(ranks)[:16]}"
+        seen: set[int] = set()
+        for r in ranks:
+            if r in seen:
+                return f"{who}: rank {r} is announced twice in one Hello"
+            seen.add(r)
+            if r >= self.world_size:
+                return f"{who}: rank {r} is out of range for world_size {self.world_size}"
+            owner = self._relay_of.get(r)
+            if owner is not None:
+                return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
+                        f"{owner.peer}")
+        return None
+
+    def same_relay(self, host: str, ranks: tuple[int, ...]) -> list[M]:
+        """Registered relays with exactly this host and these ranks (a re-dial replaces them)."""
+        return [old for old in self._relays if old.host == host and old.ranks == ranks]
+
+    def register(self, relay: M, now: float) -> None:
+        """Cover ``relay``'s ranks; formation waits for :meth:`confirm` (its HelloAck)."""
+        self._relays.append(relay)
+        self._unconfirmed.append(relay)
+        for r in relay.ranks:
+            self._relay_of[r] = relay
+            self._last_seen[r] = now
+
+    def confirm(self, relay: M) -> bool:
+        """``relay``'s HelloAck was written; True when this completes coverage."""
+        if relay in self._unconfirmed:
+            self._unconfirmed.remove(relay)
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        """Every rank covered and acknowledged, still forming."""
+        return (self._phase == "forming" and len(self._relay_of) == self.world_size
+                and not self._unconfirmed)
+
+    def unregister(self, relay: M) -> None:
+        """Forget ``relay``: its ranks are uncovered again (formation only)."""
+        if relay in self._relays:
+            self._relays.remove(relay)
+        if relay in self._unconfirmed:
+            self._unconfirmed.remove(relay)
+        for r in relay.ranks:
+            if self._relay_of.get(r) is relay:
+                del self._relay_of[r]
+                self._last_seen.pop(r, None)
+
+    def reject(self, category: str) -> int:
+        """Count one rejected handshake; returns the total so far."""
+        self._rejects[category] += 1
+        return sum(self._rejects.values())
+
+    def coverage_text(self, headline: str) -> str:
+        """``headline`` with the c/W coverage, the hosts that joined and the rejects."""
+        joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in self._relays) or "none"
+        rejects = ", ".join(f"{k} x{n}" for k, n in sorted(self._rejects.items())) or "none"
+        return (
+            f"{headline}: {len(self._relay_of)}/{self.world_size} ranks covered; hosts joined: "
+            f"{joined}; rejected connections: {rejects}"
+        )
+
+    def start_running(self, now: float) -> None:
+        """Formation is complete: staleness counts from ``now`` for every rank."""
+        self._phase = "running"
+        for r in self._relay_of:
+            self._last_seen[r] = now
+
+    def begin_shutdown(self) -> None:
+        self._phase = "shutting_down"
+
+    def close(self) -> None:
+        self._phase = "closed"
+
+    # ------------------------------------------------------------------ liveness
+
+    def mark_dead(self, rank: int, reason: str) -> bool:
+        """Declare ``rank`` dead; False if it is not live (or shutdown has begun)."""
+        if (self.shutting_down or rank in self._dead or rank in self._exited
+                or rank not in self._relay_of):
+            return False
+        self._dead[rank] = reason
+        return True
+
+    def mark_exited(self, rank: int) -> bool:
+        """``rank`` said Exiting; False if it had already."""
+        if rank in self._exited:
+            return False
+        self._exited.add(rank)
+        return True
+
+    def seen(self, rank: int, now: float) -> None:
+        """A TIMING frame from ``rank`` arrived at ``now``."""
+        self._last_seen[rank] = now
+
+    def credit_pause(self, relay: M, seconds: float) -> None:
+        """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence."""
+        for r in relay.ranks:
+            if r in self._last_seen:
+                self._last_seen[r] += seconds
+
+    def stale(self, now: float, timeout: float,
+              paused: Callable[[M], bool] = lambda relay: False) -> tuple[list[int], float]:
+        """Live ranks silent for ``timeout`` at ``now`` (ranks on ``paused`` relays excepted),
+        and when the next one falls due (``inf`` when none is watched). Only while running:
+        formation has its own deadline."""
+        if self._phase != "running":
+            return [], math.inf
+        overdue: list[int] = []
+        next_due = math.inf
+        for rank in sorted(self.live):
+            if paused(self._relay_of[rank]):
+                continue
+            due = self._last_seen[rank] + timeout
+            if due <= now:
+                overdue.append(rank)
+            else:
+                next_due = min(next_due, due)
+        return overdue, next_due
+
+    def failure_reason(self, policy: MaxFailure | None) -> SaveReason | None:
+        """Why the run cannot go on under ``policy``, or None while it can."""
+        if not self._dead:
+            return None
+        if policy is not None and len(self._dead) >= policy.limit(self.world_size):
+            return SaveReason.MAX_FAILURE_EXCEEDED
+        if not self.live:
+            return SaveReason.ALL_RANKS_LOST
+        return None
+
+    def state_fields(self) -> dict[str, Any]:
+        """The membership part of the status document (SPEC §7)."""
+        return {
+            "phase": self._phase,
+            "world_size": self.world_size,
+            "covered": len(self._relay_of),
+            "relays": [
+                {"host": c.host, "ranks": list(c.ranks), "peer": c.peer} for c in self._relays
+            ],
+            "live": sorted(self.live),
+            "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
+            "exited": sorted(self._exited),
+        }

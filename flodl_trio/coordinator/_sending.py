@@ -1,0 +1,118 @@
+"""Coordinator → relays: one writer task per relay, ``send_control`` and ``broadcast_control``."""
+
+from __future__ import annotations
+
+import trio
+
+from .._coord_types import BroadcastResult
+from .._errors import BroadcastError, SendError
+from ..events import LostBroadcast
+from ..timeline import Timeline
+from ..wire import ControlMsg, FrameCodec, RecordKind, Shutdown, control_label, encode_fanout
+from ._relayconn import Delivery, RelayConn
+from ._roster import Roster, ranks_text
+
+
+class Sender:
+    """Encodes control messages once and hands each relay's writer its records.
+
+    The writer tasks live in a shielded nursery (:meth:`host_writers`) so that the graceful
+    shutdown can still write ``Shutdown`` and the half-closes after an outside cancellation.
+    """
+
+    def __init__(self, roster: Roster[RelayConn], codec: FrameCodec, timeline: Timeline,
+                 world_size: int) -> None:
+        self._roster = roster
+        self._codec = codec
+        self._timeline = timeline
+        self._world_size = world_size
+        self.lost_broadcasts = 0
+        self._writers: trio.Nursery | None = None
+        self._writers_scope: trio.CancelScope | None = None
+
+    async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
+        """Host the relay writer tasks where an outside cancellation cannot reach them;
+        :meth:`stop_writers` ends them once shutdown is done."""
+        with trio.CancelScope(shield=True) as scope:
+            self._writers_scope = scope
+            async with trio.open_nursery() as writers:
+                self._writers = writers
+                task_status.started()
+                await trio.sleep_forever()
+
+    def start_writer(self, conn: RelayConn) -> None:
+        """Start ``conn``'s writer (``host_writers`` must be running)."""
+        assert self._writers is not None, "host_writers is not running"
+        self._writers.start_soon(conn.run_writer)
+
+    def stop_writers(self) -> None:
+        if self._writers_scope is not None:
+            self._writers_scope.cancel()
+
+    async def send_control(self, rank: int, msg: ControlMsg) -> None:
+        """See :meth:`Coordinator.send_control`."""
+        label = control_label(msg)
+        what = f"send_control({label}) to rank {rank}"
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"{what}: expected a ControlMsg (coordinator → rank), got {label}")
+        if (isinstance(rank, bool) or not isinstance(rank, int)
+                or not 0 <= rank < self._world_size):
+            raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
+        conn = self._roster.relay_of(rank)
+        if conn is None:
+            raise SendError(f"{what}: no relay announced rank {rank}")
+        dead_reason = self._roster.dead_reason(rank)
+        if dead_reason is not None:
+            raise SendError(f"{what}: rank {rank} was declared dead ({dead_reason})")
+        if self._roster.has_exited(rank):
+            raise SendError(f"{what}: rank {rank} exited cleanly and is never addressed again")
+        if not conn.alive:
+            raise SendError(f"{what}: {conn.describe()} is gone ({conn.lost_reason})")
+        delivery = Delivery(1)
+        conn.submit(RecordKind.DATA, rank, self._codec.encode(msg), delivery)
+        await delivery.done.wait()
+        failure = delivery.failures.get(conn)
+        if failure is not None:
+            raise SendError(f"{what}: {conn.describe()}: {failure}")
+
+    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
+        """See :meth:`Coordinator.broadcast_control`."""
+        label = control_label(msg)
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
+                            f"got {label}")
+        frame = self._codec.encode(msg)
+        groups: dict[RelayConn, list[int]] = {}
+        failed: dict[int, str] = {}
+        for rank in sorted(self._roster.live):
+            conn = self._roster.relay_of(rank)
+            assert conn is not None  # live ranks are covered
+            if conn.alive:
+                groups.setdefault(conn, []).append(rank)
+            else:
+                failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason})"
+        # Every relay's writer task gets its record now; they write concurrently.
+        delivery = Delivery(len(groups))
+        for conn, ranks in groups.items():
+            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+        await delivery.done.wait()
+        delivered: set[int] = set()
+        for conn, ranks in groups.items():
+            failure = delivery.failures.get(conn)
+            if failure is None:
+                delivered.update(ranks)
+            else:
+                for r in ranks:
+                    failed[r] = f"relay {conn.host!r}: {failure}"
+        result = BroadcastResult(frozenset(delivered), failed)
+        if failed:
+            if not isinstance(msg, Shutdown) and not self._roster.shutting_down:
+                self.lost_broadcasts += 1
+                self._timeline.event(LostBroadcast(control=label, failures=dict(failed)))
+            raise BroadcastError(
+                f"broadcast of {label}: expected delivery to every live rank, "
+                f"{len(failed)} failed: ranks {ranks_text(sorted(failed))} "
+                f"({'; '.join(sorted(set(failed.values())))})",
+                result,
+            )
+        return result

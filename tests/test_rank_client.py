@@ -1,0 +1,272 @@
+"""RankClient (issue 16): a synchronous worker on its own thread, a coordinator and relays in the
+test's Trio run, real loopback TCP between them (the point is two threads and two Trio runs)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+
+import flodl_trio as ft
+from flodl_trio.wire import Batch, ControlMsg, Metrics, SetGlobalStep, StartEpoch, SyncNow
+
+from helpers import wait_until
+
+HB = 0.1  # heartbeat cadence of both sides in these tests
+FAST_RANK = ft.RankConfig(heartbeat_interval=HB, connect_timeout=10, handshake_timeout=5)
+
+
+def batch(rank: int, step: int) -> Batch:
+    return Batch(rank=rank, batch_ms=1.0, data_ms=0.0, step_count=step, param_norm=None,
+                 batch_loss=0.5)
+
+
+async def run_relay(address: Any, salt: ft.SessionSalt, host: str, ranks: list[int], world: int,
+                    *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with ft.open_relay(address, salt=salt, host=host, ranks=ranks,
+                                 world_size=world) as relay:
+            task_status.started((relay.rank_address, scope))
+            await relay.wait_closed()
+
+
+async def in_thread(nursery: trio.Nursery, fn: Callable[[], None]) -> trio.Event:
+    """Run a blocking worker on a thread; the event is set when it returned (its error is
+    re-raised in the test's run)."""
+    done = trio.Event()
+
+    async def runner() -> None:
+        try:
+            await trio.to_thread.run_sync(fn)
+        finally:
+            done.set()
+    nursery.start_soon(runner)
+    return done
+
+
+async def next_timing(coord: ft.Coordinator, cls: type[Any]) -> Any:
+    async for msg in coord.timing:
+        if isinstance(msg, cls):
+            return msg
+    raise AssertionError("timing channel ended")
+
+
+async def test_worker_blocked_longer_than_heartbeat_timeout_is_not_declared_dead() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_timeout=1.0, heartbeat_interval=HB,
+                               formation_timeout=20)
+    got: list[ControlMsg | None] = []
+    close_s: list[float] = []
+
+    def worker(relay_address: Any) -> None:
+        rc = ft.RankClient(relay_address, salt=salt, rank=0, world_size=1, config=FAST_RANK,
+                           close_timeout=5)
+        with rc:
+            got.append(rc.recv(timeout=10))
+            time.sleep(3.0)  # a long step: the GIL is released, the heartbeats go on
+            rc.step_count = 1
+            rc.send(batch(0, 1))
+            got.append(rc.recv(timeout=10))
+            assert rc.recv(timeout=0.05) is None  # nothing else pending: a timeout, not an error
+            started = time.monotonic()
+        close_s.append(time.monotonic() - started)
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound = await ft.bind_coordinator(("127.0.0.1", 0))
+            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
+            await in_thread(nursery, lambda: worker(address))
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                await coord.send_control(0, SyncNow())
+                msg = await next_timing(coord, Batch)
+                assert msg.rank == 0 and msg.step_count == 1
+                assert coord.dead_ranks == frozenset()
+                await coord.send_control(0, SetGlobalStep(global_step=7))
+                while 0 not in coord.exited_ranks:
+                    await next_timing(coord, ft.wire.Exiting)
+                assert coord.dead_ranks == frozenset()
+    assert isinstance(got[0], SyncNow)
+    assert got[1] == SetGlobalStep(global_step=7)
+    assert close_s[0] < 5.0
+
+
+async def test_iteration_ends_after_shutdown_and_metrics_arrive() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_interval=HB, formation_timeout=20)
+    seen: list[str] = []
+    entered = threading.Event()
+
+    def worker(relay_address: Any) -> None:
+        with ft.RankClient(relay_address, salt=salt, rank=0, world_size=1,
+                           config=FAST_RANK) as rc:
+            entered.set()
+            for msg in rc:
+                seen.append(type(msg).__name__)
+                if isinstance(msg, StartEpoch):
+                    rc.send(Metrics(rank=0, epoch=0, avg_loss=0.25, batches_processed=2,
+                                    epoch_ms=3.0, samples_processed=msg.plan.partition_size,
+                                    share_complete_ms=3.0, compute_only_ms=2.0,
+                                    data_starve_ms=0.0, scalars={}))
+            with pytest.raises(trio.EndOfChannel):
+                rc.recv(timeout=1)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            bound = await ft.bind_coordinator(("127.0.0.1", 0))
+            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
+            await in_thread(nursery, lambda: worker(address))
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                await coord.send_control(0, StartEpoch(plan=ft.wire.EpochPlan(0, 0, 10)))
+                report = await coord.metrics.receive()
+                assert (report.rank, report.samples_processed) == (0, 10)
+            # leaving the block broadcast Shutdown
+    assert seen == ["StartEpoch", "Shutdown"]
+
+
+async def two_host_cluster(nursery: trio.Nursery, salt: ft.SessionSalt,
+                           worker: Callable[[Any], None]) -> tuple[Any, trio.CancelScope]:
+    """Relay host-a serves the RankClient (rank 0); host-b a Trio rank 1 that idles."""
+    bound = await ft.bind_coordinator(("127.0.0.1", 0))
+    address_a, scope_a = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 2)
+    address_b, _ = await nursery.start(run_relay, bound.address, salt, "host-b", [1], 2)
+
+    async def rank_1() -> None:
+        async with ft.open_rank(address_b, salt=salt, rank=1, world_size=2,
+                                config=FAST_RANK) as ep:
+            async for _ in ep:
+                pass
+    nursery.start_soon(rank_1)
+    await in_thread(nursery, lambda: worker(address_a))
+    return bound, scope_a
+
+
+async def test_coordinator_lost_while_computing_is_raised_at_the_next_send_and_again() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
+    killed = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(relay_address: Any) -> None:
+        with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
+                           config=FAST_RANK) as rc:
+            assert killed.wait(20)
+            for _ in range(200):  # the client notices the EOF on its own thread
+                if rc.error is not None:
+                    break
+                time.sleep(0.05)
+            for _ in range(2):
+                with pytest.raises(ft.CoordinatorLost, match="rank 0") as excinfo:
+                    rc.send(batch(0, 1))
+                errors.append(excinfo.value)
+            with pytest.raises(ft.CoordinatorLost):
+                rc.recv(timeout=1)
+        # the error was seen: leaving the block does not raise it again
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound, relay_a = await two_host_cluster(nursery, salt, worker)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                relay_a.cancel()
+                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+                killed.set()
+    assert "without Shutdown" in str(errors[0]) or "lost" in str(errors[0])
+    assert errors[0] is errors[1]
+
+
+async def test_error_after_the_last_call_is_raised_when_the_block_is_left() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
+    killed = threading.Event()
+    outcome: list[BaseException] = []
+
+    def worker(relay_address: Any) -> None:
+        try:
+            with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
+                               config=FAST_RANK) as rc:
+                assert killed.wait(20)
+                for _ in range(200):
+                    if rc.error is not None:
+                        break
+                    time.sleep(0.05)
+        except ft.CoordinatorLost as exc:
+            outcome.append(exc)
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound, relay_a = await two_host_cluster(nursery, salt, worker)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                relay_a.cancel()
+                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+                killed.set()
+    assert len(outcome) == 1 and "rank 0" in str(outcome[0])
+
+
+async def test_handshake_failure_is_raised_by_entering_the_block() -> None:
+    salt = ft.SessionSalt.generate()
+    outcome: list[BaseException] = []
+
+    def worker(relay_address: Any) -> None:
+        wrong = ft.SessionSalt.generate()
+        cfg = ft.RankConfig(connect_timeout=1.0, handshake_timeout=1.0)
+        try:
+            with ft.RankClient(relay_address, salt=wrong, rank=0, world_size=1, config=cfg):
+                pytest.fail("entered with a wrong salt")
+        except ft.HandshakeError as exc:
+            outcome.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            address, scope = await nursery.start(run_relay, ("127.0.0.1", 9), salt, "host-a",
+                                                 [0], 1)
+            done = await in_thread(nursery, lambda: worker(address))
+            await done.wait()
+            scope.cancel()
+    assert len(outcome) == 1
+    assert "rank 0" in str(outcome[0]) and "connect_timeout=1s" in str(outcome[0])
+
+
+async def test_many_threads_send_concurrently_and_every_frame_arrives() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_interval=HB, formation_timeout=20)
+    threads, each = 4, 25
+
+    def worker(relay_address: Any) -> None:
+        with ft.RankClient(relay_address, salt=salt, rank=0, world_size=1,
+                           config=FAST_RANK) as rc:
+            def sender(k: int) -> None:
+                for i in range(each):
+                    rc.send(batch(0, k * 1000 + i))
+            pool = [threading.Thread(target=sender, args=(k,)) for k in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join(20)
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound = await ft.bind_coordinator(("127.0.0.1", 0))
+            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
+            await in_thread(nursery, lambda: worker(address))
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                steps: set[int] = set()
+                while len(steps) < threads * each:
+                    steps.add((await next_timing(coord, Batch)).step_count)
+    assert steps == {k * 1000 + i for k in range(threads) for i in range(each)}
+
+
+def test_invalid_use_is_a_config_error_before_any_thread() -> None:
+    salt = ft.SessionSalt.generate()
+    with pytest.raises(ft.ConfigError, match="expected rank < world_size"):
+        ft.RankClient(("127.0.0.1", 9), salt=salt, rank=2, world_size=2)
+    with pytest.raises(ft.ConfigError, match="close_timeout"):
+        ft.RankClient(("127.0.0.1", 9), salt=salt, rank=0, world_size=2, close_timeout=0)
+    rc = ft.RankClient(("127.0.0.1", 9), salt=salt, rank=0, world_size=2)
+    with pytest.raises(ft.ConfigError, match="before open"):
+        rc.recv(timeout=0)
+    with pytest.raises(ft.ConfigError, match="expects a TimingMsg or Metrics"):
+        rc.send(SyncNow())  # type: ignore[arg-type]
+    rc.close()  # never opened: nothing to join
