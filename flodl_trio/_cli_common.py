@@ -31,6 +31,10 @@ class CommandFailed(Exception):
     """The command ran and did not do what it was asked (exit code 1); the message is one line."""
 
 
+class Terminated(BaseException):
+    """SIGTERM in a command that runs outside Trio (the demo, plot): stop like Ctrl-C does."""
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 

@@ -25,6 +25,7 @@ from ._cli_common import (
     EXIT_USAGE,
     SALT_ENV,
     CommandFailed,
+    Terminated,
     UsageError,
     load_salt,
     os_error_text,
@@ -43,12 +44,8 @@ __all__ = [
 ]
 
 
-class _Terminated(BaseException):
-    """SIGTERM outside Trio's signal handling (the demo, a plot): stop like Ctrl-C does."""
-
-
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise _Terminated
+    raise Terminated
 
 
 def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
@@ -64,7 +61,7 @@ def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | 
             pending.extend(exc.exceptions)
         else:
             leaves.append(exc)
-    for kinds in ((KeyboardInterrupt, _Terminated, SystemExit), (UsageError, ConfigError),
+    for kinds in ((KeyboardInterrupt, Terminated, SystemExit), (UsageError, ConfigError),
                   (CommandFailed, FlodlError, OSError)):
         for leaf in leaves:
             if isinstance(leaf, kinds):
@@ -121,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"flodl-trio: {args.command} interrupted by SIGINT\n")
         return EXIT_SIGINT
-    except _Terminated:
+    except Terminated:
         sys.stderr.write(f"flodl-trio: {args.command} stopped by SIGTERM\n")
         return EXIT_SIGTERM
     finally:

@@ -233,3 +233,23 @@ def test_plot_of_a_missing_or_binary_file_is_one_line_naming_it(
         assert plot.wait() == 2
         line = one_line(plot)
         assert str(path) in line and words in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path, signum: int, code: int
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    demo = Proc("demo", "--no-live", "--hosts", "1", env=dict(env, TMPDIR=str(scratch)))
+    procs.append(demo)
+    demo.line_with("coordinator on")
+    demo.signal(signum)
+    assert demo.wait() == code
+    name = signal.Signals(signum).name
+    verb = "interrupted by" if signum == signal.SIGINT else "stopped by"
+    assert one_line(demo) == f"flodl-trio: demo {verb} {name}"
+    assert demo.line_with("interrupted: stopping the coordinator, 1 relays and 2 ranks")
+    assert list(scratch.iterdir()) == []
