@@ -24,11 +24,11 @@ from ._errors import (
     SendError,
     WireError,
 )
-from ._transport import DialTarget, StreamWriter, dial, format_address, receive_exactly
+from ._handshake_io import run_handshake
+from ._transport import DialTarget, StreamWriter, dial, format_address
 from .coordinator import pick_one_exception
 from .wire import (
     MAX_LEN_FRAME,
-    RANK_ACK_LEN,
     ControlMsg,
     CoordHeartbeat,
     DeclareDead,
@@ -38,16 +38,16 @@ from .wire import (
     LenFrameDecoder,
     Metrics,
     MsgKind,
+    RankConfirmed,
+    RankDialHandshake,
     SessionSalt,
     Shutdown,
     ShutdownWithSave,
     TimingMsg,
     control_label,
     decode_control,
-    encode_rank_hello,
     frames_before,
     len_frame,
-    verify_rank_ack,
 )
 
 log = logging.getLogger("flodl_trio.rank")
@@ -68,7 +68,7 @@ class RankEndpoint:
     """
 
     def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
-                 config: RankConfig, relay: str) -> None:
+                 config: RankConfig, relay: str, leftover: bytes = b"") -> None:
         self.rank = rank
         self.world_size = world_size
         self.step_count = 0
@@ -87,6 +87,7 @@ class RankEndpoint:
         self._wake = trio.Event()
         self._leaving = False
         self._reader_done = trio.Event()
+        self._leftover = leftover  # what the relay sent right behind its ack
 
     @property
     def coordinator_lost(self) -> str | None:
@@ -162,11 +163,14 @@ class RankEndpoint:
 
     async def _read_until_end(self) -> None:
         decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+        data: bytes | bytearray = self._leftover
+        self._leftover = b""
         try:
             while True:
-                data = await self._stream.receive_some(65536)
                 if not data:
-                    break
+                    data = await self._stream.receive_some(65536)
+                    if not data:
+                        break
                 try:
                     blobs = decoder.feed(data)
                 except WireError as exc:
@@ -175,6 +179,7 @@ class RankEndpoint:
                     raise
                 for blob in blobs:
                     await self._on_blob(blob)
+                data = b""
         except WireError as exc:
             self._set_lost(f"protocol error on the link: {exc}")
             return
@@ -265,7 +270,7 @@ class RankEndpoint:
 
 
 async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size: int,
-                   config: RankConfig) -> trio.abc.Stream:
+                   config: RankConfig) -> tuple[trio.abc.Stream, bytes]:
     deadline = trio.current_time() + config.connect_timeout
     what = f"rank {rank}"
     where = format_address(target) if not callable(target) else "the relay"
@@ -274,11 +279,11 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
                             what=what)
         try:
+            machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
             with trio.fail_after(config.handshake_timeout):
-                await stream.send_all(encode_rank_hello(salt, rank, world_size))
-                ack = await receive_exactly(stream, RANK_ACK_LEN, what=f"ack from relay {where}")
-                verify_rank_ack(salt, ack)
-            return stream
+                confirmed = await run_handshake(stream, machine)
+            assert isinstance(confirmed, RankConfirmed)
+            return stream, confirmed.leftover
         except HandshakeError:
             await trio.aclose_forcefully(stream)
             raise
@@ -330,10 +335,10 @@ async def open_rank(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_rank: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RankConfig()
-    stream = await _connect(relay, salt, rank, world_size, cfg)
+    stream, leftover = await _connect(relay, salt, rank, world_size, cfg)
     where = format_address(relay) if not callable(relay) else "in-process"
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
-                      relay=where)
+                      relay=where, leftover=leftover)
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:

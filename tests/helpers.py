@@ -324,7 +324,8 @@ async def _recording_cluster(
 
 
 # ---------------------------------------------------------------------------------------------
-# Raw peers: the FT/1 handshakes written out by hand with the sans-IO wire API.
+# Raw peers: the handshakes driven through the library's own sans-IO machines, then only what the
+# test says.
 
 
 async def read_one_record(stream: trio.abc.ReceiveStream, opener: Any) -> Any:
@@ -352,33 +353,19 @@ class RawRelay:
 async def raw_relay_handshake(
     stream: trio.abc.Stream, salt: ft.SessionSalt, host: str, ranks: Sequence[int]
 ) -> RawRelay:
-    """Magic, verify Challenge, send Hello{host, ranks} exactly as given (duplicates, unsorted and
-    empty lists included), then wait for HelloAck (``acked``) or EOF."""
-    import secrets
-
+    """Run the relay's end with Hello{host, ranks} exactly as given (duplicates, unsorted and
+    empty lists included); ``acked`` says whether a HelloAck came back (else EOF)."""
     from flodl_trio import wire
+    from flodl_trio._handshake_io import run_handshake
 
-    await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)
-    opener = wire.RecordOpener(bytes(salt), wire.COORD_TO_RELAY)
-    rec = await read_one_record(stream, opener)
-    assert rec is not None, "coordinator closed before its Challenge"
-    challenge = wire.decode_relay(rec.payload)
-    assert isinstance(challenge, wire.Challenge)
-    key = wire.hs_key(salt, challenge.nonce)
-    sealer = wire.RecordSealer(key, wire.RELAY_TO_COORD)
-    nonce = secrets.token_bytes(16)
-    hello = wire.Hello(host=host, ranks=tuple(ranks), nonce=nonce)
-    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(hello)))
-    opener.rekey(key)
-    rec = await read_one_record(stream, opener)
-    if rec is None:
-        return RawRelay(stream, sealer, opener, acked=False)
-    ack = wire.decode_relay(rec.payload)
-    assert isinstance(ack, wire.HelloAck) and ack.nonce == nonce
-    final = wire.conn_key(salt, challenge.nonce, nonce)
-    sealer.rekey(final)
-    opener.rekey(final)
-    return RawRelay(stream, sealer, opener, acked=True)
+    machine = wire.RelayHandshake(salt, host=host, ranks=tuple(ranks), coordinator=COORD)
+    try:
+        done = await run_handshake(stream, machine)
+    except ft.WireError as exc:
+        assert "closed" in str(exc), exc  # an EOF, never anything else
+        return RawRelay(stream, machine.sealer, machine.opener, acked=False)
+    assert isinstance(done, wire.Established)
+    return RawRelay(stream, done.sealer, done.opener, acked=True)
 
 
 @attrs.define(eq=False)
@@ -395,34 +382,17 @@ async def raw_coordinator_accept(
     listener: trio.abc.Listener[Any], salt: ft.SessionSalt
 ) -> RawCoordinatorSide:
     """Accept one relay and complete the coordinator side of the upstream handshake."""
-    import secrets
-
     from flodl_trio import wire
+    from flodl_trio._handshake_io import run_handshake
 
     stream = await listener.accept()
-    magic = b""
-    while len(magic) < 4:
-        chunk = await stream.receive_some(4 - len(magic))
-        assert chunk, "relay closed before its magic"
-        magic += chunk
-    assert magic == wire.CHANNEL_MAGIC_CONTROL
-    coord_nonce = secrets.token_bytes(16)
-    sealer = wire.RecordSealer(bytes(salt), wire.COORD_TO_RELAY)
-    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0,
-                                      wire.encode(wire.Challenge(coord_nonce))))
-    key = wire.hs_key(salt, coord_nonce)
-    opener = wire.RecordOpener(key, wire.RELAY_TO_COORD)
-    rec = await read_one_record(stream, opener)
-    assert rec is not None, "relay closed before its Hello"
-    hello = wire.decode_relay(rec.payload)
-    assert isinstance(hello, wire.Hello)
-    sealer.rekey(key)
-    await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0,
-                                      wire.encode(wire.HelloAck(hello.nonce))))
-    final = wire.conn_key(salt, coord_nonce, hello.nonce)
-    sealer.rekey(final)
-    opener.rekey(final)
-    return RawCoordinatorSide(stream, sealer, opener, hello)
+    machine = wire.CoordinatorHandshake(salt, peer="test")
+    received = await run_handshake(stream, machine)
+    assert isinstance(received, wire.HelloReceived)
+    machine.accept()
+    done = await run_handshake(stream, machine)
+    assert isinstance(done, wire.Established)
+    return RawCoordinatorSide(stream, done.sealer, done.opener, received.hello)
 
 
 def live_task_names() -> list[str]:
@@ -504,8 +474,9 @@ class RawRank:
     """
 
     def __init__(self, *, rank: int, salt: ft.SessionSalt, stream: trio.abc.Stream,
-                 interval: float | None) -> None:
+                 interval: float | None, leftover: bytes = b"") -> None:
         self.rank = rank
+        self.leftover = leftover
         self.salt = salt
         self.stream = stream
         self.interval = interval
@@ -518,11 +489,14 @@ class RawRank:
     @classmethod
     async def connect(cls, dialer: Any, *, salt: ft.SessionSalt, rank: int, world_size: int,
                       interval: float | None = 1.0) -> RawRank:
+        from flodl_trio._handshake_io import run_handshake
+
         stream = await dialer()
-        await stream.send_all(ft.wire.encode_rank_hello(salt, rank, world_size))
-        ack = await read_exactly(stream, ft.wire.RANK_ACK_LEN)
-        ft.wire.verify_rank_ack(salt, ack)
-        return cls(rank=rank, salt=salt, stream=stream, interval=interval)
+        machine = ft.wire.RankDialHandshake(salt, rank=rank, world_size=world_size, relay="test")
+        confirmed = await run_handshake(stream, machine)
+        assert isinstance(confirmed, ft.wire.RankConfirmed)
+        return cls(rank=rank, salt=salt, stream=stream, interval=interval,
+                   leftover=confirmed.leftover)
 
     def count(self, kind: type[Any]) -> int:
         return sum(isinstance(m, kind) for m in self.received)
@@ -551,14 +525,17 @@ class RawRank:
 
     async def _read(self) -> None:
         decoder = ft.wire.LenFrameDecoder(max_len=ft.wire.MAX_LEN_FRAME)
+        data: bytes | bytearray = self.leftover  # what the relay sent right behind its ack
         while True:
-            try:
-                data = await self.stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
             if not data:
-                return
-            for blob in decoder.feed(data):
+                try:
+                    data = await self.stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not data:
+                    return
+            blobs, data = decoder.feed(data), b""
+            for blob in blobs:
                 frame = ft.wire.decode_frame(self.salt, blob)
                 self.received.append(ft.wire.frame_message(frame))
 

@@ -15,7 +15,7 @@ from flodl_trio.events import LostBroadcast, RankDeclaredDead, RankExited, Relay
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
 
-from helpers import COORD, probed_cluster, read_one_record, start_host, wait_for
+from helpers import COORD, probed_cluster, start_host, wait_for
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 
@@ -232,12 +232,16 @@ async def test_relay_lost_while_its_hello_ack_is_in_flight_never_counts_as_forme
 
     async def relay_that_dies_before_reading_its_ack() -> None:
         stream = await net.connect(COORD)
-        await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)
-        opener = wire.RecordOpener(bytes(salt), wire.COORD_TO_RELAY)
-        challenge = wire.decode_relay((await read_one_record(stream, opener)).payload)
-        sealer = wire.RecordSealer(wire.hs_key(salt, challenge.nonce), wire.RELAY_TO_COORD)
-        hello = wire.Hello(host="host-0", ranks=(0, 1), nonce=bytes(16))
-        await stream.send_all(sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(hello)))
+        machine = wire.RelayHandshake(salt, host="host-0", ranks=(0, 1), coordinator=COORD)
+        await stream.send_all(machine.data_to_send())  # the magic
+        hello = b""
+        for _ in range(20):  # feed the Challenge until the machine answers with its Hello
+            machine.receive_data(bytes(await stream.receive_some(4096)))
+            assert machine.next_event() is wire.NEED_DATA
+            hello = machine.data_to_send()
+            if hello:
+                break
+        await stream.send_all(hello)
         await trio.sleep(2)
         stream.reset()
 

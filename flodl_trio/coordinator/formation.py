@@ -17,8 +17,8 @@ from .._errors import FormationAborted, FormationError, FormationTimeout
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import HelloAck, RecordKind, SessionSalt, encode
-from ._handshake import Rejected, coordinator_handshake, switch_to_connection_keys
+from ..wire import SessionSalt
+from ._handshake import Rejected, coordinator_handshake, send_hello_ack
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -103,7 +103,7 @@ class Formation:
             return
         try:
             with trio.fail_after(self._config.handshake_timeout):
-                auth = await coordinator_handshake(stream, self._salt, peer)
+                machine, received = await coordinator_handshake(stream, self._salt, peer)
         except trio.TooSlowError:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
@@ -116,7 +116,7 @@ class Formation:
         except BaseException:
             await close_all([stream])  # cancelled mid-handshake: the stream must not leak
             raise
-        hello = auth.hello
+        hello = received.hello
         if not self._roster.forming:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
@@ -140,17 +140,16 @@ class Formation:
             return
         self._conn_counter += 1
         conn = RelayConn(
-            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=auth.sealer,
-            opener=auth.opener, write_stall_timeout=self._config.write_stall_timeout,
+            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=machine.sealer,
+            opener=machine.opener, write_stall_timeout=self._config.write_stall_timeout,
             index=self._conn_counter,
         )
         self._roster.register(conn, trio.current_time())
         for old in superseded:  # only now: no other Hello may slip in between the checks
             await old.close()
-        ack = auth.sealer.seal(RecordKind.CONTROL, 0, encode(HelloAck(hello.nonce)))
         try:
             with trio.fail_after(self._config.handshake_timeout):
-                await stream.send_all(ack)
+                await send_hello_ack(stream, machine)
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._roster.unregister(conn)
             conn.abandon("HelloAck not delivered")
@@ -159,7 +158,6 @@ class Formation:
                         f"not delivered ({type(exc).__name__})")
             return
         complete = self._roster.confirm(conn)
-        switch_to_connection_keys(auth, self._salt)
         conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
         self.warn_cleartext(peer)

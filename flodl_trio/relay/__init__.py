@@ -18,11 +18,11 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._handshake_io import run_handshake
 from .._transport import DialTarget, close_all, dial, format_address
 from ..coordinator import pick_one_exception
-from ..coordinator._handshake import relay_handshake
 from ..timeline import Timeline
-from ..wire import RecordOpener, RecordSealer, SessionSalt
+from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
 from . import pump, ranks
 from ._link import RankLink, RelayExit
 
@@ -118,10 +118,11 @@ class Relay:
                                                 server_hostname=self._server_hostname,
                                                 https_compatible=False)
                         await stream.do_handshake()
-                    sealer, opener = await relay_handshake(
-                        stream, self._salt, host=self.host, ranks=self.ranks,
-                        coordinator=_target_text(self._target))
-                return stream, sealer, opener
+                    machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
+                                             coordinator=_target_text(self._target))
+                    done = await run_handshake(stream, machine)
+                assert isinstance(done, Established)
+                return stream, done.sealer, done.opener
             except AuthError:
                 await trio.aclose_forcefully(stream)
                 raise

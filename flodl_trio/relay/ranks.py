@@ -12,12 +12,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .._errors import FormationTimeout, HandshakeError, WireError
-from .._transport import close_all, peer_of, receive_exactly
-from ..wire import (
-    RANK_HELLO_LEN,
-    decode_rank_hello,
-    encode_rank_ack,
-)
+from .._handshake_io import run_handshake
+from .._transport import close_all, peer_of
+from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived
 from ._link import EARLY_LIMIT, RankLink
 
 if TYPE_CHECKING:
@@ -64,21 +61,21 @@ async def rank_accept_loop(relay: Relay, listener: trio.abc.Listener[Any],
 async def rank_handshake(relay: Relay, stream: trio.abc.Stream) -> None:
     peer = peer_of(stream)
     reserved: int | None = None
+    machine = RankAcceptHandshake(relay._salt, world_size=relay.world_size, host=relay.host,
+                                  ranks=relay._rank_set, peer=peer)
     try:
         with trio.fail_after(relay.config.handshake_timeout):
-            data = await receive_exactly(stream, RANK_HELLO_LEN, what=f"rank hello from {peer}")
-            rank = decode_rank_hello(relay._salt, data, world_size=relay.world_size)
-            if rank not in relay._rank_set:
-                raise HandshakeError(
-                    f"rank hello from {peer}: rank {rank} does not belong to host "
-                    f"{relay.host!r} (its ranks are {list(relay.ranks)})"
-                )
+            hello = await run_handshake(stream, machine)
+            assert isinstance(hello, RankHelloReceived)
+            rank = hello.rank
             if rank in relay._links or rank in relay._reserved:
                 raise HandshakeError(f"rank hello from {peer}: rank {rank} is already "
                                      "connected")
             reserved = rank
             relay._reserved.add(rank)
-            await stream.send_all(encode_rank_ack(relay._salt))
+            machine.accept()
+            confirmed = await run_handshake(stream, machine)
+            assert isinstance(confirmed, RankConfirmed)
     except (trio.TooSlowError, WireError, HandshakeError, *_GONE) as exc:
         if reserved is not None:
             relay._reserved.discard(reserved)
@@ -96,6 +93,7 @@ async def rank_handshake(relay: Relay, stream: trio.abc.Stream) -> None:
         raise
     relay._reserved.discard(rank)
     link = RankLink(rank, stream, relay.config)
+    link.early += confirmed.leftover
     relay._links[rank] = link
     log.info("relay %r: rank %d connected from %s", relay.host, rank, peer)
     if len(relay._links) == len(relay.ranks):

@@ -1,4 +1,4 @@
-"""The FT/1 wire codec, sans-IO: bytes in, messages out (SPEC §2). No socket, no trio."""
+"""The FT/2 wire codec, sans-IO: bytes in, messages out (SPEC §2). No socket, no trio."""
 
 from ._constants import (
     CHANNEL_MAGIC_CONTROL,
@@ -40,6 +40,16 @@ from ._frames import (
     kind_of,
     len_frame,
     verify_rank_ack,
+)
+from ._handshake import (
+    MAX_HANDSHAKE_PAYLOAD,
+    NEED_DATA,
+    CoordinatorHandshake,
+    Established,
+    HandshakeEvent,
+    HelloReceived,
+    NeedData,
+    RelayHandshake,
 )
 from ._messages import (
     Batch,
@@ -98,6 +108,13 @@ from ._messages import (
     decode_timing,
     encode,
 )
+from ._rank_handshake import (
+    RankAcceptHandshake,
+    RankConfirmed,
+    RankDialHandshake,
+    RankHandshakeEvent,
+    RankHelloReceived,
+)
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._schema import WireMessage
 
@@ -110,8 +127,10 @@ __all__ = [
     "COORD_TO_RELAY",
     "FRAME_HEADER_LEN",
     "MAX_CONTROL_PAYLOAD",
+    "MAX_HANDSHAKE_PAYLOAD",
     "MAX_LEN_FRAME",
     "MAX_RECORD_PAYLOAD",
+    "NEED_DATA",
     "NONCE_LEN",
     "PROTOCOL_VERSION",
     "RANK_ACK_LEN",
@@ -128,6 +147,7 @@ __all__ = [
     "CheckpointResult",
     "ControlMsg",
     "CoordHeartbeat",
+    "CoordinatorHandshake",
     "DashboardRegister",
     "DashboardSetHardware",
     "DashboardSetMetadata",
@@ -137,6 +157,7 @@ __all__ = [
     "EpochFnElapsed",
     "EpochMetrics",
     "EpochPlan",
+    "Established",
     "EvalBroadcast",
     "EvalResult",
     "ExecuteEvalCallback",
@@ -146,9 +167,11 @@ __all__ = [
     "FrameCodec",
     "FrameDecoder",
     "GpuSnapshot",
+    "HandshakeEvent",
     "Heartbeat",
     "Hello",
     "HelloAck",
+    "HelloReceived",
     "Intent",
     "IntentKind",
     "LenFrameDecoder",
@@ -156,14 +179,21 @@ __all__ = [
     "Mac64",
     "Metrics",
     "MsgKind",
+    "NeedData",
     "NewNcclIdGenerated",
     "NewNcclSession",
+    "RankAcceptHandshake",
+    "RankConfirmed",
+    "RankDialHandshake",
     "RankExit",
+    "RankHandshakeEvent",
+    "RankHelloReceived",
     "Record",
     "RecordKind",
     "RecordOpener",
     "RecordSealer",
     "RelayControlMsg",
+    "RelayHandshake",
     "RequestNewNcclId",
     "RequestParams",
     "ResourceSample",

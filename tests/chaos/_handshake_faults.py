@@ -28,7 +28,6 @@ from _util import (
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.chaos import FaultPlan
-from flodl_trio.coordinator._handshake import MAX_HANDSHAKE_PAYLOAD
 from flodl_trio.events import (
     FormationComplete,
     HandshakeRejected,
@@ -37,6 +36,7 @@ from flodl_trio.events import (
     RelayLost,
 )
 from flodl_trio.testing import MemoryNetwork
+from flodl_trio.wire import MAX_HANDSHAKE_PAYLOAD
 
 Dir = Literal["up", "down"]
 UPSTREAM = upstream_handshake("host-a", (0, 1))

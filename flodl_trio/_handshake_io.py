@@ -1,0 +1,57 @@
+"""The one IO loop every handshake runs: feed the sans-IO machine, write what it wants sent.
+
+The protocol lives in ``wire`` (``CoordinatorHandshake``, ``RelayHandshake``,
+``RankDialHandshake``, ``RankAcceptHandshake``); this loop only moves bytes. The caller bounds
+it with its deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol, TypeVar
+
+import trio
+
+from ._errors import FlodlError
+from .wire import NeedData
+
+# A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
+HANDSHAKE_READ = 65536
+
+Event = TypeVar("Event", covariant=True)
+
+
+class HandshakeMachine(Protocol[Event]):
+    def receive_data(self, data: bytes) -> None: ...
+
+    def next_event(self) -> Event | NeedData: ...
+
+    def data_to_send(self) -> bytes: ...
+
+
+async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event]) -> Event:
+    """Drive ``machine`` over ``stream`` until it has an event other than NEED_DATA.
+
+    Whatever the machine queued is written first, the event's answer included (the relay's
+    Ready goes out before its Established is returned).
+
+    Raises:
+        WireError / HandshakeError: from the machine.
+        trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
+    """
+    while True:
+        try:
+            event = machine.next_event()
+        except FlodlError:
+            # What the machine queued before it failed was due (the coordinator's Challenge
+            # ahead of a replayed Hello that arrived in the same chunk): the peer sees it.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                if out := machine.data_to_send():
+                    await stream.send_all(out)
+            raise
+        out = machine.data_to_send()
+        if out:
+            await stream.send_all(out)
+        if not isinstance(event, NeedData):
+            return event
+        machine.receive_data(bytes(await stream.receive_some(HANDSHAKE_READ)))

@@ -1,0 +1,356 @@
+"""The upstream handshake (SPEC §2.6) as two sans-IO state machines, one per end.
+
+Learnt from h11's ``Connection``: the caller feeds received bytes with ``receive_data`` (``b""``
+is EOF), asks ``next_event()`` what they amount to, and writes whatever ``data_to_send()``
+returns. No socket, no clock: the caller owns both, and the deadlines with them. Every failure
+is a :class:`~flodl_trio.WireError` (``AuthError`` for a MAC, ``FrameTooLarge`` for a declared
+length) or a :class:`~flodl_trio.HandshakeError`; a machine that failed is poisoned and raises
+the same error again.
+
+The handshake ends in :class:`Established`: the sealer/opener pair, rekeyed to ``conn_key``,
+with the opener still holding whatever arrived past the handshake (``opener.feed(b"")`` opens
+it).
+"""
+
+from __future__ import annotations
+
+import secrets
+from hmac import compare_digest
+from typing import Final
+
+import attrs
+
+from .._errors import AuthError, FlodlError, HandshakeError, WireError
+from ._constants import (
+    CHANNEL_MAGIC_CONTROL,
+    CHANNEL_MAGIC_DATA,
+    CHANNEL_MAGIC_JOIN,
+    CHANNEL_MAGIC_RENDEZVOUS,
+    COORD_TO_RELAY,
+    MAX_RECORD_PAYLOAD,
+    NONCE_LEN,
+    RELAY_TO_COORD,
+    RecordKind,
+)
+from ._crypto import SessionSalt, conn_key, hs_key
+from ._messages import Challenge, Hello, HelloAck, RelayControlMsg, decode_relay, encode
+from ._records import Record, RecordOpener, RecordSealer
+
+# A Hello is small; a stranger must not make the coordinator buffer megabytes before the MAC.
+MAX_HANDSHAKE_PAYLOAD = 256 * 1024
+
+_OTHER_LEGS = {
+    CHANNEL_MAGIC_DATA: "data",
+    CHANNEL_MAGIC_RENDEZVOUS: "rendezvous",
+    CHANNEL_MAGIC_JOIN: "join",
+}
+
+
+class NeedData:
+    """``next_event()`` needs more bytes (or EOF) before it can say anything."""
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = NeedData()
+
+
+@attrs.frozen
+class HelloReceived:
+    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or hang up."""
+
+    hello: Hello
+
+
+@attrs.frozen
+class Established:
+    """The handshake is done: records from here on use this pair (``conn_key``)."""
+
+    sealer: RecordSealer
+    opener: RecordOpener
+
+
+HandshakeEvent = NeedData | HelloReceived | Established
+
+
+class _Machine:
+    """What both ends share: buffered output, EOF, and poisoning."""
+
+    def __init__(self) -> None:
+        self._out = bytearray()
+        self._eof = False
+        self._error: FlodlError | None = None
+        self._done = False
+        self.failure_category: str | None = None
+
+    def data_to_send(self) -> bytes:
+        """The bytes to write now (possibly empty); each call returns them once."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def _fail(self, category: str, exc: FlodlError) -> FlodlError:
+        self._error = exc
+        self.failure_category = category
+        return exc
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _next_record(self, opener: RecordOpener, what: str, eof_category: str) -> Record | None:
+        """The next record, or None if more bytes are needed; an EOF now is an error."""
+        try:
+            rec = opener.next_record()
+        except AuthError as exc:
+            raise self._fail("bad mac", AuthError(f"{what}: {exc}")) from None
+        except WireError as exc:
+            # FrameTooLarge stays itself: the declared length was refused from the header.
+            raise self._fail("malformed", type(exc)(f"{what}: {exc}")) from None
+        if rec is None and self._eof:
+            err = opener.eof_error(what) or WireError(
+                f"{what}: peer closed the connection before the record arrived")
+            raise self._fail(eof_category, err)
+        return rec
+
+    def _control(self, rec: Record, expected: type[RelayControlMsg],
+                 what: str) -> RelayControlMsg:
+        if rec.kind != RecordKind.CONTROL:
+            raise self._fail("malformed", WireError(
+                f"{what}: expected a CONTROL record with {expected.__name__}, got record kind "
+                f"{rec.kind}"))
+        try:
+            msg = decode_relay(rec.payload)
+        except WireError as exc:
+            raise self._fail("malformed", WireError(f"{what}: {exc}")) from None
+        if not isinstance(msg, expected):
+            raise self._fail("malformed", WireError(
+                f"{what}: expected {expected.__name__}, got {type(msg).__name__}"))
+        return msg
+
+
+class CoordinatorHandshake(_Machine):
+    """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
+
+    Events: ``HelloReceived`` once the Hello's MAC verified (the caller validates it against the
+    world and calls :meth:`accept`), then ``Established``. ``failure_category`` groups a failure
+    for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before hello"``, ...).
+
+    Args:
+        salt: the run's session salt.
+        peer: the peer's address, named in every error.
+        max_hello: the pre-auth ceiling on the Hello's payload.
+        max_record_payload: the ceiling once the relay is acknowledged.
+    """
+
+    def __init__(self, salt: SessionSalt, *, peer: str, max_hello: int = MAX_HANDSHAKE_PAYLOAD,
+                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+        super().__init__()
+        self.peer = peer
+        self._salt = salt
+        self._max_record_payload = max_record_payload
+        self._magic = bytearray()
+        self.coord_nonce = secrets.token_bytes(NONCE_LEN)
+        self._hs_key = hs_key(salt, self.coord_nonce)
+        # The Challenge is sealed with the salt itself: a relay of another session fails there.
+        self._sealer = RecordSealer(bytes(salt), COORD_TO_RELAY)
+        self._opener = RecordOpener(self._hs_key, RELAY_TO_COORD, max_payload=max_hello)
+        self._state = "magic"
+        self.hello: Hello | None = None
+
+    @property
+    def sealer(self) -> RecordSealer:
+        """This end's sealer (rekeyed in place as the handshake moves on)."""
+        return self._sealer
+
+    @property
+    def opener(self) -> RecordOpener:
+        """This end's opener (rekeyed in place; holds what arrived past the handshake)."""
+        return self._opener
+
+    @property
+    def authenticated(self) -> bool:
+        """True once a Hello verified (failures from then on are not pre-auth rejects)."""
+        return self.hello is not None
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed received bytes; ``b""`` means the peer closed its side."""
+        self._check()
+        if not data:
+            self._eof = True
+        elif self._state == "magic":
+            need = len(CHANNEL_MAGIC_CONTROL) - len(self._magic)
+            self._magic += data[:need]
+            if len(data) > need:
+                self._opener.push(data[need:])
+        else:
+            self._opener.push(data)
+
+    def next_event(self) -> HandshakeEvent:
+        """What the bytes so far amount to.
+
+        Raises:
+            WireError / AuthError / HandshakeError: the handshake failed (see
+                ``failure_category``); the machine is poisoned.
+        """
+        self._check()
+        if self._state == "magic" and not self._take_magic():
+            return NEED_DATA
+        if self._state == "hello":
+            rec = self._next_record(self._opener, f"Hello from {self.peer}",
+                                    "eof before hello")
+            if rec is None:
+                return NEED_DATA
+            hello = self._control(rec, Hello, f"Hello from {self.peer}")
+            assert isinstance(hello, Hello)
+            self.hello = hello
+            self._sealer.rekey(self._hs_key)
+            self._state = "decide"
+            return HelloReceived(hello)
+        if self._state == "decide":
+            return NEED_DATA
+        if self._state == "acked":
+            self._state = "done"
+            self._done = True
+            return Established(self._sealer, self._opener)
+        raise HandshakeError(f"{self.peer}: the upstream handshake already ended")
+
+    def accept(self) -> None:
+        """Answer the Hello with ``HelloAck`` and switch both directions to ``conn_key``."""
+        self._check()
+        if self._state != "decide" or self.hello is None:
+            raise HandshakeError(f"{self.peer}: accept() before an authenticated Hello")
+        ack = HelloAck(self.hello.nonce)
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(ack))
+        key = conn_key(self._salt, self.coord_nonce, self.hello.nonce)
+        self._sealer.rekey(key)
+        self._opener.rekey(key)
+        self._opener.max_payload = self._max_record_payload
+        self._state = "acked"
+
+    def _take_magic(self) -> bool:
+        magic = bytes(self._magic)
+        if len(magic) < len(CHANNEL_MAGIC_CONTROL):
+            if self._eof:
+                raise self._fail("eof before magic", WireError(
+                    f"handshake from {self.peer}: peer closed the connection after "
+                    f"{len(magic)} of 4 magic bytes"))
+            return False
+        if magic != CHANNEL_MAGIC_CONTROL:
+            leg = _OTHER_LEGS.get(magic)
+            if leg is not None:
+                raise self._fail("wrong leg", HandshakeError(
+                    f"{self.peer}: expected the control magic, got the {leg} leg's magic"))
+            raise self._fail("bad magic", HandshakeError(
+                f"{self.peer}: expected control magic {CHANNEL_MAGIC_CONTROL.hex()}, got "
+                f"{magic.hex()}"))
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Challenge(self.coord_nonce)))
+        self._state = "hello"
+        return True
+
+
+class RelayHandshake(_Machine):
+    """The relay's end: magic, verify ``Challenge``, ``Hello``, verify ``HelloAck``.
+
+    The Hello is sent exactly as given (tests send unsorted or empty rank lists on purpose).
+
+    Args:
+        salt: the run's session salt.
+        host / ranks: the Hello's fields.
+        coordinator: the coordinator's address, named in every error.
+        max_record_payload: the ceiling once acknowledged.
+    """
+
+    def __init__(self, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
+                 coordinator: str, max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+        super().__init__()
+        self.host = host
+        self.coordinator = coordinator
+        self._salt = salt
+        self._ranks = ranks
+        self._max_record_payload = max_record_payload
+        self.relay_nonce = secrets.token_bytes(NONCE_LEN)
+        self._coord_nonce = b""
+        self._opener = RecordOpener(bytes(salt), COORD_TO_RELAY, max_payload=MAX_HANDSHAKE_PAYLOAD)
+        self._sealer: RecordSealer | None = None
+        self._state = "challenge"
+        self._out += CHANNEL_MAGIC_CONTROL
+
+    @property
+    def sealer(self) -> RecordSealer | None:
+        """This end's sealer once the Challenge verified (rekeyed in place), else None."""
+        return self._sealer
+
+    @property
+    def opener(self) -> RecordOpener:
+        """This end's opener (rekeyed in place; holds what arrived past the handshake)."""
+        return self._opener
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed received bytes; ``b""`` means the coordinator closed its side."""
+        self._check()
+        if not data:
+            self._eof = True
+        else:
+            self._opener.push(data)
+
+    def next_event(self) -> HandshakeEvent:
+        """What the bytes so far amount to.
+
+        Raises:
+            AuthError: the coordinator is of another session, or its HelloAck does not echo us.
+            WireError: EOF or a malformed record. The machine is poisoned either way.
+        """
+        self._check()
+        who = f"relay {self.host!r}"
+        if self._state == "challenge":
+            try:
+                rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
+                                        "eof before challenge")
+            except AuthError as exc:
+                raise self._fail("bad mac", AuthError(
+                    f"{who}: the coordinator at {self.coordinator} is not of this session "
+                    f"(Challenge did not verify with our salt): {exc}")) from None
+            if rec is None:
+                return NEED_DATA
+            challenge = self._control(rec, Challenge, f"{who}: from {self.coordinator}")
+            assert isinstance(challenge, Challenge)
+            self._coord_nonce = challenge.nonce
+            key = hs_key(self._salt, challenge.nonce)
+            self._sealer = RecordSealer(key, RELAY_TO_COORD)
+            hello = Hello(host=self.host, ranks=self._ranks, nonce=self.relay_nonce)
+            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
+            self._opener.rekey(key)
+            self._state = "ack"
+        if self._state == "ack":
+            rec = self._next_record(self._opener, f"HelloAck from {self.coordinator}",
+                                    "eof before helloack")
+            if rec is None:
+                return NEED_DATA
+            ack = self._control(rec, HelloAck, f"{who}: from {self.coordinator}")
+            assert isinstance(ack, HelloAck) and self._sealer is not None
+            if not compare_digest(ack.nonce, self.relay_nonce):
+                raise self._fail("bad echo", AuthError(
+                    f"{who}: HelloAck from {self.coordinator} does not echo our nonce "
+                    "(replayed coordinator records?)"))
+            final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
+            self._sealer.rekey(final)
+            self._opener.rekey(final)
+            self._opener.max_payload = self._max_record_payload
+            self._state = "done"
+            self._done = True
+            return Established(self._sealer, self._opener)
+        raise HandshakeError(f"{who}: the upstream handshake already ended")
+
+
+__all__ = [
+    "MAX_HANDSHAKE_PAYLOAD",
+    "NEED_DATA",
+    "CoordinatorHandshake",
+    "Established",
+    "HandshakeEvent",
+    "HelloReceived",
+    "NeedData",
+    "RelayHandshake",
+]

@@ -1,0 +1,372 @@
+"""The handshakes as sans-IO machines (SPEC §2.3, §2.6): fed bytes, no sockets, no trio.
+
+Both ends of each handshake are driven against each other in memory. Any chunking of a valid
+exchange succeeds; any corruption or truncation ends in a ``WireError`` or ``HandshakeError``
+(never another exception) and poisons the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flodl_trio as ft
+from flodl_trio import wire
+
+SALT = ft.SessionSalt(bytes(range(16)))
+OTHER_SALT = ft.SessionSalt(bytes(range(1, 17)))
+PROTOCOL_ERRORS = (ft.WireError, ft.HandshakeError)
+
+Chunker = Callable[[bytes], Iterator[bytes]]
+
+
+def whole(data: bytes) -> Iterator[bytes]:
+    if data:
+        yield data
+
+
+def sized(sizes: list[int]) -> Chunker:
+    """Split every write into pieces of these sizes, in turn."""
+
+    def split(data: bytes) -> Iterator[bytes]:
+        at, i = 0, 0
+        while at < len(data):
+            size = sizes[i % len(sizes)]
+            yield data[at:at + size]
+            at, i = at + size, i + 1
+
+    return split
+
+
+def pump(dialer: Any, acceptor: Any, *, up: Chunker = whole, down: Chunker = whole,
+         tamper_up: Callable[[bytes], bytes] = lambda b: b,
+         tamper_down: Callable[[bytes], bytes] = lambda b: b) -> dict[str, Any]:
+    """Move bytes between the two ends until both finished; ``accept()`` every hello.
+
+    Returns each end's final event by name ("dialer", "acceptor").
+    """
+    done: dict[str, Any] = {}
+    sent = {"up": b"", "down": b""}
+    for _ in range(50):
+        for name, me, other, chunker, tamper, way in (
+                ("dialer", dialer, acceptor, up, tamper_up, "up"),
+                ("acceptor", acceptor, dialer, down, tamper_down, "down")):
+            if name in done:
+                continue
+            event = me.next_event()
+            if isinstance(event, wire.HelloReceived | wire.RankHelloReceived):
+                me.accept()
+            elif event is not wire.NEED_DATA:
+                done[name] = event
+            out = me.data_to_send()
+            if out:
+                # Tamper with the whole stream so far, so an offset names one byte of it.
+                before = len(sent[way])
+                sent[way] += out
+                for chunk in chunker(tamper(sent[way])[before:]):
+                    other.receive_data(chunk)
+        if len(done) == 2:
+            return done
+    raise AssertionError(f"the handshake did not finish: {done}")
+
+
+def upstream(*, host: str = "host-a", ranks: tuple[int, ...] = (0, 1),
+             relay_salt: ft.SessionSalt = SALT) -> tuple[Any, Any]:
+    relay = wire.RelayHandshake(relay_salt, host=host, ranks=ranks, coordinator="coord:1")
+    coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
+    return relay, coord
+
+
+def rank_pair(*, rank: int = 1, world_size: int = 4, salt: ft.SessionSalt = SALT
+              ) -> tuple[Any, Any]:
+    dialer = wire.RankDialHandshake(salt, rank=rank, world_size=world_size, relay="127.0.0.1:9")
+    acceptor = wire.RankAcceptHandshake(SALT, world_size=4, host="host-a",
+                                        ranks=frozenset({0, 1}), peer="127.0.0.1:4000")
+    return dialer, acceptor
+
+
+def assert_sealed_pair(a: wire.Established, b: wire.Established) -> None:
+    """Records sealed by one end open at the other, in both directions."""
+    for src, dst in ((a, b), (b, a)):
+        rec = src.sealer.seal(wire.RecordKind.DATA, 3, b"frame")
+        assert dst.opener.feed(rec) == [wire.Record(wire.RecordKind.DATA, 3, b"frame")]
+
+
+# ---------------------------------------------------------------- upstream: valid exchanges
+
+
+def test_upstream_handshake_ends_in_a_sealer_opener_pair_on_conn_key() -> None:
+    relay, coord = upstream()
+    done = pump(relay, coord)
+    assert isinstance(done["dialer"], wire.Established)
+    assert isinstance(done["acceptor"], wire.Established)
+    assert coord.hello.host == "host-a" and coord.hello.ranks == (0, 1)
+    assert coord.hello.nonce == relay.relay_nonce
+    assert_sealed_pair(done["dialer"], done["acceptor"])
+    assert coord.failure_category is None and relay.failure_category is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(up=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       down=st.lists(st.integers(1, 40), min_size=1, max_size=8))
+def test_any_chunking_of_a_valid_upstream_handshake_succeeds(up: list[int],
+                                                             down: list[int]) -> None:
+    relay, coord = upstream()
+    done = pump(relay, coord, up=sized(up), down=sized(down))
+    assert_sealed_pair(done["dialer"], done["acceptor"])
+
+
+def test_records_that_arrive_with_the_hello_ack_stay_in_the_relays_opener() -> None:
+    relay, coord = upstream()
+    relay_out = relay.data_to_send()
+    coord.receive_data(relay_out)
+    assert coord.next_event() is wire.NEED_DATA  # the Challenge is queued
+    relay.receive_data(coord.data_to_send())
+    assert relay.next_event() is wire.NEED_DATA  # the Hello is queued
+    coord.receive_data(relay.data_to_send())
+    assert isinstance(coord.next_event(), wire.HelloReceived)
+    coord.accept()
+    established = coord.next_event()
+    assert isinstance(established, wire.Established)
+    # The coordinator writes a DATA record right behind its HelloAck; one chunk carries both.
+    behind = established.sealer.seal(wire.RecordKind.DATA, 1, b"early")
+    relay.receive_data(coord.data_to_send() + behind)
+    done = relay.next_event()
+    assert isinstance(done, wire.Established)
+    assert done.opener.feed(b"") == [wire.Record(wire.RecordKind.DATA, 1, b"early")]
+
+
+def test_coordinator_sends_its_challenge_only_once_the_whole_magic_arrived() -> None:
+    relay, coord = upstream()
+    magic = relay.data_to_send()
+    assert magic == wire.CHANNEL_MAGIC_CONTROL
+    coord.receive_data(magic[:1])
+    assert coord.next_event() is wire.NEED_DATA
+    assert coord.data_to_send() == b""  # no Challenge before the whole magic
+    coord.receive_data(magic[1:])
+    assert coord.next_event() is wire.NEED_DATA
+    assert len(coord.data_to_send()) > wire.RECORD_HEADER_LEN
+
+
+# ---------------------------------------------------------------- upstream: failures
+
+
+@pytest.mark.parametrize(("magic", "category", "text"), [
+    (wire.CHANNEL_MAGIC_DATA, "wrong leg", "got the data leg's magic"),
+    (b"GET ", "bad magic", "got 47455420"),
+])
+def test_coordinator_rejects_another_magic_naming_what_arrived(magic: bytes, category: str,
+                                                              text: str) -> None:
+    coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
+    coord.receive_data(magic)
+    with pytest.raises(ft.HandshakeError, match=text) as info:
+        coord.next_event()
+    assert "10.0.0.7:5000" in str(info.value)
+    assert coord.failure_category == category
+    with pytest.raises(ft.HandshakeError) as again:  # poisoned: the same error again
+        coord.next_event()
+    assert again.value is info.value
+
+
+def test_relay_of_another_session_is_refused_by_the_coordinator_as_bad_mac() -> None:
+    relay, coord = upstream(relay_salt=OTHER_SALT)
+    # The relay itself already fails on the Challenge (sealed with the coordinator's salt).
+    with pytest.raises(ft.AuthError, match="not of this session") as info:
+        pump(relay, coord)
+    assert "relay 'host-a'" in str(info.value) and "coord:1" in str(info.value)
+
+
+def test_relay_refuses_a_hello_ack_that_does_not_echo_its_nonce() -> None:
+    relay, coord = upstream()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    relay.receive_data(coord.data_to_send())
+    relay.next_event()
+    coord.receive_data(relay.data_to_send())
+    assert isinstance(coord.next_event(), wire.HelloReceived)
+    # A HelloAck sealed in the right place with the right key, echoing another nonce: what a
+    # replayed coordinator record looks like to this relay.
+    forged = coord.sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(wire.HelloAck(bytes(16))))
+    relay.receive_data(forged)
+    with pytest.raises(ft.AuthError, match="does not echo our nonce") as info:
+        relay.next_event()
+    assert "relay 'host-a'" in str(info.value) and "coord:1" in str(info.value)
+    assert relay.failure_category == "bad echo"
+
+
+def clean_upstream_bytes() -> bytes:
+    """What a relay sends in a whole handshake: the magic and its Hello record."""
+    relay, coord = upstream()
+    sent = bytearray()
+
+    def tap(stream: bytes) -> bytes:
+        sent[:] = stream
+        return stream
+
+    pump(relay, coord, tamper_up=tap)
+    return bytes(sent)
+
+
+UP_BYTES = clean_upstream_bytes()
+
+
+@pytest.mark.parametrize("cut", range(0, len(UP_BYTES), 5))
+def test_coordinator_eof_at_any_point_before_the_hello_is_a_wire_error(cut: int) -> None:
+    coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
+    coord.receive_data(UP_BYTES[:cut])
+    coord.receive_data(b"")
+    with pytest.raises(ft.WireError, match="closed") as info:
+        coord.next_event()
+    assert "10.0.0.7:5000" in str(info.value)
+    expected = "eof before magic" if cut < 4 else "eof before hello"
+    assert coord.failure_category == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_any_corrupted_byte_of_either_direction_is_a_protocol_error(data: Any) -> None:
+    relay, coord = upstream()
+    direction = data.draw(st.sampled_from(["up", "down"]))
+    offset = data.draw(st.integers(0, 150))
+    xor = data.draw(st.integers(1, 255))
+    flipped: list[int] = []
+
+    def flip(stream: bytes) -> bytes:
+        if offset >= len(stream):
+            return stream
+        flipped.append(offset)
+        return stream[:offset] + bytes([stream[offset] ^ xor]) + stream[offset + 1:]
+
+    def keep(stream: bytes) -> bytes:
+        return stream
+
+    try:
+        pump(relay, coord, tamper_up=flip if direction == "up" else keep,
+             tamper_down=flip if direction == "down" else keep)
+    except PROTOCOL_ERRORS:
+        assert flipped
+        return
+    except AssertionError:
+        # A length corrupted to stay under the ceiling waits for bytes that never come:
+        # NEED_DATA is right, and the caller's deadline decides.
+        assert flipped and relay.failure_category is None and coord.failure_category is None
+        return
+    assert not flipped, "a corrupted handshake byte went unnoticed"
+
+
+@settings(max_examples=200, deadline=None)
+@given(junk=st.binary(min_size=0, max_size=300), eof=st.booleans())
+def test_arbitrary_bytes_at_the_coordinator_never_raise_anything_but_protocol_errors(
+        junk: bytes, eof: bool) -> None:
+    coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
+    try:
+        coord.receive_data(wire.CHANNEL_MAGIC_CONTROL + junk)
+        coord.next_event()
+        if eof:
+            coord.receive_data(b"")
+            coord.next_event()
+    except PROTOCOL_ERRORS:
+        assert coord.failure_category is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(junk=st.binary(min_size=0, max_size=300), eof=st.booleans())
+def test_arbitrary_bytes_at_the_relay_never_raise_anything_but_protocol_errors(
+        junk: bytes, eof: bool) -> None:
+    relay = wire.RelayHandshake(SALT, host="h", ranks=(0,), coordinator="c:1")
+    try:
+        relay.receive_data(junk)
+        relay.next_event()
+        if eof:
+            relay.receive_data(b"")
+            relay.next_event()
+    except PROTOCOL_ERRORS:
+        assert relay.failure_category is not None
+
+
+def test_hello_over_the_pre_auth_ceiling_is_refused_from_its_header() -> None:
+    coord = wire.CoordinatorHandshake(SALT, peer="p", max_hello=64)
+    relay = wire.RelayHandshake(SALT, host="h" * 200, ranks=(0,), coordinator="c")
+    with pytest.raises(ft.FrameTooLarge, match="over the ceiling of 64"):
+        pump(relay, coord)
+    assert coord.failure_category == "malformed"
+
+
+# ---------------------------------------------------------------- rank ↔ relay
+
+
+def test_rank_handshake_ends_with_both_ends_confirmed_and_the_rank_named() -> None:
+    dialer, acceptor = rank_pair()
+    done = pump(dialer, acceptor)
+    assert done["dialer"] == wire.RankConfirmed(1, b"")
+    assert done["acceptor"] == wire.RankConfirmed(1, b"")
+
+
+@settings(max_examples=60, deadline=None)
+@given(up=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+       down=st.lists(st.integers(1, 20), min_size=1, max_size=6))
+def test_any_chunking_of_a_valid_rank_handshake_succeeds(up: list[int], down: list[int]) -> None:
+    dialer, acceptor = rank_pair()
+    done = pump(dialer, acceptor, up=sized(up), down=sized(down))
+    assert done["acceptor"].rank == 1
+
+
+def test_frames_behind_the_rank_hello_are_handed_on_as_leftover() -> None:
+    dialer, acceptor = rank_pair()
+    frame = wire.len_frame(wire.encode_frame(SALT, wire.Heartbeat(rank=1, step_count=0)))
+    acceptor.receive_data(dialer.data_to_send() + frame)
+    assert acceptor.next_event() == wire.RankHelloReceived(1)
+    acceptor.accept()
+    assert acceptor.next_event() == wire.RankConfirmed(1, frame)
+
+
+@pytest.mark.parametrize(("kwargs", "text"), [
+    ({"salt": OTHER_SALT}, "HMAC verification failed"),
+    ({"world_size": 5}, "world_size 5 != expected 4"),
+    ({"rank": 2}, "rank 2 does not belong to host 'host-a'"),
+])
+def test_relay_refuses_a_bad_rank_hello_naming_the_check_and_the_peer(kwargs: dict[str, Any],
+                                                                      text: str) -> None:
+    dialer, acceptor = rank_pair(**kwargs)
+    with pytest.raises(ft.HandshakeError, match=text) as info:
+        pump(dialer, acceptor)
+    assert "127.0.0.1:4000" in str(info.value)
+
+
+@pytest.mark.parametrize("cut", range(wire.RANK_ACK_LEN))
+def test_rank_eof_inside_the_ack_is_a_wire_error_so_the_rank_re_dials(cut: int) -> None:
+    dialer, acceptor = rank_pair()
+    acceptor.receive_data(dialer.data_to_send())
+    acceptor.next_event()
+    acceptor.accept()
+    ack = acceptor.data_to_send()
+    dialer.receive_data(ack[:cut])
+    dialer.receive_data(b"")
+    with pytest.raises(ft.WireError, match="closed"):
+        dialer.next_event()
+
+
+@settings(max_examples=200, deadline=None)
+@given(offset=st.integers(0, wire.RANK_HELLO_LEN + wire.RANK_ACK_LEN - 1),
+       xor=st.integers(1, 255))
+def test_any_corrupted_rank_handshake_byte_is_a_handshake_error(offset: int, xor: int) -> None:
+    dialer, acceptor = rank_pair()
+
+    def flip_at(at: int) -> Callable[[bytes], bytes]:
+        def flip(stream: bytes) -> bytes:
+            if at >= len(stream):
+                return stream
+            return stream[:at] + bytes([stream[at] ^ xor]) + stream[at + 1:]
+        return flip
+
+    up = offset < wire.RANK_HELLO_LEN
+    tamper = flip_at(offset if up else offset - wire.RANK_HELLO_LEN)
+    with pytest.raises(ft.HandshakeError):
+        if up:
+            pump(dialer, acceptor, tamper_up=tamper)
+        else:
+            pump(dialer, acceptor, tamper_down=tamper)
