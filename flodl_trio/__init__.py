@@ -22,6 +22,7 @@ from ._errors import (
     SendError,
     WireError,
 )
+from ._reformation import ReformationError
 from ._timeouts import timeout_scale
 from ._version import __version__
 from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
@@ -52,6 +53,7 @@ __all__ = [
     "RankClient",
     "RankConfig",
     "RankEndpoint",
+    "ReformationError",
     "Relay",
     "RelayConfig",
     "RelayExit",

@@ -29,6 +29,10 @@ How it decides, in one place:
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, the
   scheduler broadcasts ``EpochAggregated``, sends the cadence callbacks to the role rank, and
   dispatches the next epoch; after the last one it broadcasts ``Shutdown``.
+- **Process group** (opt-in, ``process_group=True``): before the first epoch and after every
+  death the ranks' collective group is (re-)formed with ``RequestNewNcclId`` /
+  ``NewNcclIdGenerated`` / ``NewNcclSession`` (:mod:`flodl_trio._reformation`); meanwhile no
+  ``SyncNow`` and no new epoch go out.
 - **Reading.** The scheduler is the consumer of ``coord.timing`` and ``coord.metrics``. The
   coordinator delivers each relay's frames in order but into two channels, so the scheduler always
   drains timing before it takes a ``Metrics``: a rank's last ``Batch`` is counted before its
@@ -40,13 +44,12 @@ How it decides, in one place:
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import attrs
 import trio
 
+from . import _timeouts as T
 from ._epoch_math import (
     Range,
     aggregate_metrics,
@@ -59,19 +62,20 @@ from ._epoch_math import (
     unprocessed_ranges,
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
+from ._reformation import ProcessGroupKeeper, ReformationError
+from ._scheduler_parts import Callback, Inbox, InboxClosed, RunSummary, Share
 from .events import Note
 from .wire import (
     Batch,
-    Checkpoint,
     CheckpointResult,
     ControlMsg,
     EpochAggregated,
     EpochMetrics,
     EpochPlan,
     EvalResult,
-    ExecuteEvalCallback,
     ExtendPartition,
     Metrics,
+    NewNcclIdGenerated,
     SaveReason,
     SetEpochCallbackRole,
     SetGlobalStep,
@@ -83,6 +87,7 @@ from .wire import (
 )
 
 __all__ = [
+    "ReformationError",
     "RunSummary",
     "SyncScheduler",
     "aggregate_metrics",
@@ -100,68 +105,6 @@ log = logging.getLogger("flodl_trio.scheduler")
 # Deaths also surface on the timeline (which wakes the loop at once); the poll only backs that up.
 _POLL_INTERVAL = 0.25
 
-_T = TypeVar("_T")
-
-
-@attrs.frozen
-class RunSummary:
-    """What :meth:`SyncScheduler.run` returns.
-
-    Attributes:
-        epochs_completed: epochs aggregated.
-        syncs: ``SyncNow`` broadcasts (the final sync included).
-        global_step: the last ``SetGlobalStep`` value.
-        epoch_metrics: the ``EpochMetrics`` broadcast for each epoch, in order.
-        deaths: rank → reason for every rank the coordinator declared dead.
-        elapsed_s: run time on the Trio clock.
-    """
-
-    epochs_completed: int
-    syncs: int
-    global_step: int
-    epoch_metrics: tuple[EpochMetrics, ...]
-    deaths: Mapping[int, str]
-    elapsed_s: float
-
-
-@attrs.define
-class _Share:
-    """One rank's work in the current epoch: its plan, then its extensions, in order."""
-
-    ranges: list[Range]
-    batches: int = 0
-    extended: bool = False
-
-    @property
-    def assigned(self) -> int:
-        return sum(s for _, s in self.ranges)
-
-
-@attrs.define
-class _Callback:
-    """A Checkpoint or eval sent to the role rank and not yet answered."""
-
-    kind: str  # "checkpoint" | "eval"
-    number: int  # checkpoint version / eval schedule id (= epochs completed)
-    target: int
-    tried: set[int] = attrs.Factory(set)
-
-    def message(self) -> ControlMsg:
-        if self.kind == "checkpoint":
-            return Checkpoint(version=self.number, target_rank=self.target)
-        return ExecuteEvalCallback(schedule_id=self.number, epoch=self.number,
-                                   target_rank=self.target)
-
-
-async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
-                    done: trio.CancelScope, closed: list[bool]) -> None:
-    try:
-        held.append(await channel.receive())
-    except (trio.EndOfChannel, trio.ClosedResourceError):
-        closed.append(True)
-    done.cancel()
-
-
 # ---------------------------------------------------------------------------- the scheduler
 
 
@@ -177,6 +120,11 @@ class SyncScheduler:
         checkpoint_every: send ``Checkpoint{version=n}`` to the role rank after every n-th epoch;
             an error result moves the role to the next live rank and retries there.
         eval_every: send ``ExecuteEvalCallback{schedule_id=n, epoch=n}`` likewise (errors logged).
+        process_group: (re-)form the ranks' collective process group before the first epoch and
+            after every death (off: the ranks have no collective, as in the simulated demo).
+        reform_timeout: seconds one re-formation may take, from ``RequestNewNcclId`` to the
+            sessions (default 60, scaled by ``FLODL_NET_TIMEOUT_SCALE``); past it, or when no
+            live rank is left to ask, :meth:`run` raises :class:`ReformationError`.
 
     Raises:
         ConfigError: an invalid argument.
@@ -184,8 +132,15 @@ class SyncScheduler:
 
     def __init__(self, coord: Coordinator, *, total_samples: int, batch_size: int,
                  num_epochs: int, partition_ratios: Sequence[float] | None = None,
-                 checkpoint_every: int | None = None, eval_every: int | None = None) -> None:
+                 checkpoint_every: int | None = None, eval_every: int | None = None,
+                 process_group: bool = False, reform_timeout: float | None = None) -> None:
         self._coord = coord
+        timeout = T.scaled(T.FORMATION_TIMEOUT) if reform_timeout is None else reform_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ConfigError(f"SyncScheduler: expected reform_timeout > 0 seconds, got "
+                              f"{reform_timeout!r}")
+        self._group = (ProcessGroupKeeper(coord.timeline, self._send, float(timeout))
+                       if process_group else None)
         self._total = check_count("total_samples", total_samples)
         self._batch_size = check_count("batch_size", batch_size)
         self._num_epochs = check_count("num_epochs", num_epochs)
@@ -194,7 +149,7 @@ class SyncScheduler:
         self._ratios = check_ratios(partition_ratios, coord.world_size)
         self._plans: dict[int, dict[int, EpochPlan]] = {}
         self._epoch = -1
-        self._shares: dict[int, _Share] = {}
+        self._shares: dict[int, Share] = {}
         self._metrics: dict[int, Metrics] = {}
         self._awaiting_metrics: set[int] = set()
         self._batch_size_reported: set[int] = set()
@@ -203,10 +158,9 @@ class SyncScheduler:
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
         self._gone: set[int] = set()
         self._role: int | None = None
-        self._callbacks: dict[tuple[str, int], _Callback] = {}
+        self._callbacks: dict[tuple[str, int], Callback] = {}
         self._failed_checkpoints: list[tuple[int, int, str]] = []  # (version, rank, error)
-        self._held_timing: deque[TimingMsg] = deque()
-        self._held_metrics: deque[Metrics] = deque()
+        self._inbox = Inbox(coord.timing, coord.metrics, _POLL_INTERVAL)
         self._global_step = 0
         self._syncs = 0
         self._aggregated: list[EpochMetrics] = []
@@ -223,6 +177,7 @@ class SyncScheduler:
 
         Raises:
             ClusterFailure: no live rank is left before the run finished.
+            ReformationError: the process group could not be re-formed (``process_group``).
             FlodlError: the coordinator closed its channels (it is shutting down).
             ConfigError: ``run`` was called twice.
         """
@@ -232,13 +187,19 @@ class SyncScheduler:
         coord = self._coord
         started = trio.current_time()
         async with coord.timeline.subscribe() as events:
-            await self._dispatch(0)
+            if self._group is not None:
+                await self._group.begin(self._survivors(), "the first session")
+            else:
+                await self._dispatch(0)
             while not self._done:
                 self._drain()
                 await self._reconcile()
                 await self._act()
                 if not self._done:
-                    await self._wait_any(events.channel)
+                    try:
+                        await self._inbox.wait_any(events.channel)
+                    except InboxClosed:
+                        raise self._closed() from None
         return RunSummary(
             epochs_completed=len(self._aggregated), syncs=self._syncs,
             global_step=self._global_step, epoch_metrics=tuple(self._aggregated),
@@ -253,40 +214,10 @@ class SyncScheduler:
                           f"(it is shutting down) during epoch {self._epoch}")
 
     def _drain(self) -> None:
-        """Handle everything delivered so far, every timing frame before any Metrics."""
-        timing, metrics = self._coord.timing, self._coord.metrics
         try:
-            while True:
-                while self._held_timing:
-                    self._on_timing(self._held_timing.popleft())
-                while True:
-                    try:
-                        self._on_timing(timing.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                if self._held_metrics:
-                    self._on_metrics(self._held_metrics.popleft())
-                    continue
-                try:
-                    self._on_metrics(metrics.receive_nowait())
-                except trio.WouldBlock:
-                    return
-        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._inbox.drain(self._on_timing, self._on_metrics)
+        except InboxClosed:
             raise self._closed() from None
-
-    async def _wait_any(self, events: trio.MemoryReceiveChannel[object]) -> None:
-        """Wait (bounded) until a timing frame, a Metrics or a timeline event arrives."""
-        closed: list[bool] = []
-        discarded: deque[object] = deque()
-        with trio.move_on_after(_POLL_INTERVAL):
-            async with trio.open_nursery() as nursery:
-                done = nursery.cancel_scope
-                nursery.start_soon(_take_one, self._coord.timing, self._held_timing, done, closed)
-                nursery.start_soon(_take_one, self._coord.metrics, self._held_metrics, done,
-                                   closed)
-                nursery.start_soon(_take_one, events, discarded, done, closed)
-        if closed:
-            raise self._closed()
 
     def _on_timing(self, msg: TimingMsg) -> None:
         rank = int(msg.rank)
@@ -300,6 +231,8 @@ class SyncScheduler:
             self._awaiting_batch.discard(rank)
         elif isinstance(msg, SyncAck):
             self._awaiting_ack.discard(rank)
+        elif isinstance(msg, NewNcclIdGenerated) and self._group is not None:
+            self._group.on_uid(rank, msg.uid)
         elif isinstance(msg, CheckpointResult):
             cb = self._callbacks.get(("checkpoint", int(msg.version)))
             if cb is not None and cb.target == rank:
@@ -383,7 +316,7 @@ class SyncScheduler:
         self._epoch = epoch
         self._coord.timeline.event(Note(what="epoch_started",
                                         fields={"epoch": epoch, "ranks": sorted(plans)}))
-        self._shares = {r: _Share([(p.partition_offset, p.partition_size)])
+        self._shares = {r: Share([(p.partition_offset, p.partition_size)])
                         for r, p in plans.items()}
         self._metrics = {}
         self._awaiting_metrics = set(plans)
@@ -430,6 +363,9 @@ class SyncScheduler:
                 for offset, size in part:
                     await self._send(rank, ExtendPartition(partition_offset=offset,
                                                            partition_size=size))
+        if self._group is not None and not self._finishing:
+            await self._group.after_gone(
+                [(r, coord.dead_reason(r) or "exited cleanly") for r in new], survivors)
         if self._role in self._gone:
             await self._move_role(survivors[0])
         for cb in self._callbacks.values():
@@ -477,6 +413,12 @@ class SyncScheduler:
         self._awaiting_ack = set(live)
 
     async def _act(self) -> None:
+        if self._group is not None and self._group.waiting:
+            if await self._group.advance(self._survivors()):
+                return  # no collective (SyncNow) and no new epoch before the group exists
+            if self._epoch < 0:
+                await self._dispatch(0)
+                return
         if self._failed_checkpoints:
             await self._fail_over_checkpoints()
         if not self._finishing:
@@ -511,7 +453,7 @@ class SyncScheduler:
         completed = self._epoch + 1
         for kind, every in (("checkpoint", self._checkpoint_every), ("eval", self._eval_every)):
             if every is not None and completed % every == 0 and self._role is not None:
-                cb = _Callback(kind, completed, self._role)
+                cb = Callback(kind, completed, self._role)
                 self._callbacks[(kind, completed)] = cb
                 await self._send(cb.target, cb.message())
         if completed < self._num_epochs:

@@ -33,6 +33,9 @@ from .wire import (
     ExecuteEvalCallback,
     ExtendPartition,
     Metrics,
+    NewNcclIdGenerated,
+    NewNcclSession,
+    RequestNewNcclId,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
@@ -101,6 +104,8 @@ class SimulatedRank:
             coordinator must find silent, open its endpoint with a ``heartbeat_interval`` longer
             than the coordinator's ``heartbeat_timeout``.
         fail_checkpoint: answer every ``Checkpoint`` addressed to it with an error.
+        fail_on_new_nccl_id: fail (as ``fail_mode`` says) at the n-th ``RequestNewNcclId`` it
+            receives (1: the first), instead of answering ``NewNcclIdGenerated``.
         seed: seed of the jitter's random generator.
 
     Raises:
@@ -110,7 +115,7 @@ class SimulatedRank:
     def __init__(self, endpoint: RankEndpoint, *, batch_size: int, batch_ms: float,
                  jitter: float = 0.0, fail_after_batches: int | None = None,
                  fail_mode: Literal["crash", "hang"] = "crash", fail_checkpoint: bool = False,
-                 seed: int | None = None) -> None:
+                 fail_on_new_nccl_id: int | None = None, seed: int | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"SimulatedRank: expected batch_size >= 1, got {batch_size!r}")
         if not isinstance(batch_ms, int | float) or not math.isfinite(batch_ms) or batch_ms < 0:
@@ -122,6 +127,11 @@ class SimulatedRank:
                 or fail_after_batches < 0):
             raise ConfigError(f"SimulatedRank: expected fail_after_batches >= 0 or None, got "
                               f"{fail_after_batches!r}")
+        if fail_on_new_nccl_id is not None and (
+                isinstance(fail_on_new_nccl_id, bool) or not isinstance(fail_on_new_nccl_id, int)
+                or fail_on_new_nccl_id < 1):
+            raise ConfigError(f"SimulatedRank: expected fail_on_new_nccl_id >= 1 or None, got "
+                              f"{fail_on_new_nccl_id!r}")
         if fail_mode not in ("crash", "hang"):
             raise ConfigError(f"SimulatedRank: expected fail_mode 'crash' or 'hang', got "
                               f"{fail_mode!r}")
@@ -129,12 +139,14 @@ class SimulatedRank:
         self.rank = endpoint.rank
         self.record = SimRecord(rank=endpoint.rank)
         self.role: int | None = None
+        self.group: tuple[int, int, bytes] | None = None  # (new_rank, new_world_size, uid)
         self._batch_size = batch_size
         self._batch_ms = float(batch_ms)
         self._jitter = float(jitter)
         self._fail_after = fail_after_batches
         self._fail_mode = fail_mode
         self._fail_checkpoint = fail_checkpoint
+        self._fail_on_new_nccl_id = fail_on_new_nccl_id
         self._random = random.Random(seed)
         self._queue: deque[tuple[int, int]] = deque()
         self._epoch: int | None = None
@@ -230,6 +242,16 @@ class SimulatedRank:
             self._throttled = True
         elif isinstance(msg, SetEpochCallbackRole):
             self.role = int(msg.rank)
+        elif isinstance(msg, RequestNewNcclId):
+            asked = len(self.record.of_type(RequestNewNcclId))
+            if asked == self._fail_on_new_nccl_id:
+                await self._fail()
+                return
+            # Where a real rank would name the store it now serves; unique per request.
+            uid = f"sim://rank-{self.rank}/{asked}"
+            await ep.send(NewNcclIdGenerated(rank=self.rank, uid=uid.encode()))
+        elif isinstance(msg, NewNcclSession):
+            self.group = (int(msg.new_rank), int(msg.new_world_size), bytes(msg.uid))
         elif isinstance(msg, Checkpoint) and msg.target_rank == self.rank:
             error = "simulated checkpoint failure" if self._fail_checkpoint else None
             await ep.send(CheckpointResult(rank=self.rank, version=msg.version, elapsed_ms=0.0,

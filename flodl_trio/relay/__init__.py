@@ -23,8 +23,9 @@ from .._transport import DialTarget, close_all, dial, format_address
 from ..coordinator import pick_one_exception
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
-from . import pump, ranks
-from ._link import RankLink, RelayExit
+from ._link import RelayExit
+from .pump import Pump
+from .ranks import LocalRanks, accept_ranks
 
 __all__ = ["Relay", "RelayExit", "open_relay"]
 
@@ -60,19 +61,13 @@ class Relay:
         self._salt = salt
         self._ssl_context = ssl_context
         self._server_hostname = server_hostname
-        self._rank_set = frozenset(ranks)
-        self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
-        self._all_ranks = trio.Event()
+        self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
+                                 config=config)
         self._connected = trio.Event()
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
-        self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
 
     @property
@@ -90,7 +85,16 @@ class Relay:
     @property
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
-        return frozenset(r for r, link in self._links.items() if not link.gone)
+        return self._local.connected
+
+    @property
+    def error(self) -> FlodlError | None:
+        """Why the relay failed (what ``open_relay`` raises), else None."""
+        return self._error
+
+    def cancel_on_error(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the user's block) when the relay fails."""
+        self._body_scope = scope
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
@@ -150,14 +154,17 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+    async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
-            await ranks.accept_ranks(self, listeners)
+            await accept_ranks(self._local, listeners)
             stream, sealer, opener = await self._connect_upstream()
             self._upstream = stream
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await pump.pump(self, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener)
+            exit_ = await pump.run()
+            self._error = pump.error
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
@@ -170,9 +177,10 @@ class Relay:
             self._body_scope.cancel()
 
     async def _close_all(self) -> None:
-        for link in self._links.values():
+        links = list(self._local.links())
+        for link in links:
             link.gone = True
-        streams: list[Any] = [link.stream for link in self._links.values()]
+        streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
         await close_all(streams)
@@ -261,9 +269,9 @@ async def open_relay(
     body_exc: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._run, listeners)
+            nursery.start_soon(relay.run, listeners)
             with trio.CancelScope() as body_scope:
-                relay._body_scope = body_scope
+                relay.cancel_on_error(body_scope)
                 try:
                     yield relay
                 except BaseException as exc:
@@ -271,12 +279,12 @@ async def open_relay(
                     raise
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay._error)
+        chosen = pick_one_exception(group, body_exc, relay.error)
         if chosen is None:
             raise
         error: BaseException = chosen
     else:
-        if relay._error is None:
+        if relay.error is None:
             return
-        error = relay._error
+        error = relay.error
     raise error

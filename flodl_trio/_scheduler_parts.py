@@ -1,0 +1,139 @@
+"""The scheduler's small record types: its run summary, a rank's share of an epoch, a pending
+callback, and the helper that waits on one of several channels."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import attrs
+import trio
+
+from ._epoch_math import Range
+from .wire import Checkpoint, ControlMsg, EpochMetrics, ExecuteEvalCallback, Metrics, TimingMsg
+
+_T = TypeVar("_T")
+
+
+@attrs.frozen
+class RunSummary:
+    """What :meth:`SyncScheduler.run` returns.
+
+    Attributes:
+        epochs_completed: epochs aggregated.
+        syncs: ``SyncNow`` broadcasts (the final sync included).
+        global_step: the last ``SetGlobalStep`` value.
+        epoch_metrics: the ``EpochMetrics`` broadcast for each epoch, in order.
+        deaths: rank → reason for every rank the coordinator declared dead.
+        elapsed_s: run time on the Trio clock.
+    """
+
+    epochs_completed: int
+    syncs: int
+    global_step: int
+    epoch_metrics: tuple[EpochMetrics, ...]
+    deaths: Mapping[int, str]
+    elapsed_s: float
+
+
+@attrs.define
+class Share:
+    """One rank's work in the current epoch: its plan, then its extensions, in order."""
+
+    ranges: list[Range]
+    batches: int = 0
+    extended: bool = False
+
+    @property
+    def assigned(self) -> int:
+        return sum(s for _, s in self.ranges)
+
+
+@attrs.define
+class Callback:
+    """A Checkpoint or eval sent to the role rank and not yet answered."""
+
+    kind: str  # "checkpoint" | "eval"
+    number: int  # checkpoint version / eval schedule id (= epochs completed)
+    target: int
+    tried: set[int] = attrs.Factory(set)
+
+    def message(self) -> ControlMsg:
+        if self.kind == "checkpoint":
+            return Checkpoint(version=self.number, target_rank=self.target)
+        return ExecuteEvalCallback(schedule_id=self.number, epoch=self.number,
+                                   target_rank=self.target)
+
+
+class InboxClosed(Exception):
+    """The coordinator closed its timing/metrics channels (it is shutting down)."""
+
+
+class Inbox:
+    """The scheduler's reading of the coordinator's two channels, timing before metrics.
+
+    The coordinator delivers each relay's frames in order but into two channels, so every
+    timing frame delivered so far is handled before any ``Metrics``: a rank's last ``Batch`` is
+    counted before its ``Metrics``.
+    """
+
+    def __init__(self, timing: trio.MemoryReceiveChannel[TimingMsg],
+                 metrics: trio.MemoryReceiveChannel[Metrics], poll_interval: float) -> None:
+        self._timing = timing
+        self._metrics = metrics
+        self._poll_interval = poll_interval
+        self._held_timing: deque[TimingMsg] = deque()
+        self._held_metrics: deque[Metrics] = deque()
+
+    def drain(self, on_timing: Callable[[TimingMsg], None],
+              on_metrics: Callable[[Metrics], None]) -> None:
+        """Handle everything delivered so far, every timing frame before any Metrics.
+
+        Raises:
+            InboxClosed: a channel ended.
+        """
+        try:
+            while True:
+                while self._held_timing:
+                    on_timing(self._held_timing.popleft())
+                while True:
+                    try:
+                        on_timing(self._timing.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                if self._held_metrics:
+                    on_metrics(self._held_metrics.popleft())
+                    continue
+                try:
+                    on_metrics(self._metrics.receive_nowait())
+                except trio.WouldBlock:
+                    return
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise InboxClosed from None
+
+    async def wait_any(self, events: trio.MemoryReceiveChannel[object]) -> None:
+        """Wait (bounded by the poll interval) for a timing frame, a Metrics or an event.
+
+        Raises:
+            InboxClosed: a channel ended.
+        """
+        closed: list[bool] = []
+        discarded: deque[object] = deque()
+        with trio.move_on_after(self._poll_interval):
+            async with trio.open_nursery() as nursery:
+                done = nursery.cancel_scope
+                nursery.start_soon(_take_one, self._timing, self._held_timing, done, closed)
+                nursery.start_soon(_take_one, self._metrics, self._held_metrics, done, closed)
+                nursery.start_soon(_take_one, events, discarded, done, closed)
+        if closed:
+            raise InboxClosed
+
+
+async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
+                    done: trio.CancelScope, closed: list[bool]) -> None:
+    try:
+        held.append(await channel.receive())
+    except (trio.EndOfChannel, trio.ClosedResourceError):
+        closed.append(True)
+    done.cancel()
