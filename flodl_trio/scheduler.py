@@ -260,7 +260,7 @@ class SyncScheduler:
         if share is not None and msg.samples_processed == share.assigned:
             self._check_batch_size(rank, share, msg)
 
-    def _check_batch_size(self, rank: int, share: _Share, msg: Metrics) -> None:
+    def _check_batch_size(self, rank: int, share: Share, msg: Metrics) -> None:
         # The plan's remainders (redistribution after a death) are computed with our batch size:
         # a rank that batches differently gets wrong remainders and a different sync count, so
         # say so once per rank instead of letting the two settings drift apart silently.
