@@ -12,7 +12,6 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import trio
 
@@ -25,8 +24,8 @@ from ._errors import (
     WireError,
 )
 from ._handshake_io import run_handshake
+from ._lifecycle import open_lifecycle
 from ._transport import DialTarget, StreamWriter, dial, format_address
-from .coordinator import pick_one_exception
 from .wire import (
     MAX_LEN_FRAME,
     ControlMsg,
@@ -339,31 +338,18 @@ async def open_rank(
     where = format_address(relay) if not callable(relay) else "in-process"
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
                       relay=where, leftover=leftover)
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ep._reader)
-            nursery.start_soon(ep._watchdog)
-            nursery.start_soon(ep._heartbeats)
-            try:
+    async with open_lifecycle(f"rank {rank}", failure=lambda: None) as life:
+        life.nursery.start_soon(ep._reader)
+        life.nursery.start_soon(ep._watchdog)
+        life.nursery.start_soon(ep._heartbeats)
+        try:
+            with life.body():
                 yield ep
-            except BaseException as exc:
-                body_exc = exc
-                raise
-            else:
-                with trio.CancelScope(shield=True):
-                    await ep._say_goodbye()
-            finally:
-                nursery.cancel_scope.cancel()
-                # Shielded: unshielded, the close's Cancelled (the nursery is cancelled now)
-                # replaced the body's exception, and the nursery then swallowed it.
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(stream)
-    except BaseExceptionGroup as group:
-        chosen: Any = pick_one_exception(group, body_exc, None)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        return
-    raise error
+            with trio.CancelScope(shield=True):
+                await ep._say_goodbye()
+        finally:
+            life.stop_tasks()  # first: the reader must not report the close as a lost link
+            # Shielded: under an outside cancellation an unshielded close raised Cancelled at
+            # its first checkpoint and left the stream open.
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)

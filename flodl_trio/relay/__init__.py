@@ -19,8 +19,8 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._lifecycle import open_lifecycle
 from .._transport import DialTarget, close_all, dial, format_address
-from ..coordinator import pick_one_exception
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
 from ._link import RelayExit
@@ -266,25 +266,8 @@ async def open_relay(
     relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
                   config=cfg, timeline=timeline, ssl_context=ssl_context,
                   server_hostname=server_hostname, rank_address=rank_address)
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run, listeners)
-            with trio.CancelScope() as body_scope:
-                relay.cancel_on_error(body_scope)
-                try:
-                    yield relay
-                except BaseException as exc:
-                    body_exc = exc
-                    raise
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay.error)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        if relay.error is None:
-            return
-        error = relay.error
-    raise error
+    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
+        life.nursery.start_soon(relay.run, listeners)
+        with life.body() as body_scope:
+            relay.cancel_on_error(body_scope)
+            yield relay
