@@ -16,15 +16,12 @@ from pathlib import Path
 
 import trio
 
+from ._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
 from .wire import SessionSalt
 
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: shell custom
-
-
-class UsageError(Exception):
-    """A command line that cannot be run as given (exit code 2)."""
 
 
 class CommandFailed(Exception):

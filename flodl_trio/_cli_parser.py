@@ -31,11 +31,6 @@ def _add_salt_args(p: argparse.ArgumentParser) -> None:
                    help=f"the salt itself (visible in ps; prefer --salt-file or ${SALT_ENV})")
 
 
-def _command(sub: argparse._SubParsersAction[_Parser], name: str, summary: str,
-             description: str) -> _Parser:
-    return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
-
-
 EXIT_CODES = """exit codes: 0 the run completed as asked; 1 it failed (one line on stderr says why);
 2 usage error; 130 / 143 stopped by SIGINT / SIGTERM (after a graceful shutdown)."""
 
@@ -51,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    _command(sub, "salt", "print a fresh session salt (32 hex chars)",
+    def _command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
+
+    _command("salt", "print a fresh session salt (32 hex chars)",
              "Print a fresh random session salt; give the same one to every process of a run.")
 
-    p = _command(sub, "coordinator", "run a coordinator (optionally driving a simulated run)",
+    p = _command("coordinator", "run a coordinator (optionally driving a simulated run)",
                  "Run a coordinator. With --epochs, drive a simulated training run with the "
                  "reference SyncScheduler\nand exit 0 once every epoch completed; without it, "
                  "hold the cohort until every rank exits\n(0 if all exited cleanly, 1 if any "
@@ -87,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
     p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
 
-    p = _command(sub, "relay", "run a host relay",
+    p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "
                  "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
                  "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
@@ -105,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", metavar="NAME",
                    help="name to check in the coordinator's certificate")
 
-    p = _command(sub, "rank", "run one simulated rank",
+    p = _command("rank", "run one simulated rank",
                  "Run one simulated rank (SimulatedRank): it processes the samples it is given "
                  "in batches,\nanswers syncs and exits 0 on a graceful Shutdown, 1 on a failed "
                  "run or a lost coordinator.\n\n" + EXIT_CODES)
@@ -123,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random spread of each batch time, as a fraction of --batch-ms")
     _add_salt_args(p)
 
-    p = _command(sub, "status", "print a coordinator's /state.json",
+    p = _command("status", "print a coordinator's /state.json",
                  "Query a coordinator's status page (its --listen port). Exits 0 with an "
                  "answer, 1 without one.")
     p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
@@ -131,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the whole exchange")
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
 
-    p = _command(sub, "demo", "a whole local cluster as separate processes on loopback",
+    p = _command("demo", "a whole local cluster as separate processes on loopback",
                  "Run a coordinator, one relay per host and simulated ranks as separate "
                  "processes on loopback,\ntell the story (formation, deaths, redistributions) "
                  "and exit 0 once every epoch completed.\n\n" + EXIT_CODES)
@@ -153,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the temporary directory of process logs (removed otherwise)")
     p.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
 
-    p = _command(sub, "plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
+    p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
                  "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "
                  "lost broadcasts and deaths.")
     p.add_argument("timeline", metavar="TIMELINE.jsonl", help="a --timeline file")
