@@ -20,6 +20,10 @@ from ._timeouts import CONNECT_RETRY_INTERVAL
 
 log = logging.getLogger("flodl_trio.transport")
 
+# What a read, write or accept raises once the stream (or listener) is gone: the peer reset or
+# closed it (Broken), or we closed it ourselves (Closed). Every "the link ended" handler uses it.
+STREAM_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
 Address = tuple[str, int]
 Dialer = Callable[[], Awaitable[trio.abc.Stream]]
 DialTarget = Address | Dialer

@@ -13,6 +13,7 @@ from typing import Literal
 import trio
 
 from .._errors import ConfigError
+from .._transport import STREAM_GONE
 from ._plan import _CHUNK, FaultPlan, _drip_piece, _Schedule
 
 
@@ -222,7 +223,7 @@ class ChaosProxy:
                         record.bytes_up += step
                     else:
                         record.bytes_down += step
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except STREAM_GONE:
             record._end("error")
 
     async def _finish(self, record: ProxiedConnection) -> None:
@@ -237,7 +238,7 @@ class ChaosProxy:
             # unread bytes makes the kernel send RST, which would turn the graceful cut into a
             # reset and lose the bytes delivered before it.
             for end in ends:
-                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                with suppress(*STREAM_GONE):
                     await end.send_eof()
             with trio.move_on_after(self._close_grace):
                 async with trio.open_nursery() as nursery:
@@ -265,7 +266,7 @@ async def _obey_due_fault(
 
 
 async def _drain(stream: trio.SocketStream) -> None:
-    with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+    with suppress(*STREAM_GONE):
         while await stream.receive_some(_CHUNK):
             pass
 
