@@ -39,6 +39,7 @@ from .wire import (
     MsgKind,
     RankConfirmed,
     RankDialHandshake,
+    RelayWaiting,
     SessionSalt,
     Shutdown,
     ShutdownWithSave,
@@ -85,6 +86,8 @@ class RankEndpoint:
         self._wake = trio.Event()
         self._leaving = False
         self._reader_done = trio.Event()
+        # The relay's last RelayWaiting notice, while no coordinator frame came after it.
+        self._relay_said: str | None = None
         self._leftover = leftover  # what the relay sent right behind its ack
 
     @property
@@ -103,8 +106,9 @@ class RankEndpoint:
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._ended = True
             if self._lost is not None:
+                said = "" if self._relay_said is None else f"; the relay said: {self._relay_said}"
                 raise CoordinatorLost(f"rank {self.rank} (via relay {self._relay}): "
-                                      f"{self._lost}") from None
+                                      f"{self._lost}{said}") from None
             raise StopAsyncIteration from None
         if isinstance(msg, Shutdown | ShutdownWithSave):
             self._ended = True
@@ -205,7 +209,14 @@ class RankEndpoint:
             log.warning("rank %d: dropped an undecodable control frame: %s", self.rank, exc)
             return
         if isinstance(msg, CoordHeartbeat):
+            self._relay_said = None
             return
+        if isinstance(msg, RelayWaiting):
+            # The relay has not joined yet and says why; it kept our liveness clock alive above,
+            # and an error from here on quotes it (the coordinator may never have been dialed).
+            self._relay_said = msg.detail
+            return
+        self._relay_said = None
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         if isinstance(msg, Shutdown | ShutdownWithSave):

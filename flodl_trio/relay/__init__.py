@@ -24,6 +24,7 @@ from .._transport import STREAM_GONE, DialTarget, close_all, dial, format_addres
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
 from ._link import RelayExit
+from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
 
@@ -68,6 +69,7 @@ class Relay:
         self._error: FlodlError | None = None
         self._upstream: trio.abc.Stream | None = None
         self._body_scope: trio.CancelScope | None = None
+        self._notices = RankNotices(self._local, salt)
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -95,6 +97,11 @@ class Relay:
         """Cancel ``scope`` (the user's block) when the relay fails."""
         self._body_scope = scope
 
+    @property
+    def rank_port_rejects(self) -> dict[str, int]:
+        """Connections to the rank port rejected so far, by reason (``"bad mac"``, ...)."""
+        return self._local.rejects
+
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
         await self._connected.wait()
@@ -113,6 +120,9 @@ class Relay:
         last: BaseException | None = None
         while True:
             remaining = max(0.0, deadline - trio.current_time())
+            if last is None:
+                self._notices.upstream_status = (
+                    f"dialing the coordinator at {_target_text(self._target)}")
             stream = await dial(self._target, connect_timeout=remaining, what=what)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
@@ -139,6 +149,9 @@ class Relay:
                         "an ssl_context that trusts its CA"
                     ) from None
                 last = exc
+                self._notices.upstream_status = (f"re-dialing the coordinator at "
+                                                 f"{_target_text(self._target)} (last attempt: "
+                                                 f"{exc!r})")
                 if trio.current_time() + 0.5 >= deadline:
                     break
                 log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
@@ -156,9 +169,13 @@ class Relay:
     async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
         """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
-            await accept_ranks(self._local, listeners)
-            stream, sealer, opener = await self._connect_upstream()
-            self._upstream = stream
+            stop_notices = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._notices.keep_informed, stop_notices)
+                joined = await self._join(listeners, stop_notices)
+            if isinstance(joined, FlodlError):
+                raise joined  # outside the nursery: not wrapped in an ExceptionGroup
+            stream, sealer, opener = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
             pump = Pump(self._local, stream, sealer, opener)
@@ -167,6 +184,8 @@ class Relay:
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
+            # The ranks would otherwise only see their link end: tell them why first.
+            await self._notices.tell(f"relay {self.host!r} gave up: {exc}")
         finally:
             # Runs on cancellation too: no rank or upstream socket outlives the relay.
             await self._close_all()
@@ -174,6 +193,19 @@ class Relay:
         self._closed.set()
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
+
+    async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
+                    ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener] | FlodlError:
+        """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
+        try:
+            await accept_ranks(self._local, listeners)
+            joined = await self._connect_upstream()
+            self._upstream = joined[0]
+            return joined
+        except FlodlError as exc:
+            return exc
+        finally:
+            stop_notices.set()  # the notice task ends after its current write
 
     async def _close_all(self) -> None:
         links = list(self._local.links())

@@ -15,6 +15,7 @@ import trio
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE, close_all, peer_of
 from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
@@ -36,7 +37,7 @@ class LocalRanks:
         self.rank_set = frozenset(ranks)
         self._links: dict[int, RankLink] = {}
         self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
+        self._rejects = JunkCounter()  # rank-port rejects, by reason
         self._all_in = trio.Event()
 
     @property
@@ -85,16 +86,39 @@ class LocalRanks:
         if self._links.get(link.rank) is link:
             del self._links[link.rank]
 
-    def reject(self, text: str) -> None:
-        self._rejects.append(text)
+    @property
+    def rejects(self) -> dict[str, int]:
+        """Connections to the rank port rejected so far, by reason."""
+        return self._rejects.by_reason()
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count one rank-port reject; a few become WARNINGs, the rest are folded into
+        summaries (a rank retrying with the wrong salt every 0.5 s logged a WARNING each)."""
+        report = self._rejects.add(reason, detail, trio.current_time())
+        if report is not None:
+            log.warning("relay %r rejected a rank connection: %s", self.host, report.text())
+
+    def report_rejects_tail(self) -> None:
+        """At the end of phase 1, one summary of the rejects that were not logged."""
+        report = self._rejects.flush(trio.current_time(), force=True)
+        if report is not None:
+            log.warning("relay %r rank port: %s", self.host, report.text())
+
+    def waiting_text(self) -> str:
+        """What phase 1 waits for, and why: the rejects by reason, the latest in full (a
+        wrong-salt or wrong-world rank is named here, not only in the log)."""
+        missing = sorted(self.rank_set - set(self._links))
+        rejects = self._rejects
+        text = (f"{len(self._links)}/{len(self.ranks)} local ranks connected (missing "
+                f"{missing}); {rejects.total} rejected connection(s)")
+        if rejects.total:
+            text += f" by reason: {rejects.summary()}; latest: {'; '.join(rejects.recent[-3:])}"
+        return text
 
     def timeout_error(self, timeout: float) -> FormationTimeout:
-        missing = sorted(self.rank_set - set(self._links))
-        rejects = "; ".join(self._rejects[-5:]) or "none"
         return FormationTimeout(
             f"relay {self.host!r}: rank accept timed out after {timeout:g}s: "
-            f"{len(self._links)}/{len(self.ranks)} local ranks connected (missing {missing}); "
-            f"{len(self._rejects)} rejected connection(s): {rejects}"
+            f"{self.waiting_text()}"
         )
 
 
@@ -109,6 +133,7 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
                 nursery.cancel_scope.cancel()
     finally:
         await close_all(listeners)
+    local.report_rejects_tail()
     if not local.all_in:
         raise local.timeout_error(timeout)
 
@@ -148,8 +173,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
         text = (f"rank hello from {peer}: no hello within handshake_timeout="
                 f"{local.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
                 else str(exc) or type(exc).__name__)
-        local.reject(text)
-        log.warning("relay %r rejected a rank connection: %s", local.host, text)
+        local.reject(reject_reason(exc), text)
         await trio.aclose_forcefully(stream)
         return
     except BaseException:
@@ -186,8 +210,28 @@ async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
         link.early_eof = True  # too late to free the slot: the pump reports RankExit
         return
     local.remove(link)
-    local.reject(f"rank {link.rank}: its link ended after the ack, before every local rank "
-                 "connected (a re-dial is accepted)")
-    log.warning("relay %r: rank %d's link ended before every local rank connected; "
-                "accepting it again", local.host, link.rank)
+    local.reject("link ended early", f"rank {link.rank}: its link ended after the ack, before "
+                 "every local rank connected (a re-dial is accepted)")
     await trio.aclose_forcefully(link.stream)
+
+
+# Reasons by the words of the hello check that failed (SPEC §2.3 validation order).
+_HELLO_REASONS = (
+    ("magic", "bad magic"),
+    ("version", "wrong version"),
+    ("world_size", "world_size mismatch"),
+    ("HMAC", "bad mac"),
+    ("does not belong", "rank of another host"),
+    ("already connected", "duplicate rank"),
+)
+
+
+def reject_reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, HandshakeError):
+        text = str(exc)
+        return next((reason for word, reason in _HELLO_REASONS if word in text), "malformed")
+    if isinstance(exc, WireError):
+        return "eof before hello"
+    return "connection error"

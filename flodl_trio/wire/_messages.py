@@ -242,6 +242,18 @@ class StageAdvisory(ControlMsg):
     segments: tuple[tuple[U64, tuple[tuple[U64, U64], ...]], ...]
 
 
+@variant(CONTROL_MSG, 20)
+@attrs.frozen
+class RelayWaiting(ControlMsg):
+    """Relay → rank only (FT/2, beyond flodl): sent by the relay itself, sealed with the salt,
+    while it has not joined the cohort yet: what it is waiting for (local ranks it rejected,
+    the coordinator it cannot reach). It keeps the rank's liveness clock alive until the
+    relay's own deadlines decide, and the rank's error quotes it. Never delivered to users."""
+
+    host: HostName
+    detail: str
+
+
 # ---------------------------------------------------------------- TimingMsg (rank → coord)
 
 
