@@ -157,7 +157,7 @@ class RankEndpoint:
             log.warning("rank %d: coordinator lost: %s", self.rank, reason)
         self._inbox_send.close()
 
-    async def _reader(self) -> None:
+    async def run_reader(self) -> None:
         try:
             await self._read_until_end()
         finally:
@@ -239,7 +239,7 @@ class RankEndpoint:
             self._last_inbound = trio.current_time()
             self._wake.set()
 
-    async def _watchdog(self) -> None:
+    async def run_watchdog(self) -> None:
         timeout = self.config.coord_liveness_timeout
         while self._lost is None and not self._shutdown_seen:
             due = self._last_inbound + timeout
@@ -254,7 +254,7 @@ class RankEndpoint:
             with trio.move_on_at(math.inf if self._paused else due):
                 await self._wake.wait()
 
-    async def _heartbeats(self) -> None:
+    async def run_heartbeats(self) -> None:
         while True:
             await trio.sleep(self.config.heartbeat_interval)
             if self._lost is not None:
@@ -264,7 +264,7 @@ class RankEndpoint:
             except SendError:
                 return
 
-    async def _say_goodbye(self) -> None:
+    async def say_goodbye(self) -> None:
         """Best-effort ``Exiting``, then a half-close and a short drain so it is not reset away."""
         if self._lost is not None:
             return
@@ -349,14 +349,14 @@ async def open_rank(
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
                       relay=where, leftover=leftover)
     async with open_lifecycle(f"rank {rank}", failure=lambda: None) as life:
-        life.nursery.start_soon(ep._reader)
-        life.nursery.start_soon(ep._watchdog)
-        life.nursery.start_soon(ep._heartbeats)
+        life.nursery.start_soon(ep.run_reader)
+        life.nursery.start_soon(ep.run_watchdog)
+        life.nursery.start_soon(ep.run_heartbeats)
         try:
             with life.body():
                 yield ep
             with trio.CancelScope(shield=True):
-                await ep._say_goodbye()
+                await ep.say_goodbye()
         finally:
             life.stop_tasks()  # first: the reader must not report the close as a lost link
             # Shielded: under an outside cancellation an unshielded close raised Cancelled at

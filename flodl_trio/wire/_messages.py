@@ -25,6 +25,7 @@ from ._schema import (
     Nonce,
     WireMessage,
     variant,
+    wire_enum,
 )
 
 CONTROL_MSG = Family("ControlMsg")
@@ -32,6 +33,8 @@ TIMING_MSG = Family("TimingMsg")
 RELAY_CONTROL_MSG = Family("RelayControlMsg")
 
 
+# flodl decodes an unknown reason byte as a graceful shutdown; so do we.
+@wire_enum(bits=8, fallback="GRACEFUL_SHUTDOWN")
 class SaveReason(enum.IntEnum):
     """Why the cohort is told to save and stop (``ShutdownWithSave``)."""
 
@@ -40,11 +43,6 @@ class SaveReason(enum.IntEnum):
     SINGLE_SURVIVOR = 2
     ALL_RANKS_LOST = 3
     REDUCE_STALL = 4
-
-
-SaveReason._wire_bits = 8  # type: ignore[attr-defined]
-# flodl decodes an unknown reason byte as a graceful shutdown; so do we.
-SaveReason._wire_fallback = SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
 
 
 class IntentKind(enum.IntEnum):
@@ -454,7 +452,7 @@ def encode(msg: WireMessage) -> bytes:
     """The CBOR payload of any message class."""
     if not isinstance(msg, WireMessage):
         raise WireError(f"encode: expected a flodl_trio.wire message, got {type(msg).__name__}")
-    return cbor_dumps(msg._to_wire())
+    return cbor_dumps(msg.to_wire())
 
 
 def decode_control(b: bytes) -> ControlMsg:
@@ -473,7 +471,7 @@ def decode_timing(b: bytes) -> TimingMsg:
 
 def decode_metrics(b: bytes) -> Metrics:
     """Strictly decode a Metrics payload."""
-    value: Any = Metrics._strict_load(cbor_loads(b, "Metrics"), "Metrics")
+    value: Any = Metrics.strict_load(cbor_loads(b, "Metrics"), "Metrics")
     assert isinstance(value, Metrics)
     return value
 
