@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from .._errors import AuthError, WireError
+from .._transport import STREAM_GONE
 from ..events import InvalidFrame, RankExited
 from ..timeline import Timeline
 from ..wire import (
@@ -127,7 +128,7 @@ class Readers:
                         await self.deliver_when_room(conn, send, msg)
                         now = trio.current_time()
                     # else: nobody is reading any more; never block shutdown on it
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                except STREAM_GONE:
                     pass
             elif rec.kind == _CONTROL:
                 self.on_relay_control(conn, rec.payload)
@@ -196,7 +197,7 @@ class Readers:
         try:
             with trio.CancelScope() as conn.delivery_scope:
                 await send.send(msg)  # shutdown cancels this wait: nobody will read any more
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except STREAM_GONE:
             return
         finally:
             conn.delivery_scope = None
