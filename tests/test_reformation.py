@@ -12,6 +12,7 @@ import pytest
 import trio
 
 import flodl_trio as ft
+from flodl_trio._epoch_math import coverage, processed_ranges, unprocessed_ranges
 from flodl_trio._reformation import Reformation
 from flodl_trio.scheduler import ReformationError, RunSummary, SyncScheduler
 from flodl_trio.sim import SimRecord, SimulatedCrash
@@ -71,6 +72,10 @@ async def test_first_session_before_any_epoch_and_a_new_one_among_survivors_of_a
         len(sessions(records[0])), 0, 0, 0]  # only rank 0 was ever asked
     assert_covered_once(records, 2)
     assert summary.epochs_completed == 2 and sorted(summary.deaths) == [2, 3]
+    assert [c.exact for c in summary.coverage] == [True, True]
+    dead_part = summary.coverage[0].per_rank
+    assert dead_part[2] == len(records[2].samples(0)) == 12  # 3 batches of 4, then the crash
+    assert sorted(summary.coverage[1].per_rank) == [0, 1]  # epoch 1 planned over the survivors
 
 
 async def test_asked_survivor_dying_during_reformation_hands_the_request_to_the_next(
@@ -132,3 +137,17 @@ def test_invalid_reform_timeout_and_sim_option_are_config_errors() -> None:
         from flodl_trio.sim import SimulatedRank
         SimulatedRank(object(), batch_size=1, batch_ms=1,  # type: ignore[arg-type]
                       fail_on_new_nccl_id=0)
+
+
+def test_coverage_accounting_reports_overlaps_and_gaps() -> None:
+    exact = coverage(0, 10, {0: [(0, 4)], 1: [(4, 3), (7, 3)]})
+    assert exact.exact and exact.per_rank == {0: 4, 1: 6}
+    twice = coverage(1, 10, {0: [(0, 6)], 1: [(4, 6)]})
+    assert (twice.overlaps, twice.gaps, twice.exact) == (2, 0, False)
+    hole = coverage(2, 10, {0: [(0, 3)], 1: [(5, 4)]})
+    assert (hole.overlaps, hole.gaps, hole.exact) == (0, 3, False)
+    ranges = [(0, 10), (20, 3)]
+    for batches in range(6):
+        done = processed_ranges(ranges, batches, 4)
+        rest = unprocessed_ranges(ranges, batches, 4)
+        assert coverage(0, 23, {0: done, 1: rest, 2: [(10, 10)]}).exact, batches

@@ -244,6 +244,12 @@ def test_random_cohorts_with_random_crashes_process_every_epoch_exactly_once(
         assert_each_epoch_processed_exactly_once([c.sims[r].record for r in range(world)],
                                                  total, epochs)
         assert set(summary.deaths) <= set(doomed)
+        # the scheduler's own accounting agrees with what the ranks actually processed
+        assert [cov.exact for cov in summary.coverage] == [True] * epochs
+        for cov in summary.coverage:
+            assert {r: n for r, n in cov.per_rank.items() if n} == {
+                r: len(c.sims[r].record.samples(cov.epoch)) for r in range(world)
+                if c.sims[r].record.samples(cov.epoch)}
         net.assert_all_closed()
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
