@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from typing import Any
 
@@ -171,7 +172,16 @@ class CoordinatorConfig:
         heartbeat_interval: cadence of ``CoordHeartbeat`` (not scaled).
         max_failure: failure policy; ``None`` stops only when every rank is lost.
         strict_formation: make every pre-auth reject fatal (flodl's behaviour).
-        max_rejected_handshakes: more pre-auth rejects than this fail formation.
+        max_pending_handshakes: at most this many connections may be unauthenticated at once
+            (between accept and a verified Hello); a new one beyond it sheds the *oldest*
+            pending one (counted as ``shed``), so a slow or silent dialer holding slots cannot
+            keep a relay out, while a genuine relay, whose handshake takes one round trip,
+            finishes long before it becomes the oldest. Pre-auth memory is bounded by this
+            times the Hello ceiling (``wire.max_hello_payload(world_size)``). Raise it when
+            more relays than this dial at the same instant.
+        max_rejected_handshakes: **deprecated, ignored** (a ``DeprecationWarning`` when set):
+            since FT/2 no number of pre-auth rejects fails formation, or anyone who can reach
+            the port could kill it; use ``strict_formation=True`` for flodl's behaviour.
         timing_buffer / metrics_buffer: capacity of ``coord.timing`` / ``coord.metrics``.
         declare_dead_on_relay_loss: a lost relay connection declares its ranks dead at once.
     """
@@ -186,10 +196,22 @@ class CoordinatorConfig:
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
     max_failure: MaxFailure | None = attrs.field(default=None)
     strict_formation: bool = attrs.field(default=False, converter=bool)
-    max_rejected_handshakes: int = attrs.field(default=1024, validator=_non_negative_int)
+    max_pending_handshakes: int = attrs.field(default=1024, validator=_positive_int)
+    max_rejected_handshakes: int | None = attrs.field(default=None)
     timing_buffer: int = attrs.field(default=4096, validator=_positive_int)
     metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
+
+    @max_rejected_handshakes.validator
+    def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        _non_negative_int(self, attribute, value)
+        warnings.warn(
+            "CoordinatorConfig.max_rejected_handshakes is deprecated and ignored: since FT/2 "
+            "pre-auth rejects never fail formation (strict_formation=True makes each one "
+            "fatal); their resources are bounded by max_pending_handshakes",
+            DeprecationWarning, stacklevel=3)
 
     @max_failure.validator
     def _check_max_failure(self, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ._errors import FlodlError
+from ._errors import FlodlError, UsageError
 from .wire import SessionSalt
 
 START_DEADLINE_S = 30.0
@@ -44,8 +44,6 @@ def _parse_kills(specs: list[str], hosts: list[str]) -> dict[str, float]:
         except ValueError:
             when = -1.0
         if not sep or host not in hosts or when < 0:
-            from .cli import UsageError
-
             raise UsageError(f"--kill-relay: expected HOST@SECONDS with HOST one of {hosts}, "
                              f"got {spec!r}")
         kills[host] = when

@@ -97,3 +97,8 @@ class CoordinatorLost(FlodlError):
 
 class FlodlInternalError(FlodlError):
     """An unexpected internal failure; raised ``from`` the original exception (group)."""
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given (exit code 2). Raised by the command line
+    only, never by the library's API, hence outside the FlodlError hierarchy."""

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import trio
 
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
-from ._errors import ConfigError, FlodlError
+from ._errors import ConfigError, FlodlError, UsageError
 from ._transport import format_address
 from ._version import __version__
 from .wire import SessionSalt
@@ -29,10 +29,6 @@ log = logging.getLogger("flodl_trio.cli")
 
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """A command line that cannot be run as given (exit code 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,10 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _dispatch(args)
         except BaseExceptionGroup as group:
-            from .coordinator import pick_one_exception
+            from ._lifecycle import choose_one_exception
 
-            chosen = pick_one_exception(group, None, None)
-            if chosen is None:
+            chosen = choose_one_exception(group, body_exc=None, failure=None,
+                                          cancelled_from_outside=False, what="flodl-trio")
+            if isinstance(chosen, trio.Cancelled):
                 raise
             raise chosen from None
     except UsageError as exc:

@@ -307,7 +307,7 @@ class PortMux:
         self.stop()
         await self._stopped.wait()
 
-    async def _run(self, abort: trio.Event | None, *, task_status: trio.TaskStatus[None]) -> None:
+    async def run(self, abort: trio.Event | None, *, task_status: trio.TaskStatus[None]) -> None:
         try:
             with self._cancel_scope:
                 async with trio.open_nursery() as nursery:
@@ -436,7 +436,7 @@ async def open_port_mux(
     mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(mux._run, abort)
+        await nursery.start(mux.run, abort)
         try:
             yield mux
         except Exception as exc:

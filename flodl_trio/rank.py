@@ -12,7 +12,6 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import trio
 
@@ -25,8 +24,8 @@ from ._errors import (
     WireError,
 )
 from ._handshake_io import run_handshake
+from ._lifecycle import open_lifecycle
 from ._transport import DialTarget, StreamWriter, dial, format_address
-from .coordinator import pick_one_exception
 from .wire import (
     MAX_LEN_FRAME,
     ControlMsg,
@@ -40,6 +39,7 @@ from .wire import (
     MsgKind,
     RankConfirmed,
     RankDialHandshake,
+    RelayWaiting,
     SessionSalt,
     Shutdown,
     ShutdownWithSave,
@@ -87,6 +87,8 @@ class RankEndpoint:
         self._wake = trio.Event()
         self._leaving = False
         self._reader_done = trio.Event()
+        # The relay's last RelayWaiting notice, while no coordinator frame came after it.
+        self._relay_said: str | None = None
         self._leftover = leftover  # what the relay sent right behind its ack
 
     @property
@@ -105,8 +107,9 @@ class RankEndpoint:
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._ended = True
             if self._lost is not None:
+                said = "" if self._relay_said is None else f"; the relay said: {self._relay_said}"
                 raise CoordinatorLost(f"rank {self.rank} (via relay {self._relay}): "
-                                      f"{self._lost}") from None
+                                      f"{self._lost}{said}") from None
             raise StopAsyncIteration from None
         if isinstance(msg, Shutdown | ShutdownWithSave):
             self._ended = True
@@ -155,7 +158,7 @@ class RankEndpoint:
             log.warning("rank %d: coordinator lost: %s", self.rank, reason)
         self._inbox_send.close()
 
-    async def _reader(self) -> None:
+    async def run_reader(self) -> None:
         try:
             await self._read_until_end()
         finally:
@@ -207,7 +210,14 @@ class RankEndpoint:
             log.warning("rank %d: dropped an undecodable control frame: %s", self.rank, exc)
             return
         if isinstance(msg, CoordHeartbeat):
+            self._relay_said = None
             return
+        if isinstance(msg, RelayWaiting):
+            # The relay has not joined yet and says why; it kept our liveness clock alive above,
+            # and an error from here on quotes it (the coordinator may never have been dialed).
+            self._relay_said = msg.detail
+            return
+        self._relay_said = None
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         if isinstance(msg, Shutdown | ShutdownWithSave):
@@ -230,7 +240,7 @@ class RankEndpoint:
             self._last_inbound = trio.current_time()
             self._wake.set()
 
-    async def _watchdog(self) -> None:
+    async def run_watchdog(self) -> None:
         timeout = self.config.coord_liveness_timeout
         while self._lost is None and not self._shutdown_seen:
             due = self._last_inbound + timeout
@@ -245,7 +255,7 @@ class RankEndpoint:
             with trio.move_on_at(math.inf if self._paused else due):
                 await self._wake.wait()
 
-    async def _heartbeats(self) -> None:
+    async def run_heartbeats(self) -> None:
         while True:
             await trio.sleep(self.config.heartbeat_interval)
             if self._lost is not None:
@@ -255,7 +265,7 @@ class RankEndpoint:
             except SendError:
                 return
 
-    async def _say_goodbye(self) -> None:
+    async def say_goodbye(self) -> None:
         """Best-effort ``Exiting``, then a half-close and a short drain so it is not reset away."""
         if self._lost is not None:
             return
@@ -339,31 +349,18 @@ async def open_rank(
     where = format_address(relay) if not callable(relay) else "in-process"
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
                       relay=where, leftover=leftover)
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ep._reader)
-            nursery.start_soon(ep._watchdog)
-            nursery.start_soon(ep._heartbeats)
-            try:
+    async with open_lifecycle(f"rank {rank}", failure=lambda: None) as life:
+        life.nursery.start_soon(ep.run_reader)
+        life.nursery.start_soon(ep.run_watchdog)
+        life.nursery.start_soon(ep.run_heartbeats)
+        try:
+            with life.body():
                 yield ep
-            except BaseException as exc:
-                body_exc = exc
-                raise
-            else:
-                with trio.CancelScope(shield=True):
-                    await ep._say_goodbye()
-            finally:
-                nursery.cancel_scope.cancel()
-                # Shielded: unshielded, the close's Cancelled (the nursery is cancelled now)
-                # replaced the body's exception, and the nursery then swallowed it.
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(stream)
-    except BaseExceptionGroup as group:
-        chosen: Any = pick_one_exception(group, body_exc, None)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        return
-    raise error
+            with trio.CancelScope(shield=True):
+                await ep.say_goodbye()
+        finally:
+            life.stop_tasks()  # first: the reader must not report the close as a lost link
+            # Shielded: under an outside cancellation an unshielded close raised Cancelled at
+            # its first checkpoint and left the stream open.
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)

@@ -234,6 +234,13 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
         "Connections rejected before authenticating, by reason.",
         [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(rejected.items())],
     )
+    invalid = state.get("invalid_frames") or {}
+    family(
+        "invalid_frames_total",
+        "counter",
+        "Frames from authenticated relays dropped (forged, foreign rank, undecodable), by reason.",
+        [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(invalid.items())],
+    )
     uptime = float(state.get("uptime_s") or 0.0)
     family("uptime_seconds", "gauge", "Seconds since the coordinator started.", [("", uptime)])
     phase = str(state.get("phase", ""))

@@ -96,6 +96,12 @@ class MemoryConnection:
         self.client = MemoryStream(self, is_client=True)
         self.server = MemoryStream(self, is_client=False)
 
+    def pipes(self, *, is_client: bool) -> tuple[_Pipe, _Pipe]:
+        """The (outgoing, incoming) buffers of one end."""
+        if is_client:
+            return self._to_server, self._to_client
+        return self._to_client, self._to_server
+
     def _reset(self) -> None:
         self.was_reset = True
         for pipe in (self._to_server, self._to_client):
@@ -126,8 +132,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         client_address, server_address = (host, connection.index), (host, 0)
         self.local_address = client_address if is_client else server_address
         self.remote_address = server_address if is_client else client_address
-        self._outgoing = connection._to_server if is_client else connection._to_client
-        self._incoming = connection._to_client if is_client else connection._to_server
+        self._outgoing, self._incoming = connection.pipes(is_client=is_client)
         self._closed = False  # our own aclose() ran: our calls raise ClosedResourceError
         self._released = False  # closed or reset by us: no longer counted as open
         self._eof_sent = False
@@ -323,7 +328,8 @@ class MemoryListener(trio.abc.Listener[MemoryStream]):
         """Whether :meth:`aclose` has not been called yet."""
         return not self._closed
 
-    def _enqueue(self, connection: MemoryConnection) -> None:
+    def enqueue(self, connection: MemoryConnection) -> None:
+        """Queue a dialled connection for :meth:`accept` (:meth:`MemoryNetwork.connect`)."""
         self._backlog.append(connection)
         self._arrived.unpark()
 
@@ -424,7 +430,7 @@ class MemoryNetwork:
             )
         connection = MemoryConnection(name, len(self.connections) + 1, self.buffer_size)
         self.connections.append(connection)
-        listener._enqueue(connection)
+        listener.enqueue(connection)
         return connection.client
 
     def open_streams(self) -> list[MemoryStream]:

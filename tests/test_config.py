@@ -124,6 +124,8 @@ def test_math_inf_disables_a_deadline(make: object) -> None:
         ({"world_size": 2, "max_failure": 3}, ["max_failure", "MaxFailure or None"]),
         ({"world_size": 2, "timing_buffer": 0}, ["timing_buffer", "integer > 0"]),
         ({"world_size": 2, "max_rejected_handshakes": -1}, ["max_rejected_handshakes", ">= 0"]),
+        ({"world_size": 2, "max_pending_handshakes": 0}, ["max_pending_handshakes", "> 0"]),
+        ({"world_size": 2, "max_pending_handshakes": 2.5}, ["max_pending_handshakes", "2.5"]),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v if k != "world_size" or len(v) == 1)
     if isinstance(v, dict) else None,
@@ -231,3 +233,10 @@ def test_invalid_max_failure_is_config_error(make: object, words: list[str]) -> 
 def test_coordinator_config_accepts_a_max_failure_policy() -> None:
     cfg = CoordinatorConfig(world_size=3, max_failure=MaxFailure.percent(50))
     assert cfg.max_failure is not None and cfg.max_failure.limit(cfg.world_size) == 2
+
+
+def test_max_rejected_handshakes_is_accepted_but_deprecated_and_pending_has_a_default() -> None:
+    assert CoordinatorConfig(world_size=2).max_pending_handshakes == 1024
+    with pytest.warns(DeprecationWarning, match="max_rejected_handshakes is deprecated"):
+        cfg = CoordinatorConfig(world_size=2, max_rejected_handshakes=5)
+    assert cfg.max_rejected_handshakes == 5

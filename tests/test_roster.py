@@ -75,9 +75,10 @@ def test_unregister_uncovers_only_the_relays_own_ranks() -> None:
 def test_coverage_text_reports_coverage_hosts_and_rejects() -> None:
     roster: Roster[FakeRelay] = Roster(16)
     roster.register(FakeRelay("a", tuple(range(10))), 0.0)
-    assert roster.reject("bad mac") == 1
-    assert roster.reject("bad mac") == 2
-    assert roster.reject("timeout") == 3
+    first = roster.reject("bad mac", "peer 1: Hello MAC did not verify", 0.0)
+    assert first is not None and first.detail == "peer 1: Hello MAC did not verify"
+    roster.reject("bad mac", "peer 2", 0.0)
+    roster.reject("timeout", "peer 3", 0.0)
     assert roster.coverage_text("formation timed out after 5s") == (
         "formation timed out after 5s: 10/16 ranks covered; hosts joined: a [0..9, 10 ranks]; "
         "rejected connections: bad mac x2, timeout x1")

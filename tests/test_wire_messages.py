@@ -106,6 +106,7 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (17, wire.SaveConsensusModel, [U64]),
     (18, wire.CoordHeartbeat, []),
     (19, wire.StageAdvisory, [seq(U64), seq(pair(U64, seq(pair(U64, U64))))]),
+    (20, wire.RelayWaiting, [HOST, TEXT]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -239,7 +240,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [20], ["ControlMsg", "unknown variant index 20"]),
+        (wire.decode_control, [21], ["ControlMsg", "unknown variant index 21"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
         (wire.decode_relay, [4, 0], ["RelayControlMsg", "unknown variant index 4"]),
@@ -248,7 +249,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-20", "ctl-neg", "timing-15", "relay-4", "bool-index", "empty", "int", "map"],
+    ids=["ctl-21", "ctl-neg", "timing-15", "relay-4", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

@@ -68,19 +68,24 @@ class ProxiedConnection:
         """Whether both sockets of this connection are closed."""
         return self._done.is_set()
 
-    def _end(self, how: str) -> None:
+    def end(self, how: str) -> None:
+        """Start ending the connection (``"kill"``, ``"reset"``, ...) without waiting."""
         if self.ended_by is None:
             self.ended_by = how
         self._scope.cancel()
 
+    async def wait_closed(self) -> None:
+        """Return once both sockets are closed."""
+        await self._done.wait()
+
     async def close(self) -> None:
         """Close both sides now and wait until they are closed."""
-        self._end("kill")
+        self.end("kill")
         await self._done.wait()
 
     async def reset(self) -> None:
         """RST the client side, close the server side, and wait until both are closed."""
-        self._end("reset")
+        self.end("reset")
         await self._done.wait()
 
     def __repr__(self) -> str:
@@ -88,6 +93,102 @@ class ProxiedConnection:
         return (
             f"<ProxiedConnection #{self.index} up={self.bytes_up} down={self.bytes_down} {state}>"
         )
+
+    async def run(self, target: tuple[str, int], close_grace: float) -> None:
+        """Dial ``target`` and forward both ways under the plan (the proxy runs this)."""
+        try:
+            with self._scope:
+                if self.plan.resets_at_once:
+                    self.end("reset")
+                    return
+                try:
+                    self._server = await trio.open_tcp_stream(*target)
+                except OSError:
+                    self.end("target refused")
+                    return
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, "up", self._client, self._server)
+                    nursery.start_soon(self._pump, "down", self._server, self._client)
+            if self.ended_by is None:
+                self.ended_by = "eof"
+        finally:
+            # Still unset here means the proxy's own nursery was cancelled: the block was left.
+            if self.ended_by is None:
+                self.ended_by = "proxy closed"
+            with trio.CancelScope(shield=True):
+                await self._finish(close_grace)
+            self._done.set()
+
+    async def _pump(
+        self,
+        direction: Literal["up", "down"],
+        source: trio.SocketStream,
+        sink: trio.SocketStream,
+    ) -> None:
+        offset = 0
+        try:
+            while True:
+                schedule = await self._obey_due_fault(direction, offset)
+                room = schedule.room(offset)
+                data = await source.receive_some(_CHUNK if room is None else min(room, _CHUNK))
+                if not data:
+                    await sink.send_eof()
+                    return
+                if schedule.delay:
+                    await trio.sleep(schedule.delay)
+                sent = 0
+                while sent < len(data):
+                    # Re-read the plan for every piece: ChaosProxy.plan() may change it meanwhile.
+                    schedule = await self._obey_due_fault(direction, offset)
+                    room = schedule.room(offset)
+                    step = len(data) - sent if room is None else min(room, len(data) - sent)
+                    if schedule.rate is not None:
+                        step = min(step, _drip_piece(schedule.rate))
+                        await trio.sleep(step / schedule.rate)
+                    await sink.send_all(schedule.corrupted(data[sent : sent + step], offset))
+                    sent += step
+                    offset += step
+                    if direction == "up":
+                        self.bytes_up += step
+                    else:
+                        self.bytes_down += step
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.end("error")
+
+    async def _obey_due_fault(self, direction: Literal["up", "down"], offset: int) -> _Schedule:
+        """Return the current schedule if no fault is due at ``offset``; otherwise never return.
+
+        A stall just sleeps; a cut or reset ends the connection, whose cancelled scope then
+        unwinds this sleep along with the rest of the connection's tasks.
+        """
+        schedule = self.plan.schedule(direction)
+        action = schedule.action_at(offset)
+        if action is not None:
+            if action != "stall":
+                self.end(action)
+            await trio.sleep_forever()
+        return schedule
+
+    async def _finish(self, close_grace: float) -> None:
+        ends = [s for s in (self._client, self._server) if s is not None]
+        if self.ended_by == "reset":
+            # SO_LINGER {on, 0 s}: close() sends RST at once instead of FIN.
+            with suppress(OSError):
+                linger = struct.pack("ii", 1, 0)
+                self._client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        elif self.ended_by == "cut":
+            # FIN both ways first, then swallow what the peers still send: closing a socket with
+            # unread bytes makes the kernel send RST, which would turn the graceful cut into a
+            # reset and lose the bytes delivered before it.
+            for end in ends:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await end.send_eof()
+            with trio.move_on_after(close_grace):
+                async with trio.open_nursery() as nursery:
+                    for end in ends:
+                        nursery.start_soon(_drain, end)
+        for end in ends:
+            await end.aclose()
 
 
 class ChaosProxy:
@@ -146,12 +247,13 @@ class ChaosProxy:
     async def _end_all(self, how: str) -> None:
         live = [c for c in self._connections if not c.closed]
         for record in live:
-            record._end(how)
+            record.end(how)
         for record in live:
-            await record._done.wait()
+            await record.wait_closed()
         await trio.lowlevel.checkpoint()
 
-    async def _serve(self) -> None:
+    async def serve(self) -> None:
+        """Accept and forward until cancelled (:func:`open_chaos_proxy` runs this)."""
         try:
             while True:
                 client = await self._listener.accept()
@@ -159,109 +261,11 @@ class ChaosProxy:
                 plan = self._plans.get(index, self._default_plan)
                 record = ProxiedConnection(index, client, plan)
                 self._connections.append(record)
-                self._nursery.start_soon(self._run, record, name=f"chaos-proxy#{index}")
+                self._nursery.start_soon(record.run, self.target, self._close_grace,
+                                         name=f"chaos-proxy#{index}")
         finally:
             with trio.CancelScope(shield=True):
                 await self._listener.aclose()
-
-    async def _run(self, record: ProxiedConnection) -> None:
-        try:
-            with record._scope:
-                if record.plan.resets_at_once:
-                    record._end("reset")
-                    return
-                try:
-                    record._server = await trio.open_tcp_stream(*self.target)
-                except OSError:
-                    record._end("target refused")
-                    return
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump, record, "up", record._client, record._server)
-                    nursery.start_soon(self._pump, record, "down", record._server, record._client)
-            if record.ended_by is None:
-                record.ended_by = "eof"
-        finally:
-            # Still unset here means the proxy's own nursery was cancelled: the block was left.
-            if record.ended_by is None:
-                record.ended_by = "proxy closed"
-            with trio.CancelScope(shield=True):
-                await self._finish(record)
-            record._done.set()
-
-    async def _pump(
-        self,
-        record: ProxiedConnection,
-        direction: Literal["up", "down"],
-        source: trio.SocketStream,
-        sink: trio.SocketStream,
-    ) -> None:
-        offset = 0
-        try:
-            while True:
-                schedule = await _obey_due_fault(record, direction, offset)
-                room = schedule.room(offset)
-                data = await source.receive_some(_CHUNK if room is None else min(room, _CHUNK))
-                if not data:
-                    await sink.send_eof()
-                    return
-                if schedule.delay:
-                    await trio.sleep(schedule.delay)
-                sent = 0
-                while sent < len(data):
-                    # Re-read the plan for every piece: ChaosProxy.plan() may change it meanwhile.
-                    schedule = await _obey_due_fault(record, direction, offset)
-                    room = schedule.room(offset)
-                    step = len(data) - sent if room is None else min(room, len(data) - sent)
-                    if schedule.rate is not None:
-                        step = min(step, _drip_piece(schedule.rate))
-                        await trio.sleep(step / schedule.rate)
-                    await sink.send_all(schedule.corrupted(data[sent : sent + step], offset))
-                    sent += step
-                    offset += step
-                    if direction == "up":
-                        record.bytes_up += step
-                    else:
-                        record.bytes_down += step
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            record._end("error")
-
-    async def _finish(self, record: ProxiedConnection) -> None:
-        ends = [s for s in (record._client, record._server) if s is not None]
-        if record.ended_by == "reset":
-            # SO_LINGER {on, 0 s}: close() sends RST at once instead of FIN.
-            with suppress(OSError):
-                linger = struct.pack("ii", 1, 0)
-                record._client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        elif record.ended_by == "cut":
-            # FIN both ways first, then swallow what the peers still send: closing a socket with
-            # unread bytes makes the kernel send RST, which would turn the graceful cut into a
-            # reset and lose the bytes delivered before it.
-            for end in ends:
-                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await end.send_eof()
-            with trio.move_on_after(self._close_grace):
-                async with trio.open_nursery() as nursery:
-                    for end in ends:
-                        nursery.start_soon(_drain, end)
-        for end in ends:
-            await end.aclose()
-
-
-async def _obey_due_fault(
-    record: ProxiedConnection, direction: Literal["up", "down"], offset: int
-) -> _Schedule:
-    """Return the current schedule if no fault is due at ``offset``; otherwise never return.
-
-    A stall just sleeps; a cut or reset ends the connection, whose cancelled scope then unwinds
-    this sleep along with the rest of the connection's tasks.
-    """
-    schedule = record.plan.schedule(direction)
-    action = schedule.action_at(offset)
-    if action is not None:
-        if action != "stall":
-            record._end(action)
-        await trio.sleep_forever()
-    return schedule
 
 
 async def _drain(stream: trio.SocketStream) -> None:
@@ -302,7 +306,7 @@ async def open_chaos_proxy(
     body_error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         proxy = ChaosProxy(listener, target, nursery, close_grace)
-        nursery.start_soon(proxy._serve, name="chaos-proxy-accept")
+        nursery.start_soon(proxy.serve, name="chaos-proxy-accept")
         try:
             yield proxy
         except BaseException as exc:

@@ -12,7 +12,8 @@ from typing import Any
 import trio
 
 from .._config import CoordinatorConfig
-from .._errors import ConfigError, FlodlError, FlodlInternalError
+from .._errors import ConfigError
+from .._lifecycle import open_lifecycle
 from .._transport import close_all, format_address
 from ..events import Listening
 from ..port_mux import open_port_mux
@@ -91,45 +92,6 @@ async def bind_coordinator(
     return CoordinatorBind(listeners, address)
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        out: list[BaseException] = []
-        for inner in exc.exceptions:
-            out.extend(_leaves(inner))
-        return out
-    return [exc]
-
-
-def pick_one_exception(
-    group: BaseExceptionGroup[BaseException], body_exc: BaseException | None,
-    failure: BaseException | None,
-) -> BaseException | None:
-    """Turn a nursery's exception group into the one exception the user should see.
-
-    Returns None when only cancellations are inside (the caller re-raises the group so that
-    trio's enclosing cancel scope absorbs it).
-    """
-    _, rest = group.split(trio.Cancelled)
-    if rest is None:
-        return None
-    leaves = _leaves(rest)
-    if body_exc is not None and any(leaf is body_exc for leaf in leaves):
-        if failure is not None and body_exc.__context__ is None:
-            body_exc.__context__ = failure
-        return body_exc
-    for leaf in leaves:
-        if not isinstance(leaf, Exception):
-            return leaf  # KeyboardInterrupt, SystemExit: never disguised
-    for leaf in leaves:
-        if isinstance(leaf, FlodlError):
-            return leaf
-    internal = FlodlInternalError(
-        f"unexpected internal failure: {'; '.join(repr(e) for e in leaves[:3])}"
-    )
-    internal.__cause__ = rest
-    return internal
-
-
 @asynccontextmanager
 async def open_coordinator(
     listen: ListenSpec | CoordinatorBind,
@@ -192,54 +154,41 @@ async def open_coordinator(
         mux_listeners = [trio.SSLListener(lst, ssl_context, https_compatible=False)
                          for lst in mux_listeners]
         direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            async with AsyncExitStack() as stack:
-                if bind is not None:
-                    stack.push_async_callback(bind.aclose)
-                    mux = await stack.enter_async_context(
-                        open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
-                                      legs=("control", "status"), queue_size=MUX_QUEUE)
-                    )
-                    nursery.start_soon(partial(serve_status, mux.status, coord.state,
-                                               request_timeout=config.peek_timeout))
-                    control: list[trio.abc.Listener[Any]] = [mux.control]
-                else:
-                    for listener in direct:
-                        stack.push_async_callback(listener.aclose)
-                    control = direct
-                try:
-                    # Every background task of the run starts here, and only here.
-                    await nursery.start(coord.host_writers)
-                    for task in coord.background_tasks(control, abort):
-                        nursery.start_soon(task)
-                    await coord.formed()
-                    with trio.CancelScope() as body_scope:
-                        coord.cancel_on_failure(body_scope)
-                        try:
-                            yield coord
-                        except BaseException as exc:
-                            body_exc = exc
-                            raise
-                except BaseException as exc:
-                    body_exc = body_exc or exc  # for the shutdown reason only
-                    raise
-                finally:
-                    reason = _shutdown_reason(coord, body_exc)
-                    with trio.CancelScope(shield=True):
-                        await coord.shutdown(reason)
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, coord.failure)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        if coord.failure is None:
-            return
-        error = coord.failure
-    raise error
+    async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
+        async with AsyncExitStack() as stack:
+            if bind is not None:
+                stack.push_async_callback(bind.aclose)
+                mux = await stack.enter_async_context(
+                    open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
+                                  legs=("control", "status"), queue_size=MUX_QUEUE)
+                )
+                life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
+                                                request_timeout=config.peek_timeout))
+                control: list[trio.abc.Listener[Any]] = [mux.control]
+            else:
+                for listener in direct:
+                    stack.push_async_callback(listener.aclose)
+                control = direct
+            setup_exc: BaseException | None = None
+            try:
+                # Every background task of the run starts here, and only here, in the
+                # lifecycle's nursery: out of the caller's reach until the block ends.
+                await life.nursery.start(coord.host_writers)
+                for task in coord.background_tasks(control, abort):
+                    life.nursery.start_soon(task)
+                await coord.formed()
+                with life.body() as body_scope:
+                    coord.cancel_on_failure(body_scope)
+                    yield coord
+            except BaseException as exc:
+                setup_exc = exc  # for the shutdown reason only
+                raise
+            finally:
+                reason = _shutdown_reason(coord, life.body_exc or setup_exc)
+                # Shielded, and the readers and writers it needs are out of the caller's reach:
+                # an outside cancellation still ends with Shutdown, half-close and drain.
+                with trio.CancelScope(shield=True):
+                    await coord.shutdown(reason)
 
 
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:

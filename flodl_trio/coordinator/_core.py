@@ -185,6 +185,7 @@ class Coordinator:
             **self._roster.state_fields(),
             "lost_broadcasts": self.lost_broadcasts,
             "rejected_handshakes": self._roster.rejects,
+            "invalid_frames": self._roster.invalid_frames,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         }
 
@@ -262,6 +263,9 @@ class Coordinator:
             if conn.delivery_scope is not None:
                 conn.delivery_scope.cancel()
         log.info("shutting down: %s", reason)
+        tail = self._roster.invalid_frames_tail(trio.current_time())
+        if tail is not None:
+            log.warning("frames dropped: %s", tail.text())
         with trio.move_on_after(self.config.shutdown_grace):
             if not self._liveness.save_latched and self.live_ranks:
                 try:

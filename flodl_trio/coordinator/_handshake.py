@@ -20,14 +20,16 @@ class Rejected(Exception):
 
 
 async def coordinator_handshake(
-    stream: trio.abc.Stream, salt: SessionSalt, peer: str
+    stream: trio.abc.Stream, salt: SessionSalt, peer: str, *, max_hello: int
 ) -> tuple[CoordinatorHandshake, HelloReceived]:
     """Magic, Challenge, then an authenticated Hello. The caller bounds it by handshake_timeout.
 
     Raises:
         Rejected: anything that goes wrong before the Hello's MAC verified.
     """
-    machine = CoordinatorHandshake(salt, peer=peer)
+    # The Hello ceiling is fitted to the largest legal Hello (wire.max_hello_payload): a
+    # stranger cannot make us buffer more than that before the MAC.
+    machine = CoordinatorHandshake(salt, peer=peer, max_hello=max_hello)
     try:
         event = await run_handshake(stream, machine)
     except FlodlError as exc:

@@ -9,11 +9,11 @@ object; it never waits and never reads a clock, so every rule here is testable w
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._config import MaxFailure
+from .._ratelimit import JunkCounter, JunkReport
 from ..wire import SaveReason
 
 PHASES = ("forming", "running", "shutting_down", "closed")
@@ -55,7 +55,9 @@ class Roster(Generic[M]):
         self._dead: dict[int, str] = {}
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
-        self._rejects: Counter[str] = Counter()
+        # Junk is counted by reason and reported rate-limited, never one line or event each.
+        self._rejects = JunkCounter()
+        self._invalid_frames = JunkCounter()
         self._phase = "forming"
 
     # ------------------------------------------------------------------ views
@@ -104,7 +106,12 @@ class Roster(Generic[M]):
     @property
     def rejects(self) -> dict[str, int]:
         """Rejected handshakes by category (a copy)."""
-        return dict(self._rejects)
+        return self._rejects.by_reason()
+
+    @property
+    def invalid_frames(self) -> dict[str, int]:
+        """Frames dropped from authenticated relays, by category (a copy)."""
+        return self._invalid_frames.by_reason()
 
     def relay_of(self, rank: int) -> M | None:
         return self._relay_of.get(rank)
@@ -178,18 +185,28 @@ class Roster(Generic[M]):
                 del self._relay_of[r]
                 self._last_seen.pop(r, None)
 
-    def reject(self, category: str) -> int:
-        """Count one rejected handshake; returns the total so far."""
-        self._rejects[category] += 1
-        return sum(self._rejects.values())
+    def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
+        """Count one rejected handshake; a report when one is due (rate-limited)."""
+        return self._rejects.add(category, detail, now)
+
+    def invalid_frame(self, category: str, detail: str, now: float) -> JunkReport | None:
+        """Count one frame dropped from an authenticated relay; a report when one is due."""
+        return self._invalid_frames.add(category, detail, now)
+
+    def rejects_tail(self, now: float) -> JunkReport | None:
+        """A summary of the rejects not reported yet (for the end of formation)."""
+        return self._rejects.flush(now, force=True)
+
+    def invalid_frames_tail(self, now: float) -> JunkReport | None:
+        """A summary of the invalid frames not reported yet (for shutdown)."""
+        return self._invalid_frames.flush(now, force=True)
 
     def coverage_text(self, headline: str) -> str:
         """``headline`` with the c/W coverage, the hosts that joined and the rejects."""
         joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in self._relays) or "none"
-        rejects = ", ".join(f"{k} x{n}" for k, n in sorted(self._rejects.items())) or "none"
         return (
             f"{headline}: {len(self._relay_of)}/{self.world_size} ranks covered; hosts joined: "
-            f"{joined}; rejected connections: {rejects}"
+            f"{joined}; rejected connections: {self._rejects.summary()}"
         )
 
     def start_running(self, now: float) -> None:

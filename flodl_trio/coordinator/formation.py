@@ -14,11 +14,13 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
+from .._ratelimit import JunkReport
 from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import SessionSalt
+from ..wire import SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, send_hello_ack
+from ._pending import PendingHandshakes
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -57,6 +59,8 @@ class Formation:
         self._tls = tls
         self._warned_hosts: set[str] = set()
         self._conn_counter = 0
+        self._pending = PendingHandshakes(config.max_pending_handshakes)
+        self._max_hello = max_hello_payload(config.world_size)
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
@@ -77,18 +81,29 @@ class Formation:
                 nursery.start_soon(self.serve_connection, stream)
 
     def reject(self, peer: str, category: str, detail: str) -> None:
-        total = self._roster.reject(category)
-        log.info("handshake rejected (%s): %s", category, detail)
-        self._timeline.event(HandshakeRejected(peer=peer, reason=f"{category}: {detail}"))
-        if not self._roster.forming:
-            return
-        if self._config.strict_formation:
+        """Count a connection that failed before authenticating.
+
+        Never fatal unless ``strict_formation`` (FT/2): a count limit let anyone who can reach
+        the port kill formation with 1,100 magic-and-close connections. Only a rate-limited few
+        become a log line and a ``HandshakeRejected`` event, so junk cannot evict real events.
+        """
+        report = self._roster.reject(category, detail, trio.current_time())
+        if report is not None:
+            self.record_rejects(peer, category, report)
+        if self._roster.forming and self._config.strict_formation:
             self.fail(FormationError(self._roster.coverage_text(
                 f"strict formation: handshake from {peer} rejected ({category}: {detail})")))
-        elif total > self._config.max_rejected_handshakes:
-            self.fail(FormationError(self._roster.coverage_text(
-                f"more than max_rejected_handshakes={self._config.max_rejected_handshakes} "
-                "rejected handshakes")))
+
+    def record_rejects(self, peer: str, category: str, report: JunkReport) -> None:
+        log.info("handshake rejected (%s): %s", category or "summary", report.text())
+        reason = f"{category}: {report.text()}" if category else report.text()
+        self._timeline.event(HandshakeRejected(peer=peer, reason=reason))
+
+    def report_rejects_tail(self) -> None:
+        """At the end of formation, one summary of the rejects that were not reported."""
+        report = self._roster.rejects_tail(trio.current_time())
+        if report is not None:
+            self.record_rejects("(several)", "", report)
 
     def fail(self, exc: FormationError) -> None:
         if self.failure is None and self._roster.forming:
@@ -101,21 +116,31 @@ class Formation:
             await trio.aclose_forcefully(stream)
             self.reject(peer, "cohort formed", f"{peer}: connection after formation completed")
             return
-        try:
-            with trio.fail_after(self._config.handshake_timeout):
-                machine, received = await coordinator_handshake(stream, self._salt, peer)
-        except trio.TooSlowError:
+        handshake = None
+        with self._pending.slot() as shed_scope:
+            try:
+                with shed_scope, trio.fail_after(self._config.handshake_timeout):
+                    handshake = await coordinator_handshake(stream, self._salt, peer,
+                                                            max_hello=self._max_hello)
+            except trio.TooSlowError:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
+                            f"handshake_timeout={self._config.handshake_timeout:g}s")
+                return
+            except Rejected as rej:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, rej.category, rej.detail)
+                return
+            except BaseException:
+                await close_all([stream])  # cancelled mid-handshake: the stream must not leak
+                raise
+        if handshake is None:  # shed: the oldest of more than max_pending_handshakes
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
-                        f"handshake_timeout={self._config.handshake_timeout:g}s")
+            self.reject(peer, "shed", f"{peer}: still unauthenticated when "
+                        f"max_pending_handshakes={self._pending.limit} newer connections "
+                        "were pending; the oldest is shed")
             return
-        except Rejected as rej:
-            await trio.aclose_forcefully(stream)
-            self.reject(peer, rej.category, rej.detail)
-            return
-        except BaseException:
-            await close_all([stream])  # cancelled mid-handshake: the stream must not leak
-            raise
+        machine, received = handshake
         hello = received.hello
         if not self._roster.forming:
             await trio.aclose_forcefully(stream)
@@ -190,6 +215,7 @@ class Formation:
                  elapsed)
         self._settled.set()
         self._liveness.wake()
+        self.report_rejects_tail()
 
     def start_clock(self) -> None:
         """Formation's deadline and elapsed time count from now."""
@@ -209,6 +235,7 @@ class Formation:
             failure = FormationTimeout(self._roster.coverage_text(
                 f"formation timed out after {timeout:g}s"))
         if failure is not None:
+            self.report_rejects_tail()
             self.failure = failure
             self._timeline.event(FormationFailed(reason=str(failure),
                                                  covered=len(self._roster.covered)))

@@ -19,12 +19,14 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._lifecycle import open_lifecycle
 from .._transport import DialTarget, close_all, dial, format_address
-from ..coordinator import pick_one_exception
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
-from . import pump, ranks
-from ._link import RankLink, RelayExit
+from ._link import RelayExit
+from .notices import RankNotices
+from .pump import Pump
+from .ranks import LocalRanks, accept_ranks
 
 __all__ = ["Relay", "RelayExit", "open_relay"]
 
@@ -60,20 +62,15 @@ class Relay:
         self._salt = salt
         self._ssl_context = ssl_context
         self._server_hostname = server_hostname
-        self._rank_set = frozenset(ranks)
-        self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
-        self._rejects: list[str] = []
-        self._all_ranks = trio.Event()
+        self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
+                                 config=config)
         self._connected = trio.Event()
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._upstream: trio.abc.Stream | None = None
-        self._pump_scope: trio.CancelScope | None = None
         self._body_scope: trio.CancelScope | None = None
+        self._notices = RankNotices(self._local, salt)
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -90,7 +87,21 @@ class Relay:
     @property
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
-        return frozenset(r for r, link in self._links.items() if not link.gone)
+        return self._local.connected
+
+    @property
+    def error(self) -> FlodlError | None:
+        """Why the relay failed (what ``open_relay`` raises), else None."""
+        return self._error
+
+    def cancel_on_error(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the user's block) when the relay fails."""
+        self._body_scope = scope
+
+    @property
+    def rank_port_rejects(self) -> dict[str, int]:
+        """Connections to the rank port rejected so far, by reason (``"bad mac"``, ...)."""
+        return self._local.rejects
 
     async def wait_connected(self) -> None:
         """Return once the coordinator acknowledged this relay (``HelloAck``)."""
@@ -110,6 +121,9 @@ class Relay:
         last: BaseException | None = None
         while True:
             remaining = max(0.0, deadline - trio.current_time())
+            if last is None:
+                self._notices.upstream_status = (
+                    f"dialing the coordinator at {_target_text(self._target)}")
             stream = await dial(self._target, connect_timeout=remaining, what=what)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
@@ -136,6 +150,9 @@ class Relay:
                         "an ssl_context that trusts its CA"
                     ) from None
                 last = exc
+                self._notices.upstream_status = (f"re-dialing the coordinator at "
+                                                 f"{_target_text(self._target)} (last attempt: "
+                                                 f"{exc!r})")
                 if trio.current_time() + 0.5 >= deadline:
                     break
                 log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
@@ -150,17 +167,26 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+    async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
+        """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
         try:
-            await ranks.accept_ranks(self, listeners)
-            stream, sealer, opener = await self._connect_upstream()
-            self._upstream = stream
+            stop_notices = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._notices.keep_informed, stop_notices)
+                joined = await self._join(listeners, stop_notices)
+            if isinstance(joined, FlodlError):
+                raise joined  # outside the nursery: not wrapped in an ExceptionGroup
+            stream, sealer, opener = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await pump.pump(self, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener)
+            exit_ = await pump.run()
+            self._error = pump.error
         except FlodlError as exc:
             self._error = exc
             exit_ = RelayExit(f"failed: {exc}", False)
+            # The ranks would otherwise only see their link end: tell them why first.
+            await self._notices.tell(f"relay {self.host!r} gave up: {exc}")
         finally:
             # Runs on cancellation too: no rank or upstream socket outlives the relay.
             await self._close_all()
@@ -169,10 +195,24 @@ class Relay:
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
 
+    async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
+                    ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener] | FlodlError:
+        """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
+        try:
+            await accept_ranks(self._local, listeners)
+            joined = await self._connect_upstream()
+            self._upstream = joined[0]
+            return joined
+        except FlodlError as exc:
+            return exc
+        finally:
+            stop_notices.set()  # the notice task ends after its current write
+
     async def _close_all(self) -> None:
-        for link in self._links.values():
+        links = list(self._local.links())
+        for link in links:
             link.gone = True
-        streams: list[Any] = [link.stream for link in self._links.values()]
+        streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
         await close_all(streams)
@@ -258,25 +298,8 @@ async def open_relay(
     relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
                   config=cfg, timeline=timeline, ssl_context=ssl_context,
                   server_hostname=server_hostname, rank_address=rank_address)
-    body_exc: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._run, listeners)
-            with trio.CancelScope() as body_scope:
-                relay._body_scope = body_scope
-                try:
-                    yield relay
-                except BaseException as exc:
-                    body_exc = exc
-                    raise
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        chosen = pick_one_exception(group, body_exc, relay._error)
-        if chosen is None:
-            raise
-        error: BaseException = chosen
-    else:
-        if relay._error is None:
-            return
-        error = relay._error
-    raise error
+    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
+        life.nursery.start_soon(relay.run, listeners)
+        with life.body() as body_scope:
+            relay.cancel_on_error(body_scope)
+            yield relay

@@ -7,101 +7,189 @@ connection breaks before every rank is in gets its slot back, so its re-dial is 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import trio
 
+from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._ratelimit import JunkCounter
 from .._transport import close_all, peer_of
-from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived
+from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
-
-if TYPE_CHECKING:
-    from . import Relay
 
 log = logging.getLogger("flodl_trio.relay")
 
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
-async def accept_ranks(relay: Relay, listeners: list[trio.abc.Listener[Any]]) -> None:
-    timeout = relay.config.rank_accept_timeout
+class LocalRanks:
+    """The relay's local ranks: which may connect, which did, and the connections refused."""
+
+    def __init__(self, *, host: str, ranks: tuple[int, ...], world_size: int,
+                 salt: SessionSalt, config: RelayConfig) -> None:
+        self.host = host
+        self.ranks = ranks
+        self.world_size = world_size
+        self.salt = salt
+        self.config = config
+        self.rank_set = frozenset(ranks)
+        self._links: dict[int, RankLink] = {}
+        self._reserved: set[int] = set()  # hello verified, ack not yet written
+        self._rejects = JunkCounter()  # rank-port rejects, by reason
+        self._all_in = trio.Event()
+
+    @property
+    def all_in(self) -> bool:
+        """Every local rank connected (phase 1 is over)."""
+        return self._all_in.is_set()
+
+    async def wait_all_in(self) -> None:
+        await self._all_in.wait()
+
+    def links(self) -> Iterator[RankLink]:
+        """The connected ranks' links (a snapshot)."""
+        return iter(list(self._links.values()))
+
+    def link(self, rank: int) -> RankLink | None:
+        return self._links.get(rank)
+
+    @property
+    def connected(self) -> frozenset[int]:
+        """Local ranks whose connection is up."""
+        return frozenset(r for r, link in self._links.items() if not link.gone)
+
+    def reserve(self, rank: int, peer: str) -> None:
+        """Hold ``rank``'s slot while its ack is written.
+
+        Raises:
+            HandshakeError: ``rank`` is connected (or being connected) already.
+        """
+        if rank in self._links or rank in self._reserved:
+            raise HandshakeError(f"rank hello from {peer}: rank {rank} is already connected")
+        self._reserved.add(rank)
+
+    def release(self, rank: int) -> None:
+        self._reserved.discard(rank)
+
+    def add(self, link: RankLink) -> bool:
+        """``link``'s ack was written; True when this was the last local rank."""
+        self._reserved.discard(link.rank)
+        self._links[link.rank] = link
+        if len(self._links) == len(self.ranks):
+            self._all_in.set()
+        return self._all_in.is_set()
+
+    def remove(self, link: RankLink) -> None:
+        """Free ``link``'s slot (its link ended before every local rank was in)."""
+        if self._links.get(link.rank) is link:
+            del self._links[link.rank]
+
+    @property
+    def rejects(self) -> dict[str, int]:
+        """Connections to the rank port rejected so far, by reason."""
+        return self._rejects.by_reason()
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count one rank-port reject; a few become WARNINGs, the rest are folded into
+        summaries (a rank retrying with the wrong salt every 0.5 s logged a WARNING each)."""
+        report = self._rejects.add(reason, detail, trio.current_time())
+        if report is not None:
+            log.warning("relay %r rejected a rank connection: %s", self.host, report.text())
+
+    def report_rejects_tail(self) -> None:
+        """At the end of phase 1, one summary of the rejects that were not logged."""
+        report = self._rejects.flush(trio.current_time(), force=True)
+        if report is not None:
+            log.warning("relay %r rank port: %s", self.host, report.text())
+
+    def waiting_text(self) -> str:
+        """What phase 1 waits for, and why: the rejects by reason, the latest in full (a
+        wrong-salt or wrong-world rank is named here, not only in the log)."""
+        missing = sorted(self.rank_set - set(self._links))
+        rejects = self._rejects
+        text = (f"{len(self._links)}/{len(self.ranks)} local ranks connected (missing "
+                f"{missing}); {rejects.total} rejected connection(s)")
+        if rejects.total:
+            text += f" by reason: {rejects.summary()}; latest: {'; '.join(rejects.recent[-3:])}"
+        return text
+
+    def timeout_error(self, timeout: float) -> FormationTimeout:
+        return FormationTimeout(
+            f"relay {self.host!r}: rank accept timed out after {timeout:g}s: "
+            f"{self.waiting_text()}"
+        )
+
+
+async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]]) -> None:
+    timeout = local.config.rank_accept_timeout
     try:
         with trio.move_on_after(timeout):
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
-                    nursery.start_soon(rank_accept_loop, relay, listener, nursery)
-                await relay._all_ranks.wait()
+                    nursery.start_soon(rank_accept_loop, local, listener, nursery)
+                await local.wait_all_in()
                 nursery.cancel_scope.cancel()
     finally:
         await close_all(listeners)
-    if not relay._all_ranks.is_set():
-        missing = sorted(relay._rank_set - set(relay._links))
-        rejects = "; ".join(relay._rejects[-5:]) or "none"
-        raise FormationTimeout(
-            f"relay {relay.host!r}: rank accept timed out after {timeout:g}s: "
-            f"{len(relay._links)}/{len(relay.ranks)} local ranks connected (missing {missing}); "
-            f"{len(relay._rejects)} rejected connection(s): {rejects}"
-        )
+    local.report_rejects_tail()
+    if not local.all_in:
+        raise local.timeout_error(timeout)
 
-async def rank_accept_loop(relay: Relay, listener: trio.abc.Listener[Any],
-                            nursery: trio.Nursery) -> None:
+
+async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
+                           nursery: trio.Nursery) -> None:
     while True:
         try:
             stream = await listener.accept()
         except _GONE:
             return
         except OSError as exc:
-            log.warning("relay %r: accept failed: %r", relay.host, exc)
+            log.warning("relay %r: accept failed: %r", local.host, exc)
             await trio.sleep(0.1)
             continue
-        nursery.start_soon(rank_handshake, relay, stream)
+        nursery.start_soon(rank_handshake, local, stream)
 
-async def rank_handshake(relay: Relay, stream: trio.abc.Stream) -> None:
+
+async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
     peer = peer_of(stream)
     reserved: int | None = None
-    machine = RankAcceptHandshake(relay._salt, world_size=relay.world_size, host=relay.host,
-                                  ranks=relay._rank_set, peer=peer)
+    machine = RankAcceptHandshake(local.salt, world_size=local.world_size, host=local.host,
+                                  ranks=local.rank_set, peer=peer)
     try:
-        with trio.fail_after(relay.config.handshake_timeout):
+        with trio.fail_after(local.config.handshake_timeout):
             hello = await run_handshake(stream, machine)
             assert isinstance(hello, RankHelloReceived)
             rank = hello.rank
-            if rank in relay._links or rank in relay._reserved:
-                raise HandshakeError(f"rank hello from {peer}: rank {rank} is already "
-                                     "connected")
+            local.reserve(rank, peer)
             reserved = rank
-            relay._reserved.add(rank)
             machine.accept()
             confirmed = await run_handshake(stream, machine)
             assert isinstance(confirmed, RankConfirmed)
     except (trio.TooSlowError, WireError, HandshakeError, *_GONE) as exc:
         if reserved is not None:
-            relay._reserved.discard(reserved)
+            local.release(reserved)
         text = (f"rank hello from {peer}: no hello within handshake_timeout="
-                f"{relay.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
+                f"{local.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
                 else str(exc) or type(exc).__name__)
-        relay._rejects.append(text)
-        log.warning("relay %r rejected a rank connection: %s", relay.host, text)
+        local.reject(reject_reason(exc), text)
         await trio.aclose_forcefully(stream)
         return
     except BaseException:
         if reserved is not None:
-            relay._reserved.discard(reserved)
+            local.release(reserved)
         await trio.aclose_forcefully(stream)
         raise
-    relay._reserved.discard(rank)
-    link = RankLink(rank, stream, relay.config)
+    link = RankLink(rank, stream, local.config)
     link.early += confirmed.leftover
-    relay._links[rank] = link
-    log.info("relay %r: rank %d connected from %s", relay.host, rank, peer)
-    if len(relay._links) == len(relay.ranks):
-        relay._all_ranks.set()
-    else:
-        await watch_while_accepting(relay, link)
+    log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
+    if not local.add(link):
+        await watch_while_accepting(local, link)
 
-async def watch_while_accepting(relay: Relay, link: RankLink) -> None:
+
+async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
     """Until every local rank is in (this task is then cancelled), notice a link that ends.
 
     A written ack may still not reach the rank (the link broke, or the rank's own handshake
@@ -119,12 +207,32 @@ async def watch_while_accepting(relay: Relay, link: RankLink) -> None:
             await trio.sleep_forever()  # past the limit the rank's writes wait for the pump
     except _GONE:
         pass
-    if relay._all_ranks.is_set():
+    if local.all_in:
         link.early_eof = True  # too late to free the slot: the pump reports RankExit
         return
-    del relay._links[link.rank]
-    relay._rejects.append(f"rank {link.rank}: its link ended after the ack, before every "
-                         "local rank connected (a re-dial is accepted)")
-    log.warning("relay %r: rank %d's link ended before every local rank connected; "
-                "accepting it again", relay.host, link.rank)
+    local.remove(link)
+    local.reject("link ended early", f"rank {link.rank}: its link ended after the ack, before "
+                 "every local rank connected (a re-dial is accepted)")
     await trio.aclose_forcefully(link.stream)
+
+
+# Reasons by the words of the hello check that failed (SPEC §2.3 validation order).
+_HELLO_REASONS = (
+    ("magic", "bad magic"),
+    ("version", "wrong version"),
+    ("world_size", "world_size mismatch"),
+    ("HMAC", "bad mac"),
+    ("does not belong", "rank of another host"),
+    ("already connected", "duplicate rank"),
+)
+
+
+def reject_reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, HandshakeError):
+        text = str(exc)
+        return next((reason for word, reason in _HELLO_REASONS if word in text), "malformed")
+    if isinstance(exc, WireError):
+        return "eof before hello"
+    return "connection error"

@@ -51,6 +51,13 @@ from ._handshake import (
     NeedData,
     RelayHandshake,
 )
+from ._limits import (
+    MAX_HOST_BYTES,
+    MAX_MODEL_SIG_DIGEST,
+    MAX_MODEL_SIG_NAME,
+    MAX_MODEL_SIGS,
+    max_hello_payload,
+)
 from ._messages import (
     Batch,
     Challenge,
@@ -84,6 +91,7 @@ from ._messages import (
     NewNcclSession,
     RankExit,
     RelayControlMsg,
+    RelayWaiting,
     RequestNewNcclId,
     RequestParams,
     ResourceSample,
@@ -128,7 +136,11 @@ __all__ = [
     "FRAME_HEADER_LEN",
     "MAX_CONTROL_PAYLOAD",
     "MAX_HANDSHAKE_PAYLOAD",
+    "MAX_HOST_BYTES",
     "MAX_LEN_FRAME",
+    "MAX_MODEL_SIGS",
+    "MAX_MODEL_SIG_DIGEST",
+    "MAX_MODEL_SIG_NAME",
     "MAX_RECORD_PAYLOAD",
     "NEED_DATA",
     "NONCE_LEN",
@@ -194,6 +206,7 @@ __all__ = [
     "RecordSealer",
     "RelayControlMsg",
     "RelayHandshake",
+    "RelayWaiting",
     "RequestNewNcclId",
     "RequestParams",
     "ResourceSample",
@@ -234,5 +247,6 @@ __all__ = [
     "kind_of",
     "len_frame",
     "mac64",
+    "max_hello_payload",
     "verify_rank_ack",
 ]

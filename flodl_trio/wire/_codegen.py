@@ -212,9 +212,9 @@ def _install(cls: type[WireMessage]) -> None:
     cls._loader_source = source
     dumper = build_dumper(cls, cls._index if in_family else None)
     # Generated methods replace the reference ones (a plain struct's wire form is its fields).
-    setattr(cls, "_to_wire", dumper)  # noqa: B010 - mypy refuses assigning to a method
+    setattr(cls, "to_wire", dumper)  # noqa: B010 - mypy refuses assigning to a method
     if not in_family:
-        setattr(cls, "_dump_fields", dumper)  # noqa: B010
+        setattr(cls, "dump_fields", dumper)  # noqa: B010
     if cls._family is not None:
         cls._family.fast[cls._index] = loader
 

@@ -67,7 +67,7 @@ class SessionSalt:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SessionSalt):
             return NotImplemented
-        return hmac.compare_digest(self._bytes, other._bytes)
+        return hmac.compare_digest(self._bytes, bytes(other))
 
     def __hash__(self) -> int:
         return hash(self._bytes)

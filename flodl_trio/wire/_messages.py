@@ -25,6 +25,7 @@ from ._schema import (
     Nonce,
     WireMessage,
     variant,
+    wire_enum,
 )
 
 CONTROL_MSG = Family("ControlMsg")
@@ -32,6 +33,8 @@ TIMING_MSG = Family("TimingMsg")
 RELAY_CONTROL_MSG = Family("RelayControlMsg")
 
 
+# flodl decodes an unknown reason byte as a graceful shutdown; so do we.
+@wire_enum(bits=8, fallback="GRACEFUL_SHUTDOWN")
 class SaveReason(enum.IntEnum):
     """Why the cohort is told to save and stop (``ShutdownWithSave``)."""
 
@@ -40,11 +43,6 @@ class SaveReason(enum.IntEnum):
     SINGLE_SURVIVOR = 2
     ALL_RANKS_LOST = 3
     REDUCE_STALL = 4
-
-
-SaveReason._wire_bits = 8  # type: ignore[attr-defined]
-# flodl decodes an unknown reason byte as a graceful shutdown; so do we.
-SaveReason._wire_fallback = SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
 
 
 class IntentKind(enum.IntEnum):
@@ -240,6 +238,18 @@ class CoordHeartbeat(ControlMsg):
 class StageAdvisory(ControlMsg):
     counts: tuple[U64, ...]
     segments: tuple[tuple[U64, tuple[tuple[U64, U64], ...]], ...]
+
+
+@variant(CONTROL_MSG, 20)
+@attrs.frozen
+class RelayWaiting(ControlMsg):
+    """Relay → rank only (FT/2, beyond flodl): sent by the relay itself, sealed with the salt,
+    while it has not joined the cohort yet: what it is waiting for (local ranks it rejected,
+    the coordinator it cannot reach). It keeps the rank's liveness clock alive until the
+    relay's own deadlines decide, and the rank's error quotes it. Never delivered to users."""
+
+    host: HostName
+    detail: str
 
 
 # ---------------------------------------------------------------- TimingMsg (rank → coord)
@@ -442,7 +452,7 @@ def encode(msg: WireMessage) -> bytes:
     """The CBOR payload of any message class."""
     if not isinstance(msg, WireMessage):
         raise WireError(f"encode: expected a flodl_trio.wire message, got {type(msg).__name__}")
-    return cbor_dumps(msg._to_wire())
+    return cbor_dumps(msg.to_wire())
 
 
 def decode_control(b: bytes) -> ControlMsg:
@@ -461,7 +471,7 @@ def decode_timing(b: bytes) -> TimingMsg:
 
 def decode_metrics(b: bytes) -> Metrics:
     """Strictly decode a Metrics payload."""
-    value: Any = Metrics._strict_load(cbor_loads(b, "Metrics"), "Metrics")
+    value: Any = Metrics.strict_load(cbor_loads(b, "Metrics"), "Metrics")
     assert isinstance(value, Metrics)
     return value
 

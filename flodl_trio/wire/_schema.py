@@ -54,7 +54,7 @@ class StructSpec(Spec):
         raise self.fail(value, where)
 
     def dump(self, value: Any) -> Any:
-        return value._dump_fields()
+        return value.dump_fields()
 
 
 class WireType:
@@ -162,8 +162,8 @@ class Family:
 class WireMessage:
     """Base of every wire message and nested struct; subclasses are attrs frozen classes.
 
-    ``_codegen.finalize`` fills the class variables below and replaces ``_to_wire`` and
-    ``_dump_fields`` by generated per-class functions; the definitions here are the reference.
+    ``_codegen.finalize`` fills the class variables below and replaces ``to_wire`` and
+    ``dump_fields`` by generated per-class functions; the definitions here are the reference.
     """
 
     __slots__ = ()
@@ -182,7 +182,7 @@ class WireMessage:
                 object.__setattr__(self, field, fixed)
 
     @classmethod
-    def _strict_load(cls, value: Any, where: str) -> Any:
+    def strict_load(cls, value: Any, where: str) -> Any:
         """A plain struct from its decoded CBOR array: the fast loader, else the labelled path."""
         try:
             return cls._fast_load(value)
@@ -205,15 +205,28 @@ class WireMessage:
             object.__setattr__(inst, field, spec.load(item, f"{where}.{field}"))
         return inst
 
-    def _dump_fields(self) -> list[Any]:
+    def dump_fields(self) -> list[Any]:
         return [spec.dump(getattr(self, f)) if not spec.plain else getattr(self, f)
                 for f, spec in type(self)._fields]
 
-    def _to_wire(self) -> list[Any]:
-        body = self._dump_fields()
+    def to_wire(self) -> list[Any]:
+        body = self.dump_fields()
         if self._family is None:
             return body
         return [self._index, *body]
+
+
+def wire_enum(bits: int, fallback: str | None = None) -> Callable[[type[Any]], type[Any]]:
+    """Give an IntEnum its wire width and the member an unknown value decodes to (default:
+    32 bits, an unknown value is an error). Apply above the enum class."""
+
+    def apply(cls: type[Any]) -> type[Any]:
+        setattr(cls, "_wire_bits", bits)  # noqa: B010 - an enum body would make it a member
+        if fallback is not None:
+            setattr(cls, "_wire_fallback", cls[fallback])  # noqa: B010
+        return cls
+
+    return apply
 
 
 def variant(family: Family, index: int) -> Callable[[type[Any]], type[Any]]:

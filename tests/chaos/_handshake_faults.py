@@ -36,7 +36,6 @@ from flodl_trio.events import (
     RelayLost,
 )
 from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import MAX_HANDSHAKE_PAYLOAD
 
 Dir = Literal["up", "down"]
 UPSTREAM = upstream_handshake("host-a", (0, 1))
@@ -76,7 +75,8 @@ def corrupt_hello_categories(up_offset: int) -> set[str]:
     if field == "payload_len":
         shift = 8 * (up_offset - UPSTREAM.magic - _PAYLOAD_LEN_AT)  # little-endian u32
         declared = (UPSTREAM.hello - wire.RECORD_HEADER_LEN) ^ (0xFF << shift)
-        return {"malformed"} if declared > MAX_HANDSHAKE_PAYLOAD else {"timeout"}
+        # The pre-auth ceiling is fitted to the largest legal Hello of this world (3 ranks).
+        return {"malformed"} if declared > wire.max_hello_payload(3) else {"timeout"}
     return {"bad mac"}  # rank, tag, payload: all covered by the tag
 
 
