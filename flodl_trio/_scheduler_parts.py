@@ -10,7 +10,7 @@ from typing import TypeVar
 import attrs
 import trio
 
-from ._epoch_math import EpochCoverage, Range
+from ._epoch_math import Range
 from .wire import Checkpoint, ControlMsg, EpochMetrics, ExecuteEvalCallback, Metrics, TimingMsg
 
 _T = TypeVar("_T")
@@ -27,7 +27,6 @@ class RunSummary:
         epoch_metrics: the ``EpochMetrics`` broadcast for each epoch, in order.
         deaths: rank → reason for every rank the coordinator declared dead.
         elapsed_s: run time on the Trio clock.
-        coverage: the scheduler's accounting of each aggregated epoch (:class:`EpochCoverage`).
     """
 
     epochs_completed: int
@@ -36,7 +35,6 @@ class RunSummary:
     epoch_metrics: tuple[EpochMetrics, ...]
     deaths: Mapping[int, str]
     elapsed_s: float
-    coverage: tuple[EpochCoverage, ...] = ()
 
 
 @attrs.define

@@ -208,8 +208,15 @@ class SyncScheduler:
             epochs_completed=len(self._aggregated), syncs=self._syncs,
             global_step=self._global_step, epoch_metrics=tuple(self._aggregated),
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
-            elapsed_s=trio.current_time() - started, coverage=tuple(self._coverage),
+            elapsed_s=trio.current_time() - started,
         )
+
+    @property
+    def coverage(self) -> tuple[EpochCoverage, ...]:
+        """The scheduler's accounting of each aggregated epoch so far (:class:`EpochCoverage`):
+        which samples it counts as processed and by whom (a dead rank: the batches it reported).
+        """
+        return tuple(self._coverage)
 
     # ------------------------------------------------------------------ reading
 

@@ -67,7 +67,7 @@ async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Pro
           flush=True)
 
 
-async def run(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any], ft.Timeline]:
+async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any], ft.Timeline]:
     out = Path(args.out)
     salt = ft.SessionSalt.generate()
     py = sys.executable
@@ -103,13 +103,14 @@ async def run(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any], ft.
                                       checkpoint_every=args.epochs, process_group=True,
                                       reform_timeout=60)
             summary = await scheduler.run()
+            coverage = scheduler.coverage
         survivors = [proc for name, proc in procs.items() if name.startswith("rank")
                      and not (killed and name in ("rank 2", "rank 3"))]
         with trio.fail_after(60):  # the ranks evaluate, write their result and exit
             for proc in survivors:
                 await proc.wait()
         nursery.cancel_scope.cancel()
-    return summary, time.monotonic() - started, killed, timeline
+    return summary, coverage, time.monotonic() - started, killed, timeline
 
 
 async def child(command: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -117,7 +118,7 @@ async def child(command: list[str], *, task_status: Any = trio.TASK_STATUS_IGNOR
     await trio.run_process(command, check=False, task_status=task_status)
 
 
-def report(summary: Any, results: dict[int, dict[str, Any]], wall: float,
+def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall: float,
            killed: dict[str, Any], timeline: ft.Timeline) -> dict[str, Any]:
     print(f"epochs completed: {summary.epochs_completed}, syncs {summary.syncs}, global step "
           f"{summary.global_step}")
@@ -128,7 +129,7 @@ def report(summary: Any, results: dict[int, dict[str, Any]], wall: float,
     for g in groups:
         print(f"  process group {g['generation']}: ranks {g['ranks']}")
     exact = True
-    for cov in summary.coverage:
+    for cov in coverage:
         exact = exact and cov.exact
         who = ", ".join(f"rank {r}: {n}" for r, n in sorted(cov.per_rank.items()))
         print(f"  epoch {cov.epoch}: {cov.samples}/{cov.total} samples, covered exactly once: "
@@ -143,7 +144,7 @@ def report(summary: Any, results: dict[int, dict[str, Any]], wall: float,
             "groups": groups, "covered_exactly_once": exact, "killed": killed,
             "coverage": [[c.epoch, c.samples, c.total, c.exact,
                           {str(k): v for k, v in c.per_rank.items()}]
-                         for c in summary.coverage]}
+                         for c in coverage]}
 
 
 def main() -> None:
@@ -161,10 +162,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("rank-*.json"):
         stale.unlink()
-    summary, wall, killed, timeline = trio.run(run, args)
+    summary, coverage, wall, killed, timeline = trio.run(run, args)
     results = {int(p.stem.split("-")[1]): json.loads(p.read_text())
                for p in sorted(out.glob("rank-*.json"))}
-    outcome = report(summary, results, wall, killed, timeline)
+    outcome = report(summary, coverage, results, wall, killed, timeline)
     if args.result:
         Path(args.result).write_text(json.dumps(outcome, indent=2))
     sys.exit(0 if outcome["covered_exactly_once"] and outcome["accuracy"] > 0 else 1)
