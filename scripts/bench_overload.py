@@ -80,7 +80,7 @@ async def run(step_s: float, procs: int) -> list[dict[str, Any]]:
         for factor in (1, 2, 3):
             per_relay_rate = factor * capacity / relays
             await cluster.command(f"rate {per_relay_rate:.1f} {max(8, int(per_relay_rate / 50))}")
-            d0, t0 = delivered, time.monotonic()
+            d0, t0, c0 = delivered, time.monotonic(), time.process_time()
             sent: list[float] = []
             end = t0 + step_s
             while time.monotonic() < end:
@@ -89,6 +89,7 @@ async def run(step_s: float, procs: int) -> list[dict[str, Any]]:
                 step_count += 1
                 await trio.sleep(0.1)
             elapsed = time.monotonic() - t0
+            cpu = time.process_time() - c0
             rate = (delivered - d0) / elapsed
             answers = await cluster.command("report")
             now_written = sum(a["written"] for a in answers)
@@ -99,6 +100,8 @@ async def run(step_s: float, procs: int) -> list[dict[str, Any]]:
             rows.append({"factor": factor, "asked_per_s": factor * capacity,
                          "written_per_s": offered,
                          "delivered_per_s": rate, "capacity_per_s": capacity,
+                         "cpu_share": cpu / elapsed,
+                         "cpu_us_per_frame": cpu / max(1, delivered - d0) * 1e6,
                          "p50_ms": rep.median(lat), "p99_ms": rep.percentile(lat, 0.99),
                          "broadcasts": len(lat), "peak_rss_mb": peak,
                          "dead": len(coord.dead_ranks)})
@@ -122,7 +125,8 @@ def _latencies(sent: list[float], arrivals: list[list[float]]) -> list[float]:
 COLUMNS = [
     ("load", "factor", "d"), ("asked/s", "asked_per_s", ",.0f"),
     ("written/s", "written_per_s", ",.0f"),
-    ("delivered/s", "delivered_per_s", ",.0f"), ("bcast p50 ms", "p50_ms", ".2f"),
+    ("delivered/s", "delivered_per_s", ",.0f"), ("coord CPU", "cpu_share", ".0%"),
+    ("µs/frame", "cpu_us_per_frame", ".1f"), ("bcast p50 ms", "p50_ms", ".2f"),
     ("bcast p99 ms", "p99_ms", ".2f"), ("peak RSS MB", "peak_rss_mb", ".1f"),
     ("dead", "dead", "d"),
 ]
