@@ -1,34 +1,35 @@
 """``flodl-trio demo``: a whole local cluster as separate OS processes on loopback.
 
 One coordinator process (driving the SyncScheduler), one relay process per host and one
-simulated-rank process per rank. Progress comes from the coordinator's status page and its
-timeline file; ``--kill-relay HOST@SECONDS`` SIGKILLs a relay process mid-run to show the
-failure path (its ranks are declared dead, the survivors take over their samples).
+simulated-rank process per rank. The story comes from the coordinator's timeline file (see
+:mod:`flodl_trio._demo_story`): formation, epochs, each death and its cause, each
+redistribution; ``--kill-relay HOST@SECONDS`` SIGKILLs a relay process that long after formation
+to show the failure path. The temporary directory of process logs is removed at the end unless
+``--keep-logs`` (or the run failed, when the logs are what one wants to read).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ._errors import FlodlError, UsageError
+from ._cli_common import CommandFailed, Terminated, UsageError, check_writable
+from ._demo_story import Story
 from .wire import SessionSalt
 
 START_DEADLINE_S = 30.0
 RUN_DEADLINE_S = 120.0
-
-
-class DemoError(FlodlError):
-    """The demo could not run its cluster (a process did not start, or the run hung)."""
+POLL_S = 0.1
 
 
 def _cli(*args: str) -> list[str]:
@@ -50,156 +51,70 @@ def _parse_kills(specs: list[str], hosts: list[str]) -> dict[str, float]:
     return kills
 
 
-def _get_state(address: str) -> dict[str, Any] | None:
-    host, port = address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=1.0)
-    try:
-        conn.request("GET", "/state.json")
-        resp = conn.getresponse()
-        if resp.status != 200:
-            return None
-        state: dict[str, Any] = json.loads(resp.read())
-        return state
-    except (OSError, ValueError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-
-
 def _log(folder: Path, name: str) -> IO[str]:
     # Children's stderr goes to a file each: a killed relay's ranks report CoordinatorLost, which
     # is the point of the demo, not noise for the terminal.
     return (folder / f"{name}.log").open("w", encoding="utf-8")
 
 
-def _read_line(stream: IO[str] | None, deadline: float, what: str) -> str:
-    assert stream is not None
-    line = stream.readline()  # the child prints it right after binding
-    if not line or time.monotonic() > deadline:
-        raise DemoError(f"{what} did not start (no address line)")
+def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the child prints it right after binding
+    if not line:
+        raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
+                            f"printing its address (its log: {logs / (what + '.log')})")
     return line
 
 
-class _Progress:
-    """Counts what the timeline file says: syncs, epochs, deaths."""
+class _Cluster:
+    """The child processes, started in order; ``stop()`` ends every one still running."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.syncs = 0
-        self.epoch = 0
-        self.deaths: list[str] = []
-        self.events = 0
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], logs: Path,
+                 timeline: Path, summary: Path) -> None:
+        self.args, self.env, self.logs = args, env, logs
+        self.timeline, self.summary = timeline, summary
+        self.coord: subprocess.Popen[str] | None = None
+        self.relays: dict[str, subprocess.Popen[str]] = {}
+        self.ranks: dict[int, subprocess.Popen[str]] = {}
+        self.files: list[IO[str]] = []
 
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open(encoding="utf-8") as f:
-            f.seek(self.offset)
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                self.offset += len(line.encode("utf-8"))
-                self.events += 1
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("kind") == "RankDeclaredDead":
-                    self.deaths.append(f"rank {ev['rank']} ({ev['host']}): {ev['reason']}")
-                if ev.get("kind") == "Note":
-                    what = ev.get("what")
-                    if what == "sync":
-                        self.syncs += 1
-                    elif what == "epoch_started":
-                        self.epoch = int(ev.get("fields", {}).get("epoch", self.epoch))
+    def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
+        err = _log(self.logs, log)
+        self.files.append(err)
+        return subprocess.Popen(argv, env=self.env, stdout=stdout, stderr=err,
+                                stdin=subprocess.DEVNULL, text=True)
 
+    def start(self, layout: dict[str, list[int]], world: int) -> str:
+        a = self.args
+        self.coord = self._start(_cli(
+            "--log-level", "INFO", "coordinator", "--listen", "127.0.0.1:0", "--world-size",
+            str(world), "--epochs", str(a.epochs), "--total-samples", str(a.total_samples),
+            "--batch-size", str(a.batch_size), "--timeline", str(self.timeline),
+            "--summary-file", str(self.summary), "--heartbeat-timeout", "5"),
+            "coordinator", stdout=subprocess.PIPE)
+        address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(" ", 1)[-1]
+        for i, (host, ranks) in enumerate(layout.items()):
+            relay = self._start(_cli(
+                "relay", "--coordinator", address, "--host", host, "--ranks",
+                ",".join(map(str, ranks)), "--world-size", str(world)), host,
+                stdout=subprocess.PIPE)
+            self.relays[host] = relay
+            rank_address = _read_line(relay, host, self.logs).split()[-1]
+            for r in ranks:
+                self.ranks[r] = self._start(_cli(
+                    "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
+                    str(world), "--batch-size", str(a.batch_size), "--batch-ms",
+                    str(a.batch_ms * (1 + i))), f"rank-{r}", stdout=subprocess.DEVNULL)
+        return address
 
-def _render(state: dict[str, Any] | None, prog: _Progress, layout: dict[str, list[int]],
-            epochs: int, killed: set[str]) -> Any:
-    from rich.table import Table
+    def children(self) -> list[subprocess.Popen[str]]:
+        return [*self.relays.values(), *self.ranks.values()]
 
-    phase = (state or {}).get("phase", "starting")
-    table = Table(title="flodl-trio demo", min_width=64,
-                  caption=f"{phase}: epoch {prog.epoch + 1 if state else 0}/{epochs}, "
-                  f"{prog.syncs} syncs, {len(prog.deaths)} deaths")
-    table.add_column("host")
-    table.add_column("rank", justify="right")
-    table.add_column("status")
-    dead = {d["rank"]: d["reason"] for d in (state or {}).get("dead", [])}
-    exited = set((state or {}).get("exited", []))
-    live = set((state or {}).get("live", []))
-    for host, ranks in layout.items():
-        for r in ranks:
-            if r in dead:
-                status = "[red]dead[/red]"
-            elif r in exited:
-                status = "[blue]exited[/blue]"
-            elif r in live:
-                status = "[green]alive[/green]"
-            else:
-                status = "[yellow]starting[/yellow]"
-            label = host + (" (killed)" if host in killed else "")
-            table.add_row(label, str(r), status)
-    return table
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
-    per = args.ranks_per_host
-    layout = {h: list(range(i * per, (i + 1) * per)) for i, h in enumerate(hosts)}
-    world = args.hosts * per
-    kills = _parse_kills(args.kill_relay, hosts)
-    salt = SessionSalt.generate()
-    env = dict(os.environ, FLODL_SALT_HEX=salt.hex())
-    work = Path(tempfile.mkdtemp(prefix="flodl-demo-"))
-    timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
-    if timeline.exists():
-        timeline.unlink()
-    summary_file = work / "summary.json"
-    logs = work / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen[str]] = []
-    rank_procs: list[subprocess.Popen[str]] = []
-    relay_procs: dict[str, subprocess.Popen[str]] = {}
-    killed: set[str] = set()
-    start_deadline = time.monotonic() + START_DEADLINE_S
-    try:
-        coord = subprocess.Popen(
-            _cli("--log-level", "ERROR", "coordinator", "--listen", "127.0.0.1:0",
-                 "--world-size", str(world), "--epochs", str(args.epochs), "--total-samples",
-                 str(args.total_samples), "--batch-size", str(args.batch_size), "--timeline",
-                 str(timeline), "--summary-file", str(summary_file), "--heartbeat-timeout",
-                 "5"),
-            env=env, stdout=subprocess.PIPE, text=True)
-        procs.append(coord)
-        line = _read_line(coord.stdout, start_deadline, "coordinator")
-        address = line.strip().rsplit(" ", 1)[-1]
-        print(f"coordinator on {address} (status: http://{address}/state.json); world {world} "
-              f"= {args.hosts} hosts x {per} ranks; timeline {timeline}")
-        for i, host in enumerate(hosts):
-            relay = subprocess.Popen(
-                _cli("--log-level", "ERROR", "relay", "--coordinator", address, "--host", host,
-                     "--ranks", ",".join(map(str, layout[host])), "--world-size", str(world)),
-                env=env, stdout=subprocess.PIPE, stderr=_log(logs, host), text=True)
-            procs.append(relay)
-            relay_procs[host] = relay
-            rank_addr = _read_line(relay.stdout, start_deadline, f"relay {host}").split()[-1]
-            for r in layout[host]:
-                rank_procs.append(subprocess.Popen(
-                    _cli("--log-level", "CRITICAL", "rank", "--relay", rank_addr, "--rank",
-                         str(r), "--world-size", str(world), "--batch-size",
-                         str(args.batch_size), "--batch-ms", str(args.batch_ms * (1 + i))),
-                    env=env, stdout=subprocess.DEVNULL, stderr=_log(logs, f"rank-{r}"),
-                    text=True))
-        procs.extend(rank_procs)
-        print(f"process logs: {logs}")
-        return _watch(args, coord, address, timeline, summary_file, layout, relay_procs, kills,
-                      killed, [*relay_procs.values(), *rank_procs])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
+    def stop(self) -> int:
+        procs = [p for p in [self.coord, *self.children()] if p is not None]
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.terminate()  # SIGTERM: each stops gracefully and exits 143
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
@@ -208,68 +123,150 @@ def run_demo(args: argparse.Namespace) -> int:
                 p.wait()
             if p.stdout is not None:
                 p.stdout.close()
+        for f in self.files:
+            f.close()
+        return len(running)
 
 
-def _watch(args: argparse.Namespace, coord: subprocess.Popen[str], address: str,
-           timeline: Path, summary_file: Path, layout: dict[str, list[int]],
-           relay_procs: dict[str, subprocess.Popen[str]], kills: dict[str, float],
-           killed: set[str], children: list[subprocess.Popen[str]]) -> int:
-    prog = _Progress(timeline)
+def run_demo(args: argparse.Namespace) -> int:
+    hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
+    per = args.ranks_per_host
+    if args.hosts < 1 or per < 1 or args.epochs < 1:
+        raise UsageError("demo: expected --hosts, --ranks-per-host and --epochs >= 1")
+    layout = {h: list(range(i * per, (i + 1) * per)) for i, h in enumerate(hosts)}
+    world = args.hosts * per
+    kills = _parse_kills(args.kill_relay, hosts)
+    if args.timeline:
+        check_writable(args.timeline, what="--timeline")
+        Path(args.timeline).unlink()
+    env = dict(os.environ, FLODL_SALT_HEX=SessionSalt.generate().hex())
+    work = Path(tempfile.mkdtemp(prefix="flodl-demo-"))
+    logs = work / "logs"
+    logs.mkdir()
+    timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
+    cluster = _Cluster(args, env, logs, timeline, work / "summary.json")
+    keep = bool(args.keep_logs)
+    print(f"flodl-trio demo: {args.hosts} hosts x {per} ranks = world {world}, {args.epochs} "
+          f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
+    try:
+        address = cluster.start(layout, world)
+        print(f"coordinator on {address} (status: http://{address}/state.json), "
+              f"{len(cluster.relays)} relay and {len(cluster.ranks)} rank processes started",
+              flush=True)
+        code = _watch(args, cluster, layout, world, kills)
+        keep = keep or code != 0
+        return code
+    except BaseException as exc:
+        keep = keep or not isinstance(exc, KeyboardInterrupt | Terminated | UsageError)
+        if not isinstance(exc, Exception):  # Ctrl-C or SIGTERM: say what happens next
+            print(f"interrupted: stopping the coordinator, {len(cluster.relays)} relays and "
+                  f"{len(cluster.ranks)} ranks", flush=True)
+        raise
+    finally:
+        cluster.stop()
+        if keep:
+            print(f"process logs kept in {logs}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[int]],
+           world: int, kills: dict[str, float]) -> int:
+    story = Story(cluster.timeline, args.epochs)
     live_ui = not args.no_live and sys.stdout.isatty()
-    started: float | None = None
     deadline = time.monotonic() + RUN_DEADLINE_S
-    state: dict[str, Any] | None = None
+    formed_at: float | None = None
+    killed: set[str] = set()
+    coord = cluster.coord
+    assert coord is not None
     live_cm: Any = contextlib.nullcontext()
     if live_ui:
         from rich.live import Live
 
-        live_cm = Live(_render(None, prog, layout, args.epochs, killed), refresh_per_second=8)
-    last_line = ""
+        live_cm = Live(_table(story, layout, world, killed), refresh_per_second=8)
+    last_status = ""
     with live_cm as live:
-        while coord.poll() is None:
+        say: Callable[[str], None] = live.console.print if live_ui else _print
+        while True:
+            for line in story.poll():
+                say(line)
+            if coord.poll() is not None:
+                break
             if time.monotonic() > deadline:
-                raise DemoError(f"the run did not finish within {RUN_DEADLINE_S:g}s")
-            if any(p.poll() == 2 for p in children):  # a usage error: waiting cannot help
-                raise DemoError("a relay or rank process rejected its command line (exit 2)")
-            polled = _get_state(address)
-            state = polled or state
-            prog.poll()
-            if started is None and state and state.get("phase") == "running":
-                started = time.monotonic()
-            if started is not None:
-                for host, when in kills.items():
-                    if host not in killed and time.monotonic() - started >= when:
-                        relay_procs[host].kill()  # SIGKILL: no goodbye, the OS closes its sockets
-                        killed.add(host)
-                        msg = f"SIGKILLed relay {host} (ranks {layout[host]})"
-                        if not live_ui:
-                            print(msg, flush=True)
+                raise CommandFailed(f"demo: the run did not finish within {RUN_DEADLINE_S:g}s")
+            if any(p.poll() == 2 for p in cluster.children()):
+                raise CommandFailed("demo: a relay or rank process rejected its command line "
+                                    "(exit 2)")
+            if formed_at is None and story.formed_ms is not None:
+                formed_at = time.monotonic()
+            for host, when in kills.items():
+                if formed_at is not None and host not in killed and \
+                        time.monotonic() - formed_at >= when:
+                    cluster.relays[host].kill()  # SIGKILL: no goodbye, the OS closes its sockets
+                    killed.add(host)
+                    say(f"{'':>7}  SIGKILLed relay {host} (ranks "
+                        f"{layout[host]}) {when:g}s after formation")
             if live_ui:
-                live.update(_render(state, prog, layout, args.epochs, killed))
+                live.update(_table(story, layout, world, killed))
             else:
-                line = (f"epoch {prog.epoch + 1}/{args.epochs} syncs {prog.syncs} "
-                        f"deaths {len(prog.deaths)} live {len((state or {}).get('live', []))}")
-                if line != last_line:
-                    print(line, flush=True)
-                    last_line = line
-            time.sleep(0.2)
-        prog.poll()
-    code = coord.wait()
-    for death in prog.deaths:
-        print(f"  declared dead: {death}")
-    if not summary_file.exists():
-        print(f"run FAILED: coordinator exited with code {code} and no summary")
+                status = story.status_line(world)
+                if status != last_status and story.formed_ms is None:
+                    say(status)
+                last_status = status
+            time.sleep(POLL_S)
+        for line in story.poll():
+            say(line)
+    return _conclude(args, cluster, story, killed, layout)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _table(story: Story, layout: dict[str, list[int]], world: int, killed: set[str]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="flodl-trio demo", min_width=64, caption=story.status_line(world))
+    for column in ("host", "rank", "status"):
+        table.add_column(column, justify="right" if column == "rank" else "left")
+    colours = {"dead": "red", "exited": "blue", "alive": "green", "starting": "yellow"}
+    for host, ranks in layout.items():
+        for r in ranks:
+            state = story.rank_state(r)
+            why = f": {story.dead[r]}" if r in story.dead else ""
+            table.add_row(host + (" (killed)" if host in killed else ""), str(r),
+                          f"[{colours[state]}]{state}[/{colours[state]}]{why}")
+    return table
+
+
+def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed: set[str],
+              layout: dict[str, list[int]]) -> int:
+    assert cluster.coord is not None
+    code = cluster.coord.wait()
+    for p in cluster.children():  # after the final Shutdown they end on their own
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    if not cluster.summary.exists():
+        print(f"run FAILED: the coordinator exited with code {code} and wrote no summary "
+              f"(its log: {cluster.logs / 'coordinator.log'})")
         return 1
-    summary = json.loads(summary_file.read_text(encoding="utf-8"))
+    summary = json.loads(cluster.summary.read_text(encoding="utf-8"))
     done = summary.get("epochs_completed")
-    print(f"summary: {done}/{args.epochs} epochs, {summary.get('syncs')} syncs, global step "
-          f"{summary.get('global_step')}, dead ranks {summary.get('dead_ranks')}, lost "
-          f"broadcasts {summary.get('lost_broadcasts')}")
+    print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
+          f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
+          f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")
-    print(f"timeline: {timeline} ({prog.events} events)")
+        print(f"  epoch {m['epoch'] + 1}: avg loss {m['avg_loss']:.4f}")
+    dead = summary.get("dead_ranks", [])
+    print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
+          + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else ""))
+    codes = {r: p.poll() for r, p in cluster.ranks.items()}
+    print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
+    if args.timeline:
+        print(f"timeline: {args.timeline} ({story.events} events); draw it with "
+              f"`flodl-trio plot {args.timeline} -o timeline.png`")
     if code != 0 or done != args.epochs:
-        print("run FAILED")
+        print(f"run FAILED (coordinator exit code {code})")
         return 1
     print("run completed")
     return 0

@@ -16,18 +16,30 @@ _COLORS = {"alive": "#3a9d5d", "dead": "#d64545", "exited": "#4a78c2"}
 
 
 def load_events(path: str | Path) -> list[dict[str, Any]]:
+    """Read a timeline JSONL file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 text or has a line that is not JSON;
+            the message names the file (and the line).
+    """
     events = []
-    with Path(path).open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                events.append(json.loads(line))
-            except ValueError as exc:
-                raise ConfigError(
-                    f"{path}:{n}: expected one JSON object per line ({exc})"
-                ) from None
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    events.append(json.loads(line))
+                except ValueError as exc:
+                    raise ConfigError(
+                        f"{path}:{n}: expected one JSON object per line ({exc})"
+                    ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: expected a timeline (JSONL), got bytes that are not UTF-8 "
+                          "text") from None
     return events
 
 

@@ -152,6 +152,7 @@ class SyncScheduler:
         self._shares: dict[int, Share] = {}
         self._metrics: dict[int, Metrics] = {}
         self._awaiting_metrics: set[int] = set()
+        self._batch_size_reported: set[int] = set()
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
@@ -256,6 +257,23 @@ class SyncScheduler:
         share = self._shares.get(rank)
         if share is not None and (not share.extended or msg.samples_processed >= share.assigned):
             self._awaiting_metrics.discard(rank)
+        if share is not None and msg.samples_processed == share.assigned:
+            self._check_batch_size(rank, share, msg)
+
+    def _check_batch_size(self, rank: int, share: Share, msg: Metrics) -> None:
+        # The plan's remainders (redistribution after a death) are computed with our batch size:
+        # a rank that batches differently gets wrong remainders and a different sync count, so
+        # say so once per rank instead of letting the two settings drift apart silently.
+        planned = sum(-(-size // self._batch_size) for _, size in share.ranges)
+        if msg.batches_processed == planned or rank in self._batch_size_reported:
+            return
+        self._batch_size_reported.add(rank)
+        log.warning("rank %d processed %d samples in %d batches where batch_size %d plans %d: "
+                    "its batch size disagrees with the scheduler's", rank,
+                    msg.samples_processed, msg.batches_processed, self._batch_size, planned)
+        self._coord.timeline.event(Note(what="batch_size_mismatch", fields={
+            "rank": rank, "batch_size": self._batch_size, "samples": msg.samples_processed,
+            "batches": int(msg.batches_processed), "planned_batches": planned}))
 
     # ------------------------------------------------------------------ sending
 
@@ -331,7 +349,12 @@ class SyncScheduler:
         for dead, rest in remainders:
             log.info("rank %d left %d samples of epoch %d; extending ranks %s", dead,
                      sum(s for _, s in rest), self._epoch, survivors)
-            for rank, part in zip(survivors, split_remainder(rest, len(survivors)), strict=True):
+            parts = split_remainder(rest, len(survivors))
+            self._coord.timeline.event(Note(what="redistributed", fields={
+                "epoch": self._epoch, "from_rank": dead,
+                "to": {str(r): [list(rng) for rng in p]
+                       for r, p in zip(survivors, parts, strict=True) if p}}))
+            for rank, part in zip(survivors, parts, strict=True):
                 if not part:
                     continue
                 self._shares[rank].ranges.extend(part)

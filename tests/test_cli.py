@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +21,26 @@ def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None
                           env=env)
 
 
-def test_demo_with_a_killed_relay_completes_and_records_each_death(tmp_path: Path) -> None:
+def test_demo_with_a_killed_relay_tells_the_story_and_cleans_up(tmp_path: Path) -> None:
     timeline = tmp_path / "t.jsonl"
-    done = run_cli("demo", "--kill-relay", "host-c@1.0", "--timeline", str(timeline),
-                   "--no-live", "--epochs", "3", timeout=120)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, TMPDIR=str(scratch))
+    done = run_cli("demo", "--kill-relay", "host-c@0.5", "--timeline", str(timeline),
+                   "--no-live", "--epochs", "3", timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "run completed" in done.stdout
-    assert "3/3 epochs" in done.stdout
+    out = done.stdout
+    assert re.search(r"formed in \d+ ms: 3 relays, 6 ranks", out), out
+    assert "epoch 1/" not in out.split("formed in")[0]  # no epoch talk during formation
+    for rank in (4, 5):  # host-c carries ranks 4 and 5
+        assert re.search(rf"rank {rank} \(host-c\) declared dead: relay 'host-c'", out), out
+        assert re.search(rf"rank {rank}'s \d+ unprocessed samples of epoch \d redistributed: "
+                         r"rank 0 took \d+-\d+", out), out
+    assert "3/3 epochs" in out and "dead [4, 5]" in out and out.rstrip().endswith("run completed")
+    assert list(scratch.iterdir()) == []  # the temporary directory of logs is gone
     events = [json.loads(line) for line in timeline.read_text().splitlines()]
     dead = {e["rank"] for e in events if e["kind"] == "RankDeclaredDead"}
-    assert dead == {4, 5}  # host-c carries ranks 4 and 5
+    assert dead == {4, 5}
     assert any(e["kind"] == "FormationComplete" for e in events)
     assert events[-1]["kind"] == "ShutdownComplete"
 
@@ -142,3 +153,25 @@ def test_salt_file_is_read_and_trimmed(tmp_path: Path) -> None:
     f.write_text("  " + "CD" * 16 + "\n")
     args = argparse.Namespace(salt_file=str(f), salt_hex=None)
     assert load_salt(args, long_running=True).hex() == "cd" * 16
+
+
+def test_every_option_of_every_command_has_help_text_and_shows_its_default() -> None:
+    import argparse
+
+    from flodl_trio.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"salt", "coordinator", "relay", "rank", "status", "demo", "plot"}
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            if action.default not in (None, False, [], argparse.SUPPRESS) and not action.required:
+                assert f"(default: {action.default})" in " ".join(text.split()), (
+                    f"{name} {action.option_strings}: default {action.default!r} not shown")
+    rank_help = " ".join(sub.choices["rank"].format_help().split())
+    assert "--jitter FRACTION random spread of each batch time" in rank_help
+    assert "--batch-ms MS simulated milliseconds per batch (default: 20.0)" in rank_help

@@ -14,6 +14,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
+from .._transport import STREAM_GONE
 from ..events import RelayDroppedRank
 from ..timeline import Timeline
 from ..wire import (
@@ -36,7 +37,6 @@ from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class Pump:
@@ -104,7 +104,7 @@ class Pump:
                 self.finish(f"upstream write stall: no progress for "
                             f"{self.config.write_stall_timeout:g}s", False)
                 return
-            except _GONE as exc:
+            except STREAM_GONE as exc:
                 self.finish(f"upstream connection lost while writing ({type(exc).__name__})",
                             False)
                 return
@@ -120,7 +120,7 @@ class Pump:
                 if isinstance(self.stream, trio.abc.HalfCloseableStream):
                     await self.stream.send_eof()
                     await self._upstream_done.wait()
-            except (trio.BusyResourceError, *_GONE):
+            except (trio.BusyResourceError, *STREAM_GONE):
                 pass
         self.finish("all ranks exited")
 
@@ -151,7 +151,7 @@ class Pump:
             await self.flush_ranks()
             self.finish(f"upstream protocol error: {exc}", False)
             return
-        except _GONE as exc:
+        except STREAM_GONE as exc:
             await self.flush_ranks()
             self.finish(f"upstream connection lost ({type(exc).__name__})", False)
             return
@@ -252,7 +252,7 @@ class Pump:
         except trio.TooSlowError:
             self.drop(link, f"it read nothing for write_stall_timeout="
                             f"{self.config.write_stall_timeout:g}s")
-        except _GONE:
+        except STREAM_GONE:
             await trio.aclose_forcefully(link.stream)
 
     async def rank_reader(self, link: RankLink,
@@ -279,7 +279,7 @@ class Pump:
         except WireError as exc:
             log.warning("relay %r: rank %d sent a bad length frame (%s); closing it",
                         self.host, link.rank, exc)
-        except _GONE:
+        except STREAM_GONE:
             pass
         link.gone = True
         link.reader_done.set()
@@ -291,5 +291,5 @@ class Pump:
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
                 await up_send.send((int(RecordKind.CONTROL), 0, encode(gone)))
-            except _GONE:
+            except STREAM_GONE:
                 pass

@@ -1,0 +1,156 @@
+"""What every ``flodl-trio`` command shares: exit codes, argument parsing helpers, the salt,
+signals, and one-line error messages for operating-system failures.
+
+Kept apart from :mod:`flodl_trio.cli` so that the demo and the command bodies import it without
+importing the CLI entry point (no import cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import trio
+
+from ._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
+from .wire import SessionSalt
+
+SALT_ENV = "FLODL_SALT_HEX"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: shell custom
+
+
+class CommandFailed(Exception):
+    """The command ran and did not do what it was asked (exit code 1); the message is one line."""
+
+
+class Terminated(BaseException):
+    """SIGTERM in a command that runs outside Trio (the demo, plot): stop like Ctrl-C does."""
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def os_error_text(exc: OSError) -> str:
+    """``strerror`` (or the message) without the ``[Errno N]`` prefix, for one-line errors."""
+    return exc.strerror or str(exc)
+
+
+def parse_address(text: str, *, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` → (host, port).
+
+    >>> parse_address("127.0.0.1:7000", what="--listen")
+    ('127.0.0.1', 7000)
+    >>> parse_address("[::1]:7000", what="--listen")
+    ('::1', 7000)
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{what}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``0-3,8`` → [0, 1, 2, 3, 8].
+
+    >>> parse_ranks("0-3,8")
+    [0, 1, 2, 3, 8]
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise UsageError(f"--ranks: expected a list like 0-3,8, got {text!r}")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise UsageError(f"--ranks: range {part!r} runs backwards")
+        out.extend(range(a, b + 1))
+    if not out:
+        raise UsageError(f"--ranks: expected at least one rank, got {text!r}")
+    return out
+
+
+def load_salt(args: argparse.Namespace, *, long_running: bool) -> SessionSalt:
+    """The salt from --salt-file, $FLODL_SALT_HEX or --salt-hex (which shows in ``ps``).
+
+    Raises:
+        UsageError: no salt given, or the salt file cannot be read as text.
+        ConfigError: the salt is not 32 hex characters.
+    """
+    if getattr(args, "salt_file", None):
+        try:
+            text = Path(args.salt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--salt-file {args.salt_file!r}: {os_error_text(exc)}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--salt-file {args.salt_file!r}: expected 32 hex characters as "
+                             "text, got bytes that are not UTF-8") from None
+        return SessionSalt.from_hex(text)
+    if getattr(args, "salt_hex", None):
+        if long_running:
+            warnings.warn(
+                "--salt-hex puts the session secret on the command line, where `ps` shows it to "
+                f"every user; prefer --salt-file or ${SALT_ENV}",
+                stacklevel=1,
+            )
+        return SessionSalt.from_hex(args.salt_hex)
+    env = os.environ.get(SALT_ENV)
+    if env:
+        return SessionSalt.from_hex(env)
+    raise UsageError(f"no session salt: pass --salt-file FILE or set ${SALT_ENV} "
+                     "(`flodl-trio salt` prints a fresh one)")
+
+
+def check_writable(path: str, *, what: str) -> None:
+    """Fail now, in one line, rather than after formation, if ``path`` cannot be appended to."""
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{what} {path!r}: {os_error_text(exc)}") from None
+
+
+async def write_text(path: str, text: str, *, what: str) -> None:
+    try:
+        await trio.Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise CommandFailed(f"{what} {path!r}: {os_error_text(exc)}") from None
+
+
+class SignalStop:
+    """SIGINT / SIGTERM → a graceful stop: cancel one scope, remember which signal it was.
+
+    Make it from a receiver opened before anything the signal should stop gracefully (a signal
+    arriving early is then queued, not lost): ``with trio.open_signal_receiver(*STOP_SIGNALS) as
+    signals: stop = SignalStop(signals)``; then run :meth:`watch` in the nursery to cancel.
+    """
+
+    def __init__(self, signals: AsyncIterator[int]) -> None:
+        self.signum: int | None = None
+        self._signals = signals
+
+    async def watch(self, scope: trio.CancelScope) -> None:
+        async for signum in self._signals:
+            self.signum = signum
+            scope.cancel()
+            return
+
+    @property
+    def exit_code(self) -> int:
+        assert self.signum is not None
+        return 128 + self.signum
+
+    def describe(self) -> str:
+        assert self.signum is not None
+        return signal_name(self.signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,0 +1,160 @@
+"""The ``flodl-trio`` argument parser: every option has help text, defaults shown."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from ._cli_common import EXIT_USAGE, SALT_ENV
+from ._version import __version__
+
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_TOTAL_SAMPLES = 240
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: scripts grep it, people read it.
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(EXIT_USAGE)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults appended to every option's help; descriptions keep their line breaks."""
+
+
+def _add_salt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--salt-file", metavar="FILE",
+                   help=f"file holding the 32-hex-char session salt (else ${SALT_ENV})")
+    p.add_argument("--salt-hex", metavar="HEX",
+                   help=f"the salt itself (visible in ps; prefer --salt-file or ${SALT_ENV})")
+
+
+EXIT_CODES = """exit codes: 0 the run completed as asked; 1 it failed (one line on stderr says why);
+2 usage error; 130 / 143 stopped by SIGINT / SIGTERM (after a graceful shutdown)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flodl-trio", formatter_class=_Help, epilog=EXIT_CODES,
+                     description="flodl-trio: the control plane of a multi-host training "
+                     "cluster, on Trio.")
+    parser.add_argument("--version", action="version", version=f"flodl-trio {__version__}")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="logging level of the flodl_trio loggers (stderr)")
+    parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def _command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
+
+    _command("salt", "print a fresh session salt (32 hex chars)",
+             "Print a fresh random session salt; give the same one to every process of a run.")
+
+    p = _command("coordinator", "run a coordinator (optionally driving a simulated run)",
+                 "Run a coordinator. With --epochs, drive a simulated training run with the "
+                 "reference SyncScheduler\nand exit 0 once every epoch completed; without it, "
+                 "hold the cohort until every rank exits\n(0 if all exited cleanly, 1 if any "
+                 "was declared dead).\n\n" + EXIT_CODES)
+    p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where relays dial and the status page answers (port 0: any free port)")
+    p.add_argument("--world-size", type=int, required=True, metavar="N",
+                   help="number of global ranks (required)")
+    _add_salt_args(p)
+    p.add_argument("--tls-cert", metavar="PEM", help="serve every connection over TLS")
+    p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--formation-timeout", type=float, default=None, metavar="S",
+                   help="seconds for every rank to be covered (None: 60 x "
+                   "$FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="a rank silent this long is declared dead (None: 30 x "
+                   "$FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--max-failure", type=int, default=None, metavar="N",
+                   help="stop with MAX_FAILURE_EXCEEDED once N ranks are dead (None: only when "
+                   "every rank is lost)")
+    p.add_argument("--timeline", metavar="FILE", help="append every event to FILE (JSONL)")
+    p.add_argument("--epochs", type=int, default=0, metavar="E",
+                   help="drive E epochs with the SyncScheduler (0: just hold the cohort until "
+                   "every rank exits or a signal)")
+    p.add_argument("--total-samples", type=int, default=DEFAULT_TOTAL_SAMPLES, metavar="N",
+                   help="dataset size the scheduler partitions across the ranks")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
+                   help="samples per batch the scheduler plans with; the ranks must use the "
+                   "same (a rank whose batches disagree is reported)")
+    p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
+    p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
+
+    p = _command("relay", "run a host relay",
+                 "Run a host relay: accept the local ranks on loopback, then carry their frames "
+                 "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
+                 "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                   help="the coordinator's --listen address (required)")
+    p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
+    p.add_argument("--ranks", required=True, metavar="LIST",
+                   help="global ranks of this host, e.g. 0-3,8 (required)")
+    p.add_argument("--world-size", type=int, required=True, metavar="N",
+                   help="number of global ranks (required)")
+    p.add_argument("--rank-port", type=int, default=0, metavar="PORT",
+                   help="loopback port the local ranks dial (0: any free port, printed)")
+    _add_salt_args(p)
+    p.add_argument("--tls-ca", metavar="PEM", help="verify the coordinator's TLS certificate")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="name to check in the coordinator's certificate")
+
+    p = _command("rank", "run one simulated rank",
+                 "Run one simulated rank (SimulatedRank): it processes the samples it is given "
+                 "in batches,\nanswers syncs and exits 0 on a graceful Shutdown, 1 on a failed "
+                 "run or a lost coordinator.\n\n" + EXIT_CODES)
+    p.add_argument("--relay", required=True, metavar="HOST:PORT",
+                   help="the address the relay printed for its ranks (required)")
+    p.add_argument("--rank", type=int, required=True, metavar="R",
+                   help="this rank's global rank (required)")
+    p.add_argument("--world-size", type=int, required=True, metavar="N",
+                   help="number of global ranks (required)")
+    p.add_argument("--batch-ms", type=float, default=20.0, metavar="MS",
+                   help="simulated milliseconds per batch")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
+                   help="samples per batch; must equal the coordinator's --batch-size")
+    p.add_argument("--jitter", type=float, default=0.1, metavar="FRACTION",
+                   help="random spread of each batch time, as a fraction of --batch-ms")
+    _add_salt_args(p)
+
+    p = _command("status", "print a coordinator's /state.json",
+                 "Query a coordinator's status page (its --listen port). Exits 0 with an "
+                 "answer, 1 without one.")
+    p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="seconds for the whole exchange")
+    p.add_argument("--json", action="store_true", help="print the raw JSON document")
+
+    p = _command("demo", "a whole local cluster as separate processes on loopback",
+                 "Run a coordinator, one relay per host and simulated ranks as separate "
+                 "processes on loopback,\ntell the story (formation, deaths, redistributions) "
+                 "and exit 0 once every epoch completed.\n\n" + EXIT_CODES)
+    p.add_argument("--hosts", type=int, default=3, metavar="N", help="relay processes")
+    p.add_argument("--ranks-per-host", type=int, default=2, metavar="N",
+                   help="rank processes per relay")
+    p.add_argument("--epochs", type=int, default=3, metavar="E", help="epochs to train")
+    p.add_argument("--total-samples", type=int, default=DEFAULT_TOTAL_SAMPLES, metavar="N",
+                   help="dataset size")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
+                   help="samples per batch (coordinator and ranks alike)")
+    p.add_argument("--batch-ms", type=float, default=25.0, metavar="MS",
+                   help="base batch time; host i runs (1 + i) times slower")
+    p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="SIGKILL that relay process SECONDS after formation (repeatable)")
+    p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
+                   "(JSONL)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the temporary directory of process logs (removed otherwise)")
+    p.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
+
+    p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
+                 "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "
+                 "lost broadcasts and deaths.")
+    p.add_argument("timeline", metavar="TIMELINE.jsonl", help="a --timeline file")
+    p.add_argument("-o", "--output", default="timeline.png", metavar="PNG",
+                   help="where to write the picture")
+    return parser

@@ -1,0 +1,236 @@
+"""The long-running ``flodl-trio`` commands: coordinator, relay, rank, and the status query.
+
+Each returns its exit code: 0 only when the run completed as asked, 1 (by raising
+:class:`CommandFailed`, or a :class:`FlodlError` from the library) when it did not, and 130 / 143
+after a graceful stop on SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import ssl
+import sys
+from typing import Any
+
+import attrs
+import trio
+
+from ._cli_common import (
+    EXIT_OK,
+    STOP_SIGNALS,
+    CommandFailed,
+    SignalStop,
+    UsageError,
+    check_writable,
+    load_salt,
+    os_error_text,
+    parse_address,
+    parse_ranks,
+    write_text,
+)
+from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
+from ._transport import format_address
+from .coordinator import Coordinator, bind_coordinator, open_coordinator
+from .rank import open_rank
+from .relay import open_relay
+from .scheduler import RunSummary, SyncScheduler
+from .sim import SimulatedRank
+from .status import fetch_state
+from .timeline import Timeline
+from .wire import SaveReason, Shutdown, ShutdownWithSave
+
+
+def _stopped(stop: SignalStop, what: str) -> int:
+    sys.stderr.write(f"flodl-trio: {what} stopped by {stop.describe()} (graceful shutdown "
+                     "done)\n")
+    return stop.exit_code
+
+
+def _tls_server(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert:
+        return None
+    if not args.tls_key:
+        raise UsageError("--tls-cert needs --tls-key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-cert {args.tls_cert!r} / --tls-key {args.tls_key!r}: "
+                         f"{os_error_text(exc)}") from None
+    return context
+
+
+def _tls_client(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_ca:
+        return None
+    try:
+        return ssl.create_default_context(cafile=args.tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-ca {args.tls_ca!r}: {os_error_text(exc)}") from None
+
+
+def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    overrides: dict[str, Any] = {}
+    if args.formation_timeout is not None:
+        overrides["formation_timeout"] = args.formation_timeout
+    if args.heartbeat_timeout is not None:
+        overrides["heartbeat_timeout"] = args.heartbeat_timeout
+    if args.max_failure is not None:
+        overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
+    return CoordinatorConfig(world_size=args.world_size, **overrides)
+
+
+async def run_coordinator(args: argparse.Namespace) -> int:
+    salt = load_salt(args, long_running=True)
+    listen = parse_address(args.listen, what="--listen")
+    config = _coordinator_config(args)
+    ssl_context = _tls_server(args)
+    for path, what in ((args.timeline, "--timeline"), (args.summary_file, "--summary-file")):
+        if path:
+            check_writable(path, what=what)
+    timeline = Timeline(jsonl_path=args.timeline) if args.timeline else Timeline()
+    summary: dict[str, Any] = {}
+    failure: str | None = None
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        stop = SignalStop(signals)
+        try:
+            bound = await bind_coordinator(listen, timeline=timeline)
+        except OSError as exc:
+            raise CommandFailed(f"coordinator: cannot listen on {args.listen}: "
+                                f"{os_error_text(exc)}") from None
+        text = format_address(bound.address)
+        print(f"coordinator listening on {text}", flush=True)
+        if args.port_file:
+            await write_text(args.port_file, text + "\n", what="--port-file")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop.watch, nursery.cancel_scope)
+            async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
+                                        ssl_context=ssl_context) as coord:
+                print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
+                      flush=True)
+                if args.epochs > 0:
+                    sched = SyncScheduler(coord, total_samples=args.total_samples,
+                                          batch_size=args.batch_size, num_epochs=args.epochs)
+                    result = await sched.run()
+                    summary = summary_dict(result, coord)
+                    if result.epochs_completed != args.epochs:
+                        failure = (f"the run ended after {result.epochs_completed}/"
+                                   f"{args.epochs} epochs")
+                else:
+                    await _hold_until_all_exit(coord)
+                    summary = {"exited": sorted(coord.exited_ranks),
+                               "dead": sorted(coord.dead_ranks)}
+                    if coord.dead_ranks:
+                        failure = (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
+                                   f"{len(coord.exited_ranks)} exited cleanly")
+            nursery.cancel_scope.cancel()
+    if stop.signum is not None:
+        summary["stopped"] = stop.describe()
+    timeline.close()
+    if args.summary_file:
+        await write_text(args.summary_file, json.dumps(summary, indent=2), what="--summary-file")
+    print(json.dumps({"summary": summary}), flush=True)
+    if stop.signum is not None:
+        return _stopped(stop, "coordinator")
+    if failure is not None:
+        raise CommandFailed(f"coordinator: {failure}")
+    return EXIT_OK
+
+
+def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
+    """The scheduler's :class:`RunSummary` as JSON-ready values, plus the coordinator's view."""
+    out: dict[str, Any] = {}
+    for field in attrs.fields(type(result)):
+        value = getattr(result, field.name)
+        if field.name == "epoch_metrics":
+            value = [{"epoch": m.epoch, "avg_loss": m.avg_loss} for m in value]
+        elif isinstance(value, dict):
+            value = {str(k): v for k, v in value.items()}
+        elif isinstance(value, tuple | frozenset | set):
+            value = sorted(value) if not value or not isinstance(next(iter(value)), tuple) \
+                else [list(v) for v in value]
+        out[field.name] = value
+    out["dead_ranks"] = sorted(coord.dead_ranks)
+    out["lost_broadcasts"] = coord.lost_broadcasts
+    return out
+
+
+async def _hold_until_all_exit(coord: Coordinator) -> None:
+    async for _ in coord.timing:
+        if not coord.live_ranks:
+            return
+
+
+async def run_relay(args: argparse.Namespace) -> int:
+    salt = load_salt(args, long_running=True)
+    target = parse_address(args.coordinator, what="--coordinator")
+    ranks = parse_ranks(args.ranks)
+    ssl_context = _tls_client(args)
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        stop = SignalStop(signals)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop.watch, nursery.cancel_scope)
+            try:
+                relay_cm = open_relay(target, salt=salt, host=args.host, ranks=ranks,
+                                      world_size=args.world_size, rank_listen=args.rank_port,
+                                      config=RelayConfig(), ssl_context=ssl_context,
+                                      server_hostname=args.tls_server_name)
+                async with relay_cm as relay:
+                    print(f"relay {args.host} ranks {ranks} listening for ranks on "
+                          f"{format_address(relay.rank_address)}", flush=True)
+                    outcome = await relay.wait_closed()
+                    print(f"relay {args.host} ended: {outcome.reason}", flush=True)
+            except OSError as exc:
+                raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"
+                                    f"{args.rank_port}: {os_error_text(exc)}") from None
+            nursery.cancel_scope.cancel()
+    if stop.signum is not None:
+        return _stopped(stop, f"relay {args.host}")
+    if not outcome.clean:
+        raise CommandFailed(f"relay {args.host}: {outcome.reason}")
+    return EXIT_OK
+
+
+async def run_rank(args: argparse.Namespace) -> int:
+    salt = load_salt(args, long_running=True)
+    target = parse_address(args.relay, what="--relay")
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        stop = SignalStop(signals)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop.watch, nursery.cancel_scope)
+            async with open_rank(target, salt=salt, rank=args.rank, world_size=args.world_size,
+                                 config=RankConfig()) as ep:
+                sim = SimulatedRank(ep, batch_ms=args.batch_ms, jitter=args.jitter,
+                                    batch_size=args.batch_size, seed=args.rank)
+                record = await sim.run()
+            nursery.cancel_scope.cancel()
+    if stop.signum is not None:
+        return _stopped(stop, f"rank {args.rank}")
+    last = record.received[-1] if record.received else None
+    print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
+          flush=True)
+    if isinstance(last, ShutdownWithSave) and last.reason != SaveReason.GRACEFUL_SHUTDOWN:
+        raise CommandFailed(f"rank {args.rank}: the coordinator stopped the run: "
+                            f"ShutdownWithSave({last.reason.name})")
+    if not isinstance(last, Shutdown | ShutdownWithSave):
+        raise CommandFailed(f"rank {args.rank}: the run ended without a Shutdown")
+    return EXIT_OK
+
+
+async def run_status(args: argparse.Namespace) -> int:
+    address = parse_address(args.address, what="status")
+    state = await fetch_state(address, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(state, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
+          f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
+    for relay in state.get("relays", []):
+        print(f"  relay {relay['host']:<16} {relay['peer']:<22} ranks {relay['ranks']}")
+    print(f"  live {state.get('live')}")
+    for dead in state.get("dead", []):
+        print(f"  dead rank {dead['rank']}: {dead['reason']}")
+    print(f"  exited {state.get('exited')}  lost broadcasts {state.get('lost_broadcasts')}  "
+          f"rejected handshakes {state.get('rejected_handshakes')}")
+    return EXIT_OK

@@ -1,0 +1,131 @@
+"""The demo's narrator: turns the coordinator's timeline (JSONL, read as it grows) into the lines
+a person wants to read: formation, epochs, each death and its cause, each redistribution of a
+dead rank's samples, lost broadcasts, and the live/dead/exited state of every rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def ranges_text(ranges: list[list[int]]) -> str:
+    """``[[32, 4], [40, 2]]`` → ``"32-35, 40-41"`` (sample indices, inclusive).
+
+    >>> ranges_text([[32, 4], [40, 1]])
+    '32-35, 40'
+    """
+    parts = []
+    for offset, size in ranges:
+        parts.append(str(offset) if size == 1 else f"{offset}-{offset + size - 1}")
+    return ", ".join(parts)
+
+
+class Story:
+    """Reads new complete lines of a timeline file and says what they mean.
+
+    Attributes:
+        formed_ms: formation time (None until the cohort formed).
+        epoch: the epoch in progress (0-based; -1 before the first).
+        syncs: ``SyncNow`` rounds so far.
+        dead: rank → the reason it was declared dead.
+        exited: ranks that left cleanly.
+        events: timeline lines read.
+    """
+
+    def __init__(self, path: Path, epochs: int) -> None:
+        self.path = path
+        self.epochs = epochs
+        self.offset = 0
+        self.formed_ms: float | None = None
+        self.covered = 0
+        self.epoch = -1
+        self.syncs = 0
+        self.dead: dict[int, str] = {}
+        self.exited: set[int] = set()
+        self.events = 0
+
+    def poll(self) -> list[str]:
+        """The story lines of every event appended since the last call."""
+        if not self.path.exists():
+            return []
+        lines: list[str] = []
+        with self.path.open(encoding="utf-8") as f:
+            f.seek(self.offset)
+            for raw in f:
+                if not raw.endswith("\n"):
+                    break  # the coordinator is still writing this line
+                self.offset += len(raw.encode("utf-8"))
+                self.events += 1
+                try:
+                    event = json.loads(raw)
+                except ValueError:
+                    continue
+                line = self._tell(event)
+                if line:
+                    lines.append(line)
+        return lines
+
+    def _tell(self, ev: dict[str, Any]) -> str | None:
+        kind = ev.get("kind")
+        t = f"{ev.get('t_ms', 0.0) / 1000.0:6.2f}s"
+        if kind == "RelayJoined":
+            self.covered += len(ev.get("ranks", []))
+            return f"{t}  relay {ev['host']} joined with ranks {ev['ranks']} from {ev['peer']}"
+        if kind == "FormationComplete":
+            self.formed_ms = float(ev["elapsed_ms"])
+            return (f"{t}  formed in {self.formed_ms:.0f} ms: {ev['relays']} relays, "
+                    f"{ev['world_size']} ranks")
+        if kind == "FormationFailed":
+            return f"{t}  formation FAILED ({ev['covered']} ranks covered): {ev['reason']}"
+        if kind == "RankDeclaredDead":
+            self.dead[int(ev["rank"])] = str(ev["reason"])
+            return f"{t}  rank {ev['rank']} ({ev['host']}) declared dead: {ev['reason']}"
+        if kind == "RankExited":
+            self.exited.add(int(ev["rank"]))
+            return None  # every rank exits at the end: the summary counts them
+        if kind == "LostBroadcast":
+            failed = sorted(int(r) for r in ev.get("failures", {}))
+            return f"{t}  broadcast of {ev['control']} missed ranks {failed}"
+        if kind == "ClusterFailed":
+            return f"{t}  cluster FAILED: {ev['reason']} (dead {ev['dead']})"
+        if kind == "Note":
+            return self._tell_note(t, str(ev.get("what")), ev.get("fields", {}))
+        return None
+
+    def _tell_note(self, t: str, what: str, fields: dict[str, Any]) -> str | None:
+        if what == "sync":
+            self.syncs += 1
+            return None
+        if what == "epoch_started":
+            self.epoch = int(fields.get("epoch", self.epoch + 1))
+            return f"{t}  epoch {self.epoch + 1}/{self.epochs} started"
+        if what == "epoch_aggregated":
+            return (f"{t}  epoch {int(fields['epoch']) + 1}/{self.epochs} done: avg loss "
+                    f"{float(fields['avg_loss']):.4f}, {self.syncs} syncs so far")
+        if what == "redistributed":
+            took = "; ".join(f"rank {r} took {ranges_text(p)}"
+                             for r, p in sorted(fields["to"].items(), key=lambda kv: int(kv[0])))
+            left = sum(size for p in fields["to"].values() for _, size in p)
+            return (f"{t}  rank {fields['from_rank']}'s {left} unprocessed samples of epoch "
+                    f"{int(fields['epoch']) + 1} redistributed: {took}")
+        if what == "batch_size_mismatch":
+            return (f"{t}  rank {fields['rank']} batches disagree with the plan: "
+                    f"{fields['samples']} samples in {fields['batches']} batches, batch size "
+                    f"{fields['batch_size']} plans {fields['planned_batches']}")
+        return None
+
+    def status_line(self, world: int) -> str:
+        """One line of progress: forming (covered/world), or the epoch, syncs and deaths."""
+        if self.formed_ms is None:
+            return f"forming: {self.covered}/{world} ranks covered"
+        epoch = max(self.epoch, 0) + 1
+        return (f"epoch {epoch}/{self.epochs}, {self.syncs} syncs, {len(self.dead)} dead, "
+                f"{len(self.exited)} exited")
+
+    def rank_state(self, rank: int) -> str:
+        if rank in self.dead:
+            return "dead"
+        if rank in self.exited:
+            return "exited"
+        return "alive" if self.formed_ms is not None else "starting"

@@ -1,0 +1,255 @@
+"""Exit codes of every long-running command, as real processes with real signals: 0 only for a run
+that completed as asked, 1 with one line for a failed run, 2 for usage, 130 / 143 after a graceful
+stop on SIGINT / SIGTERM; operating-system errors are one line naming the address or the file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "flodl_trio"]
+PATIENCE = 30.0  # real seconds for a child to print a line or exit; each takes ~1 s alone
+
+
+class Proc:
+    """A CLI child whose stdout and stderr lines are collected by two reader threads."""
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      text=True, env=env)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._collect, args=(stream, lines), daemon=True)
+                         for stream, lines in ((self.popen.stdout, self.out),
+                                               (self.popen.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _collect(stream: object, lines: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            lines.append(line.rstrip("\n"))
+
+    def line_with(self, text: str) -> str:
+        deadline = time.monotonic() + PATIENCE
+        while time.monotonic() < deadline:
+            for line in list(self.out):
+                if text in line:
+                    return line
+            if self.popen.poll() is not None and not any(r.is_alive() for r in self._readers):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {text!r}: out={self.out} err={self.err}")
+
+    def wait(self) -> int:
+        code = self.popen.wait(timeout=PATIENCE)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    def signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=PATIENCE)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    out = dict(os.environ, FLODL_SALT_HEX="ab" * 16)
+    out.pop("FLODL_NET_TIMEOUT_SCALE", None)
+    return out
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def one_line(proc: Proc) -> str:
+    """The one error line (log records at WARNING may precede it; a traceback may not)."""
+    assert not any("Traceback" in line for line in proc.err), proc.err
+    lines = [ln for ln in proc.err if ln.startswith("flodl-trio")]
+    assert len(lines) == 1, proc.err
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_coordinator_stopped_by_a_signal_exits_128_plus_signum_with_its_summary(
+    env: dict[str, str], procs: list[Proc], signum: int, code: int
+) -> None:
+    coord = Proc("coordinator", "--world-size", "2", "--epochs", "1", env=env)
+    procs.append(coord)
+    coord.line_with("coordinator listening on")
+    coord.signal(signum)
+    assert coord.wait() == code
+    name = signal.Signals(signum).name
+    assert one_line(coord) == f"flodl-trio: coordinator stopped by {name} (graceful shutdown done)"
+    assert f'"stopped": "{name}"' in coord.line_with('"summary"')
+
+
+@pytest.mark.slow
+def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_rank(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    coord = Proc("coordinator", "--world-size", "2", "--epochs", "1", "--total-samples", "16",
+                 env=env)
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").split()[-1]
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-1",
+                 "--world-size", "2", env=env)
+    procs.append(relay)
+    rank_address = relay.line_with("listening for ranks on").split()[-1]
+    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "2",
+                  "--batch-ms", "5", env=env) for r in (0, 1)]
+    procs.extend(ranks)
+    assert coord.wait() == 0, coord.err
+    assert [rank.wait() for rank in ranks] == [0, 0], [rank.err for rank in ranks]
+    assert relay.wait() == 0, relay.err
+    assert '"epochs_completed": 1' in coord.line_with('"summary"')
+
+
+@pytest.mark.slow
+def test_ranks_whose_coordinator_dies_exit_1_and_a_signalled_rank_143(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    coord = Proc("coordinator", "--world-size", "2", env=env)  # holds the cohort, no epochs
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").split()[-1]
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-1",
+                 "--world-size", "2", env=env)
+    procs.append(relay)
+    rank_address = relay.line_with("listening for ranks on").split()[-1]
+    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "2",
+                  env=env) for r in (0, 1)]
+    procs.extend(ranks)
+    coord.line_with("formed: 2 ranks")
+    ranks[1].signal(signal.SIGTERM)
+    assert ranks[1].wait() == 143
+    assert one_line(ranks[1]) == "flodl-trio: rank 1 stopped by SIGTERM (graceful shutdown done)"
+    coord.popen.kill()  # no Shutdown: the rank's link ends and its coordinator is lost
+    assert ranks[0].wait() == 1
+    assert "CoordinatorLost: rank 0" in one_line(ranks[0])
+
+
+@pytest.mark.slow
+def test_a_coordinator_whose_every_rank_died_exits_1_with_the_cluster_failure(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    coord = Proc("coordinator", "--world-size", "1", env=env)
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").split()[-1]
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0",
+                 "--world-size", "1", env=env)
+    procs.append(relay)
+    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
+                "--rank", "0", "--world-size", "1", env=env)
+    procs.append(rank)
+    coord.line_with("formed: 1 ranks")
+    rank.popen.kill()  # a crash: the relay reports RankExit, the coordinator declares it dead
+    assert coord.wait() == 1
+    assert one_line(coord).startswith("flodl-trio: ClusterFailure: cluster failure: "
+                                      "ALL_RANKS_LOST; dead ranks [0]")
+    assert relay.wait() == 0  # its rank is gone and the coordinator shut it down: a clean end
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_one_line_naming_the_address(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        coord = Proc("coordinator", "--listen", f"127.0.0.1:{port}", "--world-size", "1",
+                     env=env)
+        procs.append(coord)
+        assert coord.wait() == 1
+        assert one_line(coord) == (f"flodl-trio: coordinator: cannot listen on 127.0.0.1:{port}: "
+                                   "Address already in use")
+        relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
+                     "--world-size", "1", "--rank-port", str(port), env=env)
+        procs.append(relay)
+        assert relay.wait() == 1
+        assert one_line(relay) == (f"flodl-trio: relay h: cannot listen for ranks on "
+                                   f"127.0.0.1:{port}: Address already in use")
+
+
+def test_a_binary_salt_file_is_a_usage_error_naming_the_file(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path
+) -> None:
+    salt = tmp_path / "salt.bin"
+    salt.write_bytes(b"\xff\xfe\x00\x81" * 8)
+    relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
+                 "--world-size", "1", "--salt-file", str(salt), env=env)
+    procs.append(relay)
+    assert relay.wait() == 2
+    assert one_line(relay) == (f"flodl-trio: error: --salt-file {str(salt)!r}: expected 32 hex "
+                               "characters as text, got bytes that are not UTF-8")
+
+
+def test_an_unwritable_timeline_is_one_line_naming_the_file(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path
+) -> None:
+    target = tmp_path / "no-such-dir" / "t.jsonl"
+    coord = Proc("coordinator", "--world-size", "1", "--timeline", str(target), env=env)
+    procs.append(coord)
+    assert coord.wait() == 2
+    assert one_line(coord) == (f"flodl-trio: error: --timeline {str(target)!r}: No such file "
+                               "or directory")
+
+
+def test_plot_of_a_missing_or_binary_file_is_one_line_naming_it(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path
+) -> None:
+    missing = tmp_path / "missing.jsonl"
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xff")
+    for path, words in ((missing, "No such file or directory"), (binary, "not UTF-8 text")):
+        plot = Proc("plot", str(path), "-o", str(tmp_path / "t.png"), env=env)
+        procs.append(plot)
+        assert plot.wait() == 2
+        line = one_line(plot)
+        assert str(path) in line and words in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path, signum: int, code: int
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    demo = Proc("demo", "--no-live", "--hosts", "1", env=dict(env, TMPDIR=str(scratch)))
+    procs.append(demo)
+    demo.line_with("coordinator on")
+    demo.signal(signum)
+    assert demo.wait() == code
+    name = signal.Signals(signum).name
+    verb = "interrupted by" if signum == signal.SIGINT else "stopped by"
+    assert one_line(demo) == f"flodl-trio: demo {verb} {name}"
+    assert demo.line_with("interrupted: stopping the coordinator, 1 relays and 2 ranks")
+    assert list(scratch.iterdir()) == []
