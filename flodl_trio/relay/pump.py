@@ -201,10 +201,10 @@ class Pump:
             return
         # Never waits: a rank that is behind delays nobody; one that stays behind is dropped.
         if not link.offer(blob, trio.current_time()):
-            self.drop(link, f"it did not drain its queue of {link.queue_size} frames within "
+            self.drop_rank(link, f"it did not drain its queue of {link.queue_size} frames within "
                             f"write_stall_timeout={self.config.write_stall_timeout:g}s")
 
-    def drop(self, link: RankLink, reason: str) -> None:
+    def drop_rank(self, link: RankLink, reason: str) -> None:
         """Cut a local rank off (its reader then reports ``RankDropped`` upstream)."""
         if link.gone or link.dropped is not None:
             return
@@ -222,12 +222,10 @@ class Pump:
         try:
             msg = decode_relay(payload)
         except WireError as exc:
-            log.warning("relay %r: undecodable control record from the coordinator (%s); "
-                        "dropped", self.host, exc)
+            self.drop("undecodable", f"control record from the coordinator: {exc}")
             return
         if not isinstance(msg, FenceRank):
-            log.warning("relay %r: unexpected %s from the coordinator; dropped", self.host,
-                        type(msg).__name__)
+            self.drop("unexpected control", f"{type(msg).__name__} from the coordinator")
             return
         link = self.local.link(int(msg.rank))
         if link is None or link.gone or link.fenced is not None:
@@ -256,7 +254,7 @@ class Pump:
                     await link.reader_done.wait()  # the rank read it all and closed
                 await trio.aclose_forcefully(link.stream)
         except trio.TooSlowError:
-            self.drop(link, f"it read nothing for write_stall_timeout="
+            self.drop_rank(link, f"it read nothing for write_stall_timeout="
                             f"{self.config.write_stall_timeout:g}s")
         except STREAM_GONE:
             await trio.aclose_forcefully(link.stream)
