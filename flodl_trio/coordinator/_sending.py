@@ -89,13 +89,16 @@ class Sender:
         """Live ranks by relay connection, and the live ranks whose relay is already gone."""
         groups: dict[RelayConn, list[int]] = {}
         failed: dict[int, str] = {}
-        for rank in sorted(self._roster.live):
-            conn = self._roster.relay_of(rank)
-            assert conn is not None  # live ranks are covered
+        for conn in self._roster.relays:
+            ranks = self._roster.live_of(conn)
+            if not ranks:
+                continue
             if conn.alive:
-                groups.setdefault(conn, []).append(rank)
+                groups[conn] = ranks
             else:
-                failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason or conn.retired})"
+                for rank in ranks:
+                    failed[rank] = (f"relay {conn.host!r} is gone "
+                                    f"({conn.lost_reason or conn.retired})")
         return groups, failed
 
     def _outcome(self, msg: ControlMsg, groups: dict[RelayConn, list[int]],

@@ -105,8 +105,7 @@ class Liveness:
             return
         self.fenced += 1
         self._timeline.event(RankFenced(rank=rank, host=conn.host, reason=reason))
-        live = self._roster.live
-        if not any(r in live for r in conn.ranks):
+        if not self._roster.live_of(conn):
             conn.retire("every rank on it was declared dead", self._config.shutdown_grace)
             self.retired += 1
             log.warning("%s: every rank on it was declared dead; disconnecting it",
