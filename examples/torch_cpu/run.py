@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
                     py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex",
                     salt.hex(), "--rank", str(rank), "--world-size", str(WORLD), "--out",
                     str(out), "--batch-size", str(args.batch_size), "--step-ms",
-                    str(args.step_ms)])
+                    str(args.step_ms), "--lr", str(args.lr)])
         async with ft.open_coordinator(bound, salt=salt, config=cfg, timeline=timeline) as coord:
             formed = time.monotonic()
             print(f"formed: {WORLD} ranks over {len(coord.relays)} relays in "
@@ -154,6 +154,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate of the ranks")
     p.add_argument("--kill-epoch", type=int, default=3)
     p.add_argument("--kill-after-syncs", type=int, default=4)
     p.add_argument("--result", help="write the outcome as JSON here")
