@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import operator
@@ -23,6 +22,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
+from ._listen import serve_each
 from ._pending import PendingHandshakes
 from ._transport import STREAM_GONE
 
@@ -61,10 +61,6 @@ _LEG_BY_PREFIX = (
     (b"GET ", "status"),
     (b"POST", "status"),
 )
-# Accept errors that mean "out of file descriptors or memory right now": trio's serve_listeners
-# sleeps and retries on exactly these instead of crashing the server.
-_ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-_ACCEPT_RETRY_SLEEP = 0.1
 _PEEK_CHUNK = 4096
 
 PeerAddress = tuple[str, int] | str
@@ -337,19 +333,12 @@ class PortMux:
     async def _accept_loop(
         self, listener: trio.abc.Listener[trio.abc.Stream], nursery: trio.Nursery
     ) -> None:
-        while True:  # ends when the listener closes or the mux is cancelled
-            try:
-                stream = await listener.accept()
-            except trio.ClosedResourceError:
-                return
-            except OSError as exc:
-                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
-                    raise
-                logger.warning("port mux: accept failed (%s); retrying", exc)
-                await trio.sleep(_ACCEPT_RETRY_SLEEP)
-                continue
-            self.stats.accepted += 1
-            nursery.start_soon(self._route, stream)
+        # Ends when the listener closes or the mux is cancelled.
+        await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
+                         on_accept=self._count_accept)
+
+    def _count_accept(self, stream: trio.abc.Stream) -> None:
+        self.stats.accepted += 1
 
     async def _route(self, stream: trio.abc.Stream) -> None:
         remote = _remote_address(stream)

@@ -14,7 +14,8 @@ import trio
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
 from .._lifecycle import open_lifecycle
-from .._transport import close_all, format_address, listen_tcp
+from .._listen import listen_tcp
+from .._transport import close_all, format_address
 from ..events import Listening
 from ..port_mux import open_port_mux
 from ..status import serve_status
