@@ -25,6 +25,7 @@ import h11
 import trio
 
 from ._errors import ConfigError, FlodlError
+from ._keepalive import KeepAlive, enable_keepalive
 from ._listen import serve_each
 from ._transport import STREAM_GONE
 
@@ -68,7 +69,7 @@ async def serve_status(
     await serve_each(
         listener, partial(_serve_connection, state_fn=state_fn, request_timeout=request_timeout,
                           max_request_bytes=max_request_bytes),
-        what="status", task_status=task_status,
+        what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
     )
 
 
@@ -217,6 +218,12 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
     family("ranks_exited", "gauge", "Ranks exited cleanly.", [("", _count(state.get("exited")))])
     lost = _count(state.get("lost_broadcasts"))
     family("lost_broadcasts_total", "counter", "Broadcasts that missed a live rank.", [("", lost)])
+    for key, help_text in (
+        ("fenced_ranks", "Ranks declared dead that were told so and cut off."),
+        ("relay_write_stalls", "Relays lost because they stopped reading (write stall)."),
+        ("relays_disconnected", "Relay connections closed because all their ranks were dead."),
+    ):
+        family(f"{key}_total", "counter", help_text, [("", _count(state.get(key)))])
     rejected = state.get("rejected_handshakes") or {}
     family(
         "rejected_handshakes_total",
@@ -282,6 +289,7 @@ async def fetch_state(
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
+            enable_keepalive(stream, KeepAlive.within(timeout))
             async with stream:
                 status, body = await _get(stream, where, max_response_bytes)
     except trio.TooSlowError:
