@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 import trio
 
 from ._errors import FlodlError
+from ._transport import STREAM_GONE
 from .wire import NeedData
 
 # A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
@@ -45,7 +46,7 @@ async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event
         except FlodlError:
             # What the machine queued before it failed was due (the coordinator's Challenge
             # ahead of a replayed Hello that arrived in the same chunk): the peer sees it.
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            with contextlib.suppress(*STREAM_GONE):
                 if out := machine.data_to_send():
                     await stream.send_all(out)
             raise

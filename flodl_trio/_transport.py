@@ -20,6 +20,10 @@ from ._timeouts import CONNECT_RETRY_INTERVAL
 
 log = logging.getLogger("flodl_trio.transport")
 
+# What a read, write or accept raises once the stream (or listener) is gone: the peer reset or
+# closed it (Broken), or we closed it ourselves (Closed). Every "the link ended" handler uses it.
+STREAM_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
 Address = tuple[str, int]
 Dialer = Callable[[], Awaitable[trio.abc.Stream]]
 DialTarget = Address | Dialer
@@ -67,6 +71,57 @@ def is_local_or_private(host: str) -> bool:
     except ValueError:
         return False
     return ip.is_loopback or ip.is_private or ip.is_link_local
+
+
+async def listen_tcp(port: int, *, host: str | None,
+                     attempts: int = 16) -> list[trio.SocketListener]:
+    """Bind every address of ``host`` (None: every interface, IPv4 and IPv6) on **one** port.
+
+    ``trio.open_tcp_listeners(0)`` gives each address family its own free port, so a peer that
+    resolves the name to the other family (``localhost`` to ``::1``) dials a port nobody
+    published. Here port 0 picks the first family's free port and binds the others to it,
+    retrying with a fresh port when that one is taken in another family.
+
+    Raises:
+        OSError: the OS refused the bind, or no port was free in every family after
+            ``attempts`` tries.
+    """
+    last: OSError | None = None
+    for _ in range(attempts):
+        listeners = list(await trio.open_tcp_listeners(port, host=host))
+        ports = {lst.socket.getsockname()[1] for lst in listeners}
+        if port != 0 or len(ports) == 1:
+            return listeners
+        chosen = int(listeners[0].socket.getsockname()[1])
+        others = [(lst.socket.family, lst.socket.getsockname()) for lst in listeners[1:]]
+        await close_all(listeners[1:])
+        bound = listeners[:1]
+        try:
+            for family, sockname in others:
+                bound.append(await _listen_on(family, (sockname[0], chosen, *sockname[2:])))
+        except OSError as exc:
+            await close_all(bound)
+            last = exc
+            continue
+        return bound
+    raise OSError(f"expected one free port for every address of {host or 'every interface'}, "
+                  f"got none after {attempts} tries; last error: {last!r}")
+
+
+async def _listen_on(family: int, sockaddr: tuple[Any, ...]) -> trio.SocketListener:
+    # What trio.open_tcp_listeners does for one address, with the port given.
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        if hasattr(trio.socket, "SO_REUSEADDR") and not hasattr(trio.socket, "SO_EXCLUSIVEADDRUSE"):
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        if family == trio.socket.AF_INET6:
+            sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
+        await sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
 
 
 async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio.abc.Stream:

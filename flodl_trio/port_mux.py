@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
+from ._transport import STREAM_GONE
 
 __all__ = [
     "CHANNEL_MAGIC_CONTROL",
@@ -255,7 +256,7 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
             self._send.send_nowait(stream)
         except trio.WouldBlock:
             return "queue_full"
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except STREAM_GONE:
             return "no_listener"
         return None
 

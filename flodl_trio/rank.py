@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._handshake_io import run_handshake
 from ._lifecycle import open_lifecycle
-from ._transport import DialTarget, StreamWriter, dial, format_address
+from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial, format_address
 from .wire import (
     MAX_LEN_FRAME,
     ControlMsg,
@@ -52,7 +52,6 @@ from .wire import (
 
 log = logging.getLogger("flodl_trio.rank")
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 INBOX_SIZE = 1024
 
 
@@ -147,7 +146,7 @@ class RankEndpoint:
             self._set_lost(f"write stall: no progress for {self.config.write_stall_timeout:g}s")
             raise SendError(f"rank {self.rank}: sending {control_label(msg)} to relay "
                             f"{self._relay} stalled") from None
-        except _GONE as exc:
+        except STREAM_GONE as exc:
             raise SendError(f"rank {self.rank}: sending {control_label(msg)} to relay "
                             f"{self._relay}: link closed ({type(exc).__name__})") from None
 
@@ -186,7 +185,7 @@ class RankEndpoint:
         except WireError as exc:
             self._set_lost(f"protocol error on the link: {exc}")
             return
-        except _GONE as exc:
+        except STREAM_GONE as exc:
             self._set_lost(f"link to relay {self._relay} lost ({type(exc).__name__})")
             return
         if self._shutdown_seen:
@@ -227,13 +226,13 @@ class RankEndpoint:
             return
         except trio.WouldBlock:
             pass
-        except _GONE:
+        except STREAM_GONE:
             return
         # The user is not iterating; time we spend waiting here is not the coordinator's silence.
         self._paused = True
         try:
             await self._inbox_send.send(msg)
-        except _GONE:
+        except STREAM_GONE:
             pass
         finally:
             self._paused = False
@@ -275,7 +274,7 @@ class RankEndpoint:
                 await self.send(Exiting(rank=self.rank))
                 await self._writer.send_eof()
                 await self._reader_done.wait()  # the relay read it all and closed its side
-            except (SendError, trio.TooSlowError, *_GONE):
+            except (SendError, trio.TooSlowError, *STREAM_GONE):
                 pass
 
 
@@ -297,7 +296,7 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         except HandshakeError:
             await trio.aclose_forcefully(stream)
             raise
-        except (WireError, trio.TooSlowError, *_GONE) as exc:
+        except (WireError, trio.TooSlowError, *STREAM_GONE) as exc:
             await trio.aclose_forcefully(stream)
             last = exc
         except BaseException:

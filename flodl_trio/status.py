@@ -27,6 +27,7 @@ import h11
 import trio
 
 from ._errors import ConfigError, FlodlError
+from ._transport import STREAM_GONE
 
 __all__ = ["fetch_state", "render_prometheus", "serve_status"]
 
@@ -106,7 +107,7 @@ async def _serve_connection(
                 await _linger(stream)
         if scope.cancelled_caught:
             logger.debug("status: dropped %s after request_timeout=%ss", peer, request_timeout)
-    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+    except STREAM_GONE as exc:
         logger.debug("status: connection from %s broke: %s", peer, exc)
     finally:
         await trio.aclose_forcefully(stream)

@@ -36,6 +36,7 @@ from flodl_trio.events import Note, RankDeclaredDead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _report as rep
 from _relay_proc import RelayProcess, arrival_time
 
 RUN_LIMIT = 60.0  # seconds; one run that takes longer than this is a failure, not a hang
@@ -150,6 +151,7 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 SIGKILL runs and 1 SIGSTOP run")
     parser.add_argument("--runs", type=int, default=None, help="SIGKILL runs (default 10)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args()
     kill_runs = args.runs or (3 if args.quick else 10)
     stop_runs = 1 if args.quick else 3
@@ -174,6 +176,16 @@ async def main() -> None:
             print(f"  sigstop run {i + 1}: declared {frozen[-1]:.1f} ms")
 
     window = (stale_after - 1) * 1000, (stale_after + 1) * 1000
+    targets = [
+        rep.target("SIGKILL relay -> all RankDeclaredDead, median ms",
+                   statistics.median(declared), "<", 100),
+        rep.target("SIGKILL relay -> survivors told of all deaths, median ms",
+                   statistics.median(told_all), "<", 100),
+        rep.target("SIGSTOP rank -> declared, median ms (>= timeout - 1 s)",
+                   statistics.median(frozen), ">=", window[0]),
+        rep.target("SIGSTOP rank -> declared, median ms (<= timeout + 1 s)",
+                   statistics.median(frozen), "<=", window[1]),
+    ]
     rows = [
         (f"SIGKILL relay ({per_host} ranks) -> all RankDeclaredDead", declared, "< 100 ms",
          statistics.median(declared) < 100),
@@ -193,6 +205,10 @@ async def main() -> None:
     for name, values, target, ok in rows:
         print(f"{name:<62} {len(values):>4} {statistics.median(values):>10.1f} "
               f"{p90(values):>9.1f}  {target:<16} {'yes' if ok else 'NO'}")
+    if args.json:
+        raw = [{"case": name, "runs_ms": values, "median_ms": statistics.median(values),
+                "p90_ms": p90(values)} for name, values, _, _ in rows]
+        rep.finish("failover", raw, targets, True)
 
 
 if __name__ == "__main__":

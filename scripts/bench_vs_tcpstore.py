@@ -39,6 +39,7 @@ TORCH_PY = TORCH_VENV / "bin" / "python"
 TORCH_PIN = "torch==2.13.0"
 sys.path.insert(0, str(HERE))
 
+import _report as rep  # noqa: E402
 from bench_cluster import run_case  # noqa: E402
 
 
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--machine-resolver", action="store_true",
                    help="also measure TCPStore with this machine's /etc/resolv.conf")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = p.parse_args()
     world = 256
     rows: dict[str, dict[str, float]] = {}
@@ -168,6 +170,16 @@ def main() -> None:
         vr = f"{r['value'] / base['value']:.2f}" if base else "-"
         print(f"{name:<26} {r['formation']:>13.1f} {fr:>7} {r['value']:>14.2f} {vr:>7}")
     print("targets (SPEC §13): 1 rank/relay <= 1.5x TCPStore; 8 ranks/relay <= 0.5x")
+    if args.json:
+        targets = []
+        if base:
+            for per, limit in ((8, 0.5), (1, 1.5)):
+                mine = rows[f"flodl-trio, {per} rank/relay"]["formation"]
+                targets.append(rep.target(f"formation, {per} rank/relay / TCPStore",
+                                          mine / base["formation"], "<=", limit))
+        raw = [{"system": name, "formation_ms": r["formation"], "value_ms": r["value"]}
+               for name, r in rows.items()]
+        rep.finish("vs_tcpstore", raw, targets, True)
 
 
 if __name__ == "__main__":

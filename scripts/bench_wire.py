@@ -19,8 +19,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import cbor2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report as rep
 
 from flodl_trio import wire
 
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer ops per repetition")
     parser.add_argument("--profile", action="store_true", help="cProfile each case afterwards")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 7 / 9)")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     ops = 5_000 if args.quick else 30_000
     reps = args.reps or (7 if args.quick else 9)
@@ -128,9 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     header = ("case", "ops/s (median)", "floor ops/s", "ratio", "target", "pass")
     rows = []
     all_pass = True
+    raw_rows: list[dict[str, object]] = []
+    targets = []
     for case in cases:
         ours, floor = measure(case, ops=ops, reps=reps)
         ratio = floor / ours
+        raw_rows.append({"case": case.name, "ops_per_s": ours, "floor_ops_per_s": floor,
+                         "ratio": ratio})
+        targets.append(rep.target(f"{case.name}: floor/ours", ratio, "<=", MAX_RATIO))
+        if case.min_ops is not None:
+            targets.append(rep.target(f"{case.name}: ops/s", ours, ">=", case.min_ops))
         target = f"ratio <= {MAX_RATIO}"
         ok = ratio <= MAX_RATIO
         if case.min_ops is not None:
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         for case in cases:
             profile(case, ops)
+    if args.json:
+        rep.finish("wire", raw_rows, targets, True)
     return 0 if all_pass else 1
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/chaos_sweep.py            # every offset x 3 rounds, 20 SIGKILLs
     .venv/bin/python scripts/chaos_sweep.py --quick    # every offset once, 6 SIGKILLs
+    .venv/bin/python scripts/chaos_sweep.py --family flood   # only the junk floods (issue 12)
 
 In-memory scenarios run under ``MockClock`` (one ``trio.run`` each), so their decision times are
 mock seconds; the process and namespace scenarios run on the real clock. Each row checks every
@@ -28,6 +29,7 @@ import trio
 import trio.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "chaos"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _handshake_faults as hs
 import _procs
@@ -239,7 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=None, help="process SIGKILL scenarios")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--no-processes", action="store_true")
+    parser.add_argument("--family", choices=("all", "faults", "flood"), default="all",
+                        help="faults: the fault scenarios; flood: junk against a coordinator "
+                        "process (counts, log lines, RSS)")
+    parser.add_argument("--flood-scale", type=float, default=1.0,
+                        help="multiply the flood sizes (1.0: 1,100 / 5,000 / 1,000 / 20,000)")
     args = parser.parse_args(argv)
+    flood_bad = 0
+    if args.family in ("all", "flood"):
+        import _flood
+
+        floods = trio.run(lambda: _flood.run_floods(scale=args.flood_scale))
+        _flood.print_floods(floods)
+        flood_bad = sum(1 for f in floods if not f.ok)
+        print()
+        if args.family == "flood":
+            return 1 if flood_bad else 0
     rounds = args.rounds or (1 if args.quick else 3)
     kills = args.kills or (6 if args.quick else 20)
     started = time.monotonic()
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(bad)} unexpected, {leaks} leaks")
     for text in bad[:20]:
         print(f"  unexpected: {text}")
-    return 1 if bad or leaks else 0
+    return 1 if bad or leaks or flood_bad else 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ class FaultyStream(trio.abc.HalfCloseableStream):
             "down" if direction_of_send == "up" else "up"
         )
         self._ended: str | None = None  # "cut" or "reset" once the plan fired
+        self._closed = False  # our own aclose() ran: every call raises ClosedResourceError
+        self._eof_sent = False  # send_eof() ran: sending raises ClosedResourceError
         # Bytes already taken from the wrapped stream but not returned yet: a receive cancelled
         # during its delay/drip sleep must not lose them.
         self._held = b""
@@ -77,6 +79,14 @@ class FaultyStream(trio.abc.HalfCloseableStream):
         if action in ("cut", "reset"):
             await self._fire(action)
 
+    def _check_open(self, what: str, *, sending: bool = False) -> None:
+        # Before the plan's own state: trio's stream contract says a stream we closed (or
+        # half-closed, for sends) raises ClosedResourceError, even for an empty send_all.
+        if self._closed:
+            raise trio.ClosedResourceError(f"{what} on a FaultyStream that was closed")
+        if sending and self._eof_sent:
+            raise trio.ClosedResourceError(f"{what} on a FaultyStream after send_eof()")
+
     def _broken(self, what: str) -> trio.BrokenResourceError:
         return trio.BrokenResourceError(
             f"{what} after the fault plan's {self._ended} ({self.plan})"
@@ -85,6 +95,7 @@ class FaultyStream(trio.abc.HalfCloseableStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` through the plan's faults for the send direction."""
         with self._send_guard.hold():
+            self._check_open("send_all", sending=True)
             payload = bytes(data)
             schedule = self.plan.schedule(self._send_direction)
             await self._fire_due(self.bytes_sent, schedule)
@@ -115,6 +126,7 @@ class FaultyStream(trio.abc.HalfCloseableStream):
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         with self._receive_guard.hold():
+            self._check_open("receive_some")
             schedule = self.plan.schedule(self._receive_direction)
             await self._fire_due(self.bytes_received, schedule)
             if self._ended == "reset":
@@ -149,17 +161,22 @@ class FaultyStream(trio.abc.HalfCloseableStream):
 
     async def wait_send_all_might_not_block(self) -> None:
         """Delegate to the wrapped stream."""
-        await self.stream.wait_send_all_might_not_block()
+        with self._send_guard.hold():
+            self._check_open("wait_send_all_might_not_block", sending=True)
+            await self.stream.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
         """Half-close the wrapped stream (it must be a :class:`trio.abc.HalfCloseableStream`)."""
         if not isinstance(self.stream, trio.abc.HalfCloseableStream):
             raise TypeError(f"{type(self.stream).__name__} cannot half-close (no send_eof)")
         with self._send_guard.hold():
+            self._check_open("send_eof")
             if self._ended is not None:
                 raise self._broken("send_eof")
+            self._eof_sent = True
             await self.stream.send_eof()
 
     async def aclose(self) -> None:
-        """Close the wrapped stream."""
+        """Close the wrapped stream (idempotent); later calls raise ``ClosedResourceError``."""
+        self._closed = True
         await self.stream.aclose()

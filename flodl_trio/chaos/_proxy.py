@@ -13,6 +13,7 @@ from typing import Literal
 import trio
 
 from .._errors import ConfigError
+from .._transport import STREAM_GONE
 from ._plan import _CHUNK, FaultPlan, _drip_piece, _Schedule
 
 
@@ -152,7 +153,7 @@ class ProxiedConnection:
                         self.bytes_up += step
                     else:
                         self.bytes_down += step
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except STREAM_GONE:
             self.end("error")
 
     async def _obey_due_fault(self, direction: Literal["up", "down"], offset: int) -> _Schedule:
@@ -181,7 +182,7 @@ class ProxiedConnection:
             # unread bytes makes the kernel send RST, which would turn the graceful cut into a
             # reset and lose the bytes delivered before it.
             for end in ends:
-                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                with suppress(*STREAM_GONE):
                     await end.send_eof()
             with trio.move_on_after(close_grace):
                 async with trio.open_nursery() as nursery:
@@ -269,7 +270,7 @@ class ChaosProxy:
 
 
 async def _drain(stream: trio.SocketStream) -> None:
-    with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+    with suppress(*STREAM_GONE):
         while await stream.receive_some(_CHUNK):
             pass
 

@@ -14,7 +14,7 @@ import trio
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
 from .._lifecycle import open_lifecycle
-from .._transport import close_all, format_address
+from .._transport import close_all, format_address, listen_tcp
 from ..events import Listening
 from ..port_mux import open_port_mux
 from ..status import serve_status
@@ -41,13 +41,17 @@ class CoordinatorBind:
     closes it).
 
     Attributes:
-        address: ``(host, port)`` actually bound (the real port when 0 was asked for).
+        address: ``(host, port)`` actually bound (the real port when 0 was asked for); the
+            first of :attr:`addresses`.
+        addresses: every ``(host, port)`` bound, one per address family or resolved address,
+            all on the same port.
         listeners: the ``trio.SocketListener`` objects.
     """
 
-    def __init__(self, listeners: list[Any], address: tuple[str, int]) -> None:
+    def __init__(self, listeners: list[Any], addresses: Sequence[tuple[str, int]]) -> None:
         self.listeners = listeners
-        self.address = address
+        self.addresses = tuple(addresses)
+        self.address = self.addresses[0]
         self._closed = False
 
     async def aclose(self) -> None:
@@ -67,6 +71,9 @@ async def bind_coordinator(
 ) -> CoordinatorBind:
     """Bind the coordinator's TCP port now (port 0 picks a free one).
 
+    A bare port (``bind_coordinator(0)``) binds every interface, IPv4 and IPv6, on one port, so
+    a relay reaches it whichever family its resolver picks; ``("0.0.0.0", 0)`` binds IPv4 only.
+
     Raises:
         ConfigError: ``listen`` is not a port or a ``(host, port)`` pair.
         OSError: the OS refused the bind (port in use, ...).
@@ -83,13 +90,14 @@ async def bind_coordinator(
         raise ConfigError(f"bind_coordinator: expected a port or (host, port), got {listen!r}")
     if not 0 <= port <= 65535:
         raise ConfigError(f"bind_coordinator: expected a port in [0, 65535], got {port}")
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    sockname = listeners[0].socket.getsockname()
-    address = (str(sockname[0]), int(sockname[1]))
+    listeners = await listen_tcp(port, host=host)
+    addresses = [(str(name[0]), int(name[1]))
+                 for name in (lst.socket.getsockname() for lst in listeners)]
     if timeline is not None:
-        timeline.event(Listening(address=format_address(address)))
-    log.info("coordinator listening on %s", format_address(address))
-    return CoordinatorBind(listeners, address)
+        for address in addresses:
+            timeline.event(Listening(address=format_address(address)))
+    log.info("coordinator listening on %s", ", ".join(format_address(a) for a in addresses))
+    return CoordinatorBind(listeners, addresses)
 
 
 @asynccontextmanager
@@ -146,7 +154,8 @@ async def open_coordinator(
             await bind.aclose()
         raise
     if bind is not None and timeline is None:
-        coord.timeline.event(Listening(address=format_address(bind.address)))
+        for address in bind.addresses:
+            coord.timeline.event(Listening(address=format_address(address)))
     mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
     if ssl_context is not None:
         # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or

@@ -7,6 +7,7 @@ import trio
 
 from .._errors import FlodlError
 from .._handshake_io import run_handshake
+from .._transport import STREAM_GONE
 from ..wire import CoordinatorHandshake, Established, HelloReceived, SessionSalt
 
 
@@ -34,7 +35,7 @@ async def coordinator_handshake(
         event = await run_handshake(stream, machine)
     except FlodlError as exc:
         raise Rejected(machine.failure_category or "malformed", str(exc)) from None
-    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+    except STREAM_GONE as exc:
         raise Rejected("connection error", f"{peer}: {exc!r}") from None
     assert isinstance(event, HelloReceived)
     return machine, event

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import trio
 
+from .._transport import STREAM_GONE
 from ..wire import RecordOpener, RecordSealer
 from ._roster import ranks_text
 
 _EOF = -1  # queue marker: half-close after everything queued before it
 _BATCH = 64
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class Delivery:
@@ -88,7 +88,7 @@ class RelayConn:
             return
         try:
             self._queue_send.send_nowait((kind, rank, payload, delivery))
-        except _GONE:
+        except STREAM_GONE:
             if delivery is not None:
                 delivery.settle(self, "connection closed")
 
@@ -131,7 +131,7 @@ class RelayConn:
                         await self.stream.send_eof()
                     else:
                         await self.close()
-        except _GONE as exc:
+        except STREAM_GONE as exc:
             return f"connection closed while writing ({type(exc).__name__})"
         finally:
             self._write_scope = None

@@ -15,7 +15,7 @@ import trio
 from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
 from .._ratelimit import JunkReport
-from .._transport import close_all, is_local_or_private, peer_of
+from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
 from ..wire import SessionSalt, max_hello_payload
@@ -71,7 +71,7 @@ class Formation:
             while True:
                 try:
                     stream = await listener.accept()
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                except STREAM_GONE:
                     return
                 except OSError as exc:
                     # Out of file descriptors and the like: back off instead of spinning.

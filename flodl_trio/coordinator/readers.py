@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from .._errors import AuthError, WireError
+from .._transport import STREAM_GONE
 from ..events import InvalidFrame, RankExited
 from ..timeline import Timeline
 from ..wire import (
@@ -174,14 +175,14 @@ class Readers:
             return
         except trio.WouldBlock:
             pass
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except STREAM_GONE:
             return
         paused_at = trio.current_time()
         conn.paused_since = paused_at
         try:
             with trio.CancelScope() as conn.delivery_scope:
                 await send.send(msg)  # shutdown cancels this wait: nobody will read any more
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except STREAM_GONE:
             return
         finally:
             conn.delivery_scope = None

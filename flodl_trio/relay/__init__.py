@@ -20,7 +20,7 @@ from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
 from .._lifecycle import open_lifecycle
-from .._transport import DialTarget, close_all, dial, format_address
+from .._transport import STREAM_GONE, DialTarget, close_all, dial, format_address
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
 from ._link import RelayExit
@@ -33,7 +33,6 @@ __all__ = ["Relay", "RelayExit", "open_relay"]
 log = logging.getLogger("flodl_trio.relay")
 
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 
@@ -140,7 +139,7 @@ class Relay:
             except AuthError:
                 await trio.aclose_forcefully(stream)
                 raise
-            except (WireError, trio.TooSlowError, *_GONE) as exc:
+            except (WireError, trio.TooSlowError, *STREAM_GONE) as exc:
                 await trio.aclose_forcefully(stream)
                 if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
                     # Retrying cannot make an untrusted certificate trusted: say so now.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import trio
 
+from .._transport import STREAM_GONE
 from ..wire import FrameCodec, RelayWaiting, SessionSalt, len_frame
 from .ranks import LocalRanks
 
@@ -20,7 +21,6 @@ from .ranks import LocalRanks
 NOTICE_INTERVAL = 1.0
 NOTICE_WRITE_LIMIT = 1.0
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class RankNotices:
@@ -60,7 +60,7 @@ class RankNotices:
                                   deadline=trio.current_time() + NOTICE_WRITE_LIMIT) as scope:
                 try:
                     await link.writer.send(blob)
-                except (trio.TooSlowError, *_GONE):
+                except (trio.TooSlowError, *STREAM_GONE):
                     await trio.aclose_forcefully(link.stream)
             if scope.cancelled_caught:
                 await trio.aclose_forcefully(link.stream)

@@ -14,6 +14,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
+from .._transport import STREAM_GONE
 from ..wire import (
     MAX_LEN_FRAME,
     LenFrameDecoder,
@@ -31,7 +32,6 @@ from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class Pump:
@@ -95,7 +95,7 @@ class Pump:
                 self.finish(f"upstream write stall: no progress for "
                             f"{self.config.write_stall_timeout:g}s", False)
                 return
-            except _GONE as exc:
+            except STREAM_GONE as exc:
                 self.finish(f"upstream connection lost while writing ({type(exc).__name__})",
                             False)
                 return
@@ -111,7 +111,7 @@ class Pump:
                 if isinstance(self.stream, trio.abc.HalfCloseableStream):
                     await self.stream.send_eof()
                     await self._upstream_done.wait()
-            except (trio.BusyResourceError, *_GONE):
+            except (trio.BusyResourceError, *STREAM_GONE):
                 pass
         self.finish("all ranks exited")
 
@@ -142,7 +142,7 @@ class Pump:
             await self.flush_ranks()
             self.finish(f"upstream protocol error: {exc}", False)
             return
-        except _GONE as exc:
+        except STREAM_GONE as exc:
             await self.flush_ranks()
             self.finish(f"upstream connection lost ({type(exc).__name__})", False)
             return
@@ -190,9 +190,9 @@ class Pump:
         except trio.WouldBlock:
             try:
                 await link.out_send.send(blob)  # that rank is behind: wait for its writer
-            except _GONE:
+            except STREAM_GONE:
                 pass
-        except _GONE:
+        except STREAM_GONE:
             pass
 
     async def rank_writer(self, link: RankLink) -> None:
@@ -212,7 +212,7 @@ class Pump:
                         break
                 await link.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
             await link.writer.send_eof()
-        except (trio.TooSlowError, *_GONE) as exc:
+        except (trio.TooSlowError, *STREAM_GONE) as exc:
             if not link.gone:
                 log.warning("relay %r: rank %d stopped reading (%s); closing it", self.host,
                             link.rank, type(exc).__name__)
@@ -241,7 +241,7 @@ class Pump:
         except WireError as exc:
             log.warning("relay %r: rank %d sent a bad length frame (%s); closing it",
                         self.host, link.rank, exc)
-        except _GONE:
+        except STREAM_GONE:
             pass
         link.gone = True
         link.out_send.close()
@@ -250,5 +250,5 @@ class Pump:
             try:
                 await up_send.send((int(RecordKind.CONTROL), 0,
                                     encode(RankExit(rank=link.rank))))
-            except _GONE:
+            except STREAM_GONE:
                 pass

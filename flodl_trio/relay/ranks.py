@@ -16,13 +16,12 @@ from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
 from .._handshake_io import run_handshake
 from .._ratelimit import JunkCounter
-from .._transport import close_all, peer_of
+from .._transport import STREAM_GONE, close_all, peer_of
 from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
 
 log = logging.getLogger("flodl_trio.relay")
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class LocalRanks:
@@ -144,7 +143,7 @@ async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
     while True:
         try:
             stream = await listener.accept()
-        except _GONE:
+        except STREAM_GONE:
             return
         except OSError as exc:
             log.warning("relay %r: accept failed: %r", local.host, exc)
@@ -168,7 +167,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
             machine.accept()
             confirmed = await run_handshake(stream, machine)
             assert isinstance(confirmed, RankConfirmed)
-    except (trio.TooSlowError, WireError, HandshakeError, *_GONE) as exc:
+    except (trio.TooSlowError, WireError, HandshakeError, *STREAM_GONE) as exc:
         if reserved is not None:
             local.release(reserved)
         text = (f"rank hello from {peer}: no hello within handshake_timeout="
@@ -205,7 +204,7 @@ async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
             link.early += data
         else:
             await trio.sleep_forever()  # past the limit the rank's writes wait for the pump
-    except _GONE:
+    except STREAM_GONE:
         pass
     if local.all_in:
         link.early_eof = True  # too late to free the slot: the pump reports RankExit

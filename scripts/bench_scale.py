@@ -1,0 +1,148 @@
+"""Scale benchmark (SPEC §13): formation time, coordinator RSS and idle CPU at 1k-16k ranks.
+
+Sink relays with 8 ranks each (scripts/_wireload.py, two processes of their own) do the real
+handshake; once formed, every relay sends one Heartbeat per rank per second (the ranks of a relay
+in one write, as a relay forwards ranks that started together) and reads the CoordHeartbeats.
+  - formation: from the first relay's dial to ``open_coordinator`` returning;
+  - RSS: this process (the coordinator only) after the idle window;
+  - idle CPU: this process's CPU time over the idle window / its wall time (heartbeats only);
+  - floor, in the same run: bare Trio accepts the same number of relays and does the same
+    per-connection handshake work (the library's sans-IO ``CoordinatorHandshake`` driven to
+    ``Established``), without any coordinator state.
+
+    .venv/bin/python scripts/bench_scale.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import _report as rep
+import _wireload as load
+import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+
+FORM_S, RSS_MB, IDLE_CPU = 2.0, 150.0, 0.25
+
+
+async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
+    """Seconds from the first dial until bare Trio has completed every relay's handshake."""
+    salt = ft.SessionSalt.generate()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
+    address = listeners[0].socket.getsockname()[:2]
+    loads = await load.start_load(address, salt, world=relays * per_relay, relays=relays,
+                                  per_relay=per_relay, procs=procs)
+    done = 0
+    all_done = trio.Event()
+    done_t = 0.0
+    streams: list[trio.abc.Stream] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        nonlocal done, done_t
+        streams.append(stream)
+        machine = wire.CoordinatorHandshake(salt, peer="load")
+        hello = await load.drive_handshake(stream, machine)
+        assert isinstance(hello, wire.HelloReceived), hello
+        machine.accept()
+        established = await load.drive_handshake(stream, machine)
+        assert isinstance(established, wire.Established), established
+        done += 1
+        if done == relays:
+            done_t = time.monotonic()
+            all_done.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for lst in listeners:
+                nursery.start_soon(trio.serve_listeners, serve, [lst])
+            answers = await load.all_command(loads, "dial")
+            with trio.fail_after(120):
+                await all_done.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in streams:
+            await trio.aclose_forcefully(s)
+        await load.stop_all(loads)
+    return done_t - min(a["go_t"] for a in answers)
+
+
+async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dict[str, Any]:
+    relays = ranks // per_relay
+    floor_s = await floor_formation(relays, per_relay, procs)
+    cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
+                               shutdown_grace=10)
+    async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
+                                           procs=procs, frame="heartbeat") as cluster, \
+            trio.open_nursery() as nursery:
+        formation_s = cluster.formation_s
+        coord = cluster.coord
+
+        async def drain() -> None:
+            async for _ in coord.timing:
+                pass
+
+        nursery.start_soon(drain)
+        await cluster.command(f"seal {per_relay * int(idle_s + 5)}")
+        await cluster.command(f"rate {per_relay} {per_relay}")  # 1 Heartbeat/s per rank
+        await trio.sleep(1.5)  # settle: every relay has sent a round
+        w0, c0 = time.monotonic(), time.process_time()
+        await trio.sleep(idle_s)
+        cpu = (time.process_time() - c0) / (time.monotonic() - w0)
+        rss, peak = rep.rss_mb()
+        dead = len(coord.dead_ranks)
+        await cluster.command("rate 0")
+        nursery.cancel_scope.cancel()
+    return {"ranks": ranks, "relays": relays, "formation_ms": formation_s * 1000,
+            "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
+            "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead}
+
+
+COLUMNS = [
+    ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
+    ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
+    ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"),
+]
+
+
+async def main(args: argparse.Namespace) -> None:
+    load.raise_fd_limit()
+    reps = args.runs or 3
+    idle_s = 3.0 if args.quick else 6.0
+    worlds = [int(w) for w in args.world] if args.world else [1024, 4096, 16384]
+    print(f"{rep.machine_note()}\nscale: 8 ranks per relay, idle window {idle_s:g} s, {reps} runs "
+          f"per case, {args.procs} load processes")
+    rows, medians = [], []
+    for world in worlds:
+        runs = [await run_case(world, 8, idle_s, args.procs) for _ in range(reps)]
+        rows += runs
+        medians.append(rep.medians(runs))
+    print(rep.table(COLUMNS, medians))
+    print("formation: first dial -> open_coordinator returned; floor: bare Trio accepts + the "
+          "same handshake work;\nidle CPU: coordinator process CPU / wall while every rank "
+          "heartbeats once a second")
+    targets = []
+    for m in medians:
+        what = f"scale {m['ranks']:.0f} ranks"
+        if m["ranks"] == 16384:
+            targets += [rep.target(f"{what}: formation s", m["formation_ms"] / 1000, "<", FORM_S),
+                        rep.target(f"{what}: coordinator RSS MB", m["rss_mb"], "<", RSS_MB),
+                        rep.target(f"{what}: idle CPU fraction of a core", m["idle_cpu_pct"] / 100,
+                                   "<", IDLE_CPU)]
+        if m["ranks"] == 1024:
+            targets.append(rep.target(f"{what}: formation s", m["formation_ms"] / 1000, "<", 0.3))
+        targets.append(rep.target(f"{what}: ranks declared dead", m["dead"], "<=", 0))
+    rep.finish("scale", rows, targets, args.json, medians=medians)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="shorter idle window")
+    p.add_argument("--runs", type=int, default=0, help="runs per case (default 3)")
+    p.add_argument("--world", action="append", help="only this world size (repeatable)")
+    p.add_argument("--procs", type=int, default=2, help="load processes")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    trio.run(main, p.parse_args())
