@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
+
+import attrs
 
 from ._errors import ConfigError
 from .wire import EpochMetrics, EpochPlan, Metrics
@@ -96,6 +98,62 @@ def unprocessed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -
         left = 0
         rest.append((offset + done, size - done))
     return rest
+
+
+def processed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -> list[Range]:
+    """What ``batches`` batches covered of ``ranges`` (processed in order): the complement of
+    :func:`unprocessed_ranges`, a prefix."""
+    left = batches
+    done: list[Range] = []
+    for offset, size in ranges:
+        need = -(-size // batch_size)
+        if left >= need:
+            left -= need
+            done.append((offset, size))
+            continue
+        if left > 0:
+            done.append((offset, left * batch_size))
+        break
+    return done
+
+
+@attrs.frozen
+class EpochCoverage:
+    """The scheduler's accounting of one epoch: which samples it counts as processed, by whom.
+
+    Attributes:
+        epoch: the epoch.
+        total: samples in the dataset.
+        samples: samples counted as processed (with repeats).
+        per_rank: rank -> samples it is counted for (a dead rank: the batches it reported).
+        overlaps: samples counted more than once.
+        gaps: samples of ``[0, total)`` counted by nobody.
+    """
+
+    epoch: int
+    total: int
+    samples: int
+    per_rank: Mapping[int, int]
+    overlaps: int
+    gaps: int
+
+    @property
+    def exact(self) -> bool:
+        """Every sample counted exactly once."""
+        return self.overlaps == 0 and self.gaps == 0 and self.samples == self.total
+
+
+def coverage(epoch: int, total: int, done: Mapping[int, Sequence[Range]]) -> EpochCoverage:
+    """Account one epoch from each rank's processed ranges."""
+    overlaps = gaps = cursor = 0
+    for offset, size in sorted(r for ranges in done.values() for r in ranges if r[1] > 0):
+        gaps += max(0, offset - cursor)
+        overlaps += max(0, min(cursor, offset + size) - offset)
+        cursor = max(cursor, offset + size)
+    gaps += max(0, total - cursor)
+    per_rank = {rank: sum(s for _, s in ranges) for rank, ranges in sorted(done.items())}
+    return EpochCoverage(epoch=epoch, total=total, samples=sum(per_rank.values()),
+                         per_rank=per_rank, overlaps=overlaps, gaps=gaps)
 
 
 def split_remainder(ranges: Sequence[Range], parts: int) -> list[list[Range]]:

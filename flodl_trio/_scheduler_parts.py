@@ -44,6 +44,7 @@ class Share:
     ranges: list[Range]
     batches: int = 0
     extended: bool = False
+    done: list[Range] | None = None  # set when the rank left with a remainder; None: all ranges
 
     @property
     def assigned(self) -> int:

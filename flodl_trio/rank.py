@@ -25,6 +25,7 @@ from ._errors import (
 )
 from ._handshake_io import run_handshake
 from ._lifecycle import open_lifecycle
+from ._ratelimit import JunkCounter
 from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial, format_address
 from .wire import (
     MAX_LEN_FRAME,
@@ -88,6 +89,7 @@ class RankEndpoint:
         self._reader_done = trio.Event()
         # The relay's last RelayWaiting notice, while no coordinator frame came after it.
         self._relay_said: str | None = None
+        self._dropped = JunkCounter()
         self._leftover = leftover  # what the relay sent right behind its ack
 
     @property
@@ -193,20 +195,32 @@ class RankEndpoint:
         else:
             self._set_lost(f"link to relay {self._relay} ended without Shutdown")
 
+    def _drop(self, category: str, detail: str) -> None:
+        # Counted, and only a rate-limited few logged: one WARNING per forged frame let any
+        # peer with the salt turn a frame flood into a log flood.
+        report = self._dropped.add(category, detail, trio.current_time())
+        if report is not None:
+            log.warning("rank %d: frame dropped: %s", self.rank, report.text())
+
+    @property
+    def dropped_frames(self) -> dict[str, int]:
+        """Inbound frames dropped (failed MAC, undecodable, wrong kind), by reason."""
+        return self._dropped.by_reason()
+
     async def _on_blob(self, blob: bytes) -> None:
         try:
             frame = self._codec.open(blob)
         except WireError as exc:
-            log.warning("rank %d: dropped an invalid frame: %s", self.rank, exc)
+            self._drop("invalid frame", str(exc))
             return
         self._last_inbound = trio.current_time()
         if frame.kind != MsgKind.CONTROL:
-            log.info("rank %d: frame of kind %d is not for ranks; dropped", self.rank, frame.kind)
+            self._drop("wrong direction", f"frame of kind {frame.kind} is not for ranks")
             return
         try:
             msg = decode_control(frame.payload)
         except WireError as exc:
-            log.warning("rank %d: dropped an undecodable control frame: %s", self.rank, exc)
+            self._drop("undecodable", str(exc))
             return
         if isinstance(msg, CoordHeartbeat):
             self._relay_said = None

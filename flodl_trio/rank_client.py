@@ -364,6 +364,12 @@ class RankClient:
 
 async def _receive(handoff: trio.MemoryReceiveChannel[ControlMsg],
                    wait_s: float | None) -> ControlMsg | None:
+    # A message already waiting is returned even for a zero timeout (receive() checks for
+    # cancellation first, so move_on_after(0) alone would never deliver it).
+    try:
+        return handoff.receive_nowait()
+    except trio.WouldBlock:
+        pass
     with trio.move_on_after(math.inf if wait_s is None else wait_s):
         return await handoff.receive()
     return None

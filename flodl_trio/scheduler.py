@@ -51,13 +51,16 @@ import trio
 
 from . import _timeouts as T
 from ._epoch_math import (
+    EpochCoverage,
     Range,
     aggregate_metrics,
     check_cadence,
     check_count,
     check_ratios,
+    coverage,
     partition_sizes,
     plan_epoch,
+    processed_ranges,
     split_remainder,
     unprocessed_ranges,
 )
@@ -87,6 +90,7 @@ from .wire import (
 )
 
 __all__ = [
+    "EpochCoverage",
     "ReformationError",
     "RunSummary",
     "SyncScheduler",
@@ -164,6 +168,7 @@ class SyncScheduler:
         self._global_step = 0
         self._syncs = 0
         self._aggregated: list[EpochMetrics] = []
+        self._coverage: list[EpochCoverage] = []
         self._finishing = False
         self._final_sync_done = False
         self._done = False
@@ -206,6 +211,13 @@ class SyncScheduler:
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
             elapsed_s=trio.current_time() - started,
         )
+
+    @property
+    def coverage(self) -> tuple[EpochCoverage, ...]:
+        """The scheduler's accounting of each aggregated epoch so far (:class:`EpochCoverage`):
+        which samples it counts as processed and by whom (a dead rank: the batches it reported).
+        """
+        return tuple(self._coverage)
 
     # ------------------------------------------------------------------ reading
 
@@ -335,6 +347,7 @@ class SyncScheduler:
             share = self._shares.get(rank)
             if share is not None and rank in self._awaiting_metrics:
                 rest = unprocessed_ranges(share.ranges, share.batches, self._batch_size)
+                share.done = processed_ranges(share.ranges, share.batches, self._batch_size)
                 if rest:
                     remainders.append((rank, rest))
             self._gone.add(rank)
@@ -446,6 +459,9 @@ class SyncScheduler:
             self._epoch, [self._metrics[r] for r in sorted(self._metrics)],
             world_size=self._coord.world_size, total_samples=self._total)
         self._aggregated.append(metrics)
+        self._coverage.append(coverage(self._epoch, self._total, {
+            r: share.ranges if share.done is None else share.done
+            for r, share in self._shares.items()}))
         log.info("epoch %d aggregated: avg_loss %.4f", self._epoch, metrics.avg_loss)
         self._coord.timeline.event(Note(what="epoch_aggregated", fields={
             "epoch": self._epoch, "avg_loss": metrics.avg_loss}))

@@ -14,12 +14,15 @@ stderr:
 - ``partial Hello``: connections that each buffer a Hello as large as the ceiling allows minus
   one byte, held open (FT/1: 303 MB for 1,000 of them);
 - ``foreign-rank frames``: an authenticated relay that sends frames speaking for a rank it does
-  not carry (FT/1: one WARNING and one event each).
+  not carry (FT/1: one WARNING and one event each);
+- ``wrong-salt rank hellos``: at a relay's rank port while one of its ranks waits (FT/1: one
+  WARNING and one list entry each).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -254,6 +257,55 @@ async def foreign_frames(count: int) -> FloodResult:
     return result
 
 
+class _CountingHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "rejected" in record.getMessage() or "rank port" in record.getMessage():
+            self.lines += 1
+
+
+async def rank_port_flood(count: int) -> FloodResult:
+    """Wrong-salt hellos at a relay's rank port while one of its ranks waits (this process's
+    relay: its log lines are counted here; the RSS column is the coordinator's)."""
+    salt, other = ft.SessionSalt.generate(), ft.SessionSalt.generate()
+    result = FloodResult("wrong-salt rank hellos at a relay's rank port", count)
+    counter = _CountingHandler()
+    relay_log = logging.getLogger("flodl_trio.relay")
+    relay_log.addHandler(counter)
+    relay_log.setLevel(logging.INFO)
+
+    async def scenario(child: Coordinator) -> None:
+        result.rss_before_mb = child.rss_mb()
+        async with trio.open_nursery() as nursery:
+            async with ft.open_relay(("127.0.0.1", child.port), salt=salt, host="flooded",
+                                     ranks=[0, 1], world_size=2) as relay:
+                nursery.start_soon(_rank, relay.rank_address, salt, 0)
+                hello = wire.encode_rank_hello(other, 1, 2)
+
+                async def wrong_salt(stream: trio.abc.Stream) -> None:
+                    await stream.send_all(hello)
+                    await stream.receive_some(100)  # the relay closes without an ack
+                    await stream.aclose()
+
+                await dial_many(relay.rank_address[1], count, wrong_salt, [])
+                result.counts = relay.rank_port_rejects
+                nursery.start_soon(_rank, relay.rank_address, salt, 1)
+                formed = await child.wait_line("formed", 60)
+                result.formed, result.formed_ms = formed is not None, formed
+                result.rss_peak_mb = child.rss_mb()
+                nursery.cancel_scope.cancel()
+
+    try:
+        await with_coordinator(2, salt, scenario)
+    finally:
+        relay_log.removeHandler(counter)
+    result.junk_log_lines = counter.lines
+    return result
+
+
 def judge(result: FloodResult) -> FloodResult:
     """Formation completed, fewer than 100 junk log lines, RSS under 100 MB."""
     result.ok = result.formed and result.junk_log_lines < 100 and result.rss_peak_mb < 100
@@ -273,6 +325,7 @@ async def run_floods(*, scale: float = 1.0) -> list[FloodResult]:
     ]
     results = [judge(await scenario()) for scenario in scenarios]
     results.append(judge(await foreign_frames(n(20000))))
+    results.append(judge(await rank_port_flood(n(5000))))
     return results
 
 

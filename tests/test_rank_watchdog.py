@@ -284,3 +284,25 @@ async def test_relay_ends_on_upstream_eof_and_its_ranks_lose_the_coordinator(
         assert probe.ended_at == pytest.approx(2, abs=1e-9)  # at once, not after 30 s
         assert probe.ep is not None
         assert probe.ep.dead_peers == frozenset({0, 1, 2}) - {probe.rank}
+
+
+async def test_forged_frames_are_counted_and_barely_logged_and_do_not_feed_the_watchdog(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="flodl_trio")
+    forger = ft.SessionSalt.generate()
+
+    async def forging(stream: trio.abc.Stream, salt: ft.SessionSalt) -> None:
+        await send_frames(stream, forger, *[wire.SetGlobalStep(global_step=i)
+                                             for i in range(2000)])
+        await send_frames(stream, salt, wire.SetGlobalStep(global_step=7))
+        await drain(stream)
+
+    received, ep, elapsed, error = await run_rank_against(memory_network, forging, liveness=3)
+    # The genuine frame got through; the forged ones neither arrived nor kept the rank alive.
+    assert received == [wire.SetGlobalStep(global_step=7)]
+    assert isinstance(error, ft.CoordinatorLost)
+    assert elapsed == pytest.approx(3, abs=1e-6)
+    assert ep.dropped_frames == {"invalid frame": 2000}
+    lines = [r for r in caplog.records if "frame dropped" in r.getMessage()]
+    assert 1 <= len(lines) <= 6

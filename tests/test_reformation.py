@@ -12,6 +12,7 @@ import pytest
 import trio
 
 import flodl_trio as ft
+from flodl_trio._epoch_math import coverage, processed_ranges, unprocessed_ranges
 from flodl_trio._reformation import Reformation
 from flodl_trio.scheduler import ReformationError, RunSummary, SyncScheduler
 from flodl_trio.sim import SimRecord, SimulatedCrash
@@ -31,10 +32,10 @@ def args(**per_rank: dict[int, Any]) -> Callable[[int], dict[str, Any]]:
     return make
 
 
-async def run(c: SimCluster, **kw: Any) -> RunSummary:
+async def run(c: SimCluster, **kw: Any) -> tuple[RunSummary, SyncScheduler]:
+    scheduler = SyncScheduler(c.coord, total_samples=96, batch_size=4, num_epochs=2, **kw)
     with trio.fail_after(600):  # virtual time
-        return await SyncScheduler(c.coord, total_samples=96, batch_size=4, num_epochs=2,
-                                   **kw).run()
+        return await scheduler.run(), scheduler
 
 
 def sessions(rec: SimRecord) -> list[tuple[bytes, int, int]]:
@@ -52,7 +53,7 @@ async def test_first_session_before_any_epoch_and_a_new_one_among_survivors_of_a
     # host-1 (ranks 2, 3) dies mid-epoch: both its ranks crash after 3 batches
     sims = args(fail_after_batches={2: 3, 3: 3})
     async with sim_cluster(memory_network, layout(2, 2), sims) as c:
-        summary = await run(c, process_group=True, reform_timeout=5)
+        summary, scheduler = await run(c, process_group=True, reform_timeout=5)
     records = [c.sims[r].record for r in range(4)]
     assert isinstance(c.outcomes[2], SimulatedCrash) and isinstance(c.outcomes[3], SimulatedCrash)
     # the first session: rank 0 asked, every rank joins it before its first StartEpoch
@@ -71,6 +72,10 @@ async def test_first_session_before_any_epoch_and_a_new_one_among_survivors_of_a
         len(sessions(records[0])), 0, 0, 0]  # only rank 0 was ever asked
     assert_covered_once(records, 2)
     assert summary.epochs_completed == 2 and sorted(summary.deaths) == [2, 3]
+    assert [c.exact for c in scheduler.coverage] == [True, True]
+    dead_part = scheduler.coverage[0].per_rank
+    assert dead_part[2] == len(records[2].samples(0)) == 12  # 3 batches of 4, then the crash
+    assert sorted(scheduler.coverage[1].per_rank) == [0, 1]  # epoch 1 planned over the survivors
 
 
 async def test_asked_survivor_dying_during_reformation_hands_the_request_to_the_next(
@@ -78,7 +83,7 @@ async def test_asked_survivor_dying_during_reformation_hands_the_request_to_the_
     # rank 3 crashes mid-epoch; rank 0, asked for the new id, crashes instead of answering
     sims = args(fail_after_batches={3: 2}, fail_on_new_nccl_id={0: 2})
     async with sim_cluster(memory_network, layout(2, 2), sims) as c:
-        summary = await run(c, process_group=True, reform_timeout=5)
+        summary, scheduler = await run(c, process_group=True, reform_timeout=5)
     records = [c.sims[r].record for r in range(4)]
     assert isinstance(c.outcomes[0], SimulatedCrash)
     assert len(records[1].of_type(RequestNewNcclId)) == 1
@@ -87,6 +92,7 @@ async def test_asked_survivor_dying_during_reformation_hands_the_request_to_the_
     assert sessions(records[1])[-1] == (uid, 0, 2) and sessions(records[2])[-1] == (uid, 1, 2)
     assert_covered_once(records, 2)
     assert sorted(summary.deaths) == [0, 3] and summary.epochs_completed == 2
+    assert [cov.exact for cov in scheduler.coverage] == [True, True]
 
 
 async def test_asked_rank_that_never_answers_fails_the_run_at_reform_timeout(
@@ -107,11 +113,12 @@ async def test_asked_rank_that_never_answers_fails_the_run_at_reform_timeout(
 async def test_without_process_group_no_rank_is_asked_for_a_session(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     async with sim_cluster(memory_network, layout(1, 3), args(fail_after_batches={2: 2})) as c:
-        summary = await run(c)
+        summary, scheduler = await run(c)
     records = [c.sims[r].record for r in range(3)]
     assert all(rec.of_type(RequestNewNcclId) == [] and sessions(rec) == [] for rec in records)
     assert_covered_once(records, 2)
     assert summary.epochs_completed == 2
+    assert [cov.exact for cov in scheduler.coverage] == [True, True]
 
 
 def test_reformation_names_every_asked_rank_when_none_is_left() -> None:
@@ -132,3 +139,17 @@ def test_invalid_reform_timeout_and_sim_option_are_config_errors() -> None:
         from flodl_trio.sim import SimulatedRank
         SimulatedRank(object(), batch_size=1, batch_ms=1,  # type: ignore[arg-type]
                       fail_on_new_nccl_id=0)
+
+
+def test_coverage_accounting_reports_overlaps_and_gaps() -> None:
+    exact = coverage(0, 10, {0: [(0, 4)], 1: [(4, 3), (7, 3)]})
+    assert exact.exact and exact.per_rank == {0: 4, 1: 6}
+    twice = coverage(1, 10, {0: [(0, 6)], 1: [(4, 6)]})
+    assert (twice.overlaps, twice.gaps, twice.exact) == (2, 0, False)
+    hole = coverage(2, 10, {0: [(0, 3)], 1: [(5, 4)]})
+    assert (hole.overlaps, hole.gaps, hole.exact) == (0, 3, False)
+    ranges = [(0, 10), (20, 3)]
+    for batches in range(6):
+        done = processed_ranges(ranges, batches, 4)
+        rest = unprocessed_ranges(ranges, batches, 4)
+        assert coverage(0, 23, {0: done, 1: rest, 2: [(10, 10)]}).exact, batches

@@ -238,12 +238,20 @@ def test_random_cohorts_with_random_crashes_process_every_epoch_exactly_once(
         net = MemoryNetwork()
         sims = args(batch_size, speeds, fail_after_batches=crash_after)
         async with sim_cluster(net, layout(1, world), sims) as c:
-            summary = await run_scheduler(c, total_samples=total, batch_size=batch_size,
+            with trio.fail_after(600):
+                scheduler = SyncScheduler(c.coord, total_samples=total, batch_size=batch_size,
                                           num_epochs=epochs)
+                summary = await scheduler.run()
         assert summary.epochs_completed == epochs
         assert_each_epoch_processed_exactly_once([c.sims[r].record for r in range(world)],
                                                  total, epochs)
         assert set(summary.deaths) <= set(doomed)
+        # the scheduler's own accounting agrees with what the ranks actually processed
+        assert [cov.exact for cov in scheduler.coverage] == [True] * epochs
+        for cov in scheduler.coverage:
+            assert {r: n for r, n in cov.per_rank.items() if n} == {
+                r: len(c.sims[r].record.samples(cov.epoch)) for r in range(world)
+                if c.sims[r].record.samples(cov.epoch)}
         net.assert_all_closed()
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))

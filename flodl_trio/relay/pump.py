@@ -14,6 +14,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
+from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE
 from ..wire import (
     MAX_LEN_FRAME,
@@ -54,6 +55,7 @@ class Pump:
         self._scope = trio.CancelScope()
         self._no_ranks_left = trio.Event()
         self._upstream_done = trio.Event()
+        self._dropped = JunkCounter()
 
     def finish(self, reason: str, clean: bool = True, *, now: bool = True) -> None:
         if not self._outcome:
@@ -163,6 +165,12 @@ class Pump:
             for link in links:
                 await link.writer_done.wait()
 
+    def drop(self, category: str, detail: str) -> None:
+        """Count a record dropped on the way to the ranks; log a rate-limited few."""
+        report = self._dropped.add(category, detail, trio.current_time())
+        if report is not None:
+            log.warning("relay %r: dropped: %s", self.host, report.text())
+
     async def route(self, rec: Any) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         if rec.kind == RecordKind.DATA:
@@ -173,14 +181,12 @@ class Pump:
             for rank in ranks:
                 await self.to_rank(rank, blob)
         else:
-            log.warning("relay %r: unexpected record kind %d from the coordinator; dropped",
-                        self.host, rec.kind)
+            self.drop("wrong direction", f"record of kind {rec.kind} from the coordinator")
 
     async def to_rank(self, rank: int, blob: bytes) -> None:
         link = self.local.link(rank)
         if link is None:
-            log.warning("relay %r: frame for rank %d, which is not local; dropped", self.host,
-                        rank)
+            self.drop("not local", f"frame for rank {rank}, which is not local")
             return
         if link.gone:
             return

@@ -1,0 +1,175 @@
+"""One training run on loopback: this process is the coordinator (running the reference
+scheduler), two relay processes (host-a: ranks 0, 1; host-b: ranks 2, 3) and four PyTorch rank
+processes (``rank.py``).
+
+    python run.py --out DIR [--kill] [--epochs 15] [--result FILE]
+
+With ``--kill``, once epoch ``--kill-epoch`` has run a few syncs, host-b's relay and its two
+ranks are SIGKILLed. The coordinator declares ranks 2 and 3 dead at once, the scheduler hands
+their unprocessed samples to ranks 0 and 1 (``ExtendPartition``) and re-forms the process group
+(``RequestNewNcclId`` to rank 0, ``NewNcclSession`` to ranks 0 and 1), and the survivors finish
+the run with a gloo group of two.
+
+Prints the scheduler's accounting (each epoch's samples, who processed them, whether they were
+covered exactly once), the deaths, the held-out accuracy and the wall time; ``--result`` writes
+the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import flodl_trio as ft
+from flodl_trio.events import Note
+from flodl_trio.scheduler import SyncScheduler
+
+HERE = Path(__file__).resolve().parent
+HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
+WORLD = 4
+TRAIN_SAMPLES = 1347  # load_digits: 1797 samples, 25 % held out (rank.py makes the split)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Process],
+                                epoch: int, syncs: int, killed: dict[str, Any]) -> None:
+    """SIGKILL host-b's relay and ranks once ``epoch`` has started and run ``syncs`` syncs."""
+    seen = 0
+    started = False
+    async with timeline.subscribe() as events:
+        async for stamped in events.channel:
+            event = stamped.event
+            if not isinstance(event, Note):
+                continue
+            if event.what == "epoch_started" and event.fields.get("epoch") == epoch:
+                started = True
+            elif event.what == "sync" and started:
+                seen += 1
+                if seen >= syncs:
+                    break
+    for name in ("relay host-b", "rank 2", "rank 3"):
+        procs[name].send_signal(signal.SIGKILL)
+    killed.update(at=time.monotonic(), epoch=epoch, after_syncs=seen)
+    print(f"SIGKILLed relay host-b and ranks 2, 3 in epoch {epoch} after {seen} syncs",
+          flush=True)
+
+
+async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any], ft.Timeline]:
+    out = Path(args.out)
+    salt = ft.SessionSalt.generate()
+    py = sys.executable
+    timeline = ft.Timeline(jsonl_path=str(out / "timeline.jsonl"))
+    procs: dict[str, trio.Process] = {}
+    killed: dict[str, Any] = {}
+    started = time.monotonic()
+    cfg = ft.CoordinatorConfig(world_size=WORLD, formation_timeout=180)
+    async with trio.open_nursery() as nursery:
+        bound = await ft.bind_coordinator(("127.0.0.1", 0))
+        coordinator = f"{bound.address[0]}:{bound.address[1]}"
+        for host, ranks in HOSTS.items():
+            port = free_port()
+            procs[f"relay {host}"] = await nursery.start(child, [
+                py, str(HERE / "relay.py"), "--coordinator", coordinator, "--salt-hex",
+                salt.hex(), "--host", host, "--ranks", ",".join(map(str, ranks)),
+                "--world-size", str(WORLD), "--rank-port", str(port)])
+            for rank in ranks:
+                procs[f"rank {rank}"] = await nursery.start(child, [
+                    py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex",
+                    salt.hex(), "--rank", str(rank), "--world-size", str(WORLD), "--out",
+                    str(out), "--batch-size", str(args.batch_size), "--step-ms",
+                    str(args.step_ms)])
+        async with ft.open_coordinator(bound, salt=salt, config=cfg, timeline=timeline) as coord:
+            formed = time.monotonic()
+            print(f"formed: {WORLD} ranks over {len(coord.relays)} relays in "
+                  f"{formed - started:.1f}s", flush=True)
+            if args.kill:
+                nursery.start_soon(kill_host_b_mid_epoch, timeline, procs, args.kill_epoch,
+                                   args.kill_after_syncs, killed)
+            scheduler = SyncScheduler(coord, total_samples=TRAIN_SAMPLES,
+                                      batch_size=args.batch_size, num_epochs=args.epochs,
+                                      checkpoint_every=args.epochs, process_group=True,
+                                      reform_timeout=60)
+            summary = await scheduler.run()
+            coverage = scheduler.coverage
+        survivors = [proc for name, proc in procs.items() if name.startswith("rank")
+                     and not (killed and name in ("rank 2", "rank 3"))]
+        with trio.fail_after(60):  # the ranks evaluate, write their result and exit
+            for proc in survivors:
+                await proc.wait()
+        nursery.cancel_scope.cancel()
+    return summary, coverage, time.monotonic() - started, killed, timeline
+
+
+async def child(command: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A child process whose exit status is its own business (the killed ones die of it)."""
+    await trio.run_process(command, check=False, task_status=task_status)
+
+
+def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall: float,
+           killed: dict[str, Any], timeline: ft.Timeline) -> dict[str, Any]:
+    print(f"epochs completed: {summary.epochs_completed}, syncs {summary.syncs}, global step "
+          f"{summary.global_step}")
+    for rank, reason in summary.deaths.items():
+        print(f"  rank {rank} declared dead: {reason}")
+    groups = [e.fields for e in timeline.events()
+              if isinstance(e, Note) and e.what == "process_group_formed"]
+    for g in groups:
+        print(f"  process group {g['generation']}: ranks {g['ranks']}")
+    exact = True
+    for cov in coverage:
+        exact = exact and cov.exact
+        who = ", ".join(f"rank {r}: {n}" for r, n in sorted(cov.per_rank.items()))
+        print(f"  epoch {cov.epoch}: {cov.samples}/{cov.total} samples, covered exactly once: "
+              f"{'yes' if cov.exact else 'NO'} ({who})")
+    accuracies = {r: res["accuracy"] for r, res in results.items()}
+    print("held-out accuracy by surviving rank: "
+          + ", ".join(f"rank {r}: {a:.2%}" for r, a in sorted(accuracies.items())))
+    accuracy = accuracies[min(accuracies)] if accuracies else 0.0
+    print(f"wall time: {wall:.1f}s")
+    return {"accuracy": accuracy, "accuracies": accuracies, "wall_s": wall,
+            "epochs": summary.epochs_completed, "deaths": dict(summary.deaths),
+            "groups": groups, "covered_exactly_once": exact, "killed": killed,
+            "coverage": [[c.epoch, c.samples, c.total, c.exact,
+                          {str(k): v for k, v in c.per_rank.items()}]
+                         for c in coverage]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="the torch_cpu example: one run")
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill", action="store_true", help="SIGKILL host-b mid-epoch")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--kill-epoch", type=int, default=3)
+    p.add_argument("--kill-after-syncs", type=int, default=4)
+    p.add_argument("--result", help="write the outcome as JSON here")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("rank-*.json"):
+        stale.unlink()
+    summary, coverage, wall, killed, timeline = trio.run(run, args)
+    results = {int(p.stem.split("-")[1]): json.loads(p.read_text())
+               for p in sorted(out.glob("rank-*.json"))}
+    outcome = report(summary, coverage, results, wall, killed, timeline)
+    if args.result:
+        Path(args.result).write_text(json.dumps(outcome, indent=2))
+    sys.exit(0 if outcome["covered_exactly_once"] and outcome["accuracy"] > 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
