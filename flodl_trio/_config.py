@@ -173,7 +173,8 @@ class CoordinatorConfig:
         max_failure: failure policy; ``None`` stops only when every rank is lost.
         strict_formation: make every pre-auth reject fatal (flodl's behaviour).
         max_pending_handshakes: at most this many connections may be unauthenticated at once
-            (between accept and a verified Hello); a new one beyond it sheds the *oldest*
+            in each stage (waiting for their channel magic in the port mux; between routing and
+            a verified Hello in formation); a new one beyond it sheds the *oldest*
             pending one (counted as ``shed``), so a slow or silent dialer holding slots cannot
             keep a relay out, while a genuine relay, whose handshake takes one round trip,
             finishes long before it becomes the oldest. Pre-auth memory is bounded by this

@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
+from ._pending import PendingHandshakes
 from ._transport import STREAM_GONE
 
 __all__ = [
@@ -49,7 +50,8 @@ CHANNEL_MAGIC_JOIN = b"\xe3\x17\x0d\xf1"
 MAGIC_LEN = 4
 
 LEG_NAMES = ("control", "data", "rendezvous", "join", "status")
-DROP_REASONS = ("unknown_magic", "eof_before_magic", "peek_timeout", "no_listener", "queue_full")
+DROP_REASONS = ("unknown_magic", "eof_before_magic", "peek_timeout", "no_listener", "queue_full",
+                "shed")
 _LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_CONTROL, "control"),
     (CHANNEL_MAGIC_DATA, "data"),
@@ -299,9 +301,11 @@ class PortMux:
         peek_timeout: float,
         legs: Sequence[str],
         queue_size: int,
+        max_peeking: int | None = None,
     ) -> None:
         self.listeners = tuple(listeners)
         self.peek_timeout = peek_timeout
+        self._peeking = PendingHandshakes(max_peeking if max_peeking is not None else 1 << 62)
         self.stats = MuxStats()
         self._legs = {
             name: MuxLeg(name, queue_size=queue_size, wanted=name in legs) for name in LEG_NAMES
@@ -372,7 +376,9 @@ class PortMux:
         try:
             received = bytearray()
             saw_eof = False
-            with trio.move_on_after(self.peek_timeout):
+            # At most max_peeking connections wait for their magic; one more sheds the oldest,
+            # so silent dialers cannot pile up (or keep a relay out) until peek_timeout.
+            with self._peeking.slot() as shed, shed, trio.move_on_after(self.peek_timeout):
                 while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
                     try:
                         chunk = await stream.receive_some(_PEEK_CHUNK)
@@ -382,7 +388,9 @@ class PortMux:
                         saw_eof = True
                         break
                     received += chunk
-            if len(received) >= MAGIC_LEN:
+            if shed.cancelled_caught:
+                reason = "shed"
+            elif len(received) >= MAGIC_LEN:
                 leg_name = leg_for_magic(bytes(received))
                 if leg_name is None:
                     reason = "unknown_magic"
@@ -420,6 +428,7 @@ async def open_port_mux(
     abort: trio.Event | None = None,
     legs: Sequence[str] = ("control", "status"),
     queue_size: int = 64,
+    max_peeking: int | None = None,
 ) -> AsyncIterator[PortMux]:
     """Route the connections of ``listeners`` to legs by their channel magic.
 
@@ -431,6 +440,8 @@ async def open_port_mux(
         legs: the legs served from the start. Connections to any other leg are dropped
             (``no_listener``) until someone calls that leg's ``accept``.
         queue_size: routed connections each leg queues before dropping (``queue_full``).
+        max_peeking: at most this many connections may be waiting for their magic; one more
+            sheds the oldest (dropped as ``shed``). None: no limit.
 
     Yields:
         The running :class:`PortMux`. Leaving the block (or ``abort``) stops accepting, closes
@@ -453,7 +464,8 @@ async def open_port_mux(
         for listener in listeners:  # they were handed to us: do not leak them on a bad call
             await trio.aclose_forcefully(listener)
         raise
-    mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size)
+    mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size,
+                  max_peeking=max_peeking)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run, abort)

@@ -12,6 +12,7 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import HandshakeRejected
+from flodl_trio.port_mux import open_port_mux
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import COORD, events_of, start_host
@@ -100,3 +101,26 @@ async def test_silent_dialers_beyond_max_pending_are_shed_oldest_first_and_a_rel
     assert rejects == {"shed": 81}  # 100 silent + 1 relay through 20 slots
     # Oldest first: the 81 closed are exactly the first 81 that arrived.
     assert sorted(closed_by_coordinator) == list(range(81))
+
+
+async def test_the_port_mux_sheds_the_oldest_silent_dialer_beyond_max_peeking(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    silent: list[trio.abc.Stream] = []
+    async with open_port_mux(memory_network.listener("mux"), peek_timeout=5,
+                             max_peeking=10) as mux:
+        for _ in range(30):
+            silent.append(await memory_network.connect("mux"))
+            await trio.sleep(0.001)  # each one older than the next
+        relay = await memory_network.connect("mux")
+        await relay.send_all(wire.CHANNEL_MAGIC_CONTROL)
+        with trio.fail_after(1):  # well before peek_timeout
+            routed = await mux.control.accept()
+        assert await routed.receive_some(4) == wire.CHANNEL_MAGIC_CONTROL
+        assert mux.stats.dropped["shed"] == 21  # 30 silent + 1 relay through 10 slots
+        # The shed ones are the oldest: the first 21 are closed, the last 9 still wait.
+        for stream in silent[:21]:
+            assert await stream.receive_some(10) == b""
+        await routed.aclose()
+        for stream in [*silent, relay]:
+            await stream.aclose()

@@ -169,7 +169,8 @@ async def open_coordinator(
                 stack.push_async_callback(bind.aclose)
                 mux = await stack.enter_async_context(
                     open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
-                                  legs=("control", "status"), queue_size=MUX_QUEUE)
+                                  legs=("control", "status"), queue_size=MUX_QUEUE,
+                                  max_peeking=config.max_pending_handshakes)
                 )
                 life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
                                                 request_timeout=config.peek_timeout))

@@ -14,13 +14,13 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
+from .._pending import PendingHandshakes
 from .._ratelimit import JunkReport
 from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
 from ..wire import SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, send_hello_ack
-from ._pending import PendingHandshakes
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender

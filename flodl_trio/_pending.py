@@ -1,11 +1,13 @@
 """A bound on unauthenticated connections (SPEC §4.2, FT/2): the oldest is shed for a new one.
 
-Each connection between accept and a verified Hello holds a socket, a task and up to a Hello
-ceiling of buffered bytes. Nothing limited them: 4,000 dialers holding partial Hellos took a
-coordinator to 1.1 GB. At most ``limit`` may be pending at once; admitting one more cancels the
-*oldest*. Oldest, not newest: refusing newcomers would let anyone who opens ``limit`` silent
-connections (and re-opens them as they time out) keep every relay out, while a genuine relay,
-whose handshake takes one round trip, completes long before it becomes the oldest of ``limit``.
+Used twice by a coordinator that binds its own port: by the port mux for connections whose
+channel magic has not arrived, and by formation for those whose Hello has not verified. Each
+such connection holds a socket, a task and (in formation) up to a Hello ceiling of bytes; nothing
+limited them (4,000 dialers holding partial Hellos took a coordinator to 1.1 GB). At most
+``limit`` may be pending at once; admitting one more cancels the *oldest*. Oldest, not newest:
+refusing newcomers would let anyone who opens ``limit`` silent connections (and re-opens them as
+they time out) keep every relay out, while a genuine relay, whose handshake takes one round trip,
+completes long before it becomes the oldest of ``limit``.
 """
 
 from __future__ import annotations
