@@ -15,6 +15,7 @@ and pushes the same pre-sealed FANOUT bytes to each socket with ``send_all`` in 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import time
 from typing import Any
 
@@ -131,7 +132,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{rep.machine_note()}\nfan-out: {count} broadcasts per run, {args.gap * 1000:g} ms "
           f"apart, {reps} runs per case (floor and ours alternate); {args.procs} sink processes")
     rows, medians = [], []
-    for relays, per in ((128, 8), (1024, 1)):
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.case] if args.case else [
+        (128, 8), (1024, 1)]
+    for relays, per in cases:
         runs = [await run_case(relays, per, count, args.gap, args.procs) for _ in range(reps)]
         rows += runs
         medians.append(rep.medians(runs))
@@ -154,5 +157,11 @@ if __name__ == "__main__":
     p.add_argument("--runs", type=int, default=0, help="runs per case (default 3)")
     p.add_argument("--gap", type=float, default=0.02, help="seconds between broadcasts")
     p.add_argument("--procs", type=int, default=2, help="sink processes")
+    p.add_argument("--case", action="append", help="RELAYSxRANKS, e.g. 128x8 (repeatable)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
-    trio.run(main, p.parse_args())
+    p.add_argument("--profile", default=None, help="write a cProfile of this process here")
+    ns = p.parse_args()
+    if ns.profile:
+        cProfile.run("trio.run(main, ns)", ns.profile)
+    else:
+        trio.run(main, ns)

@@ -85,6 +85,35 @@ async def test_slow_timing_consumer_does_not_make_healthy_ranks_stale(
         assert all(p.lost is None for p in c.probes.values())
 
 
+async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    # Nothing wakes the staleness watch when a reader's wait on a full channel ends; the
+    # watch looks again by itself, so a rank that falls silent afterwards is declared on time.
+    cfg = config(heartbeat_timeout=3, timing_buffer=4)
+    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={3: 1.0},
+                              coord_config=cfg) as c:
+        await trio.sleep(10)  # nobody reads: the readers wait on the full channel
+        assert c.coord.timing.statistics().tasks_waiting_send >= 1
+
+        async def drain() -> None:
+            async for _ in c.coord.timing:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await trio.sleep(2.5)
+            raw = c.raw[3]
+            raw.beating = False
+            assert raw.last_sent is not None
+            silent_since = raw.last_sent
+            await wait_for(lambda: 3 in c.coord.dead_ranks, within=5)
+            nursery.cancel_scope.cancel()
+        ((declared_at, event),) = c.log.of(RankDeclaredDead)
+        assert event.rank == 3
+        assert declared_at == pytest.approx(silent_since + 3, abs=1e-9)
+        assert c.coord.dead_ranks == {3}
+
+
 async def test_rank_that_exited_cleanly_is_never_declared_dead(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     async with probed_cluster(memory_network, TWO_HOSTS, coord_config=config(heartbeat_timeout=3)

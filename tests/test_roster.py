@@ -104,7 +104,16 @@ def test_stale_uses_the_last_seen_clock_and_skips_paused_relays() -> None:
     roster.seen(0, 14.0)
     assert roster.stale(19.0, 10.0) == ([], 20.0)
     assert roster.stale(20.0, 10.0) == ([1, 2, 3], 24.0)
+    # b's reader waits on a full channel: its ranks are not declared, and are looked at again
+    # within PAUSED_RECHECK (nobody wakes the watch when the pause ends).
+    assert roster.stale(20.0, 10.0, lambda relay: relay is b) == ([1], 21.0)
+    # A paused rank that is not overdue is looked at again at its uncredited deadline.
+    roster.seen(2, 15.0)
+    assert roster.stale(20.0, 10.0, lambda relay: relay is b) == ([1], 21.0)
+    roster.seen(3, 19.5)
     assert roster.stale(20.0, 10.0, lambda relay: relay is b) == ([1], 24.0)
+    roster.seen(2, 10.0)
+    roster.seen(3, 10.0)
     roster.credit_pause(a, 5.0)  # the coordinator did not read a for 5 s
     assert roster.stale(20.0, 10.0) == ([2, 3], 25.0)
 

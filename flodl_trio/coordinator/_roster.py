@@ -17,6 +17,8 @@ from .._ratelimit import JunkCounter, JunkReport
 from ..wire import SaveReason
 
 PHASES = ("forming", "running", "shutting_down", "closed")
+# How soon the staleness watch looks again at a relay whose reader waits on a full channel.
+PAUSED_RECHECK = 1.0
 
 
 class Member(Protocol):
@@ -58,6 +60,9 @@ class Roster(Generic[M]):
         self._dead: dict[int, str] = {}
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
+        # Covered, not dead, not exited: kept as it changes, since the staleness watch and
+        # every broadcast ask for it and the world can be 16k ranks.
+        self._live: set[int] = set()
         # Junk is counted by reason and reported rate-limited, never one line or event each.
         self._rejects = JunkCounter()
         self._invalid_frames = JunkCounter()
@@ -94,8 +99,12 @@ class Roster(Generic[M]):
     @property
     def live(self) -> frozenset[int]:
         """Covered ranks that are neither dead nor cleanly exited."""
-        return frozenset(r for r in self._relay_of if r not in self._dead
-                         and r not in self._exited)
+        return frozenset(self._live)
+
+    def live_of(self, relay: M) -> list[int]:
+        """``relay``'s live ranks, ascending."""
+        live = self._live
+        return [r for r in relay.ranks if r in live]
 
     @property
     def dead(self) -> dict[int, str]:
@@ -164,6 +173,8 @@ class Roster(Generic[M]):
         for r in relay.ranks:
             self._relay_of[r] = relay
             self._last_seen[r] = now
+            if r not in self._dead and r not in self._exited:
+                self._live.add(r)
 
     def confirm(self, relay: M) -> bool:
         """``relay``'s HelloAck was written; True when this completes coverage."""
@@ -187,6 +198,7 @@ class Roster(Generic[M]):
             if self._relay_of.get(r) is relay:
                 del self._relay_of[r]
                 self._last_seen.pop(r, None)
+                self._live.discard(r)
 
     def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
         """Count one rejected handshake; a report when one is due (rate-limited)."""
@@ -232,6 +244,7 @@ class Roster(Generic[M]):
                 or rank not in self._relay_of):
             return False
         self._dead[rank] = reason
+        self._live.discard(rank)
         return True
 
     def mark_exited(self, rank: int) -> bool:
@@ -239,6 +252,7 @@ class Roster(Generic[M]):
         if rank in self._exited:
             return False
         self._exited.add(rank)
+        self._live.discard(rank)
         return True
 
     def seen(self, rank: int, now: float) -> None:
@@ -254,20 +268,30 @@ class Roster(Generic[M]):
     def stale(self, now: float, timeout: float,
               paused: Callable[[M], bool] = lambda relay: False) -> tuple[list[int], float]:
         """Live ranks silent for ``timeout`` at ``now`` (ranks on ``paused`` relays excepted),
-        and when the next one falls due (``inf`` when none is watched). Only while running:
-        formation has its own deadline."""
+        ascending, and when to look again (``inf`` when none is watched). Only while running:
+        formation has its own deadline.
+
+        A paused relay's wait is credited to its ranks when it ends (:meth:`credit_pause`), so
+        their deadlines only move later: they are looked at again at their uncredited
+        deadline, or within ``PAUSED_RECHECK`` seconds when that has passed. Nobody has to
+        wake the watch when a pause ends (one wake per full channel cost a scan of the world
+        per delivered frame).
+        """
         if self._phase != "running":
             return [], math.inf
         overdue: list[int] = []
         next_due = math.inf
-        for rank in sorted(self.live):
-            if paused(self._relay_of[rank]):
-                continue
-            due = self._last_seen[rank] + timeout
-            if due <= now:
+        recheck = now + min(timeout, PAUSED_RECHECK)
+        last_seen, relay_of = self._last_seen, self._relay_of
+        for rank in self._live:
+            due = last_seen[rank] + timeout
+            if paused(relay_of[rank]):
+                next_due = min(next_due, max(due, recheck))
+            elif due <= now:
                 overdue.append(rank)
-            else:
-                next_due = min(next_due, due)
+            elif due < next_due:
+                next_due = due
+        overdue.sort()
         return overdue, next_due
 
     def failure_reason(self, policy: MaxFailure | None) -> SaveReason | None:

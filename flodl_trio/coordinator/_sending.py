@@ -84,13 +84,15 @@ class Sender:
         frame = self._codec.encode(msg)
         groups: dict[RelayConn, list[int]] = {}
         failed: dict[int, str] = {}
-        for rank in sorted(self._roster.live):
-            conn = self._roster.relay_of(rank)
-            assert conn is not None  # live ranks are covered
+        for conn in self._roster.relays:
+            ranks = self._roster.live_of(conn)
+            if not ranks:
+                continue
             if conn.alive:
-                groups.setdefault(conn, []).append(rank)
+                groups[conn] = ranks
             else:
-                failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason})"
+                for rank in ranks:
+                    failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason})"
         # Every relay's writer task gets its record now; they write concurrently.
         delivery = Delivery(len(groups))
         for conn, ranks in groups.items():

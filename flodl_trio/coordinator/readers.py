@@ -36,6 +36,14 @@ from .liveness import Liveness
 
 log = logging.getLogger("flodl_trio.coordinator")
 
+# One read takes what a relay sent since the last one, up to this; every record in it is
+# decoded and delivered before the next read.
+RECEIVE_SIZE = 65536
+_DATA = int(RecordKind.DATA)
+_CONTROL = int(RecordKind.CONTROL)
+_TIMING = int(MsgKind.TIMING)
+_METRICS = int(MsgKind.METRICS)
+
 
 class Readers:
     """The relay connections' readers, and whether any of them is still reading."""
@@ -70,7 +78,7 @@ class Readers:
         cause: str | None = None
         try:
             while cause is None:
-                data = await conn.stream.receive_some(65536)
+                data = await conn.stream.receive_some(RECEIVE_SIZE)
                 if not data:
                     err = conn.opener.eof_error(f"relay {conn.host!r}")
                     cause = (str(err) if err is not None
@@ -80,11 +88,9 @@ class Readers:
                     records = conn.opener.feed(data)
                 except WireError as exc:
                     # Records authenticated before the bad one are acted on; then it ends.
-                    for rec in frames_before(exc):
-                        await self.on_record(conn, rec)
+                    await self.act_on(conn, frames_before(exc))
                     raise
-                for rec in records:
-                    await self.on_record(conn, rec)
+                await self.act_on(conn, records)
         except AuthError as exc:
             cause = f"authentication failure: {exc}"
         except WireError as exc:
@@ -101,14 +107,34 @@ class Readers:
         if cause is not None and conn.lost_reason is None:
             self._liveness.relay_lost(conn, cause)
 
-    async def on_record(self, conn: RelayConn, rec: Record) -> None:
-        if rec.kind == RecordKind.DATA:
-            await self.on_frame(conn, rec)
-        elif rec.kind == RecordKind.CONTROL:
-            self.on_relay_control(conn, rec.payload)
-        else:
-            self.invalid(conn, rec.rank, f"record of kind {rec.kind}, which only flows "
-                         "coordinator→relay", category="wrong direction")
+    async def act_on(self, conn: RelayConn, records: list[Record]) -> None:
+        """Decode and deliver every record of one read before reading again.
+
+        Plain calls per record; the reader checkpoints only where a channel is full (a
+        coroutine per record per layer cost more than the decode). Records of one read
+        arrived together, so they share one clock reading, taken again after a wait.
+        """
+        now = trio.current_time()
+        for rec in records:
+            if rec.kind == _DATA:
+                item = self.on_frame(conn, rec, now)
+                if item is None:
+                    continue
+                send, msg = item
+                try:
+                    send.send_nowait(msg)
+                except trio.WouldBlock:
+                    if not self._roster.shutting_down:
+                        await self.deliver_when_room(conn, send, msg)
+                        now = trio.current_time()
+                    # else: nobody is reading any more; never block shutdown on it
+                except STREAM_GONE:
+                    pass
+            elif rec.kind == _CONTROL:
+                self.on_relay_control(conn, rec.payload)
+            else:
+                self.invalid(conn, rec.rank, f"record of kind {rec.kind}, which only flows "
+                             "coordinator→relay", category="wrong direction")
 
     def invalid(self, conn: RelayConn, rank: int, reason: str, *, category: str) -> None:
         """Count a dropped frame; only a rate-limited few become a WARNING and an event (one
@@ -121,62 +147,51 @@ class Readers:
         log.warning("frame dropped: %s", report.text())
         self._timeline.event(InvalidFrame(rank=rank, host=conn.host, reason=report.text()))
 
-    async def on_frame(self, conn: RelayConn, rec: Record) -> None:
+    def on_frame(self, conn: RelayConn, rec: Record,
+                 now: float) -> tuple[trio.MemorySendChannel[Any], TimingMsg | Metrics] | None:
+        """The channel and message a DATA record goes to, or None when it is dropped."""
         try:
             frame = self._codec.open(rec.payload)
         except AuthError as exc:
             self.invalid(conn, rec.rank, str(exc), category="bad mac")
-            return
+            return None
         except WireError as exc:
             self.invalid(conn, rec.rank, str(exc), category="malformed")
-            return
+            return None
         msg: TimingMsg | Metrics
         try:
-            if frame.kind == MsgKind.TIMING:
+            if frame.kind == _TIMING:
                 msg = decode_timing(frame.payload)
-            elif frame.kind == MsgKind.METRICS:
+            elif frame.kind == _METRICS:
                 msg = decode_metrics(frame.payload)
             else:
                 if frame.kind not in (MsgKind.RESERVED_4, MsgKind.RESERVED_5):
                     self.invalid(conn, rec.rank, f"frame of kind {frame.kind} is not for this "
                                  "direction", category="wrong direction")
-                return
+                return None
         except WireError as exc:
             self.invalid(conn, rec.rank, str(exc), category="undecodable")
-            return
-        rank = int(msg.rank)
+            return None
+        rank = msg.rank
         if rank not in conn.rank_set:
             self.invalid(conn, rank, f"{type(msg).__name__} speaks for rank {rank}, which "
                          f"relay {conn.host!r} does not carry {ranks_text(conn.ranks)}",
                          category="foreign rank")
-            return
+            return None
         if self._roster.is_dead(rank):
             log.debug("rank %d was declared dead; its late %s is dropped", rank,
                       type(msg).__name__)
-            return
-        if isinstance(msg, TimingMsg):
-            self._roster.seen(rank, trio.current_time())
-            if isinstance(msg, Exiting) and self._roster.mark_exited(rank):
+            return None
+        if frame.kind == _TIMING:
+            self._roster.seen(rank, now)
+            if type(msg) is Exiting and self._roster.mark_exited(rank):
                 self._timeline.event(RankExited(rank=rank))
-            await self.deliver(conn, self._timing, msg)
-        else:
-            await self.deliver(conn, self._metrics, msg)
+            return self._timing, msg
+        return self._metrics, msg
 
-    async def deliver(self, conn: RelayConn, send: trio.MemorySendChannel[Any],
-                      msg: Any) -> None:
-        if self._roster.shutting_down:
-            try:
-                send.send_nowait(msg)
-            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # nobody is reading any more; never block shutdown on it
-            return
-        try:
-            send.send_nowait(msg)
-            return
-        except trio.WouldBlock:
-            pass
-        except STREAM_GONE:
-            return
+    async def deliver_when_room(self, conn: RelayConn, send: trio.MemorySendChannel[Any],
+                                msg: Any) -> None:
+        """Wait until ``send`` takes ``msg``; that time is not the ranks' silence."""
         paused_at = trio.current_time()
         conn.paused_since = paused_at
         try:
@@ -189,7 +204,6 @@ class Readers:
             conn.paused_since = None
             # The coordinator was not reading this relay; that time is not the ranks' silence.
             self._roster.credit_pause(conn, trio.current_time() - paused_at)
-            self._liveness.wake()
 
     def on_relay_control(self, conn: RelayConn, payload: bytes) -> None:
         try:
