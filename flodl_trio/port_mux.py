@@ -76,9 +76,9 @@ def leg_for_magic(prefix: bytes) -> str | None:
     with 405 where it must, instead of the mux dropping the connection unanswered. The binary
     magics start with a non-ASCII byte, so the two can never be confused.
 
-    >>> [leg_for_magic(p) for p in (b"GET ", b"HEAD", b"PUT ", b"OPTI", b"\xe2\x17\x0d\xf1")]
+    >>> [leg_for_magic(p) for p in (b"GET ", b"HEAD", b"PUT ", b"OPTI", CHANNEL_MAGIC_CONTROL)]
     ['status', 'status', 'status', 'status', 'control']
-    >>> leg_for_magic(b"get ") is None and leg_for_magic(b"\x16\x03\x01\x02") is None
+    >>> leg_for_magic(b"get ") is None and leg_for_magic(b"SSH-") is None
     True
     """
     head = bytes(prefix[:MAGIC_LEN])
