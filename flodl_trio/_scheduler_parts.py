@@ -1,5 +1,5 @@
-"""The scheduler's small record types: its run summary, a rank's share of an epoch, a pending
-callback, and the helper that waits on one of several channels."""
+"""The scheduler's small record types: its run summary, a rank's share of an epoch, and its
+reading of the coordinator's channels."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from ._epoch_math import Range
-from .wire import Checkpoint, ControlMsg, EpochMetrics, ExecuteEvalCallback, Metrics, TimingMsg
+from .wire import EpochMetrics, Metrics, TimingMsg
 
 _T = TypeVar("_T")
 
@@ -49,22 +49,6 @@ class Share:
     @property
     def assigned(self) -> int:
         return sum(s for _, s in self.ranges)
-
-
-@attrs.define
-class Callback:
-    """A Checkpoint or eval sent to the role rank and not yet answered."""
-
-    kind: str  # "checkpoint" | "eval"
-    number: int  # checkpoint version / eval schedule id (= epochs completed)
-    target: int
-    tried: set[int] = attrs.Factory(set)
-
-    def message(self) -> ControlMsg:
-        if self.kind == "checkpoint":
-            return Checkpoint(version=self.number, target_rank=self.target)
-        return ExecuteEvalCallback(schedule_id=self.number, epoch=self.number,
-                                   target_rank=self.target)
 
 
 class InboxClosed(Exception):

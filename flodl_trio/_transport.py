@@ -11,11 +11,12 @@ import logging
 import math
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from ._errors import HandshakeError, WireError
+from ._keepalive import KeepAlive, enable_keepalive
 from ._timeouts import CONNECT_RETRY_INTERVAL
 
 log = logging.getLogger("flodl_trio.transport")
@@ -23,6 +24,8 @@ log = logging.getLogger("flodl_trio.transport")
 # What a read, write or accept raises once the stream (or listener) is gone: the peer reset or
 # closed it (Broken), or we closed it ourselves (Closed). Every "the link ended" handler uses it.
 STREAM_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+T = TypeVar("T")
 
 Address = tuple[str, int]
 Dialer = Callable[[], Awaitable[trio.abc.Stream]]
@@ -73,59 +76,11 @@ def is_local_or_private(host: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
-async def listen_tcp(port: int, *, host: str | None,
-                     attempts: int = 16) -> list[trio.SocketListener]:
-    """Bind every address of ``host`` (None: every interface, IPv4 and IPv6) on **one** port.
-
-    ``trio.open_tcp_listeners(0)`` gives each address family its own free port, so a peer that
-    resolves the name to the other family (``localhost`` to ``::1``) dials a port nobody
-    published. Here port 0 picks the first family's free port and binds the others to it,
-    retrying with a fresh port when that one is taken in another family.
-
-    Raises:
-        OSError: the OS refused the bind, or no port was free in every family after
-            ``attempts`` tries.
-    """
-    last: OSError | None = None
-    for _ in range(attempts):
-        listeners = list(await trio.open_tcp_listeners(port, host=host))
-        ports = {lst.socket.getsockname()[1] for lst in listeners}
-        if port != 0 or len(ports) == 1:
-            return listeners
-        chosen = int(listeners[0].socket.getsockname()[1])
-        others = [(lst.socket.family, lst.socket.getsockname()) for lst in listeners[1:]]
-        await close_all(listeners[1:])
-        bound = listeners[:1]
-        try:
-            for family, sockname in others:
-                bound.append(await _listen_on(family, (sockname[0], chosen, *sockname[2:])))
-        except OSError as exc:
-            await close_all(bound)
-            last = exc
-            continue
-        return bound
-    raise OSError(f"expected one free port for every address of {host or 'every interface'}, "
-                  f"got none after {attempts} tries; last error: {last!r}")
-
-
-async def _listen_on(family: int, sockaddr: tuple[Any, ...]) -> trio.SocketListener:
-    # What trio.open_tcp_listeners does for one address, with the port given.
-    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
-    try:
-        if hasattr(trio.socket, "SO_REUSEADDR") and not hasattr(trio.socket, "SO_EXCLUSIVEADDRUSE"):
-            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        if family == trio.socket.AF_INET6:
-            sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
-        await sock.bind(sockaddr)
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return trio.SocketListener(sock)
-
-
-async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio.abc.Stream:
+async def dial(target: DialTarget, *, connect_timeout: float, what: str,
+               keepalive: KeepAlive | None = None) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
+
+    A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
 
     Raises:
         HandshakeError: no connection within the deadline; names the target and the last error.
@@ -141,6 +96,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio
                     return await target()
                 stream = await trio.open_tcp_stream(target[0], target[1])
                 _set_nodelay(stream)
+                enable_keepalive(stream, keepalive)
                 return stream
         except OSError as exc:
             last = exc
@@ -151,6 +107,73 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio
     raise HandshakeError(
         f"{what}: expected a connection to {where} within {connect_timeout:g}s, got none after "
         f"{attempts} attempt(s); last error: {last!r}"
+    )
+
+
+async def dial_and_handshake(
+    target: DialTarget,
+    handshake: Callable[[trio.abc.Stream], Awaitable[T]],
+    *,
+    connect_timeout: float,
+    what: str,
+    peer: str,
+    expected: str,
+    retry_on: tuple[type[BaseException], ...],
+    final: tuple[type[BaseException], ...] = (),
+    on_retry: Callable[[BaseException], None] | None = None,
+    retry_interval: float = CONNECT_RETRY_INTERVAL,
+    keepalive: KeepAlive | None = None,
+) -> T:
+    """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
+
+    The relay (to its coordinator) and the rank (to its relay) both need this: a peer that is
+    not up yet, or that drops an attempt before confirming it, is retried every
+    ``retry_interval`` seconds; anything else ends the attempts. The stream of a failed attempt
+    is closed; the stream of the successful one is the caller's, inside what ``handshake``
+    returns.
+
+    Args:
+        target: ``(host, port)`` or an async callable returning a stream.
+        handshake: runs on each fresh stream (the caller bounds its time).
+        connect_timeout: the deadline for the whole series of attempts.
+        what: who is dialing, for messages (``"rank 3"``).
+        peer: who is dialed, for messages (``"relay 127.0.0.1:5000"``).
+        expected: what a successful attempt gives, for the final message.
+        retry_on: the exceptions of ``handshake`` that mean "try again".
+        final: subclasses of ``retry_on`` that end the attempts all the same.
+        on_retry: told of each retried failure; it may raise to stop retrying.
+        retry_interval: seconds between attempts (a cadence, never scaled).
+        keepalive: TCP keepalive for each connection (see ``_keepalive``).
+
+    Raises:
+        HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
+            the last failure.
+    """
+    deadline = trio.current_time() + connect_timeout
+    last: BaseException | None = None
+    while True:
+        stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
+                            what=what, keepalive=keepalive)
+        try:
+            return await handshake(stream)
+        except final:
+            await trio.aclose_forcefully(stream)
+            raise
+        except retry_on as exc:
+            await trio.aclose_forcefully(stream)
+            last = exc
+            if on_retry is not None:
+                on_retry(exc)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        if trio.current_time() + retry_interval >= deadline:
+            break
+        log.info("%s: attempt failed (%r); re-dialing in %gs", what, last, retry_interval)
+        await trio.sleep(retry_interval)
+    raise HandshakeError(
+        f"{what}: expected {expected} from {peer} within connect_timeout="
+        f"{connect_timeout:g}s; last attempt failed: {last!r}"
     )
 
 

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import operator
@@ -23,6 +22,8 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
+from ._keepalive import KeepAlive
+from ._listen import serve_each
 from ._pending import PendingHandshakes
 from ._transport import STREAM_GONE
 
@@ -59,10 +60,6 @@ _LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_JOIN, "join"),
 )
 _HTTP_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-# Accept errors that mean "out of file descriptors or memory right now": trio's serve_listeners
-# sleeps and retries on exactly these instead of crashing the server.
-_ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-_ACCEPT_RETRY_SLEEP = 0.1
 _PEEK_CHUNK = 4096
 
 PeerAddress = tuple[str, int] | str
@@ -302,8 +299,10 @@ class PortMux:
         legs: Sequence[str],
         queue_size: int,
         max_peeking: int | None = None,
+        keepalive: KeepAlive | None = None,
     ) -> None:
         self.listeners = tuple(listeners)
+        self.keepalive = keepalive
         self.peek_timeout = peek_timeout
         self._peeking = PendingHandshakes(max_peeking if max_peeking is not None else 1 << 62)
         self.stats = MuxStats()
@@ -356,19 +355,12 @@ class PortMux:
     async def _accept_loop(
         self, listener: trio.abc.Listener[trio.abc.Stream], nursery: trio.Nursery
     ) -> None:
-        while True:  # ends when the listener closes or the mux is cancelled
-            try:
-                stream = await listener.accept()
-            except trio.ClosedResourceError:
-                return
-            except OSError as exc:
-                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
-                    raise
-                logger.warning("port mux: accept failed (%s); retrying", exc)
-                await trio.sleep(_ACCEPT_RETRY_SLEEP)
-                continue
-            self.stats.accepted += 1
-            nursery.start_soon(self._route, stream)
+        # Ends when the listener closes or the mux is cancelled.
+        await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
+                         on_accept=self._count_accept, keepalive=self.keepalive)
+
+    def _count_accept(self, stream: trio.abc.Stream) -> None:
+        self.stats.accepted += 1
 
     async def _route(self, stream: trio.abc.Stream) -> None:
         remote = _remote_address(stream)
@@ -429,6 +421,7 @@ async def open_port_mux(
     legs: Sequence[str] = ("control", "status"),
     queue_size: int = 64,
     max_peeking: int | None = None,
+    keepalive: KeepAlive | None = None,
 ) -> AsyncIterator[PortMux]:
     """Route the connections of ``listeners`` to legs by their channel magic.
 
@@ -442,6 +435,7 @@ async def open_port_mux(
         queue_size: routed connections each leg queues before dropping (``queue_full``).
         max_peeking: at most this many connections may be waiting for their magic; one more
             sheds the oldest (dropped as ``shed``). None: no limit.
+        keepalive: TCP keepalive for every accepted TCP connection (see ``_keepalive``).
 
     Yields:
         The running :class:`PortMux`. Leaving the block (or ``abort``) stops accepting, closes
@@ -465,7 +459,7 @@ async def open_port_mux(
             await trio.aclose_forcefully(listener)
         raise
     mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size,
-                  max_peeking=max_peeking)
+                  max_peeking=max_peeking, keepalive=keepalive)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run, abort)

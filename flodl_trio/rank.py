@@ -19,14 +19,14 @@ from ._config import RankConfig
 from ._errors import (
     ConfigError,
     CoordinatorLost,
-    HandshakeError,
     SendError,
     WireError,
 )
 from ._handshake_io import run_handshake
+from ._keepalive import KeepAlive
 from ._lifecycle import open_lifecycle
 from ._ratelimit import JunkCounter
-from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial, format_address
+from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial_and_handshake, format_address
 from .wire import (
     MAX_LEN_FRAME,
     ControlMsg,
@@ -294,35 +294,24 @@ class RankEndpoint:
 
 async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size: int,
                    config: RankConfig) -> tuple[trio.abc.Stream, bytes]:
-    deadline = trio.current_time() + config.connect_timeout
-    what = f"rank {rank}"
     where = format_address(target) if not callable(target) else "the relay"
-    last: BaseException | None = None
-    while True:
-        stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what)
-        try:
-            machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
-            with trio.fail_after(config.handshake_timeout):
-                confirmed = await run_handshake(stream, machine)
-            assert isinstance(confirmed, RankConfirmed)
-            return stream, confirmed.leftover
-        except HandshakeError:
-            await trio.aclose_forcefully(stream)
-            raise
-        except (WireError, trio.TooSlowError, *STREAM_GONE) as exc:
-            await trio.aclose_forcefully(stream)
-            last = exc
-        except BaseException:
-            await trio.aclose_forcefully(stream)
-            raise
-        if trio.current_time() + 0.5 >= deadline:
-            break
-        await trio.sleep(0.5)
-    raise HandshakeError(
-        f"{what}: expected a handshake ack from relay {where} within connect_timeout="
-        f"{config.connect_timeout:g}s; last attempt: {last} (a relay closes connections whose "
-        "salt, world_size or rank it rejects: check its log)"
+
+    async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, bytes]:
+        machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
+        with trio.fail_after(config.handshake_timeout):
+            confirmed = await run_handshake(stream, machine)
+        assert isinstance(confirmed, RankConfirmed)
+        return stream, confirmed.leftover
+
+    # A HandshakeError (the relay answered, and said no) is final; a relay that is not up yet,
+    # or dropped the attempt, is retried.
+    return await dial_and_handshake(
+        target, handshake, connect_timeout=config.connect_timeout, what=f"rank {rank}",
+        peer=f"relay {where}",
+        expected="a handshake ack (a relay closes connections whose salt, world_size or rank it "
+        "rejects: check its log)",
+        retry_on=(WireError, trio.TooSlowError, *STREAM_GONE),
+        keepalive=KeepAlive.within(config.coord_liveness_timeout),
     )
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import _timeouts as T
+from ._callbacks import Callbacks
 from ._epoch_math import (
     EpochCoverage,
     Range,
@@ -66,7 +67,7 @@ from ._epoch_math import (
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
 from ._reformation import ProcessGroupKeeper, ReformationError
-from ._scheduler_parts import Callback, Inbox, InboxClosed, RunSummary, Share
+from ._scheduler_parts import Inbox, InboxClosed, RunSummary, Share
 from .events import Note
 from .wire import (
     Batch,
@@ -148,8 +149,6 @@ class SyncScheduler:
         self._total = check_count("total_samples", total_samples)
         self._batch_size = check_count("batch_size", batch_size)
         self._num_epochs = check_count("num_epochs", num_epochs)
-        self._checkpoint_every = check_cadence("checkpoint_every", checkpoint_every)
-        self._eval_every = check_cadence("eval_every", eval_every)
         self._ratios = check_ratios(partition_ratios, coord.world_size)
         self._plans: dict[int, dict[int, EpochPlan]] = {}
         self._epoch = -1
@@ -162,8 +161,10 @@ class SyncScheduler:
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
         self._gone: set[int] = set()
         self._role: int | None = None
-        self._callbacks: dict[tuple[str, int], Callback] = {}
-        self._failed_checkpoints: list[tuple[int, int, str]] = []  # (version, rank, error)
+        self._callbacks = Callbacks(
+            checkpoint_every=check_cadence("checkpoint_every", checkpoint_every),
+            eval_every=check_cadence("eval_every", eval_every), send=self._send,
+            move_role=self._move_role)
         self._inbox = Inbox(coord.timing, coord.metrics, _POLL_INTERVAL)
         self._global_step = 0
         self._syncs = 0
@@ -245,19 +246,8 @@ class SyncScheduler:
             self._awaiting_ack.discard(rank)
         elif isinstance(msg, NewNcclIdGenerated) and self._group is not None:
             self._group.on_uid(rank, msg.uid)
-        elif isinstance(msg, CheckpointResult):
-            cb = self._callbacks.get(("checkpoint", int(msg.version)))
-            if cb is not None and cb.target == rank:
-                if msg.error is None:
-                    del self._callbacks[("checkpoint", cb.number)]
-                else:
-                    self._failed_checkpoints.append((cb.number, rank, msg.error))
-        elif isinstance(msg, EvalResult):
-            cb = self._callbacks.get(("eval", int(msg.schedule_id)))
-            if cb is not None and cb.target == rank:
-                if msg.error is not None:
-                    log.warning("eval %d on rank %d failed: %s", cb.number, rank, msg.error)
-                del self._callbacks[("eval", cb.number)]
+        elif isinstance(msg, CheckpointResult | EvalResult):
+            self._callbacks.on_result(rank, msg)
 
     def _on_metrics(self, msg: Metrics) -> None:
         rank, epoch = int(msg.rank), int(msg.epoch)
@@ -381,38 +371,12 @@ class SyncScheduler:
                 [(r, coord.dead_reason(r) or "exited cleanly") for r in new], survivors)
         if self._role in self._gone:
             await self._move_role(survivors[0])
-        for cb in self._callbacks.values():
-            if cb.target in self._gone and self._role is not None:
-                cb.tried.add(cb.target)
-                cb.target = self._role
-                await self._send(cb.target, cb.message())
+        await self._callbacks.retarget(self._gone, self._role)
 
     async def _move_role(self, rank: int) -> None:
         log.info("epoch callback role moves from rank %s to rank %d", self._role, rank)
         self._role = rank
         await self._broadcast(SetEpochCallbackRole(rank=rank))
-
-    async def _fail_over_checkpoints(self) -> None:
-        failed, self._failed_checkpoints = self._failed_checkpoints, []
-        for version, rank, error in failed:
-            cb = self._callbacks.get(("checkpoint", version))
-            if cb is None or cb.target != rank:
-                continue
-            cb.tried.add(rank)
-            live = self._survivors()
-            order = [r for r in live if r > rank] + [r for r in live if r < rank]
-            candidate = next((r for r in order if r not in cb.tried), None)
-            if candidate is None:
-                log.error("checkpoint %d failed on every live rank (last: rank %d: %s)",
-                          version, rank, error)
-                del self._callbacks[("checkpoint", version)]
-                continue
-            log.warning("checkpoint %d failed on rank %d (%s); retrying on rank %d", version,
-                        rank, error, candidate)
-            if candidate != self._role:
-                await self._move_role(candidate)
-            cb.target = candidate
-            await self._send(candidate, cb.message())
 
     async def _sync(self, participants: Sequence[int]) -> None:
         self._syncs += 1
@@ -432,8 +396,8 @@ class SyncScheduler:
             if self._epoch < 0:
                 await self._dispatch(0)
                 return
-        if self._failed_checkpoints:
-            await self._fail_over_checkpoints()
+        if self._callbacks.failed:
+            await self._callbacks.fail_over(self._survivors(), self._role)
         if not self._finishing:
             if not self._awaiting_batch and not self._awaiting_ack:
                 live = self._survivors()
@@ -450,7 +414,7 @@ class SyncScheduler:
             if len(self._survivors()) >= 2 and stepped:
                 await self._sync(stepped)
                 return
-        if not self._callbacks:
+        if not self._callbacks.pending:
             await self._broadcast(Shutdown())
             self._done = True
 
@@ -467,11 +431,7 @@ class SyncScheduler:
             "epoch": self._epoch, "avg_loss": metrics.avg_loss}))
         await self._broadcast(EpochAggregated(metrics=metrics))
         completed = self._epoch + 1
-        for kind, every in (("checkpoint", self._checkpoint_every), ("eval", self._eval_every)):
-            if every is not None and completed % every == 0 and self._role is not None:
-                cb = Callback(kind, completed, self._role)
-                self._callbacks[(kind, completed)] = cb
-                await self._send(cb.target, cb.message())
+        await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
             await self._dispatch(completed)
         else:

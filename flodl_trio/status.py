@@ -15,11 +15,11 @@ in it or have to juggle private registries. Ten gauge lines do not need a librar
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -27,6 +27,8 @@ import h11
 import trio
 
 from ._errors import ConfigError, FlodlError
+from ._keepalive import KeepAlive, enable_keepalive
+from ._listen import serve_each
 from ._transport import STREAM_GONE
 
 __all__ = ["fetch_state", "render_prometheus", "serve_status"]
@@ -43,7 +45,6 @@ _RECEIVE_CHUNK: Final = 4096
 # until request_timeout): closing with unread bytes makes the kernel send RST, and a client that
 # is still uploading (a 1 MB header, a POST body) would then lose the response it was sent.
 _LINGER_SECONDS: Final = 1.0
-_ACCEPT_RETRY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 async def serve_status(
@@ -67,22 +68,11 @@ async def serve_status(
         Once the listener is closed and the connections in flight are done (each is bounded by
         ``request_timeout``).
     """
-    async with trio.open_nursery() as nursery:
-        task_status.started()
-        while True:  # ends when the listener closes
-            try:
-                stream = await listener.accept()
-            except trio.ClosedResourceError:
-                return
-            except OSError as exc:
-                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
-                    raise
-                logger.warning("status: accept failed (%s); retrying", exc)
-                await trio.sleep(0.1)
-                continue
-            nursery.start_soon(
-                _serve_connection, stream, state_fn, request_timeout, max_request_bytes
-            )
+    await serve_each(
+        listener, partial(_serve_connection, state_fn=state_fn, request_timeout=request_timeout,
+                          max_request_bytes=max_request_bytes),
+        what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
+    )
 
 
 async def _serve_connection(
@@ -303,6 +293,7 @@ async def fetch_state(
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
+            enable_keepalive(stream, KeepAlive.within(timeout))
             async with stream:
                 status, body = await _get(stream, where, max_response_bytes)
     except trio.TooSlowError:

@@ -273,3 +273,30 @@ def test_invalid_use_is_a_config_error_before_any_thread() -> None:
     with pytest.raises(ft.ConfigError, match="expects a TimingMsg or Metrics"):
         rc.send(SyncNow())  # type: ignore[arg-type]
     rc.close()  # never opened: nothing to join
+
+
+async def test_leaving_the_block_with_an_exception_says_no_exiting_and_keeps_that_exception(
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
+    outcome: list[BaseException] = []
+    crash = threading.Event()
+
+    def worker(relay_address: Any) -> None:
+        try:
+            with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
+                               config=FAST_RANK):
+                assert crash.wait(20)
+                raise RuntimeError("the training step blew up")
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound, _ = await two_host_cluster(nursery, salt, worker)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                crash.set()
+                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+                assert 0 not in coord.exited_ranks
+                assert "without Exiting" in (coord.dead_reason(0) or "")
+    assert [str(e) for e in outcome] == ["the training step blew up"]

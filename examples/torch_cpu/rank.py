@@ -7,7 +7,8 @@ What it does with each control message:
 - ``RequestNewNcclId``: serve a fresh ``torch.distributed.TCPStore`` on an ephemeral loopback
   port and answer ``NewNcclIdGenerated`` with its address (the rendezvous of the next group).
 - ``NewNcclSession{uid, new_rank, new_world_size}``: leave the old gloo group (if any) and join
-  the new one at that rendezvous, as ``new_rank`` of ``new_world_size``.
+  the new one at that rendezvous, as ``new_rank`` of ``new_world_size``; the learning rate
+  becomes ``--lr`` times the group's size (reported with ``LrUpdate``).
 - ``StartEpoch`` / ``ExtendPartition``: queue sample ranges; they are trained in batches of
   ``--batch-size`` (never mixing two ranges), each reported with ``Batch``; when the queue runs
   dry, a cumulative ``Metrics`` for the epoch.
@@ -141,6 +142,12 @@ class Trainer:
             rc.send(wire.NewNcclIdGenerated(rank=self.rank, uid=self.group.new_id()))
         elif isinstance(msg, wire.NewNcclSession):
             self.group.join(msg.uid, int(msg.new_rank), int(msg.new_world_size))
+            # Linear scaling: an average over fewer replicas is a smaller batch, so a smaller
+            # step; the run's progress per epoch then does not depend on how many survived.
+            lr = self.args.lr * self.group.size
+            for param_group in self.opt.param_groups:
+                param_group["lr"] = lr
+            rc.send(wire.LrUpdate(rank=self.rank, lr=lr))
             log.info("rank %d: joined group %s as %d/%d", self.rank, msg.uid.decode(),
                      msg.new_rank, msg.new_world_size)
         elif isinstance(msg, wire.StartEpoch):
@@ -226,7 +233,8 @@ def main() -> None:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--out", required=True, help="directory for checkpoints and the result")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.025,
+                   help="SGD learning rate per replica: the group of n ranks uses n times it")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per batch")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(message)s")

@@ -2,7 +2,7 @@
 scheduler), two relay processes (host-a: ranks 0, 1; host-b: ranks 2, 3) and four PyTorch rank
 processes (``rank.py``).
 
-    python run.py --out DIR [--kill] [--epochs 15] [--result FILE]
+    python run.py --out DIR [--kill] [--epochs 20] [--result FILE]
 
 With ``--kill``, once epoch ``--kill-epoch`` has run a few syncs, host-b's relay and its two
 ranks are SIGKILLed. The coordinator declares ranks 2 and 3 dead at once, the scheduler hands
@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
                     py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex",
                     salt.hex(), "--rank", str(rank), "--world-size", str(WORLD), "--out",
                     str(out), "--batch-size", str(args.batch_size), "--step-ms",
-                    str(args.step_ms)])
+                    str(args.step_ms), "--lr", str(args.lr)])
         async with ft.open_coordinator(bound, salt=salt, config=cfg, timeline=timeline) as coord:
             formed = time.monotonic()
             print(f"formed: {WORLD} ranks over {len(coord.relays)} relays in "
@@ -151,9 +151,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description="the torch_cpu example: one run")
     p.add_argument("--out", required=True)
     p.add_argument("--kill", action="store_true", help="SIGKILL host-b mid-epoch")
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--lr", type=float, default=0.025, help="the ranks' learning rate per replica")
     p.add_argument("--kill-epoch", type=int, default=3)
     p.add_argument("--kill-after-syncs", type=int, default=4)
     p.add_argument("--result", help="write the outcome as JSON here")

@@ -14,9 +14,11 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
+from .._keepalive import KeepAlive
+from .._listen import serve_each
 from .._pending import PendingHandshakes
 from .._ratelimit import JunkReport
-from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
+from .._transport import close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
 from ..wire import SessionSalt, max_hello_payload
@@ -67,18 +69,8 @@ class Formation:
 
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
         """Accept relay connections from ``listener``; one handshake task each."""
-        async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except STREAM_GONE:
-                    return
-                except OSError as exc:
-                    # Out of file descriptors and the like: back off instead of spinning.
-                    log.warning("accept failed: %r; retrying in 0.1 s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                nursery.start_soon(self.serve_connection, stream)
+        await serve_each(listener, self.serve_connection, what="coordinator",
+                         keepalive=KeepAlive.within(self._config.heartbeat_timeout))
 
     def reject(self, peer: str, category: str, detail: str) -> None:
         """Count a connection that failed before authenticating.

@@ -19,8 +19,9 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
-from .._transport import STREAM_GONE, DialTarget, close_all, dial, format_address
+from .._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
 from ..timeline import Timeline
 from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
 from ._link import RelayExit
@@ -115,53 +116,42 @@ class Relay:
     # ------------------------------------------------------------------ phase 2
 
     async def _connect_upstream(self) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
-        deadline = trio.current_time() + self.config.connect_timeout
         what = f"relay {self.host!r}"
-        last: BaseException | None = None
-        while True:
-            remaining = max(0.0, deadline - trio.current_time())
-            if last is None:
-                self._notices.upstream_status = (
-                    f"dialing the coordinator at {_target_text(self._target)}")
-            stream = await dial(self._target, connect_timeout=remaining, what=what)
-            try:
-                with trio.fail_after(self.config.handshake_timeout):
-                    if self._ssl_context is not None:
-                        stream = trio.SSLStream(stream, self._ssl_context,
-                                                server_hostname=self._server_hostname,
-                                                https_compatible=False)
-                        await stream.do_handshake()
-                    machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
-                                             coordinator=_target_text(self._target))
-                    done = await run_handshake(stream, machine)
-                assert isinstance(done, Established)
-                return stream, done.sealer, done.opener
-            except AuthError:
-                await trio.aclose_forcefully(stream)
-                raise
-            except (WireError, trio.TooSlowError, *STREAM_GONE) as exc:
-                await trio.aclose_forcefully(stream)
-                if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
-                    # Retrying cannot make an untrusted certificate trusted: say so now.
-                    raise HandshakeError(
-                        f"{what}: TLS: the coordinator at {_target_text(self._target)} presented "
-                        f"a certificate we do not trust ({exc.__cause__.verify_message}); pass "
-                        "an ssl_context that trusts its CA"
-                    ) from None
-                last = exc
-                self._notices.upstream_status = (f"re-dialing the coordinator at "
-                                                 f"{_target_text(self._target)} (last attempt: "
-                                                 f"{exc!r})")
-                if trio.current_time() + 0.5 >= deadline:
-                    break
-                log.info("%s: upstream handshake failed (%r); re-dialing", what, exc)
-                await trio.sleep(0.5)
-            except BaseException:
-                await trio.aclose_forcefully(stream)
-                raise
-        raise HandshakeError(
-            f"{what}: expected an upstream handshake with {_target_text(self._target)} within "
-            f"connect_timeout={self.config.connect_timeout:g}s, last attempt failed: {last!r}"
+        coordinator = _target_text(self._target)
+        self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
+
+        async def handshake(stream: trio.abc.Stream
+                            ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
+            with trio.fail_after(self.config.handshake_timeout):
+                if self._ssl_context is not None:
+                    stream = trio.SSLStream(stream, self._ssl_context,
+                                            server_hostname=self._server_hostname,
+                                            https_compatible=False)
+                    await stream.do_handshake()
+                machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
+                                         coordinator=coordinator)
+                done = await run_handshake(stream, machine)
+            assert isinstance(done, Established)
+            return stream, done.sealer, done.opener
+
+        def on_retry(exc: BaseException) -> None:
+            if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+                # Retrying cannot make an untrusted certificate trusted: say so now.
+                raise HandshakeError(
+                    f"{what}: TLS: the coordinator at {coordinator} presented a certificate we "
+                    f"do not trust ({exc.__cause__.verify_message}); pass an ssl_context that "
+                    "trusts its CA"
+                ) from None
+            self._notices.upstream_status = (f"re-dialing the coordinator at {coordinator} "
+                                             f"(last attempt: {exc!r})")
+
+        # An AuthError (a coordinator of another session) is final; a coordinator that is not
+        # up yet, or dropped the attempt before Ready, is retried.
+        return await dial_and_handshake(
+            self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
+            peer=coordinator, expected="an upstream handshake", on_retry=on_retry,
+            retry_on=(WireError, trio.TooSlowError, *STREAM_GONE), final=(AuthError,),
+            keepalive=KeepAlive.within(self.config.write_stall_timeout),
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import trio
@@ -15,6 +16,8 @@ import trio
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._keepalive import KeepAlive
+from .._listen import serve_each
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE, close_all, peer_of
 from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
@@ -140,16 +143,9 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
 
 async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
                            nursery: trio.Nursery) -> None:
-    while True:
-        try:
-            stream = await listener.accept()
-        except STREAM_GONE:
-            return
-        except OSError as exc:
-            log.warning("relay %r: accept failed: %r", local.host, exc)
-            await trio.sleep(0.1)
-            continue
-        nursery.start_soon(rank_handshake, local, stream)
+    await serve_each(listener, partial(rank_handshake, local), what=f"relay {local.host!r}",
+                     handler_nursery=nursery,
+                     keepalive=KeepAlive.within(local.config.write_stall_timeout))
 
 
 async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:

@@ -1,0 +1,124 @@
+"""Listening: bind TCP on one port for every address, and accept connections into tasks.
+
+One accept loop serves the four places that accept (formation, the relay's rank port, the port
+mux, the status page): it ends when its listener closes, backs off on the accept errors that
+mean "out of file descriptors or memory right now" (as ``trio.serve_listeners`` does) and hands
+each connection to its own task.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from ._keepalive import KeepAlive, enable_keepalive
+from ._transport import STREAM_GONE, close_all
+
+log = logging.getLogger("flodl_trio.transport")
+
+# The errnos trio.serve_listeners also treats as "back off and retry" rather than fatal.
+ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_SLEEP = 0.1
+
+
+async def serve_each(
+    listener: trio.abc.Listener[Any],
+    handler: Callable[[Any], Awaitable[object]],
+    *,
+    what: str,
+    handler_nursery: trio.Nursery | None = None,
+    on_accept: Callable[[Any], None] | None = None,
+    keepalive: KeepAlive | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept from ``listener`` until it is closed; run ``handler(stream)`` in a task each.
+
+    Args:
+        listener: any ``trio.abc.Listener``.
+        handler: owns the stream it is given (closes it).
+        what: who accepts, for the log (``"relay 'host-a'"``).
+        handler_nursery: where the handlers run (default: a nursery of this call, which then
+            returns only once they are done).
+        on_accept: called with each stream before its handler starts.
+        keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
+        task_status: ``started()`` once the loop runs.
+
+    Raises:
+        OSError: an accept error other than running out of descriptors or memory.
+    """
+    async with trio.open_nursery() as own:
+        nursery = handler_nursery if handler_nursery is not None else own
+        task_status.started()
+        while True:
+            try:
+                stream = await listener.accept()
+            except STREAM_GONE:
+                return
+            except OSError as exc:
+                if exc.errno not in ACCEPT_RETRY_ERRNOS:
+                    raise
+                # Out of file descriptors and the like: back off instead of spinning.
+                log.warning("%s: accept failed (%r); retrying in %gs", what, exc,
+                            ACCEPT_RETRY_SLEEP)
+                await trio.sleep(ACCEPT_RETRY_SLEEP)
+                continue
+            enable_keepalive(stream, keepalive)
+            if on_accept is not None:
+                on_accept(stream)
+            nursery.start_soon(handler, stream)
+
+
+async def listen_tcp(port: int, *, host: str | None,
+                     attempts: int = 16) -> list[trio.SocketListener]:
+    """Bind every address of ``host`` (None: every interface, IPv4 and IPv6) on **one** port.
+
+    ``trio.open_tcp_listeners(0)`` gives each address family its own free port, so a peer that
+    resolves the name to the other family (``localhost`` to ``::1``) dials a port nobody
+    published. Here port 0 picks the first family's free port and binds the others to it,
+    retrying with a fresh port when that one is taken in another family.
+
+    Raises:
+        OSError: the OS refused the bind, or no port was free in every family after
+            ``attempts`` tries.
+    """
+    last: OSError | None = None
+    for _ in range(attempts):
+        listeners = list(await trio.open_tcp_listeners(port, host=host))
+        ports = {lst.socket.getsockname()[1] for lst in listeners}
+        if port != 0 or len(ports) == 1:
+            return listeners
+        chosen = int(listeners[0].socket.getsockname()[1])
+        others = [(lst.socket.family, lst.socket.getsockname()) for lst in listeners[1:]]
+        await close_all(listeners[1:])
+        bound = listeners[:1]
+        try:
+            for family, sockname in others:
+                bound.append(await _listen_on(family, (sockname[0], chosen, *sockname[2:])))
+        except OSError as exc:
+            await close_all(bound)
+            last = exc
+            continue
+        return bound
+    raise OSError(f"expected one free port for every address of {host or 'every interface'}, "
+                  f"got none after {attempts} tries; last error: {last!r}")
+
+
+async def _listen_on(family: int, sockaddr: tuple[Any, ...]) -> trio.SocketListener:
+    # What trio.open_tcp_listeners does for one address, with the port given.
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        if hasattr(trio.socket, "SO_REUSEADDR") and not hasattr(trio.socket, "SO_EXCLUSIVEADDRUSE"):
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        if family == trio.socket.AF_INET6:
+            sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
+        await sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
