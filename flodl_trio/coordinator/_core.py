@@ -181,10 +181,11 @@ class Coordinator:
 
     def state(self) -> dict[str, Any]:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
-        says whether its connection is still open (``connected``)."""
+        says whether the coordinator has closed its connection (``closed``; ``connected``
+        turns false first, when the relay is lost or being disconnected)."""
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
-            entry["connected"] = not conn.closed
+            entry["closed"] = conn.closed
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,

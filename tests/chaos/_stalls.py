@@ -265,8 +265,8 @@ async def relay_paused_past_heartbeat_timeout() -> StallResult:
             for rank in (1, 2):
                 await c.endpoints[rank].done.wait()
             while not closed:
-                closed = not any(r["connected"] for r in c.coord.state()["relays"]
-                                 if r["host"] == "host-b")
+                closed = all(r["closed"] for r in c.coord.state()["relays"]
+                             if r["host"] == "host-b")
                 await trio.sleep(0.05)
         ended = [c.endpoints[r].ended_at for r in (1, 2)]
         evicted = {r: c.endpoints[r].error.reason for r in (1, 2)
