@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from ._keepalive import KeepAlive, enable_keepalive
 from ._transport import STREAM_GONE, close_all
 
 log = logging.getLogger("flodl_trio.transport")
@@ -32,6 +33,7 @@ async def serve_each(
     what: str,
     handler_nursery: trio.Nursery | None = None,
     on_accept: Callable[[Any], None] | None = None,
+    keepalive: KeepAlive | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept from ``listener`` until it is closed; run ``handler(stream)`` in a task each.
@@ -43,6 +45,7 @@ async def serve_each(
         handler_nursery: where the handlers run (default: a nursery of this call, which then
             returns only once they are done).
         on_accept: called with each stream before its handler starts.
+        keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
         task_status: ``started()`` once the loop runs.
 
     Raises:
@@ -64,6 +67,7 @@ async def serve_each(
                             ACCEPT_RETRY_SLEEP)
                 await trio.sleep(ACCEPT_RETRY_SLEEP)
                 continue
+            enable_keepalive(stream, keepalive)
             if on_accept is not None:
                 on_accept(stream)
             nursery.start_soon(handler, stream)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from ._errors import HandshakeError, WireError
+from ._keepalive import KeepAlive, enable_keepalive
 from ._timeouts import CONNECT_RETRY_INTERVAL
 
 log = logging.getLogger("flodl_trio.transport")
@@ -75,8 +76,11 @@ def is_local_or_private(host: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
-async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio.abc.Stream:
+async def dial(target: DialTarget, *, connect_timeout: float, what: str,
+               keepalive: KeepAlive | None = None) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
+
+    A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
 
     Raises:
         HandshakeError: no connection within the deadline; names the target and the last error.
@@ -92,6 +96,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str) -> trio
                     return await target()
                 stream = await trio.open_tcp_stream(target[0], target[1])
                 _set_nodelay(stream)
+                enable_keepalive(stream, keepalive)
                 return stream
         except OSError as exc:
             last = exc
@@ -117,6 +122,7 @@ async def dial_and_handshake(
     final: tuple[type[BaseException], ...] = (),
     on_retry: Callable[[BaseException], None] | None = None,
     retry_interval: float = CONNECT_RETRY_INTERVAL,
+    keepalive: KeepAlive | None = None,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -137,6 +143,7 @@ async def dial_and_handshake(
         final: subclasses of ``retry_on`` that end the attempts all the same.
         on_retry: told of each retried failure; it may raise to stop retrying.
         retry_interval: seconds between attempts (a cadence, never scaled).
+        keepalive: TCP keepalive for each connection (see ``_keepalive``).
 
     Raises:
         HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
@@ -146,7 +153,7 @@ async def dial_and_handshake(
     last: BaseException | None = None
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what)
+                            what=what, keepalive=keepalive)
         try:
             return await handshake(stream)
         except final:

@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
+from ._keepalive import KeepAlive
 from ._listen import serve_each
 from ._pending import PendingHandshakes
 from ._transport import STREAM_GONE
@@ -279,8 +280,10 @@ class PortMux:
         legs: Sequence[str],
         queue_size: int,
         max_peeking: int | None = None,
+        keepalive: KeepAlive | None = None,
     ) -> None:
         self.listeners = tuple(listeners)
+        self.keepalive = keepalive
         self.peek_timeout = peek_timeout
         self._peeking = PendingHandshakes(max_peeking if max_peeking is not None else 1 << 62)
         self.stats = MuxStats()
@@ -335,7 +338,7 @@ class PortMux:
     ) -> None:
         # Ends when the listener closes or the mux is cancelled.
         await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
-                         on_accept=self._count_accept)
+                         on_accept=self._count_accept, keepalive=self.keepalive)
 
     def _count_accept(self, stream: trio.abc.Stream) -> None:
         self.stats.accepted += 1
@@ -399,6 +402,7 @@ async def open_port_mux(
     legs: Sequence[str] = ("control", "status"),
     queue_size: int = 64,
     max_peeking: int | None = None,
+    keepalive: KeepAlive | None = None,
 ) -> AsyncIterator[PortMux]:
     """Route the connections of ``listeners`` to legs by their channel magic.
 
@@ -412,6 +416,7 @@ async def open_port_mux(
         queue_size: routed connections each leg queues before dropping (``queue_full``).
         max_peeking: at most this many connections may be waiting for their magic; one more
             sheds the oldest (dropped as ``shed``). None: no limit.
+        keepalive: TCP keepalive for every accepted TCP connection (see ``_keepalive``).
 
     Yields:
         The running :class:`PortMux`. Leaving the block (or ``abort``) stops accepting, closes
@@ -435,7 +440,7 @@ async def open_port_mux(
             await trio.aclose_forcefully(listener)
         raise
     mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size,
-                  max_peeking=max_peeking)
+                  max_peeking=max_peeking, keepalive=keepalive)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run, abort)

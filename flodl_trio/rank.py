@@ -23,6 +23,7 @@ from ._errors import (
     WireError,
 )
 from ._handshake_io import run_handshake
+from ._keepalive import KeepAlive
 from ._lifecycle import open_lifecycle
 from ._ratelimit import JunkCounter
 from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial_and_handshake, format_address
@@ -310,6 +311,7 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         expected="a handshake ack (a relay closes connections whose salt, world_size or rank it "
         "rejects: check its log)",
         retry_on=(WireError, trio.TooSlowError, *STREAM_GONE),
+        keepalive=KeepAlive.within(config.coord_liveness_timeout),
     )
 
 

@@ -25,6 +25,7 @@ import h11
 import trio
 
 from ._errors import ConfigError, FlodlError
+from ._keepalive import KeepAlive, enable_keepalive
 from ._listen import serve_each
 from ._transport import STREAM_GONE
 
@@ -68,7 +69,7 @@ async def serve_status(
     await serve_each(
         listener, partial(_serve_connection, state_fn=state_fn, request_timeout=request_timeout,
                           max_request_bytes=max_request_bytes),
-        what="status", task_status=task_status,
+        what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
     )
 
 
@@ -282,6 +283,7 @@ async def fetch_state(
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
+            enable_keepalive(stream, KeepAlive.within(timeout))
             async with stream:
                 status, body = await _get(stream, where, max_response_bytes)
     except trio.TooSlowError:

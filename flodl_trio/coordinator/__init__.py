@@ -13,6 +13,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
+from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
 from .._listen import listen_tcp
 from .._transport import close_all, format_address
@@ -171,7 +172,8 @@ async def open_coordinator(
                 mux = await stack.enter_async_context(
                     open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
                                   legs=("control", "status"), queue_size=MUX_QUEUE,
-                                  max_peeking=config.max_pending_handshakes)
+                                  max_peeking=config.max_pending_handshakes,
+                                  keepalive=KeepAlive.within(config.heartbeat_timeout))
                 )
                 life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
                                                 request_timeout=config.peek_timeout))

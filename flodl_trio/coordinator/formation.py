@@ -14,6 +14,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FormationAborted, FormationError, FormationTimeout
+from .._keepalive import KeepAlive
 from .._listen import serve_each
 from .._pending import PendingHandshakes
 from .._ratelimit import JunkReport
@@ -68,7 +69,8 @@ class Formation:
 
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
         """Accept relay connections from ``listener``; one handshake task each."""
-        await serve_each(listener, self.serve_connection, what="coordinator")
+        await serve_each(listener, self.serve_connection, what="coordinator",
+                         keepalive=KeepAlive.within(self._config.heartbeat_timeout))
 
     def reject(self, peer: str, category: str, detail: str) -> None:
         """Count a connection that failed before authenticating.

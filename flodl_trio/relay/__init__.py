@@ -19,6 +19,7 @@ import trio
 from .._config import RelayConfig
 from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
 from .._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
 from ..timeline import Timeline
@@ -150,6 +151,7 @@ class Relay:
             self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
             peer=coordinator, expected="an upstream handshake", on_retry=on_retry,
             retry_on=(WireError, trio.TooSlowError, *STREAM_GONE), final=(AuthError,),
+            keepalive=KeepAlive.within(self.config.write_stall_timeout),
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -16,6 +16,7 @@ import trio
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
 from .._handshake_io import run_handshake
+from .._keepalive import KeepAlive
 from .._listen import serve_each
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE, close_all, peer_of
@@ -143,7 +144,8 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
 async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
                            nursery: trio.Nursery) -> None:
     await serve_each(listener, partial(rank_handshake, local), what=f"relay {local.host!r}",
-                     handler_nursery=nursery)
+                     handler_nursery=nursery,
+                     keepalive=KeepAlive.within(local.config.write_stall_timeout))
 
 
 async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:

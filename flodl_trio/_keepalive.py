@@ -1,0 +1,113 @@
+"""TCP keepalive on every connection the library opens or accepts (SPEC §4.5).
+
+Heartbeats find a silent *process*; they do not tell the kernel that a connection is dead, so a
+link that went silent without FIN or RST (a pulled cable, a frozen host) stayed open until
+shutdown. With keepalive the kernel probes an idle connection and fails it (the next read or
+write raises ``BrokenResourceError``), and the existing "connection lost" paths take over.
+
+The rule: a silent peer is found within the deadline after which that end gives up on a silent
+peer anyway (the coordinator's ``heartbeat_timeout``, a rank's ``coord_liveness_timeout``, a
+relay's ``write_stall_timeout``):
+
+* ``TCP_KEEPCNT`` = 3 unanswered probes;
+* ``TCP_KEEPINTVL`` = deadline / 6 (at least 1 s);
+* ``TCP_KEEPIDLE`` = deadline minus the probes' time (at least 1 s), so that idle + 3 probes
+  = the deadline: 30 s gives 15 s idle, then probes at 5 s intervals.
+
+Keepalive probes only a connection with nothing unacknowledged in flight. ``TCP_USER_TIMEOUT``
+would also bound retransmissions, but Linux applies it to a peer that keeps a zero window too,
+which would end a slow reader before ``write_stall_timeout`` says so; it is left unset.
+
+An infinite deadline keeps ``SO_KEEPALIVE`` on with the system's intervals. Options the
+platform lacks are skipped; a socket that refuses one is left as it is (never an error).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import Any
+
+import attrs
+
+__all__ = ["KEEPALIVE_PROBES", "KeepAlive", "enable_keepalive", "socket_of"]
+
+log = logging.getLogger("flodl_trio.transport")
+
+KEEPALIVE_PROBES = 3
+# The kernel takes these in whole seconds, and Linux caps the idle time at 32767 s.
+_MAX_IDLE = 32767
+
+
+@attrs.frozen
+class KeepAlive:
+    """Keepalive settings for one end of a connection.
+
+    Attributes:
+        deadline: seconds within which a silent peer must be found (``math.inf``: system
+            defaults).
+        idle: seconds of silence before the first probe (``TCP_KEEPIDLE``).
+        interval: seconds between probes (``TCP_KEEPINTVL``).
+        probes: unanswered probes that end the connection (``TCP_KEEPCNT``).
+    """
+
+    deadline: float
+    idle: int
+    interval: int
+    probes: int
+
+    @classmethod
+    def within(cls, deadline: float) -> KeepAlive:
+        """The settings that find a silent peer within ``deadline`` seconds (module docstring)."""
+        if math.isinf(deadline):
+            return cls(deadline, 0, 0, KEEPALIVE_PROBES)
+        interval = max(1, int(deadline / (2 * KEEPALIVE_PROBES)))
+        idle = min(_MAX_IDLE, max(1, int(deadline - KEEPALIVE_PROBES * interval)))
+        return cls(deadline, idle, interval, KEEPALIVE_PROBES)
+
+    def options(self) -> list[tuple[int, int, int]]:
+        """``(level, option, value)`` for every option this platform has."""
+        opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        if math.isinf(self.deadline):
+            return opts
+        for name, value in (("TCP_KEEPIDLE", self.idle), ("TCP_KEEPINTVL", self.interval),
+                            ("TCP_KEEPCNT", self.probes)):
+            option = getattr(socket, name, None)
+            if option is not None:
+                opts.append((socket.IPPROTO_TCP, option, value))
+        return opts
+
+
+def socket_of(stream: Any) -> Any:
+    """The socket under ``stream`` and its wrappers (SSLStream, the port mux's), or None."""
+    for _ in range(8):  # bounded walk down wrapper chains
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            return sock
+        inner = getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
+        if inner is None:
+            return None
+        stream = inner
+    return None
+
+
+def enable_keepalive(stream: Any, keepalive: KeepAlive | None) -> bool:
+    """Turn keepalive on for the TCP socket under ``stream``.
+
+    Returns:
+        Whether there was a TCP socket to set (in-memory streams have none).
+    """
+    if keepalive is None:
+        return False
+    sock = socket_of(stream)
+    if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM:
+        return False
+    if getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    for level, option, value in keepalive.options():
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError as exc:  # a platform that lists an option but refuses it
+            log.debug("keepalive option %d=%d refused: %r", option, value, exc)
+    return True

@@ -1,0 +1,96 @@
+"""TCP keepalive on every connection the library opens or accepts (SPEC §4.5, issue 13), with
+intervals derived from the deadlines. Real loopback sockets: the point is what the OS was told."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+
+import flodl_trio as ft
+from flodl_trio._keepalive import KeepAlive
+from flodl_trio.local_cluster import open_local_cluster
+
+linux_keepalive = pytest.mark.skipif(
+    not (hasattr(socket, "TCP_KEEPIDLE") and os.path.isdir("/proc/self/fd")),
+    reason="needs TCP_KEEPIDLE and /proc/self/fd (Linux)",
+)
+
+
+def test_keepalive_finds_a_silent_peer_within_the_deadline() -> None:
+    assert KeepAlive.within(30) == KeepAlive(30, idle=15, interval=5, probes=3)
+    assert KeepAlive.within(12) == KeepAlive(12, idle=6, interval=2, probes=3)
+    ten = KeepAlive.within(10)
+    assert (ten.idle, ten.interval) == (7, 1) and ten.idle + 3 * ten.interval == 10
+    # The kernel counts whole seconds: short deadlines get the 1 s minimum.
+    assert KeepAlive.within(0.5) == KeepAlive(0.5, idle=1, interval=1, probes=3)
+    # A disabled deadline keeps SO_KEEPALIVE with the system's own intervals.
+    assert KeepAlive.within(math.inf).options() == [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+
+
+def tcp_connections_of_this_process() -> list[socket.socket]:
+    """Every connected IPv4/IPv6 TCP socket this process holds (dups; the caller closes)."""
+    found: list[socket.socket] = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if any(fd == own.fileno() for own in found):  # a dup made above reused a listed fd
+            continue
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            sock.close()
+            continue
+        try:
+            sock.getpeername()
+        except OSError:  # a listener, or not connected
+            sock.close()
+            continue
+        found.append(sock)
+    return found
+
+
+def keepalive_of(sock: socket.socket) -> tuple[int, int, int, int]:
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+
+
+@linux_keepalive
+async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_deadlines() -> None:
+    # Distinct deadlines per role, so each socket shows which rule set it.
+    coord_config = ft.CoordinatorConfig(world_size=3, heartbeat_timeout=12)
+    relay_config = ft.RelayConfig(write_stall_timeout=18)
+    rank_config = ft.RankConfig(coord_liveness_timeout=24)
+    async with open_local_cluster({"host-a": [0, 1], "host-b": [2]}, transport="tcp",
+                                  coord_config=coord_config, relay_config=relay_config,
+                                  rank_config=rank_config) as cluster:
+        coord_port = cluster.coord.address[1]
+        rank_ports = {relay.rank_address[1] for relay in cluster.relays.values()}
+        sockets = tcp_connections_of_this_process()
+        try:
+            seen: dict[str, list[tuple[int, int, int, int]]] = {
+                "coordinator": [], "relay upstream": [], "relay rank side": [], "rank": []}
+            for sock in sockets:
+                local, peer = sock.getsockname()[1], sock.getpeername()[1]
+                role = ("coordinator" if local == coord_port else
+                        "relay upstream" if peer == coord_port else
+                        "relay rank side" if local in rank_ports else
+                        "rank" if peer in rank_ports else None)
+                if role is not None:
+                    seen[role].append(keepalive_of(sock))
+        finally:
+            for sock in sockets:
+                sock.close()
+    assert seen == {
+        "coordinator": [(1, 6, 2, 3)] * 2,        # heartbeat_timeout 12
+        "relay upstream": [(1, 9, 3, 3)] * 2,     # write_stall_timeout 18
+        "relay rank side": [(1, 9, 3, 3)] * 3,    # write_stall_timeout 18
+        "rank": [(1, 12, 4, 3)] * 3,              # coord_liveness_timeout 24
+    }
