@@ -202,3 +202,25 @@ async def test_a_rejected_sibling_is_named_by_the_relay_and_its_healthy_ranks_at
     warnings = [r for r in caplog.records if r.name == "flodl_trio.relay"
                 and r.levelno >= logging.WARNING]
     assert len(warnings) <= 12
+
+
+async def test_a_rank_outlives_its_relay_dialing_an_absent_coordinator_and_is_told_why(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+) -> None:
+    salt = ft.SessionSalt.generate()
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        # Nobody listens on the coordinator's name: the relay re-dials for connect_timeout.
+        host = await start_host(nursery, memory_network, "host-a", [0], salt=salt, world=1,
+                                relay_config=ft.RelayConfig(connect_timeout=40),
+                                rank_config=ft.RankConfig(coord_liveness_timeout=10))
+        with trio.fail_after(120):
+            await host.done.wait()
+        await wait_until(lambda: host.all_done)
+        ended = trio.current_time() - started
+    assert type(host.exit) is ft.HandshakeError
+    assert "within 40s" in str(host.exit)
+    assert ended == pytest.approx(40, abs=1.5)  # the relay's deadline, not the rank's 10 s
+    lost = host.ranks[0].outcome
+    assert isinstance(lost, ft.CoordinatorLost)
+    assert "relay 'host-a' gave up" in str(lost) and "no listener on mem:coordinator" in str(lost)
