@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -671,61 +671,25 @@ async def sim_cluster(
     rank_configs: dict[int, ft.RankConfig] | None = None,
     timeline: ft.Timeline | None = None,
 ) -> AsyncIterator[SimCluster]:
-    """Coordinator + relays + one ``SimulatedRank`` per rank over one MemoryNetwork.
-
-    ``sim_args(rank)`` returns the keyword arguments of that rank's ``SimulatedRank``. Each sim
-    runs inside its own ``open_rank`` block, so a crash leaves that block with an exception (no
-    ``Exiting``; the relay reports ``RankExit``). Hung sims are cancelled at exit.
-    """
+    """``open_local_cluster`` with one ``SimulatedRank`` per rank (``sim_args(rank)`` gives its
+    keyword arguments). A crash leaves that rank's block with an exception (no ``Exiting``; the
+    relay reports ``RankExit``); hung sims are cancelled at exit."""
+    from flodl_trio.local_cluster import open_local_cluster
     from flodl_trio.sim import SimulatedCrash, SimulatedRank
 
-    salt = ft.SessionSalt.generate()
-    world = sum(len(r) for r in hosts.values())
-    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
     sims: dict[int, Any] = {}
-    outcomes: dict[int, Any] = {}
-    scopes: dict[int, trio.CancelScope] = {}
-    all_connected = trio.Event()
-    listener = net.listener(COORD)
 
-    async def run_relay(host: str, host_ranks: Sequence[int], task_status: Any) -> None:
-        async with ft.open_relay(
-            lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
-            world_size=world, rank_listen=net.listener(f"relay:{host}"),
-        ) as relay:
-            task_status.started()
-            await relay.wait_closed()
+    async def run_sim(ep: ft.RankEndpoint) -> Any:
+        sims[ep.rank] = SimulatedRank(ep, **sim_args(ep.rank))
+        return await sims[ep.rank].run()
 
-    async def run_sim(host: str, rank: int) -> None:
-        with trio.CancelScope() as scope:
-            scopes[rank] = scope
-            try:
-                async with ft.open_rank(
-                    lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
-                    world_size=world, config=(rank_configs or {}).get(rank),
-                ) as ep:
-                    sims[rank] = SimulatedRank(ep, **sim_args(rank))
-                    if len(sims) == world:
-                        all_connected.set()
-                    outcomes[rank] = await sims[rank].run()
-            except (SimulatedCrash, ft.FlodlError) as exc:
-                outcomes[rank] = exc
-
-    async with AsyncExitStack() as stack:
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        for host, host_ranks in hosts.items():
-            await nursery.start(run_relay, host, host_ranks)
-        for host, host_ranks in hosts.items():
-            for r in host_ranks:
-                nursery.start_soon(run_sim, host, r)
-        coord = await stack.enter_async_context(
-            ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
-        )
-        with trio.fail_after(5):
-            await all_connected.wait()
+    async with open_local_cluster(hosts, network=net, coord_config=coord_config,
+                                  rank_configs=rank_configs, timeline=timeline,
+                                  rank_main=run_sim,
+                                  rank_errors=(SimulatedCrash, ft.FlodlError)) as cluster:
         try:
-            yield SimCluster(coord, sims, outcomes, net)
+            yield SimCluster(cluster.coord, sims, cluster.outcomes, net)
         finally:
             for rank, sim in sims.items():
-                if sim.record.failed and rank not in outcomes:
-                    scopes[rank].cancel()
+                if sim.record.failed and rank not in cluster.outcomes:
+                    cluster.kill_rank(rank)
