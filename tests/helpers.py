@@ -495,15 +495,6 @@ class Peers:
         return [p for r, p in sorted(self.probes.items()) if r not in dead]
 
 
-async def wait_for(predicate: Any, *, within: float = 10.0, step: float = 0.01) -> None:
-    """Poll ``predicate`` until true; ``TooSlowError`` after ``within`` seconds (current clock).
-
-    Polling, because the conditions span several objects (coordinator state, probes' inboxes)
-    that share no event to wait on.
-    """
-    with trio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(step)
 
 
 @asynccontextmanager
@@ -636,8 +627,8 @@ async def probed_cluster(
                                        timeline=timeline) as coord:
             # Entered at formation; the endpoints are up by then, the last one may lag a pass,
             # and a relay may not have read its HelloAck yet.
-            await wait_for(lambda: all(p.ep is not None for p in peers.probes.values())
-                           and len(peers.raw) == len(raw_ranks or {}), within=1)
+            await wait_until(lambda: all(p.ep is not None for p in peers.probes.values())
+                           and len(peers.raw) == len(raw_ranks or {}), limit=1)
             with trio.fail_after(1):
                 for relay in peers.relays.values():
                     await relay.wait_connected()
