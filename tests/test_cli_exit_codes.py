@@ -243,7 +243,9 @@ def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
 ) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    demo = Proc("demo", "--no-live", "--hosts", "1", env=dict(env, TMPDIR=str(scratch)))
+    # Slow batches: the run outlasts any delay of this (loaded) test process before the signal.
+    demo = Proc("demo", "--no-live", "--hosts", "1", "--batch-ms", "1000",
+                env=dict(env, TMPDIR=str(scratch)))
     procs.append(demo)
     demo.line_with("coordinator on")
     demo.signal(signum)
