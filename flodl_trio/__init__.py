@@ -19,6 +19,7 @@ from ._errors import (
     FormationTimeout,
     FrameTooLarge,
     HandshakeError,
+    RankEvicted,
     SendError,
     WireError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "RankClient",
     "RankConfig",
     "RankEndpoint",
+    "RankEvicted",
     "ReformationError",
     "Relay",
     "RelayConfig",

@@ -95,6 +95,19 @@ class CoordinatorLost(FlodlError):
     """A rank lost its coordinator: the link ended without ``Shutdown``, or it went silent."""
 
 
+class RankEvicted(CoordinatorLost):
+    """The coordinator declared this rank dead and cut it off (fencing, SPEC §4.5); ``reason``
+    is the coordinator's reason. A :class:`CoordinatorLost`, since the rank can no longer talk
+    to it; catch ``RankEvicted`` to tell an eviction from a lost coordinator."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.reason))
+
+
 class FlodlInternalError(FlodlError):
     """An unexpected internal failure; raised ``from`` the original exception (group)."""
 

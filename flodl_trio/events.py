@@ -106,6 +106,45 @@ class RelayLost(Event):
 
 
 @attrs.frozen
+class RelayStalled(Event):
+    """The coordinator's writer to a relay made no progress for ``write_stall_timeout``: the
+    relay stopped reading. It is lost (a ``RelayLost`` follows); nobody else waited on it."""
+
+    host: str
+    ranks: tuple[int, ...]
+    stalled_s: float
+
+
+@attrs.frozen
+class RankFenced(Event):
+    """A rank declared dead was told so through its relay (``Fenced``) and is ignored from now
+    on (SPEC §4.5)."""
+
+    rank: int
+    host: str
+    reason: str
+
+
+@attrs.frozen
+class RelayRetired(Event):
+    """Every rank of a relay is dead: the coordinator half-closed its connection and closes it
+    (after ``shutdown_grace`` at the latest)."""
+
+    host: str
+    ranks: tuple[int, ...]
+
+
+@attrs.frozen
+class RelayDroppedRank(Event):
+    """A relay dropped one of its local ranks: it did not drain its queue within
+    ``write_stall_timeout``, or the coordinator fenced it. Its siblings never waited on it."""
+
+    rank: int
+    host: str
+    reason: str
+
+
+@attrs.frozen
 class InvalidFrame(Event):
     """An inner frame failed its MAC or decode, or spoke for a rank its relay does not carry."""
 

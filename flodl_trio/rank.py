@@ -3,7 +3,9 @@
 It dials its host relay, completes the 24/16-byte handshake, then: iterating it yields the
 coordinator's ControlMsgs (``CoordHeartbeat`` is absorbed), ``send`` writes TimingMsg/Metrics, a
 task sends ``Heartbeat`` every ``heartbeat_interval`` whatever the user code does, and a watchdog
-raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness_timeout``.
+raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness_timeout``. A rank
+the coordinator declared dead is told so (``Fenced``) and ends with ``RankEvicted``, a
+``CoordinatorLost`` that carries the coordinator's reason.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ._config import RankConfig
 from ._errors import (
     ConfigError,
     CoordinatorLost,
+    RankEvicted,
     SendError,
     WireError,
 )
@@ -33,6 +36,7 @@ from .wire import (
     CoordHeartbeat,
     DeclareDead,
     Exiting,
+    Fenced,
     FrameCodec,
     Heartbeat,
     LenFrameDecoder,
@@ -82,6 +86,7 @@ class RankEndpoint:
         self._shutdown_seen = False
         self._ended = False
         self._lost: str | None = None
+        self._evicted: str | None = None  # the coordinator's reason, once it fenced us
         self._last_inbound = trio.current_time()
         self._paused = False
         self._wake = trio.Event()
@@ -107,6 +112,9 @@ class RankEndpoint:
             msg = await self._inbox.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._ended = True
+            if self._evicted is not None:
+                raise RankEvicted(f"rank {self.rank} (via relay {self._relay}): {self._lost}",
+                                  self._evicted) from None
             if self._lost is not None:
                 said = "" if self._relay_said is None else f"; the relay said: {self._relay_said}"
                 raise CoordinatorLost(f"rank {self.rank} (via relay {self._relay}): "
@@ -120,6 +128,7 @@ class RankEndpoint:
         """The next control message (same as one step of ``async for``).
 
         Raises:
+            RankEvicted: the coordinator declared this rank dead (the message says why).
             CoordinatorLost: the coordinator is gone.
             trio.EndOfChannel: iteration ended cleanly after ``Shutdown``.
         """
@@ -151,6 +160,14 @@ class RankEndpoint:
         except STREAM_GONE as exc:
             raise SendError(f"rank {self.rank}: sending {control_label(msg)} to relay "
                             f"{self._relay}: link closed ({type(exc).__name__})") from None
+
+    def _evict(self, reason: str) -> None:
+        """The coordinator declared us dead (SPEC §4.5 fencing): end with ``RankEvicted``."""
+        if self._lost is None and not self._shutdown_seen:
+            self._evicted = reason
+            log.warning("rank %d: declared dead by the coordinator: %s", self.rank, reason)
+        self._set_lost(f"the coordinator declared rank {self.rank} dead ({reason}) and cut it "
+                       "off")
 
     def _set_lost(self, reason: str) -> None:
         if self._lost is None and not self._shutdown_seen and not self._leaving:
@@ -231,6 +248,9 @@ class RankEndpoint:
             self._relay_said = msg.detail
             return
         self._relay_said = None
+        if isinstance(msg, Fenced):
+            self._evict(msg.reason)
+            return
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         if isinstance(msg, Shutdown | ShutdownWithSave):

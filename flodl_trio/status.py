@@ -218,6 +218,12 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
     family("ranks_exited", "gauge", "Ranks exited cleanly.", [("", _count(state.get("exited")))])
     lost = _count(state.get("lost_broadcasts"))
     family("lost_broadcasts_total", "counter", "Broadcasts that missed a live rank.", [("", lost)])
+    for key, help_text in (
+        ("fenced_ranks", "Ranks declared dead that were told so and cut off."),
+        ("relay_write_stalls", "Relays lost because they stopped reading (write stall)."),
+        ("relays_disconnected", "Relay connections closed because all their ranks were dead."),
+    ):
+        family(f"{key}_total", "counter", help_text, [("", _count(state.get(key)))])
     rejected = state.get("rejected_handshakes") or {}
     family(
         "rejected_handshakes_total",

@@ -107,6 +107,7 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (18, wire.CoordHeartbeat, []),
     (19, wire.StageAdvisory, [seq(U64), seq(pair(U64, seq(pair(U64, U64))))]),
     (20, wire.RelayWaiting, [HOST, TEXT]),
+    (21, wire.Fenced, [U64, TEXT]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -130,6 +131,8 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (1, wire.Hello, [HOST, seq(U32), NONCE]),
     (2, wire.HelloAck, [NONCE]),
     (3, wire.RankExit, [U32]),
+    (6, wire.FenceRank, [U32, TEXT]),
+    (7, wire.RankDropped, [U32, TEXT]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),
@@ -240,16 +243,16 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [21], ["ControlMsg", "unknown variant index 21"]),
+        (wire.decode_control, [22], ["ControlMsg", "unknown variant index 22"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [4, 0], ["RelayControlMsg", "unknown variant index 4"]),
+        (wire.decode_relay, [8, 0], ["RelayControlMsg", "unknown variant index 8"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-21", "ctl-neg", "timing-15", "relay-4", "bool-index", "empty", "int", "map"],
+    ids=["ctl-22", "ctl-neg", "timing-15", "relay-8", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

@@ -184,6 +184,9 @@ class Coordinator:
         return {
             **self._roster.state_fields(),
             "lost_broadcasts": self.lost_broadcasts,
+            "fenced_ranks": self._liveness.fenced,
+            "relay_write_stalls": self._liveness.write_stalls,
+            "relays_disconnected": self._liveness.retired,
             "rejected_handshakes": self._roster.rejects,
             "invalid_frames": self._roster.invalid_frames,
             "pending_handshakes": self._formation.pending_handshakes,
@@ -207,9 +210,16 @@ class Coordinator:
 
         The frame is encoded once and every relay gets one FANOUT record for all its target
         ranks; relays are written concurrently (each by its own writer task), so one stalled
-        host delays nobody else. Cancelling the call does not unsend: the records are queued
-        before the first checkpoint and every relay gets each record whole, so a cancelled
-        broadcast never tears a relay link.
+        host delays nobody else's delivery. Cancelling the call does not unsend: the records
+        are queued before the first checkpoint and every relay gets each record whole, so a
+        cancelled broadcast never tears a relay link.
+
+        What it waits for: every live relay's writer has handed the record to the connection,
+        or that relay was given up on (its connection ended, or its writer made no progress
+        for ``write_stall_timeout``, after which the relay is lost). So one relay that stops
+        reading can hold *this call* for up to ``write_stall_timeout``, while the others
+        already have the record; the coordinator's own heartbeats and death notices never
+        wait like this (they are only queued).
 
         Returns:
             BroadcastResult with the delivered ranks (and no failures).

@@ -12,27 +12,35 @@ from ..wire import RecordOpener, RecordSealer
 from ._roster import ranks_text
 
 _EOF = -1  # queue marker: half-close after everything queued before it
+_RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
 _BATCH = 64
 
 
 class Delivery:
     """Completion of one send or one broadcast: how many relays are still to write it."""
 
-    __slots__ = ("done", "failures", "pending")
+    __slots__ = ("done", "failures", "on_done", "pending")
 
-    def __init__(self, pending: int) -> None:
+    def __init__(self, pending: int,
+                 on_done: Callable[[Delivery], None] | None = None) -> None:
         self.pending = pending
         self.done = trio.Event()
         self.failures: dict[RelayConn, str] = {}
+        self.on_done = on_done  # called once every relay has written it or failed
         if pending == 0:
-            self.done.set()
+            self._finish()
 
     def settle(self, conn: RelayConn, failure: str | None) -> None:
         if failure is not None:
             self.failures[conn] = failure
         self.pending -= 1
-        if self.pending <= 0:
-            self.done.set()
+        if self.pending == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 class RelayConn:
@@ -75,10 +83,20 @@ class RelayConn:
         self.delivery_scope: trio.CancelScope | None = None
         self._write_scope: trio.CancelScope | None = None
         self.closed = False
+        self.stalled = False  # the writer gave up: no progress for write_stall_timeout
+        self.retired: str | None = None  # why the coordinator is closing it on purpose
+        self._retire_grace = 0.0
+        self.reader_done = trio.Event()  # set by the connection's reader when it ends
 
     @property
     def alive(self) -> bool:
-        return self.lost_reason is None and not self.closed
+        return self.lost_reason is None and not self.closed and self.retired is None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no write in progress: the relay takes what it is given."""
+        return (self._write_scope is None
+                and self._queue_send.statistics().current_buffer_used == 0)
 
     def submit(self, kind: int, rank: int, payload: bytes, delivery: Delivery | None) -> None:
         """Queue one record for the writer; ``delivery`` is settled once it is written or lost."""
@@ -95,6 +113,14 @@ class RelayConn:
     def submit_eof(self, delivery: Delivery | None) -> None:
         """Half-close once everything queued so far is written."""
         self.submit(_EOF, 0, b"", delivery)
+
+    def retire(self, reason: str, grace: float) -> None:
+        """Close on purpose once everything queued so far is written: half-close, wait up to
+        ``grace`` for the relay to close its side (so nothing in flight turns into a reset),
+        then close. Nothing more can be submitted."""
+        self.submit(_RETIRE, 0, b"", None)
+        self.retired = reason
+        self._retire_grace = grace
 
     async def run_writer(self) -> None:
         """The single writer of this connection (runs in the coordinator's nursery)."""
@@ -113,14 +139,18 @@ class RelayConn:
                     delivery.settle(self, failure)
             if failure is not None and self.lost_reason is None:
                 self.on_lost(self, failure)
+            elif failure is None and any(kind == _RETIRE for kind, _, _, _ in batch):
+                with trio.move_on_after(self._retire_grace):
+                    await self.reader_done.wait()
+                break
         # Lost (or shut down): nothing more will be written, and the reader must stop too.
         await self.close()
 
     async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]) -> str | None:
         seal = self.sealer.seal
         data = b"".join([seal(kind, rank, payload) for kind, rank, payload, _ in batch
-                         if kind != _EOF])
-        half_close = any(kind == _EOF for kind, _, _, _ in batch)
+                         if kind >= 0])
+        half_close = any(kind < 0 for kind, _, _, _ in batch)
         try:
             with trio.CancelScope(deadline=trio.current_time() + self.write_stall_timeout) as cs:
                 self._write_scope = cs
@@ -138,6 +168,7 @@ class RelayConn:
         if self.lost_reason is not None:
             return f"connection lost ({self.lost_reason})"
         if cs.cancelled_caught:
+            self.stalled = True
             return f"write stall: no progress for {self.write_stall_timeout:g}s"
         return None
 

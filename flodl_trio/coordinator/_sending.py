@@ -8,7 +8,17 @@ from .._coord_types import BroadcastResult
 from .._errors import BroadcastError, SendError
 from ..events import LostBroadcast
 from ..timeline import Timeline
-from ..wire import ControlMsg, FrameCodec, RecordKind, Shutdown, control_label, encode_fanout
+from ..wire import (
+    ControlMsg,
+    Fenced,
+    FenceRank,
+    FrameCodec,
+    RecordKind,
+    Shutdown,
+    control_label,
+    encode,
+    encode_fanout,
+)
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster, ranks_text
 
@@ -75,13 +85,8 @@ class Sender:
         if failure is not None:
             raise SendError(f"{what}: {conn.describe()}: {failure}")
 
-    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
-        """See :meth:`Coordinator.broadcast_control`."""
-        label = control_label(msg)
-        if not isinstance(msg, ControlMsg):
-            raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
-                            f"got {label}")
-        frame = self._codec.encode(msg)
+    def _groups(self) -> tuple[dict[RelayConn, list[int]], dict[int, str]]:
+        """Live ranks by relay connection, and the live ranks whose relay is already gone."""
         groups: dict[RelayConn, list[int]] = {}
         failed: dict[int, str] = {}
         for conn in self._roster.relays:
@@ -92,12 +97,14 @@ class Sender:
                 groups[conn] = ranks
             else:
                 for rank in ranks:
-                    failed[rank] = f"relay {conn.host!r} is gone ({conn.lost_reason})"
-        # Every relay's writer task gets its record now; they write concurrently.
-        delivery = Delivery(len(groups))
-        for conn, ranks in groups.items():
-            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
-        await delivery.done.wait()
+                    failed[rank] = (f"relay {conn.host!r} is gone "
+                                    f"({conn.lost_reason or conn.retired})")
+        return groups, failed
+
+    def _outcome(self, msg: ControlMsg, groups: dict[RelayConn, list[int]],
+                 failed: dict[int, str], delivery: Delivery) -> BroadcastResult:
+        """Who got ``msg``; a lost broadcast is counted and recorded (not ``Shutdown``, and
+        not once shutdown has begun)."""
         delivered: set[int] = set()
         for conn, ranks in groups.items():
             failure = delivery.failures.get(conn)
@@ -106,15 +113,60 @@ class Sender:
             else:
                 for r in ranks:
                     failed[r] = f"relay {conn.host!r}: {failure}"
-        result = BroadcastResult(frozenset(delivered), failed)
-        if failed:
-            if not isinstance(msg, Shutdown) and not self._roster.shutting_down:
-                self.lost_broadcasts += 1
-                self._timeline.event(LostBroadcast(control=label, failures=dict(failed)))
+        if failed and not isinstance(msg, Shutdown) and not self._roster.shutting_down:
+            self.lost_broadcasts += 1
+            self._timeline.event(LostBroadcast(control=control_label(msg),
+                                               failures=dict(failed)))
+        return BroadcastResult(frozenset(delivered), failed)
+
+    def post(self, msg: ControlMsg, *, only_idle: bool = False) -> None:
+        """Queue ``msg`` for every live rank and return at once: periodic and best-effort
+        sends never wait on a relay. With ``only_idle``, a relay whose writer still has
+        something queued or in flight is skipped (a heartbeat behind a backlog adds nothing).
+        Failures are counted as lost broadcasts when the writers report them."""
+        groups, failed = self._groups()
+        if only_idle:
+            groups = {conn: ranks for conn, ranks in groups.items() if conn.idle}
+        frame = self._codec.encode(msg)
+
+        def settled(done: Delivery) -> None:
+            self._outcome(msg, groups, failed, done)
+
+        delivery = Delivery(len(groups), on_done=settled)
+        for conn, ranks in groups.items():
+            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+
+    def fence(self, rank: int, reason: str) -> RelayConn | None:
+        """Tell a rank declared dead, through its relay, that it is cut off and why (SPEC §4.5):
+        a ``Fenced`` frame to the rank, then ``FenceRank`` to the relay. Returns the relay
+        connection, or None when it is gone already (there is no one to tell)."""
+        conn = self._roster.relay_of(rank)
+        if conn is None or not conn.alive:
+            return None
+        conn.submit(RecordKind.DATA, rank, self._codec.encode(Fenced(rank=rank, reason=reason)),
+                    None)
+        conn.submit(RecordKind.CONTROL, 0, encode(FenceRank(rank=rank, reason=reason)), None)
+        return conn
+
+    async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
+        """See :meth:`Coordinator.broadcast_control`."""
+        label = control_label(msg)
+        if not isinstance(msg, ControlMsg):
+            raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
+                            f"got {label}")
+        groups, failed = self._groups()
+        frame = self._codec.encode(msg)
+        # Every relay's writer task gets its record now; they write concurrently.
+        delivery = Delivery(len(groups))
+        for conn, ranks in groups.items():
+            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+        await delivery.done.wait()
+        result = self._outcome(msg, groups, failed, delivery)
+        if result.failed:
             raise BroadcastError(
                 f"broadcast of {label}: expected delivery to every live rank, "
-                f"{len(failed)} failed: ranks {ranks_text(sorted(failed))} "
-                f"({'; '.join(sorted(set(failed.values())))})",
+                f"{len(result.failed)} failed: ranks {ranks_text(sorted(result.failed))} "
+                f"({'; '.join(sorted(set(result.failed.values())))})",
                 result,
             )
         return result

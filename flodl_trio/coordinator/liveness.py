@@ -7,6 +7,11 @@
   not count, so a slow consumer never kills healthy ranks.
 - ``relay_lost`` handles an upstream connection that ended.
 - ``coord_heartbeats`` sends ``CoordHeartbeat`` on its cadence.
+
+No send here waits on a relay: ``DeclareDead``, ``ShutdownWithSave`` from the policy, the
+heartbeats and the fencing records are queued on each relay's writer (``Sender.post``), so one
+relay that stopped reading delays nobody else; its writer gives up after
+``write_stall_timeout`` and the relay is lost.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import BroadcastError, ClusterFailure
-from ..events import ClusterFailed, RankDeclaredDead, RelayLost
+from ..events import (
+    ClusterFailed,
+    RankDeclaredDead,
+    RankFenced,
+    RelayLost,
+    RelayRetired,
+    RelayStalled,
+)
 from ..timeline import Timeline
 from ..wire import CoordHeartbeat, DeclareDead, SaveReason, ShutdownWithSave
 from ._relayconn import RelayConn
@@ -33,6 +45,9 @@ class Liveness:
 
     Attributes:
         failure: the :class:`ClusterFailure` once the policy has stopped the run, else None.
+        fenced: ranks told they were declared dead (``Fenced``) so far.
+        write_stalls: relays lost because their writer made no progress.
+        retired: relay connections closed because every rank on them was dead.
     """
 
     def __init__(self, roster: Roster[RelayConn], sender: Sender, config: CoordinatorConfig,
@@ -49,6 +64,9 @@ class Liveness:
         self._save_latched = False
         self._body_scope: trio.CancelScope | None = None
         self.failure: ClusterFailure | None = None
+        self.fenced = 0
+        self.write_stalls = 0
+        self.retired = 0
 
     @property
     def save_latched(self) -> bool:
@@ -76,8 +94,23 @@ class Liveness:
         self._deaths_marked += 1
         log.warning("rank %d (host %s) declared dead: %s", rank, host, reason)
         self._timeline.event(RankDeclaredDead(rank=rank, host=host, reason=reason))
+        self.fence(rank, reason)
         self._death_send.send_nowait(rank)
         return True
+
+    def fence(self, rank: int, reason: str) -> None:
+        """Tell a dead rank through its relay; disconnect a relay whose ranks are all dead."""
+        conn = self._sender.fence(rank, reason)
+        if conn is None:
+            return
+        self.fenced += 1
+        self._timeline.event(RankFenced(rank=rank, host=conn.host, reason=reason))
+        if not self._roster.live_of(conn):
+            conn.retire("every rank on it was declared dead", self._config.shutdown_grace)
+            self.retired += 1
+            log.warning("%s: every rank on it was declared dead; disconnecting it",
+                        conn.describe())
+            self._timeline.event(RelayRetired(host=conn.host, ranks=conn.ranks))
 
     async def wait_told(self) -> None:
         """Return once every death marked so far was told to the survivors (or shutdown)."""
@@ -91,8 +124,12 @@ class Liveness:
         if conn.lost_reason is not None:
             return
         conn.abandon(cause)
-        if self._roster.shutting_down:
-            return
+        if self._roster.shutting_down or conn.retired is not None:
+            return  # closed on purpose: nothing is lost
+        if conn.stalled:
+            self.write_stalls += 1
+            self._timeline.event(RelayStalled(host=conn.host, ranks=conn.ranks,
+                                              stalled_s=conn.write_stall_timeout))
         reason = f"relay {conn.host!r} at {conn.peer} lost: {cause}"
         self._timeline.event(RelayLost(host=conn.host, ranks=conn.ranks, reason=cause))
         if self._roster.forming:
@@ -116,10 +153,7 @@ class Liveness:
             for dead in batch:
                 if self._roster.shutting_down:
                     break
-                try:
-                    await self._sender.broadcast_control(DeclareDead(rank=dead))
-                except BroadcastError:
-                    pass  # counted and recorded by broadcast_control
+                self._sender.post(DeclareDead(rank=dead))  # failures: counted as lost
             await self.apply_failure_policy()
             self._deaths_handled += len(batch)
             self._deaths_progress.set()
@@ -139,7 +173,7 @@ class Liveness:
             if reason is SaveReason.MAX_FAILURE_EXCEEDED and policy is not None
             else "no live rank is left"
         )
-        await self.stop_with_save(reason)
+        await self.stop_with_save(reason, wait=False)
         dead = tuple(sorted(self._roster.dead))
         self._timeline.event(ClusterFailed(reason=reason.name, dead=dead))
         self.failure = ClusterFailure(reason, dead, detail)
@@ -147,11 +181,17 @@ class Liveness:
         if self._body_scope is not None:
             self._body_scope.cancel()
 
-    async def stop_with_save(self, reason: SaveReason) -> None:
-        """Broadcast ``ShutdownWithSave{reason}`` once per run (latched)."""
+    async def stop_with_save(self, reason: SaveReason, *, wait: bool = True) -> None:
+        """Broadcast ``ShutdownWithSave{reason}`` once per run (latched); without ``wait`` it is
+        only queued on every relay (the failure policy never waits on a slow relay)."""
         if self._save_latched:
+            await trio.lowlevel.checkpoint()
             return
         self._save_latched = True
+        if not wait:
+            self._sender.post(ShutdownWithSave(reason=reason))
+            await trio.lowlevel.checkpoint()
+            return
         try:
             await self._sender.broadcast_control(ShutdownWithSave(reason=reason))
         except BroadcastError:
@@ -179,7 +219,6 @@ class Liveness:
                 return
             if not self._roster.live:
                 continue
-            try:
-                await self._sender.broadcast_control(CoordHeartbeat())
-            except BroadcastError:
-                pass
+            # Each relay gets what it can take: one behind a backlog (or stalled) is skipped,
+            # and nobody waits for anybody's write.
+            self._sender.post(CoordHeartbeat(), only_idle=True)

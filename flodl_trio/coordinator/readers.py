@@ -21,6 +21,7 @@ from ..wire import (
     FrameCodec,
     Metrics,
     MsgKind,
+    RankDropped,
     RankExit,
     Record,
     RecordKind,
@@ -101,6 +102,7 @@ class Readers:
         except trio.ClosedResourceError:
             cause = "connection closed"
         finally:
+            conn.reader_done.set()
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
@@ -211,17 +213,21 @@ class Readers:
         except WireError as exc:
             self.invalid(conn, 0, f"relay control record: {exc}", category="undecodable")
             return
-        if not isinstance(msg, RankExit):
+        if not isinstance(msg, RankExit | RankDropped):
             self.invalid(conn, 0, f"{type(msg).__name__} after the handshake",
                          category="unexpected control")
             return
         rank = int(msg.rank)
         if rank not in conn.rank_set:
-            self.invalid(conn, rank, f"RankExit for rank {rank}, which relay {conn.host!r} "
-                         "does not carry", category="foreign rank")
+            self.invalid(conn, rank, f"{type(msg).__name__} for rank {rank}, which relay "
+                         f"{conn.host!r} does not carry", category="foreign rank")
             return
         if self._roster.has_exited(rank):
             log.info("rank %d disconnected after Exiting", rank)
+            return
+        if isinstance(msg, RankDropped):
+            self._liveness.mark_dead(rank, f"relay {conn.host!r} dropped rank {rank}: "
+                                     f"{msg.reason}")
             return
         self._liveness.mark_dead(rank, f"relay {conn.host!r} reported that rank {rank}'s "
                                  "connection ended without Exiting")

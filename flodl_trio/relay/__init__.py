@@ -168,7 +168,7 @@ class Relay:
             stream, sealer, opener = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            pump = Pump(self._local, stream, sealer, opener)
+            pump = Pump(self._local, stream, sealer, opener, self.timeline)
             exit_ = await pump.run()
             self._error = pump.error
         except FlodlError as exc:

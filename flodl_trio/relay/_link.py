@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import attrs
 import trio
 
@@ -21,16 +23,62 @@ class RelayExit:
 
 
 class RankLink:
-    """One local rank's loopback connection and its outbound queue."""
+    """One local rank's loopback connection and its outbound queue.
+
+    The queue holds ``queue_size`` frames; the upstream reader never waits on it. A rank that
+    lets it overflow for ``write_stall_timeout`` (or whose writer makes no progress for that
+    long) is dropped, so its siblings never wait on it.
+    """
 
     def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig) -> None:
         self.rank = rank
         self.stream = stream
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
-        self.out_send, self.out_recv = trio.open_memory_channel[bytes](config.queue_size)
+        self.queue_size = config.queue_size
+        self.write_stall_timeout = config.write_stall_timeout
+        self._pending: deque[bytes] = deque()
+        self._more = trio.Event()
+        self._ending = False
+        self.full_since: float | None = None
         self.gone = False
         self.writer_done = trio.Event()
+        self.reader_done = trio.Event()
+        # Why the relay dropped this rank itself (RankDropped upstream instead of RankExit).
+        self.dropped: str | None = None
+        # The coordinator's reason when it fenced this rank: its frames are no longer forwarded.
+        self.fenced: str | None = None
         # What the rank sent while the relay was still accepting ranks, and whether its link
         # already ended then; the pump starts from these.
         self.early = bytearray()
         self.early_eof = False
+
+    def offer(self, blob: bytes, now: float) -> bool:
+        """Queue ``blob`` for the rank without waiting; False when the queue has been over
+        ``queue_size`` for ``write_stall_timeout`` (the rank must be dropped)."""
+        if self.gone or self._ending:
+            return True
+        self._pending.append(blob)
+        self._more.set()
+        if len(self._pending) > self.queue_size:
+            if self.full_since is None:
+                self.full_since = now
+            elif now - self.full_since >= self.write_stall_timeout:
+                return False
+        return True
+
+    def end_queue(self) -> None:
+        """No more frames: the writer delivers what is queued, then half-closes."""
+        self._ending = True
+        self._more.set()
+
+    async def next_batch(self, limit: int = 64) -> list[bytes] | None:
+        """Up to ``limit`` queued frames (waiting for one); None once ended and drained."""
+        while not self._pending:
+            if self._ending:
+                return None
+            self._more = trio.Event()
+            await self._more.wait()
+        batch = [self._pending.popleft() for _ in range(min(limit, len(self._pending)))]
+        if len(self._pending) <= self.queue_size:
+            self.full_since = None
+        return batch

@@ -16,14 +16,19 @@ from .._config import RelayConfig
 from .._errors import WireError
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE
+from ..events import RelayDroppedRank
+from ..timeline import Timeline
 from ..wire import (
     MAX_LEN_FRAME,
+    FenceRank,
     LenFrameDecoder,
+    RankDropped,
     RankExit,
     RecordKind,
     RecordOpener,
     RecordSealer,
     decode_fanout,
+    decode_relay,
     encode,
     frames_before,
     len_frame,
@@ -43,7 +48,7 @@ class Pump:
     """
 
     def __init__(self, local: LocalRanks, stream: trio.abc.Stream, sealer: RecordSealer,
-                 opener: RecordOpener) -> None:
+                 opener: RecordOpener, timeline: Timeline | None = None) -> None:
         self.local = local
         self.host = local.host
         self.config: RelayConfig = local.config
@@ -51,6 +56,9 @@ class Pump:
         self.sealer = sealer
         self.opener = opener
         self.error: WireError | None = None
+        self.timeline = timeline
+        self.dropped = 0  # local ranks dropped for not draining their queue
+        self._nursery: trio.Nursery | None = None
         self._outcome: list[RelayExit] = []
         self._scope = trio.CancelScope()
         self._no_ranks_left = trio.Event()
@@ -69,6 +77,7 @@ class Pump:
             self.config.queue_size)
         with self._scope:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self.upstream_writer, up_recv)
                 nursery.start_soon(self.upstream_reader)
                 # One queue clone per rank reader: the queue ends (and the writer with it) only
@@ -151,7 +160,7 @@ class Pump:
         # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
         # (their Exiting still flows upstream), then end.
         for link in self.local.links():
-            link.out_send.close()
+            link.end_queue()
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
         self.finish("coordinator closed the connection")
@@ -160,7 +169,7 @@ class Pump:
         """Let the rank writers deliver what was verified and queued before the link broke."""
         links = list(self.local.links())
         for link in links:
-            link.out_send.close()
+            link.end_queue()
         with trio.move_on_after(min(1.0, self.config.shutdown_grace)):
             for link in links:
                 await link.writer_done.wait()
@@ -174,32 +183,59 @@ class Pump:
     async def route(self, rec: Any) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         if rec.kind == RecordKind.DATA:
-            await self.to_rank(rec.rank, len_frame(rec.payload))
+            self.to_rank(rec.rank, len_frame(rec.payload))
         elif rec.kind == RecordKind.FANOUT:
             ranks, frame = decode_fanout(rec.payload)
             blob = len_frame(frame)
             for rank in ranks:
-                await self.to_rank(rank, blob)
+                self.to_rank(rank, blob)
+        elif rec.kind == RecordKind.CONTROL:
+            self.on_control(rec.payload)
         else:
             self.drop("wrong direction", f"record of kind {rec.kind} from the coordinator")
 
-    async def to_rank(self, rank: int, blob: bytes) -> None:
+    def to_rank(self, rank: int, blob: bytes) -> None:
         link = self.local.link(rank)
         if link is None:
             self.drop("not local", f"frame for rank {rank}, which is not local")
             return
-        if link.gone:
+        # Never waits: a rank that is behind delays nobody; one that stays behind is dropped.
+        if not link.offer(blob, trio.current_time()):
+            self.drop_rank(link, f"it did not drain its queue of {link.queue_size} frames within "
+                            f"write_stall_timeout={self.config.write_stall_timeout:g}s")
+
+    def drop_rank(self, link: RankLink, reason: str) -> None:
+        """Cut a local rank off (its reader then reports ``RankDropped`` upstream)."""
+        if link.gone or link.dropped is not None:
             return
+        link.dropped = reason
+        link.gone = True
+        link.end_queue()
+        self.dropped += 1
+        log.warning("relay %r: dropping rank %d: %s", self.host, link.rank, reason)
+        if self.timeline is not None:
+            self.timeline.event(RelayDroppedRank(rank=link.rank, host=self.host, reason=reason))
+        assert self._nursery is not None
+        self._nursery.start_soon(trio.aclose_forcefully, link.stream)
+
+    def on_control(self, payload: bytes) -> None:
         try:
-            # No checkpoint per rank on the fast path: a FANOUT to 8 ranks is one pass.
-            link.out_send.send_nowait(blob)
-        except trio.WouldBlock:
-            try:
-                await link.out_send.send(blob)  # that rank is behind: wait for its writer
-            except STREAM_GONE:
-                pass
-        except STREAM_GONE:
-            pass
+            msg = decode_relay(payload)
+        except WireError as exc:
+            self.drop("undecodable", f"control record from the coordinator: {exc}")
+            return
+        if not isinstance(msg, FenceRank):
+            self.drop("unexpected control", f"{type(msg).__name__} from the coordinator")
+            return
+        link = self.local.link(int(msg.rank))
+        if link is None or link.gone or link.fenced is not None:
+            return
+        # Everything queued before (the Fenced frame last) is delivered, then the link is
+        # half-closed and, after shutdown_grace at the latest, closed.
+        link.fenced = msg.reason
+        link.end_queue()
+        log.warning("relay %r: the coordinator fenced rank %d: %s", self.host, link.rank,
+                    msg.reason)
 
     async def rank_writer(self, link: RankLink) -> None:
         try:
@@ -209,19 +245,18 @@ class Pump:
 
     async def write_to_rank(self, link: RankLink) -> None:
         try:
-            async for blob in link.out_recv:
-                batch = [blob]
-                while len(batch) < 64:  # one write for a burst of frames (each stays whole)
-                    try:
-                        batch.append(link.out_recv.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
+            # One write for a burst of frames (each stays whole).
+            while (batch := await link.next_batch()) is not None:
                 await link.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
             await link.writer.send_eof()
-        except (trio.TooSlowError, *STREAM_GONE) as exc:
-            if not link.gone:
-                log.warning("relay %r: rank %d stopped reading (%s); closing it", self.host,
-                            link.rank, type(exc).__name__)
+            if link.fenced is not None:
+                with trio.move_on_after(self.config.shutdown_grace):
+                    await link.reader_done.wait()  # the rank read it all and closed
+                await trio.aclose_forcefully(link.stream)
+        except trio.TooSlowError:
+            self.drop_rank(link, f"it read nothing for write_stall_timeout="
+                            f"{self.config.write_stall_timeout:g}s")
+        except STREAM_GONE:
             await trio.aclose_forcefully(link.stream)
 
     async def rank_reader(self, link: RankLink,
@@ -237,8 +272,9 @@ class Pump:
                     for blob in frames_before(exc):  # whole frames before the bad length
                         await up_send.send((int(RecordKind.DATA), link.rank, blob))
                     raise
-                for blob in blobs:
-                    await up_send.send((int(RecordKind.DATA), link.rank, blob))
+                if link.fenced is None:  # a fenced rank's frames are no longer forwarded
+                    for blob in blobs:
+                        await up_send.send((int(RecordKind.DATA), link.rank, blob))
                 if link.early_eof:
                     break
                 data = await link.stream.receive_some(65536)
@@ -250,11 +286,14 @@ class Pump:
         except STREAM_GONE:
             pass
         link.gone = True
-        link.out_send.close()
+        link.reader_done.set()
+        link.end_queue()
         await trio.aclose_forcefully(link.stream)
+        gone: RankExit | RankDropped = RankExit(rank=link.rank)
+        if link.dropped is not None:
+            gone = RankDropped(rank=link.rank, reason=link.dropped)
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
-                await up_send.send((int(RecordKind.CONTROL), 0,
-                                    encode(RankExit(rank=link.rank))))
+                await up_send.send((int(RecordKind.CONTROL), 0, encode(gone)))
             except STREAM_GONE:
                 pass

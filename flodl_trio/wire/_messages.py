@@ -252,6 +252,17 @@ class RelayWaiting(ControlMsg):
     detail: str
 
 
+@variant(CONTROL_MSG, 21)
+@attrs.frozen
+class Fenced(ControlMsg):
+    """To the rank itself (beyond flodl): the coordinator declared ``rank`` dead and ignores it
+    from now on; ``reason`` says why. The endpoint ends with ``RankEvicted``; never delivered
+    to users."""
+
+    rank: U64
+    reason: str
+
+
 # ---------------------------------------------------------------- TimingMsg (rank → coord)
 
 
@@ -435,6 +446,27 @@ class HelloAck(RelayControlMsg):
 @attrs.frozen
 class RankExit(RelayControlMsg):
     rank: U32
+
+
+@variant(RELAY_CONTROL_MSG, 6)
+@attrs.frozen
+class FenceRank(RelayControlMsg):
+    """Coordinator → relay (beyond flodl): ``rank`` was declared dead. The relay delivers what
+    is queued for it (the ``Fenced`` frame last), half-closes its link, stops forwarding its
+    frames and closes the link after ``shutdown_grace``."""
+
+    rank: U32
+    reason: str
+
+
+@variant(RELAY_CONTROL_MSG, 7)
+@attrs.frozen
+class RankDropped(RelayControlMsg):
+    """Relay → coordinator (beyond flodl): the relay dropped a local rank itself (``RankExit``
+    with the reason): it did not drain its queue within the relay's ``write_stall_timeout``."""
+
+    rank: U32
+    reason: str
 
 
 _ALL: list[type[WireMessage]] = [
