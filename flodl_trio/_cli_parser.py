@@ -21,7 +21,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults appended to every option's help; descriptions keep their line breaks."""
+    """Defaults appended to the help of every option that has one; descriptions keep their line
+    breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_salt_args(p: argparse.ArgumentParser) -> None:

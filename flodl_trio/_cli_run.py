@@ -227,7 +227,9 @@ async def run_status(args: argparse.Namespace) -> int:
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
           f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
     for relay in state.get("relays", []):
-        print(f"  relay {relay['host']:<16} {relay['peer']:<22} ranks {relay['ranks']}")
+        up = "connected" if relay.get("connected", True) else "gone"
+        print(f"  relay {relay['host']:<16} {relay['peer']!s:<22} {up:<9} ranks "
+              f"{relay['ranks']}")
     print(f"  live {state.get('live')}")
     for dead in state.get("dead", []):
         print(f"  dead rank {dead['rank']}: {dead['reason']}")

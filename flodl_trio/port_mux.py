@@ -53,24 +53,43 @@ MAGIC_LEN = 4
 LEG_NAMES = ("control", "data", "rendezvous", "join", "status")
 DROP_REASONS = ("unknown_magic", "eof_before_magic", "peek_timeout", "no_listener", "queue_full",
                 "shed")
-# Status (HTTP) connections start with the request line itself.
 _LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_CONTROL, "control"),
     (CHANNEL_MAGIC_DATA, "data"),
     (CHANNEL_MAGIC_RENDEZVOUS, "rendezvous"),
     (CHANNEL_MAGIC_JOIN, "join"),
-    (b"GET ", "status"),
-    (b"POST", "status"),
 )
+_HTTP_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _PEEK_CHUNK = 4096
 
 PeerAddress = tuple[str, int] | str
 
 
 def leg_for_magic(prefix: bytes) -> str | None:
-    """The leg name for a connection's first 4 bytes, or None when they match no leg."""
+    """The leg name for a connection's first 4 bytes, or None when they match no leg.
+
+    Status (HTTP) connections start with the request line itself: any method token (``GET``,
+    ``HEAD``, ``PUT``, ``OPTIONS``, ...), so that the status responder can answer every method,
+    with 405 where it must, instead of the mux dropping the connection unanswered. The binary
+    magics start with a non-ASCII byte, so the two can never be confused.
+
+    >>> [leg_for_magic(p) for p in (b"GET ", b"HEAD", b"PUT ", b"OPTI", CHANNEL_MAGIC_CONTROL)]
+    ['status', 'status', 'status', 'status', 'control']
+    >>> leg_for_magic(b"get ") is None and leg_for_magic(b"SSH-") is None
+    True
+    """
     head = bytes(prefix[:MAGIC_LEN])
-    return next((leg for magic, leg in _LEG_BY_PREFIX if head == magic), None)
+    leg = next((leg for magic, leg in _LEG_BY_PREFIX if head == magic), None)
+    if leg is None and len(head) == MAGIC_LEN and _is_http_method_start(head):
+        leg = "status"
+    return leg
+
+
+def _is_http_method_start(head: bytes) -> bool:
+    # An upper-case method token, then (if it is shorter than 4) the space after it.
+    token, space, _ = head.partition(b" ")
+    return bool(token) and all(c in _HTTP_METHOD_CHARS for c in token) and (
+        bool(space) or len(token) == MAGIC_LEN)
 
 
 def _remote_address(stream: trio.abc.Stream) -> PeerAddress | None:

@@ -1,11 +1,16 @@
 """pytest plugin of flodl-trio (registered through the ``pytest11`` entry point).
 
-Fixtures:
-    memory_network: a fresh :class:`flodl_trio.testing.MemoryNetwork`; at teardown it asserts
-        that every stream and listener was closed.
-    local_cluster_factory: :func:`flodl_trio.local_cluster.open_local_cluster` on that network.
-    chaos_proxy_factory: :func:`flodl_trio.chaos.open_chaos_proxy` as a factory; at teardown it
-        asserts that every proxied connection was closed.
+The fixtures:
+
+``memory_network``
+    a fresh :class:`flodl_trio.testing.MemoryNetwork`; at teardown it asserts that every stream
+    and listener was closed.
+``local_cluster_factory``
+    :func:`flodl_trio.local_cluster.open_local_cluster` on that network (type:
+    :class:`LocalClusterFactory`).
+``chaos_proxy_factory``
+    :func:`flodl_trio.chaos.open_chaos_proxy` as a factory; at teardown it asserts that every
+    proxied connection was closed (type: :class:`ChaosProxyFactory`).
 """
 
 from __future__ import annotations

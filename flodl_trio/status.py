@@ -1,7 +1,9 @@
 """The HTTP/1.1 status responder of the coordinator port (SPEC §7), and a client for it.
 
 Routes: ``GET /state.json`` (the status document as JSON), ``GET /healthz`` (200 ``ok`` while the
-phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition). Every connection
+phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition); ``HEAD`` answers
+like ``GET`` without the body, every other method gets 405 with ``Allow: GET, HEAD``, an unknown
+path 404. Every connection
 gets exactly one response, then closes; the whole exchange is bounded by ``request_timeout`` and
 the request head by ``max_request_bytes``, so a slow or hostile client costs one task for a bounded
 time and a bounded amount of memory.
@@ -89,7 +91,8 @@ async def _serve_connection(
                 if request is None:  # the client closed without sending a request
                     return
                 status, body, headers = _answer(request, state_fn)
-                await _send_response(stream, conn, status, body, headers)
+                await _send_response(stream, conn, status, body, headers,
+                                     head_only=request.method == b"HEAD")
             with trio.move_on_after(_LINGER_SECONDS):
                 await _linger(stream)
         if scope.cancelled_caught:
@@ -124,8 +127,9 @@ def _answer(
     path = request.target.decode("ascii", errors="replace").split("?", 1)[0]
     if path not in ROUTES:
         return 404, "not found\n", []
-    if request.method != b"GET":
-        return 405, "method not allowed\n", [("Allow", "GET")]
+    if request.method not in (b"GET", b"HEAD"):
+        method = request.method.decode("ascii", errors="replace")
+        return 405, f"method {method} not allowed: GET or HEAD\n", [("Allow", "GET, HEAD")]
     try:
         state = state_fn()
         if path == "/state.json":
@@ -155,6 +159,8 @@ async def _send_response(
     status: int,
     body: bytes | str,
     headers: list[tuple[str, str]] | None = None,
+    *,
+    head_only: bool = False,
 ) -> None:
     payload = body.encode() if isinstance(body, str) else body
     all_headers = list(headers or [])
@@ -163,8 +169,9 @@ async def _send_response(
     all_headers += [("Content-Length", str(len(payload))), ("Connection", "close")]
     reason = HTTPStatus(status).phrase.encode()
     data = conn.send(h11.Response(status_code=status, headers=all_headers, reason=reason))
-    data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
-    data += conn.send(h11.EndOfMessage()) or b""
+    if not head_only:  # a HEAD answer carries the headers of the GET answer, no body
+        data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
+    data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
     await stream.send_all(data)
 
 
@@ -212,7 +219,10 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
     family("world_size", "gauge", "Ranks in the world.", [("", _count(state.get("world_size")))])
     covered = _count(state.get("covered"))
     family("ranks_covered", "gauge", "Ranks announced by a joined relay.", [("", covered)])
-    family("relays", "gauge", "Relays joined.", [("", _count(state.get("relays")))])
+    relays = state.get("relays") or []
+    family("relays", "gauge", "Relays that joined (connected now or not).", [("", _count(relays))])
+    connected = sum(1 for relay in relays if isinstance(relay, Mapping) and relay.get("connected"))
+    family("relays_connected", "gauge", "Relays whose connection is up now.", [("", connected)])
     family("ranks_live", "gauge", "Ranks alive.", [("", _count(state.get("live")))])
     family("ranks_dead", "gauge", "Ranks declared dead.", [("", _count(state.get("dead")))])
     family("ranks_exited", "gauge", "Ranks exited cleanly.", [("", _count(state.get("exited")))])

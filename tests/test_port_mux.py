@@ -96,7 +96,8 @@ async def test_magic_dribbled_one_byte_at_a_time_still_routes() -> None:
         await server.aclose()
 
 
-@pytest.mark.parametrize("method", [b"GET ", b"POST"])
+@pytest.mark.parametrize("method", [b"GET ", b"POST ", b"HEAD ", b"PUT ", b"OPTIONS ",
+                                    b"DELETE ", b"PATCH "])
 async def test_http_requests_reach_the_status_leg_intact(method: bytes) -> None:
     request = method + b"/state.json HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
     async with tcp_mux() as (mux, port), await trio.open_tcp_stream("127.0.0.1", port) as client:

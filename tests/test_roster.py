@@ -18,6 +18,7 @@ class FakeRelay:
     host: str
     ranks: tuple[int, ...]
     peer: str = "10.0.0.1:4000"
+    alive: bool = True
 
 
 def formed(world: int, per_relay: int) -> tuple[Roster[FakeRelay], list[FakeRelay]]:
@@ -143,8 +144,10 @@ def test_state_fields_describe_membership() -> None:
     roster.mark_exited(0)
     assert roster.state_fields() == {
         "phase": "running", "world_size": 3, "covered": 3,
-        "relays": [{"host": "host-0", "ranks": [0, 1], "peer": "10.0.0.1:4000"},
-                   {"host": "host-2", "ranks": [2], "peer": "10.0.0.1:4000"}],
+        "relays": [{"host": "host-0", "ranks": [0, 1], "peer": "10.0.0.1:4000",
+                    "connected": True},
+                   {"host": "host-2", "ranks": [2], "peer": "10.0.0.1:4000",
+                    "connected": True}],
         "live": [1], "dead": [{"rank": 2, "reason": "relay lost"}], "exited": [0],
     }
 

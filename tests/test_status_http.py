@@ -32,8 +32,9 @@ def make_state(phase: str = "running") -> dict[str, Any]:
         "world_size": 4,
         "covered": 4,
         "relays": [
-            {"host": "host-a", "ranks": [0, 1, 2], "peer": ["127.0.0.1", 40001]},
-            {"host": "host-b", "ranks": [3], "peer": ["127.0.0.1", 40002]},
+            {"host": "host-a", "ranks": [0, 1, 2], "peer": ["127.0.0.1", 40001],
+             "connected": True},
+            {"host": "host-b", "ranks": [3], "peer": ["127.0.0.1", 40002], "connected": False},
         ],
         "live": [0, 1, 3],
         "dead": [{"rank": 2, "reason": "heartbeat stale (>30s)"}],
@@ -138,6 +139,7 @@ async def test_metrics_parse_as_prometheus_with_the_expected_values() -> None:
     assert samples[("flodl_trio_world_size", ())] == 4
     assert samples[("flodl_trio_ranks_covered", ())] == 4
     assert samples[("flodl_trio_relays", ())] == 2
+    assert samples[("flodl_trio_relays_connected", ())] == 1
     assert samples[("flodl_trio_ranks_live", ())] == 3
     assert samples[("flodl_trio_ranks_dead", ())] == 1
     assert samples[("flodl_trio_ranks_exited", ())] == 0
@@ -173,13 +175,39 @@ async def test_unknown_paths_wrong_methods_and_garbage_get_404_405_400() -> None
         assert (await exchange(address, get("/nope")))[0] == 404
         assert (await exchange(address, get("/state.json?pretty=1")))[0] == 200
         status, headers, _ = await exchange(address, get("/state.json", method="POST"))
-        assert (status, headers["allow"]) == (405, "GET")
+        assert (status, headers["allow"]) == (405, "GET, HEAD")
         post = b"POST /metrics HTTP/1.1\r\nHost: coord\r\nContent-Length: 5\r\n\r\nhello"
         assert (await exchange(address, post))[0] == 405  # answered without reading the body
         status, _, _ = await exchange(address, b"GET \x00\x01 not http\r\n\r\n")
         assert status == 400
         # The server survived all of that.
         assert (await exchange(address, get("/healthz")))[0] == 200
+
+
+async def test_head_answers_like_get_without_the_body() -> None:
+    state = make_state()
+    async with status_server(state) as address:
+        for path in ("/state.json", "/metrics", "/healthz"):
+            _, get_headers, get_body = await exchange(address, get(path))
+            with trio.fail_after(5):
+                async with await trio.open_tcp_stream(*address) as client:
+                    await client.send_all(get(path, method="HEAD"))
+                    raw = await read_to_eof(client)
+            head, _, rest = raw.partition(b"\r\n\r\n")
+            assert rest == b"", raw  # no body at all
+            lines = head.decode().split("\r\n")
+            assert lines[0] == "HTTP/1.1 200 OK", lines
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            assert headers["content-length"] == str(len(get_body)) == get_headers["content-length"]
+            assert headers["content-type"] == get_headers["content-type"].lower()
+
+
+@pytest.mark.parametrize("method", ["PUT", "OPTIONS", "DELETE", "PATCH", "TRACE", "POST"])
+async def test_every_other_method_gets_405_naming_the_allowed_ones(method: str) -> None:
+    async with status_server(make_state()) as address:
+        status, headers, body = await exchange(address, get("/state.json", method=method))
+    assert (status, headers["allow"]) == (405, "GET, HEAD")
+    assert body == f"method {method} not allowed: GET or HEAD\n".encode()
 
 
 async def test_a_1mb_header_gets_431_while_other_requests_are_still_served() -> None:

@@ -33,6 +33,9 @@ class Member(Protocol):
     @property
     def peer(self) -> str: ...
 
+    @property
+    def alive(self) -> bool: ...
+
 
 M = TypeVar("M", bound=Member)
 
@@ -308,7 +311,8 @@ class Roster(Generic[M]):
             "world_size": self.world_size,
             "covered": len(self._relay_of),
             "relays": [
-                {"host": c.host, "ranks": list(c.ranks), "peer": c.peer} for c in self._relays
+                {"host": c.host, "ranks": list(c.ranks), "peer": c.peer, "connected": c.alive}
+                for c in self._relays
             ],
             "live": sorted(self.live),
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],

@@ -83,6 +83,15 @@ class EpochMetrics(WireMessage):
 
 @attrs.frozen
 class GpuSnapshot(WireMessage):
+    """One GPU in a :class:`ResourceSample`.
+
+    Attributes:
+        device_index: CUDA device index.
+        name: device name.
+        util_percent: utilisation, if known.
+        vram_allocated_bytes: allocated memory, if known.
+        vram_total_bytes: total memory, if known.
+    """
     device_index: U8
     name: str
     util_percent: F32 | None = None
@@ -92,6 +101,18 @@ class GpuSnapshot(WireMessage):
 
 @attrs.frozen
 class ResourceSample(WireMessage):
+    """A rank's resource usage, optionally carried by :class:`Metrics`.
+
+    Attributes:
+        cpu_percent: CPU use, if known.
+        ram_used_bytes: RAM used, if known.
+        ram_total_bytes: RAM total, if known.
+        gpu_util_percent: GPU utilisation, if known.
+        vram_total_bytes: total VRAM, if known.
+        vram_allocated_bytes: allocated VRAM, if known.
+        aggregate_rank: the rank that aggregated the sample, if any.
+        gpus: one :class:`GpuSnapshot` per device.
+    """
     cpu_percent: F32 | None = None
     ram_used_bytes: U64 | None = None
     ram_total_bytes: U64 | None = None
@@ -114,12 +135,19 @@ class ControlMsg(WireMessage):
 @variant(CONTROL_MSG, 0)
 @attrs.frozen
 class RequestParams(ControlMsg):
+    """Coordinator → rank: send the current parameters (flodl's averaging handshake)."""
     pass
 
 
 @variant(CONTROL_MSG, 1)
 @attrs.frozen
 class Update(ControlMsg):
+    """Coordinator → rank: a new averaged parameter version is ready.
+
+    Attributes:
+        version: the parameter version.
+        next_plan: the plan of the next epoch, if decided.
+    """
     version: U64
     next_plan: EpochPlan | None = None
 
@@ -127,18 +155,30 @@ class Update(ControlMsg):
 @variant(CONTROL_MSG, 2)
 @attrs.frozen
 class SyncNow(ControlMsg):
+    """Coordinator → rank: synchronise now; the rank answers with ``SyncAck``."""
     pass
 
 
 @variant(CONTROL_MSG, 3)
 @attrs.frozen
 class StartEpoch(ControlMsg):
+    """Coordinator → rank: start an epoch on the given slice of the dataset.
+
+    Attributes:
+        plan: the :class:`EpochPlan` (epoch, partition offset and size).
+    """
     plan: EpochPlan
 
 
 @variant(CONTROL_MSG, 4)
 @attrs.frozen
 class ExtendPartition(ControlMsg):
+    """Coordinator → rank: also process these samples in this epoch (a dead rank's remainder).
+
+    Attributes:
+        partition_offset: first sample index.
+        partition_size: number of samples.
+    """
     partition_offset: U64
     partition_size: U64
 
@@ -146,18 +186,31 @@ class ExtendPartition(ControlMsg):
 @variant(CONTROL_MSG, 5)
 @attrs.frozen
 class DeclareDead(ControlMsg):
+    """Coordinator → rank: this rank was declared dead; never wait for it again.
+
+    Attributes:
+        rank: the dead rank.
+    """
     rank: U64
 
 
 @variant(CONTROL_MSG, 6)
 @attrs.frozen
 class RequestNewNcclId(ControlMsg):
+    """Coordinator → rank: generate a new NCCL unique id (answered by ``NewNcclIdGenerated``)."""
     pass
 
 
 @variant(CONTROL_MSG, 7)
 @attrs.frozen
 class NewNcclSession(ControlMsg):
+    """Coordinator → rank: join a new NCCL session after the world changed.
+
+    Attributes:
+        uid: the NCCL unique id.
+        new_rank: this rank's rank in the new session.
+        new_world_size: the new session's size.
+    """
     uid: bytes
     new_rank: U64
     new_world_size: U64
@@ -166,18 +219,30 @@ class NewNcclSession(ControlMsg):
 @variant(CONTROL_MSG, 8)
 @attrs.frozen
 class Throttle(ControlMsg):
+    """Coordinator → rank: pause after the current batch until the next command."""
     pass
 
 
 @variant(CONTROL_MSG, 9)
 @attrs.frozen
 class SetGlobalStep(ControlMsg):
+    """Coordinator → rank: the cohort's global step after a sync.
+
+    Attributes:
+        global_step: the step count to adopt.
+    """
     global_step: U64
 
 
 @variant(CONTROL_MSG, 10)
 @attrs.frozen
 class Checkpoint(ControlMsg):
+    """Coordinator → rank: write a checkpoint (answered by ``CheckpointResult``).
+
+    Attributes:
+        version: checkpoint version.
+        target_rank: the rank that writes it.
+    """
     version: U64
     target_rank: U64
 
@@ -185,6 +250,13 @@ class Checkpoint(ControlMsg):
 @variant(CONTROL_MSG, 11)
 @attrs.frozen
 class ExecuteEvalCallback(ControlMsg):
+    """Coordinator → rank: run the evaluation callback (answered by ``EvalResult``).
+
+    Attributes:
+        schedule_id: which scheduled evaluation.
+        epoch: the epoch it evaluates.
+        target_rank: the rank that runs it.
+    """
     schedule_id: U64
     epoch: U64
     target_rank: U64
@@ -193,30 +265,52 @@ class ExecuteEvalCallback(ControlMsg):
 @variant(CONTROL_MSG, 12)
 @attrs.frozen
 class SetEpochCallbackRole(ControlMsg):
+    """Coordinator → rank: this rank runs the epoch callbacks (checkpoints, evaluations).
+
+    Attributes:
+        rank: the rank given the role.
+    """
     rank: U64
 
 
 @variant(CONTROL_MSG, 13)
 @attrs.frozen
 class Shutdown(ControlMsg):
+    """Coordinator → rank: the run is over; iteration ends after it."""
     pass
 
 
 @variant(CONTROL_MSG, 14)
 @attrs.frozen
 class ShutdownWithSave(ControlMsg):
+    """Coordinator → rank: save and stop, for the given reason; iteration ends after it.
+
+    Attributes:
+        reason: a :class:`SaveReason` (an unknown byte decodes as ``GRACEFUL_SHUTDOWN``).
+    """
     reason: SaveReason
 
 
 @variant(CONTROL_MSG, 15)
 @attrs.frozen
 class EpochAggregated(ControlMsg):
+    """Coordinator → rank: the epoch's aggregated metrics.
+
+    Attributes:
+        metrics: the :class:`EpochMetrics`.
+    """
     metrics: EpochMetrics
 
 
 @variant(CONTROL_MSG, 16)
 @attrs.frozen
 class EvalBroadcast(ControlMsg):
+    """Coordinator → rank: an evaluation result, for every rank to see.
+
+    Attributes:
+        epoch: the epoch evaluated.
+        metric: the result.
+    """
     epoch: U64
     metric: F64
 
@@ -224,18 +318,30 @@ class EvalBroadcast(ControlMsg):
 @variant(CONTROL_MSG, 17)
 @attrs.frozen
 class SaveConsensusModel(ControlMsg):
+    """Coordinator → rank: save the consensus model.
+
+    Attributes:
+        target_rank: the rank that saves it.
+    """
     target_rank: U64
 
 
 @variant(CONTROL_MSG, 18)
 @attrs.frozen
 class CoordHeartbeat(ControlMsg):
+    """Coordinator → rank: liveness, every ``heartbeat_interval``; absorbed by the rank endpoint."""
     pass
 
 
 @variant(CONTROL_MSG, 19)
 @attrs.frozen
 class StageAdvisory(ControlMsg):
+    """Coordinator → rank: pipeline-stage advice (carried, not interpreted, by flodl-trio).
+
+    Attributes:
+        counts: per-stage counts.
+        segments: per-stage segments as ``[stage, [[start, end], ...]]``.
+    """
     counts: tuple[U64, ...]
     segments: tuple[tuple[U64, tuple[tuple[U64, U64], ...]], ...]
 
@@ -276,6 +382,17 @@ class TimingMsg(WireMessage):
 @variant(TIMING_MSG, 0)
 @attrs.frozen
 class Batch(TimingMsg):
+    """Rank → coordinator: one training batch done.
+
+    Attributes:
+        rank: the sender.
+        batch_ms: wall time of the batch, milliseconds.
+        data_ms: time spent waiting for data, milliseconds.
+        step_count: the rank's step count after it.
+        param_norm: parameter norm, if measured.
+        batch_loss: the batch's loss.
+        sync_divergence: divergence from the last sync, if measured.
+    """
     rank: U64
     batch_ms: F64
     data_ms: F64
@@ -288,6 +405,15 @@ class Batch(TimingMsg):
 @variant(TIMING_MSG, 1)
 @attrs.frozen
 class SyncAck(TimingMsg):
+    """Rank → coordinator: the answer to ``SyncNow``.
+
+    Attributes:
+        rank: the sender.
+        step_count: its step count.
+        divergence: divergence, if measured.
+        post_norm: parameter norm after the sync, if measured.
+        pre_norm: before it, if measured.
+    """
     rank: U64
     step_count: U64
     divergence: F64 | None = None
@@ -298,12 +424,23 @@ class SyncAck(TimingMsg):
 @variant(TIMING_MSG, 2)
 @attrs.frozen
 class Exiting(TimingMsg):
+    """Rank → coordinator: leaving cleanly; the rank is never declared dead or addressed again.
+
+    Attributes:
+        rank: the sender.
+    """
     rank: U64
 
 
 @variant(TIMING_MSG, 3)
 @attrs.frozen
 class LrUpdate(TimingMsg):
+    """Rank → coordinator: the rank's learning rate changed.
+
+    Attributes:
+        rank: the sender.
+        lr: the new learning rate.
+    """
     rank: U64
     lr: F64
 
@@ -311,6 +448,12 @@ class LrUpdate(TimingMsg):
 @variant(TIMING_MSG, 4)
 @attrs.frozen
 class Intent(TimingMsg):
+    """Rank → coordinator: the rank asks for an evaluation or a checkpoint now.
+
+    Attributes:
+        rank: the sender.
+        kind: an :class:`IntentKind`.
+    """
     rank: U64
     kind: IntentKind
 
@@ -318,6 +461,12 @@ class Intent(TimingMsg):
 @variant(TIMING_MSG, 5)
 @attrs.frozen
 class Heartbeat(TimingMsg):
+    """Rank → coordinator: liveness, every ``heartbeat_interval``; sent by the endpoint itself.
+
+    Attributes:
+        rank: the sender.
+        step_count: the endpoint's ``step_count``.
+    """
     rank: U64
     step_count: U64
 
@@ -325,12 +474,27 @@ class Heartbeat(TimingMsg):
 @variant(TIMING_MSG, 6)
 @attrs.frozen
 class SnapshotReady(TimingMsg):
+    """Rank → coordinator: the rank's parameter snapshot is ready.
+
+    Attributes:
+        rank: the sender.
+    """
     rank: U64
 
 
 @variant(TIMING_MSG, 7)
 @attrs.frozen
 class EvalResult(TimingMsg):
+    """Rank → coordinator: the answer to ``ExecuteEvalCallback``.
+
+    Attributes:
+        rank: the sender.
+        schedule_id: which scheduled evaluation.
+        epoch: the epoch evaluated.
+        metric: the result.
+        elapsed_ms: how long it took.
+        error: why it failed, or None.
+    """
     rank: U64
     schedule_id: U64
     epoch: U64
@@ -342,6 +506,14 @@ class EvalResult(TimingMsg):
 @variant(TIMING_MSG, 8)
 @attrs.frozen
 class CheckpointResult(TimingMsg):
+    """Rank → coordinator: the answer to ``Checkpoint``.
+
+    Attributes:
+        rank: the sender.
+        version: checkpoint version.
+        elapsed_ms: how long it took.
+        error: why it failed, or None.
+    """
     rank: U64
     version: U64
     elapsed_ms: F64
@@ -351,6 +523,12 @@ class CheckpointResult(TimingMsg):
 @variant(TIMING_MSG, 9)
 @attrs.frozen
 class NewNcclIdGenerated(TimingMsg):
+    """Rank → coordinator: the answer to ``RequestNewNcclId``.
+
+    Attributes:
+        rank: the sender.
+        uid: the NCCL unique id.
+    """
     rank: U64
     uid: bytes
 
@@ -358,6 +536,13 @@ class NewNcclIdGenerated(TimingMsg):
 @variant(TIMING_MSG, 10)
 @attrs.frozen
 class EpochFnElapsed(TimingMsg):
+    """Rank → coordinator: how long the epoch function took.
+
+    Attributes:
+        rank: the sender.
+        epoch: the epoch.
+        elapsed_ms: milliseconds.
+    """
     rank: U64
     epoch: U64
     elapsed_ms: F64
@@ -366,6 +551,12 @@ class EpochFnElapsed(TimingMsg):
 @variant(TIMING_MSG, 11)
 @attrs.frozen
 class DashboardRegister(TimingMsg):
+    """Rank → coordinator: the rank serves a dashboard on this port.
+
+    Attributes:
+        rank: the sender.
+        port: TCP port.
+    """
     rank: U64
     port: U16
 
@@ -373,6 +564,14 @@ class DashboardRegister(TimingMsg):
 @variant(TIMING_MSG, 12)
 @attrs.frozen
 class DashboardSetSvg(TimingMsg):
+    """Rank → coordinator: an SVG for the dashboard.
+
+    Attributes:
+        rank: the sender.
+        svg: the SVG text.
+        label: its label, or None.
+        hash: its content hash, or None.
+    """
     rank: U64
     svg: str
     label: str | None = None
@@ -382,6 +581,12 @@ class DashboardSetSvg(TimingMsg):
 @variant(TIMING_MSG, 13)
 @attrs.frozen
 class DashboardSetMetadata(TimingMsg):
+    """Rank → coordinator: dashboard metadata.
+
+    Attributes:
+        rank: the sender.
+        json: a JSON document.
+    """
     rank: U64
     json: str
 
@@ -389,6 +594,12 @@ class DashboardSetMetadata(TimingMsg):
 @variant(TIMING_MSG, 14)
 @attrs.frozen
 class DashboardSetHardware(TimingMsg):
+    """Rank → coordinator: a hardware summary for the dashboard.
+
+    Attributes:
+        rank: the sender.
+        summary: free text.
+    """
     rank: U64
     summary: str
 
@@ -425,12 +636,24 @@ class RelayControlMsg(WireMessage):
 @variant(RELAY_CONTROL_MSG, 0)
 @attrs.frozen
 class Challenge(RelayControlMsg):
+    """Coordinator → relay, first record of the upstream handshake, sealed with the salt itself.
+
+    Attributes:
+        nonce: 16 fresh random bytes.
+    """
     nonce: Nonce
 
 
 @variant(RELAY_CONTROL_MSG, 1)
 @attrs.frozen
 class Hello(RelayControlMsg):
+    """Relay → coordinator: who the relay is, sealed with the handshake key.
+
+    Attributes:
+        host: the host name (1-255 bytes of UTF-8).
+        ranks: the global ranks it carries, ascending.
+        nonce: the relay's 16 fresh random bytes.
+    """
     host: HostName
     ranks: tuple[U32, ...]
     nonce: Nonce
@@ -439,12 +662,22 @@ class Hello(RelayControlMsg):
 @variant(RELAY_CONTROL_MSG, 2)
 @attrs.frozen
 class HelloAck(RelayControlMsg):
+    """Coordinator → relay: accepted, echoing the relay's nonce; both switch to the connection key.
+
+    Attributes:
+        nonce: the relay's nonce.
+    """
     nonce: Nonce
 
 
 @variant(RELAY_CONTROL_MSG, 3)
 @attrs.frozen
 class RankExit(RelayControlMsg):
+    """Relay → coordinator: a local rank's connection ended.
+
+    Attributes:
+        rank: the rank.
+    """
     rank: U32
 
 

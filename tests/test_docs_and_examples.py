@@ -1,0 +1,133 @@
+"""Every code block of the README and of docs/ runs: the examples under examples/ (which the
+blocks are, verbatim or by literalinclude) run here as written, the ``>>>`` examples are doctests,
+and the CLI and API references name every command, option and public module."""
+
+from __future__ import annotations
+
+import argparse
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flodl_trio
+from flodl_trio.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLES = ROOT / "examples"
+README = ROOT / "README.md"
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    return [(m[1], m[2]) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
+
+
+@pytest.mark.slow
+def test_the_embedding_example_forms_trains_and_finishes() -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "embedding.py")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "relay: RelayExit(reason='all ranks exited', clean=True)" in done.stdout
+    assert "orchestrator saw 12 batches from 4 ranks" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_tutorial_cluster_script_runs_as_written(tmp_path: Path) -> None:
+    env = dict(os.environ, FLODL=f"{sys.executable} -m flodl_trio", TMPDIR=str(tmp_path))
+    env.pop("FLODL_SALT_HEX", None)
+    done = subprocess.run(["bash", str(EXAMPLES / "cli_cluster.sh")], capture_output=True,
+                          text=True, timeout=180, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"epochs_completed": 2' in done.stdout
+    assert "phase forming  world 4  covered 0" in done.stdout
+    assert done.stdout.rstrip().endswith("tutorial cluster: done")
+    assert list(tmp_path.iterdir()) == []  # its work directory is removed
+
+
+@pytest.mark.slow
+def test_the_chaos_test_example_passes_under_pytest() -> None:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                           str(EXAMPLES / "test_chaos_example.py")], capture_output=True,
+                          text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+
+
+def test_every_readme_python_block_is_part_of_an_example_that_runs() -> None:
+    sources = {p.name: p.read_text(encoding="utf-8") for p in EXAMPLES.glob("*.py")}
+    python_blocks = [body for lang, body in fenced_blocks(README.read_text()) if lang == "python"]
+    assert python_blocks
+    for body in python_blocks:
+        assert any(body in src for src in sources.values()), f"not in examples/:\n{body}"
+
+
+def test_every_readme_shell_command_names_a_script_or_a_documented_install_step() -> None:
+    install = (DOCS / "install.rst").read_text()
+    for lang, body in fenced_blocks(README.read_text()):
+        if lang != "bash":
+            continue
+        for line in body.splitlines():
+            command = line.split("#", 1)[0].strip()
+            if command.startswith("./scripts/"):
+                script = ROOT / command.split()[0]
+                assert script.is_file() and os.access(script, os.X_OK), command
+            elif command:
+                assert command in install, f"README command not in docs/install.rst: {command}"
+
+
+def test_every_literalinclude_names_an_example_and_markers_that_exist() -> None:
+    pattern = re.compile(r"literalinclude:: (\S+)\n((?:\s+:[\w-]+:.*\n)*)")
+    found = 0
+    for page in DOCS.glob("*.rst"):
+        for m in pattern.finditer(page.read_text()):
+            target = (DOCS / m[1]).resolve()
+            assert target.parent == EXAMPLES and target.is_file(), (page.name, m[1])
+            text = target.read_text()
+            for marker in re.findall(r":(?:start-after|end-before): (.*)", m[2]):
+                assert marker.strip() in text, (page.name, marker)
+            found += 1
+    assert found >= 8
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.rst")
+                                        if ">>>" in p.read_text()))
+def test_the_doctests_of_the_docs_pass(page: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+    result = doctest.testfile(str(DOCS / page), module_relative=False, verbose=False,
+                              optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, result
+
+
+@pytest.mark.parametrize("module", ["flodl_trio._config", "flodl_trio._cli_common",
+                                    "flodl_trio.port_mux", "flodl_trio._demo_story"])
+def test_the_doctests_in_docstrings_pass(module: str) -> None:
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, result
+
+
+def test_the_cli_reference_names_every_command_and_option() -> None:
+    text = (DOCS / "cli.rst").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        assert f"``{name}" in text, name
+        for action in command._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert option in text, f"{name} {option} is not in docs/cli.rst"
+
+
+def test_the_api_reference_documents_every_public_module() -> None:
+    text = (DOCS / "api.rst").read_text()
+    documented = set(re.findall(r"automodule:: (\S+)", text))
+    public = {"flodl_trio"} | {
+        f"flodl_trio.{m.name}" for m in pkgutil.iter_modules(flodl_trio.__path__)
+        if not m.name.startswith("_") and m.name not in ("cli",)}
+    assert public <= documented, sorted(public - documented)
