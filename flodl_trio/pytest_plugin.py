@@ -5,6 +5,9 @@ The fixtures:
 ``memory_network``
     a fresh :class:`flodl_trio.testing.MemoryNetwork`; at teardown it asserts that every stream
     and listener was closed.
+``event_log``
+    a fresh :class:`flodl_trio.testing.EventLog` (a ``Timeline`` that notes the Trio time of
+    each event): pass it as ``timeline=`` and assert on ``event_log.events_of(...)``.
 ``local_cluster_factory``
     :func:`flodl_trio.local_cluster.open_local_cluster` on that network (type:
     :class:`LocalClusterFactory`).
@@ -24,7 +27,7 @@ import pytest
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
 from .chaos import ChaosProxy, open_chaos_proxy
 from .local_cluster import LocalCluster, open_local_cluster
-from .testing import MemoryNetwork
+from .testing import EventLog, MemoryNetwork
 from .timeline import Timeline
 from .wire import SessionSalt
 
@@ -65,6 +68,12 @@ def memory_network() -> Iterator[MemoryNetwork]:
     net = MemoryNetwork()
     yield net
     net.assert_all_closed()
+
+
+@pytest.fixture
+def event_log() -> EventLog:
+    """A fresh :class:`~flodl_trio.testing.EventLog`; pass it as ``timeline=``."""
+    return EventLog()
 
 
 @pytest.fixture

@@ -27,15 +27,21 @@ import operator
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import trio
 
 from ._errors import ConfigError
+from ._waiting import wait_until
 from .events import Event
 from .timeline import Stamped, Timeline
 
-__all__ = ["EventLog", "MemoryConnection", "MemoryListener", "MemoryNetwork", "MemoryStream"]
+__all__ = [
+    "EventLog", "MemoryConnection", "MemoryListener", "MemoryNetwork", "MemoryStream", "wait_until",
+]
 
+
+E = TypeVar("E", bound=Event)
 
 class _ConflictGuard:
     """Raises :class:`trio.BusyResourceError` when two tasks use one half of a stream at once."""
@@ -474,6 +480,10 @@ class EventLog(Timeline):
         self.entries.append((trio.current_time(), ev))
         return super().event(ev)
 
-    def of(self, kind: type[Event]) -> list[tuple[float, Event]]:
+    def of(self, kind: type[E]) -> list[tuple[float, E]]:
         """``(trio time, event)`` for every event of class ``kind``, oldest first."""
         return [(t, ev) for t, ev in self.entries if isinstance(ev, kind)]
+
+    def events_of(self, kind: type[E]) -> list[E]:
+        """Every recorded event of class ``kind``, oldest first."""
+        return [ev for _, ev in self.entries if isinstance(ev, kind)]

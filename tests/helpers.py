@@ -12,7 +12,7 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import events
-from flodl_trio.testing import EventLog, MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork, wait_until
 
 COORD = "coordinator"
 
@@ -236,13 +236,6 @@ def partial_kw(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from functools import partial
 
     return partial(fn, *args, **kwargs)
-
-
-async def wait_until(predicate: Any, *, limit: float = 60.0, step: float = 0.01) -> None:
-    """Poll ``predicate`` until it is true; TooSlowError after ``limit`` seconds of trio time."""
-    with trio.fail_after(limit):
-        while not predicate():  # noqa: ASYNC110 - the conditions polled have no Event to wait on
-            await trio.sleep(step)
 
 
 def events_of(timeline: ft.Timeline, kind: type[Any]) -> list[Any]:
