@@ -3,6 +3,7 @@
     .venv/bin/python scripts/chaos_sweep.py            # every offset x 3 rounds, 20 SIGKILLs
     .venv/bin/python scripts/chaos_sweep.py --quick    # every offset once, 6 SIGKILLs
     .venv/bin/python scripts/chaos_sweep.py --family flood   # only the junk floods (issue 12)
+    .venv/bin/python scripts/chaos_sweep.py --family stall   # only the stalls (issue 13)
 
 In-memory scenarios run under ``MockClock`` (one ``trio.run`` each), so their decision times are
 mock seconds; the process and namespace scenarios run on the real clock. Each row checks every
@@ -241,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=None, help="process SIGKILL scenarios")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--no-processes", action="store_true")
-    parser.add_argument("--family", choices=("all", "faults", "flood"), default="all",
+    parser.add_argument("--family", choices=("all", "faults", "flood", "stall"), default="all",
                         help="faults: the fault scenarios; flood: junk against a coordinator "
-                        "process (counts, log lines, RSS)")
+                        "process (counts, log lines, RSS); stall: frozen relay and rank "
+                        "processes (issue 13)")
     parser.add_argument("--flood-scale", type=float, default=1.0,
                         help="multiply the flood sizes (1.0: 1,100 / 5,000 / 1,000 / 20,000)")
     args = parser.parse_args(argv)
@@ -258,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.family == "flood":
             return 1 if flood_bad else 0
     rounds = args.rounds or (1 if args.quick else 3)
+    stall_bad = 0
+    if args.family in ("all", "stall") and not args.no_processes:
+        from _stall_family import main_stalls
+
+        stall_bad = main_stalls(rounds)
+        print()
+        if args.family == "stall":
+            return stall_bad
     kills = args.kills or (6 if args.quick else 20)
     started = time.monotonic()
     rows = memory_rows(rounds, random.Random(args.seed))
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(bad)} unexpected, {leaks} leaks")
     for text in bad[:20]:
         print(f"  unexpected: {text}")
-    return 1 if bad or leaks or flood_bad else 0
+    return 1 if bad or leaks or flood_bad or stall_bad else 0
 
 
 if __name__ == "__main__":

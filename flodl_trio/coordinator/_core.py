@@ -180,9 +180,14 @@ class Coordinator:
         return None if conn is None else conn.host
 
     def state(self) -> dict[str, Any]:
-        """The status document served at ``/state.json`` (SPEC §7)."""
+        """The status document served at ``/state.json`` (SPEC §7); each relay entry also
+        says whether the coordinator has closed its connection (``closed``; ``connected``
+        turns false first, when the relay is lost or being disconnected)."""
+        fields = self._roster.state_fields()
+        for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
+            entry["closed"] = conn.closed
         return {
-            **self._roster.state_fields(),
+            **fields,
             "lost_broadcasts": self.lost_broadcasts,
             "fenced_ranks": self._liveness.fenced,
             "relay_write_stalls": self._liveness.write_stalls,
