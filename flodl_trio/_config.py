@@ -166,7 +166,9 @@ class CoordinatorConfig:
         formation_timeout: seconds for every rank to be covered.
         handshake_timeout: seconds for one relay connection to complete its handshake.
         heartbeat_timeout: a rank silent longer than this is declared dead.
-        write_stall_timeout: bound on any single write to a relay.
+        write_stall_timeout: a relay whose writer makes no progress this long is lost. No
+            other relay's heartbeats or broadcasts wait on it (issue 13), so it needs no
+            relation to the ranks' ``coord_liveness_timeout`` or to ``heartbeat_timeout``.
         peek_timeout: port mux: seconds for a connection's 4-byte magic to arrive.
         shutdown_grace: bound on the final ``Shutdown`` broadcast and close.
         heartbeat_interval: cadence of ``CoordHeartbeat`` (not scaled).
@@ -224,7 +226,12 @@ class CoordinatorConfig:
 
 @attrs.frozen(kw_only=True)
 class RelayConfig:
-    """Deadlines of a host relay (SPEC §5)."""
+    """Deadlines of a host relay (SPEC §5).
+
+    ``write_stall_timeout`` also bounds how long a local rank may leave its outbound queue
+    (``queue_size`` frames) overflowing or its socket unread before the relay drops it; its
+    siblings never wait on it, so no other deadline has to be shorter or longer than it.
+    """
 
     rank_accept_timeout: float = _deadline(T.RANK_ACCEPT_TIMEOUT)
     connect_timeout: float = _deadline(T.CONNECT_TIMEOUT)

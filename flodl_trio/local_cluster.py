@@ -10,7 +10,7 @@ real loopback TCP (``transport="tcp"``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
-from ._errors import ConfigError
+from ._errors import ConfigError, FlodlError
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
 from .rank import RankEndpoint, open_rank
 from .relay import Relay, open_relay
@@ -39,6 +39,8 @@ class LocalCluster:
         ranks: global rank → :class:`RankEndpoint` (connected, not yet iterated).
         salt: the session salt.
         network: the MemoryNetwork in use (None over TCP).
+        outcomes: global rank → what its ``rank_main`` returned, or the ``rank_errors``
+            exception it raised (filled as ranks finish).
     """
 
     coord: Coordinator
@@ -46,6 +48,7 @@ class LocalCluster:
     ranks: dict[int, RankEndpoint]
     salt: SessionSalt
     network: MemoryNetwork | None
+    outcomes: dict[int, object] = attrs.field(factory=dict)
     _rank_stops: dict[int, trio.CancelScope] = attrs.field(factory=dict)
     _relay_stops: dict[str, trio.CancelScope] = attrs.field(factory=dict)
 
@@ -75,11 +78,22 @@ async def open_local_cluster(
     relay_config: RelayConfig | None = None,
     rank_config: RankConfig | None = None,
     timeline: Timeline | None = None,
+    rank_configs: Mapping[int, RankConfig] | None = None,
+    rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = None,
+    rank_errors: tuple[type[Exception], ...] = (FlodlError,),
 ) -> AsyncIterator[LocalCluster]:
     """Start a coordinator, one relay per host and every rank; yield once all are connected.
 
     Leaving the block lets every rank leave cleanly (``Exiting``), then shuts the coordinator
     down; the relays end once their ranks are gone.
+
+    Args:
+        rank_configs: per-rank :class:`RankConfig` overrides of ``rank_config``.
+        rank_main: what each rank does inside its ``open_rank`` block (e.g. run a
+            ``SimulatedRank``); its result goes to ``cluster.outcomes``. Without it a rank waits
+            until the block is left.
+        rank_errors: exceptions of ``rank_main`` that end only that rank: they leave its
+            ``open_rank`` block (no ``Exiting``, like a crash) and go to ``cluster.outcomes``.
 
     Raises:
         ConfigError: the layout is empty or its ranks are not exactly ``range(world_size)``.
@@ -116,15 +130,26 @@ async def open_local_cluster(
         raise ConfigError(f"open_local_cluster: transport must be 'memory' or 'tcp', got "
                           f"{transport!r}")
 
+    outcomes: dict[int, object] = {}
+    configs = dict(rank_configs or {})
+
     async def run_rank(host: str, rank: int, dial: Any) -> None:
         with trio.CancelScope() as scope:
             rank_stops[rank] = scope
-            async with open_rank(dial, salt=salt, rank=rank, world_size=world,
-                                 config=rank_config) as ep:
-                ranks[rank] = ep
-                if len(ranks) == world:
-                    all_connected.set()
-                await release.wait()
+            try:
+                async with open_rank(dial, salt=salt, rank=rank, world_size=world,
+                                     config=configs.get(rank, rank_config)) as ep:
+                    ranks[rank] = ep
+                    if len(ranks) == world:
+                        all_connected.set()
+                    if rank_main is None:
+                        await release.wait()
+                    else:
+                        outcomes[rank] = await rank_main(ep)
+            except rank_errors as exc:
+                if rank_main is None:
+                    raise
+                outcomes[rank] = exc
 
     async def run_relay(host: str, host_ranks: Sequence[int], nursery: trio.Nursery) -> None:
         with trio.CancelScope() as scope:
@@ -158,7 +183,8 @@ async def open_local_cluster(
                                         timeline=timeline) as coord:
                 await all_connected.wait()
                 try:
-                    yield LocalCluster(coord, relays, ranks, salt, net, rank_stops, relay_stops)
+                    yield LocalCluster(coord, relays, ranks, salt, net, outcomes, rank_stops,
+                                       relay_stops)
                 finally:
                     # Ranks leave cleanly (Exiting) before the coordinator shuts down, so the
                     # shutdown does not wait out its grace period for ranks nobody iterates.

@@ -18,15 +18,17 @@ The fixtures:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Literal, Protocol
 
 import pytest
 
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
+from ._errors import FlodlError
 from .chaos import ChaosProxy, open_chaos_proxy
 from .local_cluster import LocalCluster, open_local_cluster
+from .rank import RankEndpoint
 from .testing import EventLog, MemoryNetwork
 from .timeline import Timeline
 from .wire import SessionSalt
@@ -47,6 +49,9 @@ class LocalClusterFactory(Protocol):
         relay_config: RelayConfig | None = ...,
         rank_config: RankConfig | None = ...,
         timeline: Timeline | None = ...,
+        rank_configs: Mapping[int, RankConfig] | None = ...,
+        rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = ...,
+        rank_errors: tuple[type[Exception], ...] = ...,
     ) -> AbstractAsyncContextManager[LocalCluster]: ...
 
 
@@ -94,11 +99,15 @@ def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
         relay_config: RelayConfig | None = None,
         rank_config: RankConfig | None = None,
         timeline: Timeline | None = None,
+        rank_configs: Mapping[int, RankConfig] | None = None,
+        rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = None,
+        rank_errors: tuple[type[Exception], ...] = (FlodlError,),
     ) -> AbstractAsyncContextManager[LocalCluster]:
         return open_local_cluster(
             hosts, transport=transport, network=memory_network if transport == "memory" else None,
             salt=salt, coord_config=coord_config, relay_config=relay_config,
-            rank_config=rank_config, timeline=timeline,
+            rank_config=rank_config, timeline=timeline, rank_configs=rank_configs,
+            rank_main=rank_main, rank_errors=rank_errors,
         )
 
     return factory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -15,85 +15,6 @@ from flodl_trio import events
 from flodl_trio.testing import EventLog, MemoryNetwork, wait_until
 
 COORD = "coordinator"
-
-
-@attrs.define
-class MiniCluster:
-    coord: ft.Coordinator
-    relays: dict[str, ft.Relay]
-    ranks: dict[int, ft.RankEndpoint]
-    salt: ft.SessionSalt
-    net: MemoryNetwork
-
-
-def layout(hosts: int, per_host: int) -> dict[str, list[int]]:
-    return {f"host-{h}": list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)}
-
-
-@asynccontextmanager
-async def mini_cluster(
-    net: MemoryNetwork,
-    hosts: dict[str, Sequence[int]],
-    *,
-    salt: ft.SessionSalt | None = None,
-    coord_config: ft.CoordinatorConfig | None = None,
-    relay_config: ft.RelayConfig | None = None,
-    rank_config: ft.RankConfig | None = None,
-    timeline: ft.Timeline | None = None,
-) -> AsyncIterator[MiniCluster]:
-    """Coordinator + relays + rank endpoints over one MemoryNetwork, in this Trio run."""
-    salt = salt or ft.SessionSalt.generate()
-    world = sum(len(r) for r in hosts.values())
-    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
-    relays: dict[str, ft.Relay] = {}
-    ranks: dict[int, ft.RankEndpoint] = {}
-    listener = net.listener(COORD)
-    async with AsyncExitStack() as stack:
-        entered = trio.Event()
-        holder: dict[str, Any] = {}
-
-        async def run_relay(host: str, host_ranks: Sequence[int], task_status: Any) -> None:
-            rank_net = f"relay:{host}"
-            async with ft.open_relay(
-                lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
-                world_size=world, rank_listen=net.listener(rank_net),
-                config=relay_config or ft.RelayConfig(),
-            ) as relay:
-                relays[host] = relay
-                task_status.started()
-                await relay.wait_closed()
-
-        async def run_rank(host: str, rank: int, task_status: Any) -> None:
-            async with ft.open_rank(
-                lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank, world_size=world,
-                config=rank_config or ft.RankConfig(),
-            ) as ep:
-                ranks[rank] = ep
-                task_status.started()
-                await holder["done"].wait()
-
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        holder["done"] = trio.Event()
-        for host, host_ranks in hosts.items():
-            await nursery.start(run_relay, host, host_ranks)
-        for host, host_ranks in hosts.items():
-            for r in host_ranks:
-                nursery.start_soon(run_rank_started, nursery, run_rank, host, r)
-        coord = await stack.enter_async_context(
-            ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
-        )
-        with trio.fail_after(5):
-            while len(ranks) < world:  # noqa: ASYNC110 - bounded by fail_after; ranks start in tasks
-                await trio.sleep(0.01)
-        entered.set()
-        try:
-            yield MiniCluster(coord, relays, ranks, salt, net)
-        finally:
-            holder["done"].set()
-
-
-async def run_rank_started(nursery: trio.Nursery, fn: Any, *args: Any) -> None:
-    await nursery.start(fn, *args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +186,7 @@ async def recording_cluster(
     rank_config: ft.RankConfig | None = None,
     teardown_timeout: float = 60.0,
 ) -> AsyncIterator[Cluster]:
-    """Like :func:`mini_cluster`, but every rank iterates and records what it receives.
+    """Coordinator, relays and ranks that iterate and record what they receive (``start_host``).
 
     On exit the coordinator shuts down first, then every relay and rank task must finish within
     ``teardown_timeout`` seconds of trio time.
@@ -574,15 +495,6 @@ class Peers:
         return [p for r, p in sorted(self.probes.items()) if r not in dead]
 
 
-async def wait_for(predicate: Any, *, within: float = 10.0, step: float = 0.01) -> None:
-    """Poll ``predicate`` until true; ``TooSlowError`` after ``within`` seconds (current clock).
-
-    Polling, because the conditions span several objects (coordinator state, probes' inboxes)
-    that share no event to wait on.
-    """
-    with trio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(step)
 
 
 @asynccontextmanager
@@ -715,8 +627,8 @@ async def probed_cluster(
                                        timeline=timeline) as coord:
             # Entered at formation; the endpoints are up by then, the last one may lag a pass,
             # and a relay may not have read its HelloAck yet.
-            await wait_for(lambda: all(p.ep is not None for p in peers.probes.values())
-                           and len(peers.raw) == len(raw_ranks or {}), within=1)
+            await wait_until(lambda: all(p.ep is not None for p in peers.probes.values())
+                           and len(peers.raw) == len(raw_ranks or {}), limit=1)
             with trio.fail_after(1):
                 for relay in peers.relays.values():
                     await relay.wait_connected()
@@ -750,61 +662,25 @@ async def sim_cluster(
     rank_configs: dict[int, ft.RankConfig] | None = None,
     timeline: ft.Timeline | None = None,
 ) -> AsyncIterator[SimCluster]:
-    """Coordinator + relays + one ``SimulatedRank`` per rank over one MemoryNetwork.
-
-    ``sim_args(rank)`` returns the keyword arguments of that rank's ``SimulatedRank``. Each sim
-    runs inside its own ``open_rank`` block, so a crash leaves that block with an exception (no
-    ``Exiting``; the relay reports ``RankExit``). Hung sims are cancelled at exit.
-    """
+    """``open_local_cluster`` with one ``SimulatedRank`` per rank (``sim_args(rank)`` gives its
+    keyword arguments). A crash leaves that rank's block with an exception (no ``Exiting``; the
+    relay reports ``RankExit``); hung sims are cancelled at exit."""
+    from flodl_trio.local_cluster import open_local_cluster
     from flodl_trio.sim import SimulatedCrash, SimulatedRank
 
-    salt = ft.SessionSalt.generate()
-    world = sum(len(r) for r in hosts.values())
-    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
     sims: dict[int, Any] = {}
-    outcomes: dict[int, Any] = {}
-    scopes: dict[int, trio.CancelScope] = {}
-    all_connected = trio.Event()
-    listener = net.listener(COORD)
 
-    async def run_relay(host: str, host_ranks: Sequence[int], task_status: Any) -> None:
-        async with ft.open_relay(
-            lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
-            world_size=world, rank_listen=net.listener(f"relay:{host}"),
-        ) as relay:
-            task_status.started()
-            await relay.wait_closed()
+    async def run_sim(ep: ft.RankEndpoint) -> Any:
+        sims[ep.rank] = SimulatedRank(ep, **sim_args(ep.rank))
+        return await sims[ep.rank].run()
 
-    async def run_sim(host: str, rank: int) -> None:
-        with trio.CancelScope() as scope:
-            scopes[rank] = scope
-            try:
-                async with ft.open_rank(
-                    lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
-                    world_size=world, config=(rank_configs or {}).get(rank),
-                ) as ep:
-                    sims[rank] = SimulatedRank(ep, **sim_args(rank))
-                    if len(sims) == world:
-                        all_connected.set()
-                    outcomes[rank] = await sims[rank].run()
-            except (SimulatedCrash, ft.FlodlError) as exc:
-                outcomes[rank] = exc
-
-    async with AsyncExitStack() as stack:
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        for host, host_ranks in hosts.items():
-            await nursery.start(run_relay, host, host_ranks)
-        for host, host_ranks in hosts.items():
-            for r in host_ranks:
-                nursery.start_soon(run_sim, host, r)
-        coord = await stack.enter_async_context(
-            ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline)
-        )
-        with trio.fail_after(5):
-            await all_connected.wait()
+    async with open_local_cluster(hosts, network=net, coord_config=coord_config,
+                                  rank_configs=rank_configs, timeline=timeline,
+                                  rank_main=run_sim,
+                                  rank_errors=(SimulatedCrash, ft.FlodlError)) as cluster:
         try:
-            yield SimCluster(coord, sims, outcomes, net)
+            yield SimCluster(cluster.coord, sims, cluster.outcomes, net)
         finally:
             for rank, sim in sims.items():
-                if sim.record.failed and rank not in outcomes:
-                    scopes[rank].cancel()
+                if sim.record.failed and rank not in cluster.outcomes:
+                    cluster.kill_rank(rank)

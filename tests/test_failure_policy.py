@@ -15,7 +15,7 @@ from flodl_trio.events import ClusterFailed, RankDeclaredDead
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import DeclareDead, ShutdownWithSave
 
-from helpers import ProbedCluster, live_task_names, probed_cluster, wait_for
+from helpers import ProbedCluster, live_task_names, probed_cluster, wait_until
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 
@@ -87,7 +87,7 @@ async def test_losing_every_rank_without_max_failure_is_all_ranks_lost(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     async def act(c: ProbedCluster) -> None:
         c.peers.stop_relay("host-0")
-        await wait_for(lambda: c.coord.dead_ranks == {0, 1}, within=1)
+        await wait_until(lambda: c.coord.dead_ranks == {0, 1}, limit=1)
         await stays_running(c)
         c.peers.stop_relay("host-1")
 
@@ -142,8 +142,8 @@ async def test_explicit_shutdown_with_save_reaches_every_live_rank_once(
         await c.coord.declare_dead(2, "gone")
         await c.coord.shutdown_with_save(SaveReason.REDUCE_STALL)
         await c.coord.shutdown_with_save(SaveReason.GRACEFUL_SHUTDOWN)  # latched: not sent
-        await wait_for(lambda: all(p.ended.is_set() for r, p in c.probes.items() if r != 2),
-                       within=1)
+        await wait_until(lambda: all(p.ended.is_set() for r, p in c.probes.items() if r != 2),
+                       limit=1)
         await trio.sleep(2)
     for rank in (1, 3):
         assert c.raw[rank].count(ShutdownWithSave) == 1

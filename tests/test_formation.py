@@ -5,15 +5,14 @@ from __future__ import annotations
 import trio
 
 import flodl_trio as ft
+from flodl_trio.local_cluster import layout, open_local_cluster
 from flodl_trio.testing import MemoryNetwork
-
-from helpers import layout, mini_cluster
 
 
 async def test_three_relays_with_two_ranks_each_form_over_memory(autojump_clock: trio.abc.Clock,
                                                                  memory_network: MemoryNetwork
                                                                  ) -> None:
-    async with mini_cluster(memory_network, layout(3, 2)) as c:
+    async with open_local_cluster(layout(3, 2), network=memory_network) as c:
         assert c.coord.world_size == 6
         assert c.coord.live_ranks == frozenset(range(6))
         assert [r.host for r in c.coord.relays] != []

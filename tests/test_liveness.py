@@ -15,7 +15,7 @@ from flodl_trio.events import LostBroadcast, RankDeclaredDead, RankExited, Relay
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
 
-from helpers import COORD, probed_cluster, start_host, wait_for
+from helpers import COORD, probed_cluster, start_host, wait_until
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 
@@ -39,7 +39,7 @@ async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_the
         assert 3 in c.coord.live_ranks
         assert c.log.of(RankDeclaredDead) == []
 
-        await wait_for(lambda: 3 in c.coord.dead_ranks, within=1)
+        await wait_until(lambda: 3 in c.coord.dead_ranks, limit=1)
         ((declared_at, event),) = c.log.of(RankDeclaredDead)
         assert declared_at == pytest.approx(silent_since + 5, abs=1e-9)
         assert event == RankDeclaredDead(rank=3, host="host-1", reason="heartbeat stale (>5s)")
@@ -54,7 +54,7 @@ async def test_endpoint_that_never_heartbeats_is_declared_dead_heartbeat_timeout
                               coord_config=config(heartbeat_timeout=7)) as c:
         await trio.sleep_until(c.formed_at + 7 - 0.01)
         assert c.coord.live_ranks == {0, 1, 2, 3}
-        await wait_for(lambda: 1 in c.coord.dead_ranks, within=1)
+        await wait_until(lambda: 1 in c.coord.dead_ranks, limit=1)
         ((declared_at, event),) = c.log.of(RankDeclaredDead)
         assert declared_at == pytest.approx(c.formed_at + 7, abs=1e-9)
         assert event.reason == "heartbeat stale (>7s)"
@@ -106,7 +106,7 @@ async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
             raw.beating = False
             assert raw.last_sent is not None
             silent_since = raw.last_sent
-            await wait_for(lambda: 3 in c.coord.dead_ranks, within=5)
+            await wait_until(lambda: 3 in c.coord.dead_ranks, limit=5)
             nursery.cancel_scope.cancel()
         ((declared_at, event),) = c.log.of(RankDeclaredDead)
         assert event.rank == 3
@@ -121,7 +121,7 @@ async def test_rank_that_exited_cleanly_is_never_declared_dead(
         leaver = c.probes[1]
         leaver.leave.set()
         await leaver.left.wait()
-        await wait_for(lambda: 1 in c.coord.exited_ranks, within=1)
+        await wait_until(lambda: 1 in c.coord.exited_ranks, limit=1)
         await trio.sleep(3 * 3)
 
         assert c.coord.exited_ranks == {1}
@@ -164,7 +164,7 @@ async def test_relay_upstream_loss_declares_all_its_ranks_dead_in_one_scheduler_
             await c.coord.send_control(0, SyncNow())
 
         survivors = [c.probes[3], c.probes[4]]
-        await wait_for(lambda: all(len(p.declared_dead()) == 3 for p in survivors), within=1)
+        await wait_until(lambda: all(len(p.declared_dead()) == 3 for p in survivors), limit=1)
         for probe in survivors:
             assert sorted(probe.declared_dead()) == [0, 1, 2]
             assert probe.ep is not None and probe.ep.dead_peers == {0, 1, 2}
@@ -178,12 +178,12 @@ async def test_rank_link_that_ends_without_exiting_is_declared_dead_from_relay_r
         await trio.sleep(2)
         crashed_at = trio.current_time()
         await c.raw[2].stream.aclose()  # the rank process died: no Exiting, its socket closes
-        await wait_for(lambda: 2 in c.coord.dead_ranks, within=1)
+        await wait_until(lambda: 2 in c.coord.dead_ranks, limit=1)
         ((declared_at, event),) = c.log.of(RankDeclaredDead)
         assert declared_at == crashed_at
         assert event.host == "host-1"
         assert "ended without Exiting" in event.reason
-        await wait_for(lambda: all(p.declared_dead() == [2] for p in c.probes.values()), within=1)
+        await wait_until(lambda: all(p.declared_dead() == [2] for p in c.probes.values()), limit=1)
 
 
 async def test_declare_dead_records_the_reason_and_tells_every_survivor(
@@ -197,7 +197,7 @@ async def test_declare_dead_records_the_reason_and_tells_every_survivor(
         assert c.coord.dead_reason(1) == event.reason
 
         survivors = c.peers.survivors([1])
-        await wait_for(lambda: all(p.declared_dead() == [1] for p in survivors), within=1)
+        await wait_until(lambda: all(p.declared_dead() == [1] for p in survivors), limit=1)
         assert all(p.ep is not None and p.ep.dead_peers == {1} for p in survivors)
         assert c.probes[1].declared_dead() == []  # the dead rank itself is not addressed
 
@@ -247,7 +247,7 @@ async def test_lost_relay_falls_back_to_heartbeat_staleness_without_declare_dead
         await trio.testing.wait_all_tasks_blocked()
         assert c.coord.dead_ranks == {0, 1}
         assert {c.coord.dead_reason(r) for r in (0, 1)} == {"heartbeat stale (>5s)"}
-        await wait_for(lambda: sorted(c.probes[2].declared_dead()) == [0, 1], within=1)
+        await wait_until(lambda: sorted(c.probes[2].declared_dead()) == [0, 1], limit=1)
 
 
 async def test_relay_lost_while_its_hello_ack_is_in_flight_never_counts_as_formed(

@@ -10,6 +10,7 @@ import trio
 from flodl_trio import ConfigError, SendError
 from flodl_trio.local_cluster import layout
 from flodl_trio.pytest_plugin import LocalClusterFactory
+from flodl_trio.testing import wait_until
 from flodl_trio.wire import DeclareDead, Heartbeat, SyncNow
 
 
@@ -72,3 +73,24 @@ async def test_sending_a_message_the_wrong_way_is_refused_before_anything_is_wri
         await cluster.coord.broadcast_control(SyncNow())
         for r in (0, 1):
             assert isinstance(await cluster.ranks[r].receive(), SyncNow)
+
+
+async def test_rank_main_runs_each_rank_and_its_errors_end_only_that_rank(
+    autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
+) -> None:
+    async def rank_main(ep: Any) -> list[str]:
+        if ep.rank == 1:
+            await trio.sleep(1)
+            raise RuntimeError("rank 1 simulated a crash")
+        return [type(msg).__name__ async for msg in ep]
+
+    async with local_cluster_factory(layout(1, 3), rank_main=rank_main,
+                                     rank_errors=(RuntimeError,)) as cluster:
+        await wait_until(lambda: 1 in cluster.coord.dead_ranks, limit=5)
+        reason = cluster.coord.dead_reason(1) or ""
+        assert "without Exiting" in reason  # the crash left its block: no Exiting was sent
+        await cluster.coord.send_control(2, SyncNow())
+    outcomes = cluster.outcomes
+    assert isinstance(outcomes[1], RuntimeError)
+    assert outcomes[0] == ["DeclareDead", "Shutdown"]
+    assert outcomes[2] == ["DeclareDead", "SyncNow", "Shutdown"]

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flodl_trio as ft
+from flodl_trio.local_cluster import layout, open_local_cluster
 from flodl_trio.scheduler import (
     SyncScheduler,
     partition_sizes,
@@ -30,8 +31,6 @@ from flodl_trio.wire import (
     StartEpoch,
     SyncNow,
 )
-
-from helpers import layout, mini_cluster
 
 
 def batch(rank: int, step: int = 1) -> Batch:
@@ -63,7 +62,8 @@ async def answer_with_metrics(ep: ft.RankEndpoint, seen: list[ControlMsg],
 
 async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(2, 1)) as c, trio.open_nursery() as nursery:
+    async with (open_local_cluster(layout(2, 1), network=memory_network) as c,
+                trio.open_nursery() as nursery):
         nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=4,
                                          num_epochs=1).run)
         for _, ep in sorted(c.ranks.items()):
@@ -81,7 +81,8 @@ async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(
 
 async def test_no_sync_until_every_live_rank_reported_a_batch(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(1, 2)) as c, trio.open_nursery() as nursery:
+    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
+                trio.open_nursery() as nursery):
         nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=1,
                                          num_epochs=1).run)
         for _, ep in sorted(c.ranks.items()):
@@ -102,7 +103,8 @@ async def test_no_sync_until_every_live_rank_reported_a_batch(
 
 async def test_ten_samples_over_two_ranks_plan_zero_five_and_five_five_after_one_role(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(1, 2)) as c, trio.open_nursery() as nursery:
+    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
+                trio.open_nursery() as nursery):
         nursery.start_soon(SyncScheduler(c.coord, total_samples=10, batch_size=5,
                                          num_epochs=1).run)
         plans = {}
@@ -118,7 +120,8 @@ async def test_ten_samples_over_two_ranks_plan_zero_five_and_five_five_after_one
 
 async def test_partition_ratios_one_to_three_over_twelve_give_three_and_nine(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(2, 1)) as c, trio.open_nursery() as nursery:
+    async with (open_local_cluster(layout(2, 1), network=memory_network) as c,
+                trio.open_nursery() as nursery):
         nursery.start_soon(SyncScheduler(c.coord, total_samples=12, batch_size=3, num_epochs=1,
                                          partition_ratios=[1, 3]).run)
         sizes = []
@@ -134,7 +137,7 @@ async def test_partition_ratios_one_to_three_over_twelve_give_three_and_nine(
 async def test_two_epochs_of_eight_samples_each_rank_sees_two_start_epochs_then_shutdown(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
-    async with mini_cluster(memory_network, layout(2, 1)) as c:
+    async with open_local_cluster(layout(2, 1), network=memory_network) as c:
         async with trio.open_nursery() as nursery:
             for rank, ep in sorted(c.ranks.items()):
                 nursery.start_soon(answer_with_metrics, ep, seen[rank])
@@ -153,7 +156,7 @@ async def test_two_epochs_of_eight_samples_each_rank_sees_two_start_epochs_then_
 async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every_rank(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
-    async with mini_cluster(memory_network, layout(2, 1)) as c:
+    async with open_local_cluster(layout(2, 1), network=memory_network) as c:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer_with_metrics, c.ranks[0], seen[0], 10.0)
             nursery.start_soon(answer_with_metrics, c.ranks[1], seen[1], 11.0)
@@ -178,7 +181,8 @@ async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every
 
 async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the_others(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(1, 3)) as c, trio.open_nursery() as nursery:
+    async with (open_local_cluster(layout(1, 3), network=memory_network) as c,
+                trio.open_nursery() as nursery):
         nursery.start_soon(SyncScheduler(c.coord, total_samples=9, batch_size=1,
                                          num_epochs=1).run)
         for _, ep in sorted(c.ranks.items()):
@@ -194,7 +198,7 @@ async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the
 
 async def test_every_rank_exiting_before_the_run_ends_raises_cluster_failure(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(1, 2)) as c:
+    async with open_local_cluster(layout(1, 2), network=memory_network) as c:
         sched = SyncScheduler(c.coord, total_samples=4, batch_size=1, num_epochs=1)
         for rank, ep in sorted(c.ranks.items()):
             await ep.send(ft.wire.Exiting(rank=rank))

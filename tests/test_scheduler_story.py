@@ -8,10 +8,11 @@ from typing import Any
 import trio
 
 from flodl_trio.events import Note
+from flodl_trio.local_cluster import layout
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import layout, sim_cluster
+from helpers import sim_cluster
 
 
 def notes(timeline: Any, what: str) -> list[dict[str, Any]]:

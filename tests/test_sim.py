@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flodl_trio as ft
+from flodl_trio.local_cluster import layout, open_local_cluster
 from flodl_trio.scheduler import RunSummary, SyncScheduler
 from flodl_trio.sim import SimRecord, SimulatedCrash, SimulatedRank
 from flodl_trio.testing import MemoryNetwork
@@ -30,7 +31,7 @@ from flodl_trio.wire import (
     SyncNow,
 )
 
-from helpers import SimCluster, layout, mini_cluster, sim_cluster
+from helpers import SimCluster, sim_cluster
 
 SILENT = ft.RankConfig(heartbeat_interval=1e6)  # a hung process: no heartbeats either
 
@@ -180,7 +181,7 @@ async def test_role_rank_dying_moves_the_role_and_its_eval_to_the_lowest_survivo
 
 async def test_sim_answers_sync_now_while_a_batch_is_in_flight_and_throttle_pauses_it(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with mini_cluster(memory_network, layout(1, 1)) as c:
+    async with open_local_cluster(layout(1, 1), network=memory_network) as c:
         ep = c.ranks[0]
         sim = SimulatedRank(ep, batch_size=1, batch_ms=1000.0)
         coord = c.coord

@@ -233,3 +233,18 @@ async def test_rank_queue_holds_a_burst_and_signals_a_drop_only_after_write_stal
     link.end_queue()
     assert await link.next_batch() == [b"y", b"z", b"w", b"v"]
     assert await link.next_batch() is None
+
+
+def test_metrics_expose_the_fencing_and_stall_counters() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flodl_trio.status import render_prometheus
+
+    text = render_prometheus({"fenced_ranks": 3, "relay_write_stalls": 1,
+                              "relays_disconnected": 2})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, value in (("fenced_ranks", 3), ("relay_write_stalls", 1),
+                        ("relays_disconnected", 2)):
+        family = families[f"flodl_trio_{name}"]
+        assert family.type == "counter"
+        assert [s.value for s in family.samples] == [value]

@@ -22,7 +22,7 @@ from _util import (
     first,
     run_cluster,
     upstream_handshake,
-    wait_for,
+    wait_until,
 )
 
 import flodl_trio as ft
@@ -187,7 +187,7 @@ async def last_relay_hello_ack_cut(net: MemoryNetwork, offset_in_ack: int) -> Ou
     }
 
     async def body(coord: ft.Coordinator) -> None:
-        await wait_for(lambda: {0, 1} <= coord.dead_ranks, within=10)
+        await wait_until(lambda: {0, 1} <= coord.dead_ranks, limit=10)
         await trio.sleep(2)  # host-a's re-dials meet the formed cohort
 
     await run_cluster(net, out, hosts, config=config, salt=salt, body=body)

@@ -19,7 +19,7 @@ from _util import (
     first,
     run_cluster,
     upstream_handshake,
-    wait_for,
+    wait_until,
 )
 
 import flodl_trio as ft
@@ -78,7 +78,7 @@ async def mid_run(net: MemoryNetwork, fault: Fault, *, fault_at: int = 20, steps
     errors: list[tuple[int, ft.BroadcastError]] = []
 
     async def body(coord: ft.Coordinator) -> None:
-        await wait_for(lambda: all(h.relay is not None for h in out.hosts.values()), within=1)
+        await wait_until(lambda: all(h.relay is not None for h in out.hosts.values()), limit=1)
         for host in out.hosts.values():
             assert host.relay is not None
             await host.relay.wait_connected()
@@ -92,9 +92,9 @@ async def mid_run(net: MemoryNetwork, fault: Fault, *, fault_at: int = 20, steps
             except ft.BroadcastError as exc:
                 errors.append((step, exc))
             await trio.sleep(interval)
-        await wait_for(lambda: VICTIM_RANKS <= coord.dead_ranks, within=60)
+        await wait_until(lambda: VICTIM_RANKS <= coord.dead_ranks, limit=60)
         survivors = [(h, r) for h in out.hosts.values() for r in h.ranks if r in SURVIVOR_RANKS]
-        await wait_for(lambda: all(len(h.steps(r)) >= steps for h, r in survivors), within=10)
+        await wait_until(lambda: all(len(h.steps(r)) >= steps for h, r in survivors), limit=10)
         out.details["live_at_end"] = coord.live_ranks
         out.details["lost_broadcasts"] = coord.lost_broadcasts
 
@@ -120,7 +120,7 @@ async def replayed_session(net: MemoryNetwork, *, replay_after: float = 2.0) -> 
     replay: dict[str, Any] = {}
 
     async def replayer() -> None:
-        await wait_for(lambda: first(out.log, RelayJoined) is not None, within=5)
+        await wait_until(lambda: first(out.log, RelayJoined) is not None, limit=5)
         await trio.sleep(replay_after)  # let the session carry heartbeats (DATA records) too
         recorded = bytes(taps[0].sent)
         replay["bytes"] = len(recorded)
@@ -167,7 +167,7 @@ async def duplicated_record(net: MemoryNetwork) -> Outcome:
         return wrappers[-1]
 
     async def body(coord: ft.Coordinator) -> None:
-        await wait_for(lambda: VICTIM_RANKS <= coord.dead_ranks, within=10)
+        await wait_until(lambda: VICTIM_RANKS <= coord.dead_ranks, limit=10)
         out.details["live_at_end"] = coord.live_ranks
 
     config = ft.CoordinatorConfig(world_size=3, formation_timeout=60, handshake_timeout=5)

@@ -17,7 +17,7 @@ from _streams import plain_dialer
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.testing import EventLog, MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork, wait_until
 
 COORD = "coordinator"
 NONCE = bytes(16)  # CBOR lengths do not depend on the nonce's value, only on its length
@@ -168,15 +168,6 @@ async def run_host(
             event.set()
 
 
-async def wait_for(predicate: Callable[[], bool], *, within: float, step: float = 0.01) -> None:
-    """Poll ``predicate`` until true; ``trio.TooSlowError`` after ``within`` seconds.
-
-    Polling, because the conditions span several objects (coordinator state, hosts' inboxes)
-    that share no event to wait on.
-    """
-    with trio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(step)
 
 
 # ------------------------------------------------------------------ one cluster, one fault
@@ -251,7 +242,7 @@ async def run_cluster(
             out.error = exc
         # The coordinator is closed: every peer ends on its own (EOF or its own deadlines).
         with trio.move_on_after(teardown):
-            await wait_for(lambda: all(h.finished for h in out.hosts.values()), within=teardown)
+            await wait_until(lambda: all(h.finished for h in out.hosts.values()), limit=teardown)
         nursery.cancel_scope.cancel()
     out.leaks = leaks(net)
 

@@ -16,7 +16,7 @@ from _handshake_faults import (
     upstream_cut,
 )
 from _streams import RecordingStream
-from _util import COORD, run_host, wait_for
+from _util import COORD, run_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -57,7 +57,7 @@ async def test_recorded_handshakes_have_the_lengths_the_sweeps_cut_at(
             # Before any heartbeat (no time passed): only handshake bytes have moved.
             up, down = bytes(taps[COORD].sent), bytes(taps[COORD].received)
             rank_up, rank_down = bytes(taps["relay:host-a"].sent), taps["relay:host-a"].received
-        await wait_for(lambda: host.finished, within=30)
+        await wait_until(lambda: host.finished, limit=30)
     assert up[:4] == wire.CHANNEL_MAGIC_CONTROL
     assert len(up) == UPSTREAM.up == 4 + UPSTREAM.hello
     assert len(down) == UPSTREAM.down == UPSTREAM.challenge + UPSTREAM.hello_ack

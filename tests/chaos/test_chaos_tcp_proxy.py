@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 import trio
-from _util import EventLog, category, first, run_host, wait_for
+from _util import EventLog, category, first, run_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -38,7 +38,7 @@ async def test_relay_cut_mid_hello_over_tcp_is_rejected_and_re_dials_through_the
                     first_conn, second = proxy.connections[:2]
                     assert (first_conn.ended_by, first_conn.bytes_up) == ("cut", 10)
                     assert second.ended_by is None
-                await wait_for(lambda: all(h.finished for h in hosts), within=PATIENCE)
+                await wait_until(lambda: all(h.finished for h in hosts), limit=PATIENCE)
             nursery.cancel_scope.cancel()
     rejected = first(log, HandshakeRejected)
     assert rejected is not None and category(rejected[1].reason) == "eof before hello"
@@ -63,16 +63,16 @@ async def test_relay_connection_reset_mid_run_over_tcp_kills_its_ranks_only(
                 async with ft.open_coordinator(bound, salt=salt, config=config,
                                                timeline=log) as coord:
                     await coord.broadcast_control(wire.SetGlobalStep(global_step=1))
-                    await wait_for(lambda: all(h.steps(r) == [1] for h in (a, b)
-                                               for r in h.ranks), within=PATIENCE)
+                    await wait_until(lambda: all(h.steps(r) == [1] for h in (a, b)
+                                               for r in h.ranks), limit=PATIENCE)
                     reset_at = trio.current_time()
                     await proxy.reset_all()  # RST towards the relay, close towards us
-                    await wait_for(lambda: coord.dead_ranks == {0, 1}, within=PATIENCE)
+                    await wait_until(lambda: coord.dead_ranks == {0, 1}, limit=PATIENCE)
                     detected_after = trio.current_time() - reset_at
                     await coord.broadcast_control(wire.SetGlobalStep(global_step=2))
-                    await wait_for(lambda: b.steps(2) == [1, 2], within=PATIENCE)
+                    await wait_until(lambda: b.steps(2) == [1, 2], limit=PATIENCE)
                     assert coord.live_ranks == {2}
-                await wait_for(lambda: a.finished and b.finished, within=PATIENCE)
+                await wait_until(lambda: a.finished and b.finished, limit=PATIENCE)
             nursery.cancel_scope.cancel()
     assert detected_after < 1.0
     assert proxy.connections[0].ended_by == "reset"
