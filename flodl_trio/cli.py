@@ -83,9 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Trio's own signal receiver takes SIGTERM over in the Trio commands (a graceful stop);
     # raising from a Python handler inside Trio's machinery would not be safe, so only the
     # synchronous commands get this one.
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     if args.command in ("demo", "plot"):
         signal.signal(signal.SIGTERM, _raise_terminated)
+        # Explicitly, like Trio's signal receiver in the other commands: a process started in
+        # the background by a non-interactive shell inherits SIGINT *ignored*, and the demo would
+        # then never stop its children on SIGINT.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             return _dispatch(args)
@@ -123,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SIGTERM
     finally:
         if args.command in ("demo", "plot"):
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            for signum, handler in zip((signal.SIGTERM, signal.SIGINT), previous, strict=True):
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _dispatch(args: Any) -> int:

@@ -241,6 +241,9 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
         "Connections rejected before authenticating, by reason.",
         [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(rejected.items())],
     )
+    family("pending_handshakes", "gauge",
+           "Connections in formation whose Hello has not verified yet (max_pending_handshakes).",
+           [("", _count(state.get("pending_handshakes")))])
     invalid = state.get("invalid_frames") or {}
     family(
         "invalid_frames_total",

@@ -243,7 +243,9 @@ def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
 ) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    demo = Proc("demo", "--no-live", "--hosts", "1", env=dict(env, TMPDIR=str(scratch)))
+    # Slow batches: the run outlasts any delay of this (loaded) test process before the signal.
+    demo = Proc("demo", "--no-live", "--hosts", "1", "--batch-ms", "1000",
+                env=dict(env, TMPDIR=str(scratch)))
     procs.append(demo)
     demo.line_with("coordinator on")
     demo.signal(signum)
@@ -253,3 +255,22 @@ def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
     assert one_line(demo) == f"flodl-trio: demo {verb} {name}"
     assert demo.line_with("interrupted: stopping the coordinator, 1 relays and 2 ranks")
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_relay_stopped_by_sigterm_exits_143_and_one_whose_ranks_never_came_exits_1(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    waiting = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
+                   "--world-size", "1", env=env)
+    # The shortest deadlines the scale allows: rank_accept_timeout is 6 s instead of 60 s.
+    alone = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "lonely", "--ranks", "0",
+                 "--world-size", "1", env=dict(env, FLODL_NET_TIMEOUT_SCALE="0.1"))
+    procs.extend([waiting, alone])
+    waiting.line_with("listening for ranks on")
+    waiting.signal(signal.SIGTERM)
+    assert waiting.wait() == 143
+    assert one_line(waiting) == "flodl-trio: relay h stopped by SIGTERM (graceful shutdown done)"
+    assert alone.wait() == 1
+    line = one_line(alone)
+    assert line.startswith("flodl-trio: FormationTimeout: relay 'lonely'"), line

@@ -131,3 +131,15 @@ def test_the_api_reference_documents_every_public_module() -> None:
         f"flodl_trio.{m.name}" for m in pkgutil.iter_modules(flodl_trio.__path__)
         if not m.name.startswith("_") and m.name not in ("cli",)}
     assert public <= documented, sorted(public - documented)
+
+
+@pytest.mark.slow
+def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
+    # The same build as ./scripts/docs and .ci/run (the dummy builder skips writing HTML): a
+    # docstring that breaks the reference fails here, before it reaches CI.
+    pytest.importorskip("sphinx")
+    env = {k: v for k, v in os.environ.items() if k != "FLODL_DOCS_INTERSPHINX"}
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                           "dummy", str(DOCS), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -13,6 +13,7 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import HandshakeRejected
 from flodl_trio.port_mux import open_port_mux
+from flodl_trio.status import render_prometheus
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import COORD, events_of, start_host
@@ -93,7 +94,11 @@ async def test_silent_dialers_beyond_max_pending_are_shed_oldest_first_and_a_rel
         async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
                                        config=cfg) as coord:
             formed_after = trio.current_time() - started
-            rejects = coord.state()["rejected_handshakes"]
+            state = coord.state()
+            rejects = state["rejected_handshakes"]
+            # The 19 youngest silent ones still hold a slot (the relay's was freed at its Hello).
+            assert state["pending_handshakes"] == 19
+            assert "flodl_trio_pending_handshakes 19" in render_prometheus(state)
             await trio.sleep(6)  # the holders give up listening
         for stream in silent:
             await stream.aclose()

@@ -194,6 +194,7 @@ class Coordinator:
             "relays_disconnected": self._liveness.retired,
             "rejected_handshakes": self._roster.rejects,
             "invalid_frames": self._roster.invalid_frames,
+            "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         }
 

@@ -67,6 +67,11 @@ class Formation:
         self._started = 0.0
         self.failure: FormationError | None = None
 
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections routed to formation whose Hello has not verified yet."""
+        return len(self._pending)
+
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
         """Accept relay connections from ``listener``; one handshake task each."""
         await serve_each(listener, self.serve_connection, what="coordinator",
