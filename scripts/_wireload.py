@@ -91,8 +91,9 @@ async def drive_handshake(stream: trio.abc.Stream,
 class LoadRelay:
     """One upstream connection of a load process."""
 
-    def __init__(self, host: str, ranks: list[int], frames: list[bytes]) -> None:
+    def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int) -> None:
         self.host = host
+        self.world_size = world_size
         self.ranks = ranks
         self.frames = frames  # one per rank, cycled through
         self.stream: trio.SocketStream | None = None
@@ -111,13 +112,14 @@ class LoadRelay:
             self.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
             return
         machine = wire.RelayHandshake(salt, host=self.host, ranks=tuple(self.ranks),
+                                      world_size=self.world_size,
                                       coordinator=f"{target[0]}:{target[1]}")
         done = await drive_handshake(self.stream, machine)
         assert isinstance(done, wire.Established)
         self.sealer = done.sealer
-        if done.opener.buffered:  # bytes that followed the HelloAck in its read
+        if done.opener.buffered:  # bytes that followed the welcome in its read
             raise RuntimeError(f"{self.host}: {done.opener.buffered} unexpected bytes after "
-                               "HelloAck")
+                               "the coordinator's welcome")
 
     def seal_ahead(self, n: int) -> None:
         assert self.sealer is not None
@@ -234,7 +236,7 @@ async def child_main(args: argparse.Namespace) -> None:
         first = args.first_rank + i * args.per_relay
         ranks = list(range(first, first + args.per_relay))
         frames = [rank_frame(salt, args.frame, r) for r in ranks]
-        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames))
+        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames, args.world_size))
     pace = Pace()
     lines = _stdin_lines()
     async with trio.open_nursery() as nursery:

@@ -265,14 +265,17 @@ class RawRelay:
 
 
 async def raw_relay_handshake(
-    stream: trio.abc.Stream, salt: ft.SessionSalt, host: str, ranks: Sequence[int]
+    stream: trio.abc.Stream, salt: ft.SessionSalt, host: str, ranks: Sequence[int], *,
+    world_size: int, model_sigs: dict[str, bytes] | None = None,
 ) -> RawRelay:
-    """Run the relay's end with Hello{host, ranks} exactly as given (duplicates, unsorted and
-    empty lists included); ``acked`` says whether a HelloAck came back (else EOF)."""
+    """Run the relay's end with Hello{host, world_size, model_sigs, ranks} exactly as given
+    (duplicates, unsorted and empty lists included); ``acked`` says whether the join was
+    confirmed (HelloAck, Ready, welcome), else the coordinator closed it (EOF)."""
     from flodl_trio import wire
     from flodl_trio._handshake_io import run_handshake
 
-    machine = wire.RelayHandshake(salt, host=host, ranks=tuple(ranks), coordinator=COORD)
+    machine = wire.RelayHandshake(salt, host=host, ranks=tuple(ranks), world_size=world_size,
+                                  model_sigs=model_sigs, coordinator=COORD)
     try:
         done = await run_handshake(stream, machine)
     except ft.WireError as exc:
@@ -280,6 +283,7 @@ async def raw_relay_handshake(
         return RawRelay(stream, machine.sealer, machine.opener, acked=False)
     assert isinstance(done, wire.Established)
     return RawRelay(stream, done.sealer, done.opener, acked=True)
+
 
 
 @attrs.define(eq=False)

@@ -286,7 +286,8 @@ async def form_with_raw_relays(
 
         async def raw_relays() -> None:
             for host, ranks in hellos:
-                raw = await raw_relay_handshake(await net.connect(COORD), salt, host, ranks)
+                raw = await raw_relay_handshake(await net.connect(COORD), salt, host, ranks,
+                                          world_size=world)
                 acked.append(raw.acked)
                 nursery.start_soon(drain_and_close, raw.stream)
 

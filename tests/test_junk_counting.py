@@ -120,7 +120,7 @@ async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_log
 
     async def raw_relay() -> None:
         relays.append(await raw_relay_handshake(await memory_network.connect(COORD), salt,
-                                                "host-a", [0]))
+                                                "host-a", [0], world_size=1))
 
     foreign, forged = 1500, 500
     async with trio.open_nursery() as nursery:

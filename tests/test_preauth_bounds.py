@@ -23,8 +23,10 @@ from helpers import COORD, events_of, start_host
 def test_the_hello_ceiling_holds_the_largest_legal_hello_and_grows_only_with_the_world(
     world: int,
 ) -> None:
-    hello = wire.Hello(host="h" * wire.MAX_HOST_BYTES, ranks=tuple(range(world)),
-                       nonce=bytes(16))
+    sigs = {f"{i:03d}" + "n" * (wire.MAX_MODEL_SIG_NAME - 3): bytes(wire.MAX_MODEL_SIG_DIGEST)
+            for i in range(wire.MAX_MODEL_SIGS)}
+    hello = wire.Hello(host="h" * wire.MAX_HOST_BYTES, world_size=(1 << 32) - 1,
+                       model_sigs=sigs, ranks=tuple(range(world)), nonce=bytes(16))
     ceiling = wire.max_hello_payload(world)
     assert len(wire.encode(hello)) <= ceiling
     # About five bytes per rank over a fixed part, never the flat 256 KiB of FT/1.

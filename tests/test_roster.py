@@ -19,6 +19,7 @@ class FakeRelay:
     ranks: tuple[int, ...]
     peer: str = "10.0.0.1:4000"
     alive: bool = True
+    model_sigs: dict[str, bytes] = attrs.Factory(dict)
 
 
 def formed(world: int, per_relay: int) -> tuple[Roster[FakeRelay], list[FakeRelay]]:
@@ -66,6 +67,9 @@ def test_unregister_uncovers_only_the_relays_own_ranks() -> None:
     a, b = FakeRelay("a", (0, 1)), FakeRelay("b", (2, 3))
     roster.register(a, 0.0)
     roster.register(b, 0.0)
+    assert roster.covered == frozenset()  # FT/2: covered only once Ready verified
+    roster.confirm(a)
+    roster.confirm(b)
     roster.unregister(a)
     assert roster.covered == frozenset({2, 3})
     assert roster.relays == (b,)
@@ -76,13 +80,15 @@ def test_unregister_uncovers_only_the_relays_own_ranks() -> None:
 def test_coverage_text_reports_coverage_hosts_and_rejects() -> None:
     roster: Roster[FakeRelay] = Roster(16)
     roster.register(FakeRelay("a", tuple(range(10))), 0.0)
+    roster.register(FakeRelay("b", (10, 11)), 0.0)
+    roster.confirm(roster.relays[0])
     first = roster.reject("bad mac", "peer 1: Hello MAC did not verify", 0.0)
     assert first is not None and first.detail == "peer 1: Hello MAC did not verify"
     roster.reject("bad mac", "peer 2", 0.0)
     roster.reject("timeout", "peer 3", 0.0)
     assert roster.coverage_text("formation timed out after 5s") == (
         "formation timed out after 5s: 10/16 ranks covered; hosts joined: a [0..9, 10 ranks]; "
-        "rejected connections: bad mac x2, timeout x1")
+        "awaiting Ready from: b; rejected connections: bad mac x2, timeout x1")
     assert roster.rejects == {"bad mac": 2, "timeout": 1}
 
 
@@ -183,3 +189,32 @@ def test_hello_problem_accepts_exactly_the_sorted_unique_in_range_free_ranks(
 def test_ranks_text_shortens_long_lists() -> None:
     assert ranks_text([1, 2]) == "[1, 2]"
     assert ranks_text(range(100)) == "[0..99, 100 ranks]"
+
+
+# ------------------------------------------------------------------ FT/2 Hello checks
+
+
+def test_a_world_size_disagreement_names_both_numbers_in_either_direction() -> None:
+    for ours, theirs in ((2, 4), (4, 2)):
+        roster: Roster[FakeRelay] = Roster(ours)
+        problem = roster.hello_problem("host-a", (0,), "10.0.0.2:1", world_size=theirs)
+        assert problem is not None
+        assert f"world_size is {ours}" in problem and f"relay's is {theirs}" in problem
+        assert "host-a" in problem and "10.0.0.2:1" in problem
+        assert roster.hello_problem("host-a", (0,), "p", world_size=ours) is None
+
+
+def test_model_signatures_that_differ_name_both_hosts_and_the_names() -> None:
+    roster: Roster[FakeRelay] = Roster(4)
+    a = FakeRelay("host-a", (0, 1), model_sigs={"encoder": b"\x01" * 32, "head": b"\x02" * 32})
+    roster.register(a, 0.0)
+    roster.confirm(a)
+    same = {"encoder": b"\x01" * 32, "head": b"\x02" * 32, "extra": b"\x09"}
+    assert roster.hello_problem("host-b", (2, 3), "p", world_size=4, model_sigs=same) is None
+    other = {"encoder": b"\x01" * 32, "head": b"\x03" * 32}
+    problem = roster.hello_problem("host-b", (2, 3), "10.0.0.3:1", world_size=4,
+                                   model_sigs=other)
+    assert problem is not None
+    assert "model signature mismatch" in problem
+    assert "'host-b'" in problem and "'host-a'" in problem and "'head'" in problem
+    assert "'encoder'" not in problem

@@ -174,7 +174,7 @@ async def test_one_stalled_relay_does_not_delay_a_broadcast_to_the_others(
 
         async def stuck_relay() -> None:
             stuck.append(await raw_relay_handshake(await memory_network.connect(COORD), salt,
-                                                   "host-stuck", [2, 3]))
+                                                   "host-stuck", [2, 3], world_size=4))
 
         nursery.start_soon(stuck_relay)
         async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:

@@ -26,7 +26,8 @@ async def test_records_to_a_relay_that_stops_reading_arrive_whole_and_in_order()
             joined = trio.Event()
 
             async def join() -> None:
-                relays.append(await raw_relay_handshake(stream, salt, "host-a", [0, 1]))
+                relays.append(await raw_relay_handshake(stream, salt, "host-a", [0, 1],
+                                                              world_size=2))
                 joined.set()
 
             nursery.start_soon(join)

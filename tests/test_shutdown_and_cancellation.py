@@ -86,7 +86,7 @@ async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
 
         async def relay_that_stops_reading() -> None:
             raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
-                                            "host-stuck", [2])
+                                            "host-stuck", [2], world_size=3)
             stuck.append(raw)  # it neither reads nor closes from here on
 
         nursery.start_soon(relay_that_stops_reading)

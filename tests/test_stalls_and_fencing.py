@@ -61,7 +61,7 @@ async def test_a_relay_that_stops_reading_is_lost_after_write_stall_and_nobody_e
 
         async def stuck_relay() -> None:  # joins, then never reads again (its socket alive)
             stuck.append(await raw_relay_handshake(await memory_network.connect(COORD), salt,
-                                                   "host-stuck", [2, 3]))
+                                                   "host-stuck", [2, 3], world_size=4))
 
         nursery.start_soon(stuck_relay)
         async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,

@@ -96,7 +96,7 @@ def test_encode_fanout_sorts_dedups_and_takes_any_bytes_like_frame() -> None:
 @pytest.mark.parametrize(
     ("make", "field"),
     [
-        (lambda: wire.Hello("host\udc80", (0,), b"n" * 16), "Hello.host"),
+        (lambda: wire.Hello("host\udc80", 4, {}, (0,), b"n" * 16), "Hello.host"),
         (lambda: wire.EvalResult(0, 1, 2, 0.5, 1.0, "bad \ud800"), "EvalResult.error"),
         (lambda: wire.DashboardSetSvg(0, "\udfff<svg/>"), "DashboardSetSvg.svg"),
         (lambda: wire.GpuSnapshot(0, "gpu\udc80"), "GpuSnapshot.name"),
@@ -112,7 +112,7 @@ def test_str_with_a_lone_surrogate_fails_at_construction(make: Any, field: str) 
 
 
 def test_non_ascii_strs_are_still_fine() -> None:
-    hello = wire.Hello("hôte-é", (0,), b"n" * 16)
+    hello = wire.Hello("hôte-é", 4, {}, (0,), b"n" * 16)
     assert wire.decode_relay(wire.encode(hello)) == hello
 
 

@@ -38,7 +38,7 @@ SEEDS: list[wire.WireMessage] = [
     wire.DashboardRegister(0, 8080), wire.DashboardSetSvg(0, "<svg/>", "l", None),
     wire.Metrics(0, 1, 0.5, 2, 3.0, 4, 1.0, 1.0, 1.0, {"x": (1.0, 2)},
                  wire.ResourceSample(1.0, 2, 3, None, 4, 5, 0, (GPU,))),
-    wire.Hello("host-a", (0, 1, 2), b"r" * 16), wire.RankExit(2), wire.Challenge(b"c" * 16),
+    wire.Hello("host-a", 4, {}, (0, 1, 2), b"r" * 16), wire.RankExit(2), wire.Challenge(b"c" * 16),
 ]  # fmt: skip
 
 # Values a field may be replaced with: the near misses of every wire type.
@@ -117,7 +117,7 @@ def test_generated_loader_builds_the_same_message_as_construction(seed: wire.Wir
     [
         (wire.decode_timing, [0, 1, 1.0, 2, 3, None, 0.5, None], ["Batch.data_ms", "f64", "int 2"]),
         (wire.decode_timing, [0, True, 1.0, 2.0, 3, None, 0.5, None], ["Batch.rank", "bool"]),
-        (wire.decode_relay, [1, "h", [0, 1.5], b"n" * 16], ["Hello.ranks[1]", "u32"]),
+        (wire.decode_relay, [1, "h", 2, {}, [0, 1.5], b"n" * 16], ["Hello.ranks[1]", "u32"]),
         (wire.decode_control, [1, 3, [1, 2]], ["Update.next_plan", "3 field(s), got 2"]),
         (wire.decode_metrics, [0, 1, 0.5, 2, 3.0, 4, 1.0, 1.0, 1.0, {"x": [1.0, -2]}, None],
          ["Metrics.scalars['x'][1]", "u64"]),

@@ -53,7 +53,7 @@ SEED_MESSAGES: list[wire.WireMessage] = [
     wire.DashboardSetHardware(0, "cpu"),
     wire.Metrics(0, 1, 0.5, 2, 3.0, 4, 1.0, 1.0, 1.0, {"x": (1.0, 2)},
                  wire.ResourceSample(1.0, 2, 3, None, 4, 5, 0, (GPU,))),
-    wire.Challenge(b"c" * 16), wire.Hello("host-a", (0, 1, 2), b"r" * 16),
+    wire.Challenge(b"c" * 16), wire.Hello("host-a", 4, {}, (0, 1, 2), b"r" * 16),
     wire.HelloAck(b"r" * 16), wire.RankExit(2),
 ]  # fmt: skip
 SEED_PAYLOADS = [wire.encode(m) for m in SEED_MESSAGES]

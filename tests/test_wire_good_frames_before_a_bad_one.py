@@ -114,7 +114,8 @@ async def test_coordinator_acts_on_records_before_a_bad_one_then_loses_the_relay
     handshaken = trio.Event()
 
     async def raw_relay() -> None:
-        raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-0", [0])
+        raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-0", [0],
+                                        world_size=1)
         relay.append(raw)
         handshaken.set()  # the coordinator may enter its block before the relay read HelloAck
         with trio.move_on_after(30):

@@ -76,7 +76,8 @@ def pump(dialer: Any, acceptor: Any, *, up: Chunker = whole, down: Chunker = who
 
 def upstream(*, host: str = "host-a", ranks: tuple[int, ...] = (0, 1),
              relay_salt: ft.SessionSalt = SALT) -> tuple[Any, Any]:
-    relay = wire.RelayHandshake(relay_salt, host=host, ranks=ranks, coordinator="coord:1")
+    relay = wire.RelayHandshake(relay_salt, host=host, ranks=ranks, world_size=4,
+                                model_sigs={"model": b"\x07" * 32}, coordinator="coord:1")
     coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
     return relay, coord
 
@@ -105,7 +106,15 @@ def test_upstream_handshake_ends_in_a_sealer_opener_pair_on_conn_key() -> None:
     assert isinstance(done["dialer"], wire.Established)
     assert isinstance(done["acceptor"], wire.Established)
     assert coord.hello.host == "host-a" and coord.hello.ranks == (0, 1)
+    assert coord.hello.world_size == 4 and coord.hello.model_sigs == {"model": b"\x07" * 32}
     assert coord.hello.nonce == relay.relay_nonce
+    # The relay's last handshake record is its Ready; the coordinator's first after it is the
+    # welcome, a CoordHeartbeat FANOUT to the relay's ranks, which the relay holds for its pump.
+    (welcome,) = done["dialer"].records
+    assert welcome.kind == wire.RecordKind.FANOUT
+    ranks, frame = wire.decode_fanout(welcome.payload)
+    assert ranks == (0, 1)
+    assert isinstance(wire.frame_message(wire.decode_frame(SALT, frame)), wire.CoordHeartbeat)
     assert_sealed_pair(done["dialer"], done["acceptor"])
     assert coord.failure_category is None and relay.failure_category is None
 
@@ -130,14 +139,74 @@ def test_records_that_arrive_with_the_hello_ack_stay_in_the_relays_opener() -> N
     coord.receive_data(relay.data_to_send())
     assert isinstance(coord.next_event(), wire.HelloReceived)
     coord.accept()
+    assert coord.next_event() is wire.NEED_DATA  # FT/2: the coordinator waits for Ready
+    relay.receive_data(coord.data_to_send())  # the HelloAck
+    assert relay.next_event() is wire.NEED_DATA  # Ready queued; the relay waits for a welcome
+    coord.receive_data(relay.data_to_send())
     established = coord.next_event()
     assert isinstance(established, wire.Established)
-    # The coordinator writes a DATA record right behind its HelloAck; one chunk carries both.
+    # The coordinator writes a DATA record right behind its welcome; one chunk carries both.
     behind = established.sealer.seal(wire.RecordKind.DATA, 1, b"early")
     relay.receive_data(coord.data_to_send() + behind)
     done = relay.next_event()
     assert isinstance(done, wire.Established)
+    assert [rec.kind for rec in done.records] == [wire.RecordKind.FANOUT]
     assert done.opener.feed(b"") == [wire.Record(wire.RecordKind.DATA, 1, b"early")]
+
+
+def test_a_relay_whose_connection_ends_before_the_welcome_fails_its_attempt() -> None:
+    relay, coord = upstream()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    relay.receive_data(coord.data_to_send())
+    relay.next_event()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    coord.accept()
+    relay.receive_data(coord.data_to_send())
+    assert relay.next_event() is wire.NEED_DATA
+    assert relay.data_to_send()  # its Ready
+    relay.receive_data(b"")
+    with pytest.raises(ft.WireError, match="welcome") as info:
+        relay.next_event()
+    assert relay.failure_category == "eof before welcome"
+    assert "relay 'host-a'" in str(info.value)
+
+
+def test_a_coordinator_whose_relay_never_sends_ready_fails_and_names_the_relay() -> None:
+    relay, coord = upstream()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    relay.receive_data(coord.data_to_send())
+    relay.next_event()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    coord.accept()
+    assert coord.next_event() is wire.NEED_DATA
+    coord.receive_data(b"")
+    with pytest.raises(ft.WireError, match="Ready from relay 'host-a'"):
+        coord.next_event()
+    assert coord.failure_category == "eof before ready"
+
+
+def test_something_other_than_ready_after_the_hello_ack_is_refused() -> None:
+    relay, coord = upstream()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    relay.receive_data(coord.data_to_send())
+    relay.next_event()
+    coord.receive_data(relay.data_to_send())
+    coord.next_event()
+    coord.accept()
+    coord.data_to_send()
+    # A relay that skips Ready and sends data: sealed right (conn_key, seq 1), but not Ready.
+    assert relay.sealer is not None
+    key = wire.conn_key(SALT, coord.coord_nonce, relay.relay_nonce)
+    sealer = wire.RecordSealer(key, wire.RELAY_TO_COORD)
+    sealer.seal(wire.RecordKind.CONTROL, 0, b"")  # seq 0 was the Hello
+    coord.receive_data(sealer.seal(wire.RecordKind.DATA, 0, b"frame"))
+    with pytest.raises(ft.WireError, match="expected a CONTROL record with Ready"):
+        coord.next_event()
 
 
 def test_coordinator_sends_its_challenge_only_once_the_whole_magic_arrived() -> None:
@@ -199,7 +268,7 @@ def test_relay_refuses_a_hello_ack_that_does_not_echo_its_nonce() -> None:
 
 
 def clean_upstream_bytes() -> bytes:
-    """What a relay sends in a whole handshake: the magic and its Hello record."""
+    """What a relay sends in a whole handshake: the magic, its Hello and its Ready."""
     relay, coord = upstream()
     sent = bytearray()
 
@@ -214,7 +283,10 @@ def clean_upstream_bytes() -> bytes:
 UP_BYTES = clean_upstream_bytes()
 
 
-@pytest.mark.parametrize("cut", range(0, len(UP_BYTES), 5))
+HELLO_END = len(UP_BYTES) - wire.RECORD_HEADER_LEN - len(wire.encode(wire.Ready()))
+
+
+@pytest.mark.parametrize("cut", range(0, HELLO_END))
 def test_coordinator_eof_at_any_point_before_the_hello_is_a_wire_error(cut: int) -> None:
     coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
     coord.receive_data(UP_BYTES[:cut])
@@ -277,7 +349,7 @@ def test_arbitrary_bytes_at_the_coordinator_never_raise_anything_but_protocol_er
 @given(junk=st.binary(min_size=0, max_size=300), eof=st.booleans())
 def test_arbitrary_bytes_at_the_relay_never_raise_anything_but_protocol_errors(
         junk: bytes, eof: bool) -> None:
-    relay = wire.RelayHandshake(SALT, host="h", ranks=(0,), coordinator="c:1")
+    relay = wire.RelayHandshake(SALT, host="h", ranks=(0,), world_size=1, coordinator="c:1")
     try:
         relay.receive_data(junk)
         relay.next_event()
@@ -290,7 +362,7 @@ def test_arbitrary_bytes_at_the_relay_never_raise_anything_but_protocol_errors(
 
 def test_hello_over_the_pre_auth_ceiling_is_refused_from_its_header() -> None:
     coord = wire.CoordinatorHandshake(SALT, peer="p", max_hello=64)
-    relay = wire.RelayHandshake(SALT, host="h" * 200, ranks=(0,), coordinator="c")
+    relay = wire.RelayHandshake(SALT, host="h" * 200, ranks=(0,), world_size=1, coordinator="c")
     with pytest.raises(ft.FrameTooLarge, match="over the ceiling of 64"):
         pump(relay, coord)
     assert coord.failure_category == "malformed"
@@ -302,8 +374,12 @@ def test_hello_over_the_pre_auth_ceiling_is_refused_from_its_header() -> None:
 def test_rank_handshake_ends_with_both_ends_confirmed_and_the_rank_named() -> None:
     dialer, acceptor = rank_pair()
     done = pump(dialer, acceptor)
-    assert done["dialer"] == wire.RankConfirmed(1, b"")
-    assert done["acceptor"] == wire.RankConfirmed(1, b"")
+    # FT/2: each end holds the other's first frame: the rank's Heartbeat, the relay's notice.
+    heartbeat = wire.len_frame(wire.encode_frame(SALT, wire.Heartbeat(rank=1, step_count=0)))
+    assert done["acceptor"] == wire.RankConfirmed(1, heartbeat)
+    assert done["dialer"].rank == 1
+    notice = wire.frame_message(wire.decode_frame(SALT, done["dialer"].leftover[4:]))
+    assert isinstance(notice, wire.RelayWaiting) and notice.host == "host-a"
 
 
 @settings(max_examples=60, deadline=None)
@@ -322,6 +398,39 @@ def test_frames_behind_the_rank_hello_are_handed_on_as_leftover() -> None:
     assert acceptor.next_event() == wire.RankHelloReceived(1)
     acceptor.accept()
     assert acceptor.next_event() == wire.RankConfirmed(1, frame)
+
+
+RANK_HEARTBEAT_LEN = len(wire.len_frame(wire.encode_frame(SALT, wire.Heartbeat(rank=1,
+                                                                               step_count=0))))
+
+
+@pytest.mark.parametrize("cut", range(wire.RANK_HELLO_LEN,
+                                      wire.RANK_HELLO_LEN + RANK_HEARTBEAT_LEN))
+def test_relay_frees_a_rank_whose_first_frame_never_arrives_whole(cut: int) -> None:
+    dialer, acceptor = rank_pair()
+    acceptor.receive_data(dialer.data_to_send())
+    acceptor.next_event()
+    acceptor.accept()
+    dialer.receive_data(acceptor.data_to_send())
+    assert dialer.next_event() is wire.NEED_DATA  # ack verified, heartbeat queued
+    first = dialer.data_to_send()
+    assert len(first) > cut - wire.RANK_HELLO_LEN
+    acceptor.receive_data(first[:cut - wire.RANK_HELLO_LEN])
+    acceptor.receive_data(b"")
+    with pytest.raises(ft.WireError, match="first frame after the ack"):
+        acceptor.next_event()
+
+
+def test_rank_eof_before_the_relays_first_frame_is_a_wire_error_so_it_re_dials() -> None:
+    dialer, acceptor = rank_pair()
+    acceptor.receive_data(dialer.data_to_send())
+    acceptor.next_event()
+    acceptor.accept()
+    dialer.receive_data(acceptor.data_to_send())
+    assert dialer.next_event() is wire.NEED_DATA
+    dialer.receive_data(b"")
+    with pytest.raises(ft.WireError, match="first frame after its ack"):
+        dialer.next_event()
 
 
 @pytest.mark.parametrize(("kwargs", "text"), [

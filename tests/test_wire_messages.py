@@ -128,9 +128,11 @@ TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
 ]
 RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Challenge, [NONCE]),
-    (1, wire.Hello, [HOST, seq(U32), NONCE]),
+    (1, wire.Hello, [HOST, U32, text_map(BLOB), seq(U32), NONCE]),
     (2, wire.HelloAck, [NONCE]),
     (3, wire.RankExit, [U32]),
+    (4, wire.Ready, []),
+    (5, wire.Goodbye, [TEXT]),
     (6, wire.FenceRank, [U32, TEXT]),
     (7, wire.RankDropped, [U32, TEXT]),
 ]
@@ -273,7 +275,7 @@ def test_bad_variant_index_is_wire_error_naming_the_family(
         (wire.decode_timing, [0, 0, 1.0, 1.0, 1, None, 1.0], ["Batch", "7 field(s), got 6"]),
         (wire.decode_metrics, _metrics_fields()[:-1], ["Metrics", "11 field(s), got 10"]),
         (wire.decode_metrics, _metrics_fields({"x": [1.0]}), ["Metrics.scalars['x']"]),
-        (wire.decode_relay, [1, "h", [1]], ["Hello", "3 field(s), got 2"]),
+        (wire.decode_relay, [1, "h", 2, {}, [1]], ["Hello", "5 field(s), got 4"]),
     ],
     ids=["SyncNow+1", "DeclareDead-1", "ExtendPartition+1", "EpochPlan-1", "Batch-1",
          "Metrics-1", "scalar-pair-1", "Hello-1"],
@@ -324,7 +326,7 @@ EM_OK = [1, {}, [], 1.0, 1.0, [], [], [], [], [], []]
          "EpochAggregated.metrics.device_indices[1]", "u8"),
         (wire.decode_timing, [11, 0, 65536], "DashboardRegister.port", "u16"),
         (wire.decode_timing, [11, 0, -1], "DashboardRegister.port", "u16"),
-        (wire.decode_relay, [1, "h", [0, 2**32], b"n" * 16], "Hello.ranks[1]", "u32"),
+        (wire.decode_relay, [1, "h", 2, {}, [0, 2**32], b"n" * 16], "Hello.ranks[1]", "u32"),
         (wire.decode_relay, [3, 2**32], "RankExit.rank", "u32"),
         (wire.decode_metrics, [*_metrics_fields()[:-1], [*RES_OK[:6], 256, []]],
          "Metrics.resources.aggregate_rank", "u8"),
@@ -447,16 +449,16 @@ def test_hello_host_and_nonce_limits_hold_on_construction_and_decode(
     host: str, nonce: bytes, words: list[str]
 ) -> None:
     with pytest.raises(WireError) as built:
-        wire.Hello(host, (0,), nonce)
+        wire.Hello(host, 4, {}, (0,), nonce)
     with pytest.raises(WireError) as decoded:
-        wire.decode_relay(cbor2.dumps([1, host, [0], nonce]))
+        wire.decode_relay(cbor2.dumps([1, host, 4, {}, [0], nonce]))
     for word in words:
         assert word in str(built.value) and word in str(decoded.value)
 
 
 def test_hello_host_of_255_utf8_bytes_is_accepted() -> None:
     host = "é" * 127 + "a"
-    msg = wire.Hello(host, (0, 1), b"n" * 16)
+    msg = wire.Hello(host, 4, {}, (0, 1), b"n" * 16)
     assert wire.decode_relay(wire.encode(msg)) == msg
 
 

@@ -41,11 +41,14 @@ async def coordinator_handshake(
     return machine, event
 
 
-async def send_hello_ack(stream: trio.abc.Stream, machine: CoordinatorHandshake) -> Established:
-    """Accept the Hello: write ``HelloAck``; both directions then use ``conn_key``.
+async def finish_handshake(stream: trio.abc.Stream,
+                           machine: CoordinatorHandshake) -> Established:
+    """Accept the Hello: write ``HelloAck`` (both directions then use ``conn_key``), wait for
+    the relay's ``Ready`` and write the welcome (FT/2). The caller bounds it.
 
     Raises:
-        trio.BrokenResourceError / trio.ClosedResourceError: the ack could not be written.
+        FlodlError: the relay broke the protocol before its Ready verified.
+        trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
     """
     machine.accept()
     event = await run_handshake(stream, machine)

@@ -55,7 +55,7 @@ def direct_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
 
 
 class RelayConn:
-    """An upstream connection after ``HelloAck``: its ranks, its sealed directions, its writer.
+    """An authenticated upstream connection: its ranks, its sealed directions, its writer.
 
     Every record goes through one writer task (``run_writer``) fed by an unbounded queue, so a
     broadcast costs one ``send_nowait`` per relay, a burst is coalesced into one write, records
@@ -81,8 +81,10 @@ class RelayConn:
         opener: RecordOpener,
         write_stall_timeout: float,
         index: int,
+        model_sigs: dict[str, bytes] | None = None,
     ) -> None:
         self.host = host
+        self.model_sigs: dict[str, bytes] = dict(model_sigs or {})
         self.ranks = ranks
         self.rank_set = frozenset(ranks)
         self.peer = peer

@@ -36,6 +36,9 @@ class Member(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    @property
+    def model_sigs(self) -> dict[str, bytes]: ...
+
 
 M = TypeVar("M", bound=Member)
 
@@ -56,7 +59,7 @@ class Roster(Generic[M]):
         self.world_size = world_size
         self._relays: list[M] = []
         self._relay_of: dict[int, M] = {}
-        self._unconfirmed: list[M] = []  # registered, HelloAck not yet written
+        self._unconfirmed: list[M] = []  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
@@ -94,7 +97,11 @@ class Roster(Generic[M]):
 
     @property
     def covered(self) -> frozenset[int]:
-        return frozenset(self._relay_of)
+        """Ranks of relays whose join both sides confirmed (``Ready`` verified)."""
+        if not self._unconfirmed:
+            return frozenset(self._relay_of)
+        waiting = {id(r) for r in self._unconfirmed}
+        return frozenset(r for r, relay in self._relay_of.items() if id(relay) not in waiting)
 
     @property
     def live(self) -> frozenset[int]:
@@ -142,9 +149,23 @@ class Roster(Generic[M]):
 
     # ------------------------------------------------------------------ formation
 
-    def hello_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
-        """Why an authenticated Hello contradicts the world, or None when it fits."""
+    def hello_problem(self, host: str, ranks: tuple[int, ...], peer: str, *,
+                      world_size: int | None = None,
+                      model_sigs: dict[str, bytes] | None = None) -> str | None:
+        """Why an authenticated Hello contradicts the world, or None when it fits.
+
+        ``world_size`` (FT/2) must equal the coordinator's; ``model_sigs`` must agree, name by
+        name, with those of every relay registered so far (a host built from another model
+        never joins).
+        """
         who = f"authenticated Hello from relay {host!r} at {peer}"
+        if world_size is not None and world_size != self.world_size:
+            return (f"{who}: world_size mismatch: the coordinator's world_size is "
+                    f"{self.world_size}, the relay's is {world_size}")
+        if model_sigs:
+            problem = self._sigs_problem(who, host, model_sigs)
+            if problem is not None:
+                return problem
         if not ranks:
             return f"{who}: expected at least one rank, got an empty rank list"
         if list(ranks) != sorted(ranks):
@@ -162,29 +183,47 @@ class Roster(Generic[M]):
                         f"{owner.peer}")
         return None
 
+    def _sigs_problem(self, who: str, host: str, sigs: dict[str, bytes]) -> str | None:
+        for other in self._relays:
+            if other.host == host:
+                continue  # a re-dial of the same relay is judged on its own
+            theirs = other.model_sigs
+            differ = sorted(name for name, digest in sigs.items()
+                            if name in theirs and theirs[name] != digest)
+            if differ:
+                names = ", ".join(repr(n) for n in differ[:8])
+                more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+                return (f"{who}: model signature mismatch: relay {host!r} and relay "
+                        f"{other.host!r} at {other.peer} disagree on {names}{more} (expected "
+                        f"{theirs[differ[0]].hex()[:16]}... for {differ[0]!r}, got "
+                        f"{sigs[differ[0]].hex()[:16]}...)")
+        return None
+
     def same_relay(self, host: str, ranks: tuple[int, ...]) -> list[M]:
         """Registered relays with exactly this host and these ranks (a re-dial replaces them)."""
         return [old for old in self._relays if old.host == host and old.ranks == ranks]
 
     def register(self, relay: M, now: float) -> None:
-        """Cover ``relay``'s ranks; formation waits for :meth:`confirm` (its HelloAck)."""
+        """Reserve ``relay``'s ranks; formation waits for :meth:`confirm` (its ``Ready``)."""
         self._relays.append(relay)
         self._unconfirmed.append(relay)
         for r in relay.ranks:
             self._relay_of[r] = relay
             self._last_seen[r] = now
-            if r not in self._dead and r not in self._exited:
-                self._live.add(r)
 
     def confirm(self, relay: M) -> bool:
-        """``relay``'s HelloAck was written; True when this completes coverage."""
+        """``relay``'s ``Ready`` verified (FT/2: both sides know it joined); True when this
+        completes coverage."""
         if relay in self._unconfirmed:
             self._unconfirmed.remove(relay)
+        for r in relay.ranks:
+            if self._relay_of.get(r) is relay and r not in self._dead and r not in self._exited:
+                self._live.add(r)
         return self.complete
 
     @property
     def complete(self) -> bool:
-        """Every rank covered and acknowledged, still forming."""
+        """Every rank covered by a relay whose ``Ready`` verified, still forming."""
         return (self._phase == "forming" and len(self._relay_of) == self.world_size
                 and not self._unconfirmed)
 
@@ -218,9 +257,12 @@ class Roster(Generic[M]):
 
     def coverage_text(self, headline: str) -> str:
         """``headline`` with the c/W coverage, the hosts that joined and the rejects."""
-        joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in self._relays) or "none"
+        joined = ", ".join(f"{c.host} {ranks_text(c.ranks)}" for c in self._relays
+                           if c not in self._unconfirmed) or "none"
+        if self._unconfirmed:
+            joined += "; awaiting Ready from: " + ", ".join(c.host for c in self._unconfirmed)
         return (
-            f"{headline}: {len(self._relay_of)}/{self.world_size} ranks covered; hosts joined: "
+            f"{headline}: {len(self.covered)}/{self.world_size} ranks covered; hosts joined: "
             f"{joined}; rejected connections: {self._rejects.summary()}"
         )
 

@@ -13,16 +13,16 @@ from typing import Any
 import trio
 
 from .._config import CoordinatorConfig
-from .._errors import FormationAborted, FormationError, FormationTimeout
+from .._errors import FlodlError, FormationAborted, FormationError, FormationTimeout
 from .._keepalive import KeepAlive
 from .._listen import serve_each
 from .._pending import PendingHandshakes
 from .._ratelimit import JunkReport
-from .._transport import close_all, is_local_or_private, peer_of
+from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
 from ..wire import SessionSalt, max_hello_payload
-from ._handshake import Rejected, coordinator_handshake, send_hello_ack
+from ._handshake import Rejected, coordinator_handshake, finish_handshake
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -153,7 +153,9 @@ class Formation:
                      peer)
             self._roster.unregister(old)
             old.abandon("superseded by a new connection")
-        problem = self._roster.hello_problem(hello.host, ranks, peer)
+        problem = self._roster.hello_problem(hello.host, ranks, peer,
+                                             world_size=hello.world_size,
+                                             model_sigs=hello.model_sigs)
         if problem is not None:
             self.fail(FormationError(self._roster.coverage_text(problem)))
             await trio.aclose_forcefully(stream)
@@ -164,20 +166,30 @@ class Formation:
         conn = RelayConn(
             host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=machine.sealer,
             opener=machine.opener, write_stall_timeout=self._config.write_stall_timeout,
-            index=self._conn_counter,
+            index=self._conn_counter, model_sigs=dict(hello.model_sigs),
         )
         self._roster.register(conn, trio.current_time())
         for old in superseded:  # only now: no other Hello may slip in between the checks
             await old.close()
+        # FT/2: the relay covers its ranks only once its Ready verified; until then a re-dial
+        # of the same relay supersedes this connection, and its end un-covers the relay.
         try:
             with trio.fail_after(self._config.handshake_timeout):
-                await send_hello_ack(stream, machine)
-        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                await finish_handshake(stream, machine)
+        except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
+            superseded_now = conn.lost_reason is not None
             self._roster.unregister(conn)
-            conn.abandon("HelloAck not delivered")
+            conn.abandon("no Ready")
             await conn.close()
-            self.reject(peer, "connection error", f"relay {hello.host!r} at {peer}: HelloAck "
-                        f"not delivered ({type(exc).__name__})")
+            if not superseded_now:
+                detail = (f"no Ready within handshake_timeout="
+                          f"{self._config.handshake_timeout:g}s"
+                          if isinstance(exc, trio.TooSlowError) else str(exc) or repr(exc))
+                self.reject(peer, "no ready", f"relay {hello.host!r} at {peer}: HelloAck "
+                            f"sent, {detail}; its ranks are uncovered again")
+            return
+        if not self._roster.is_registered(conn):  # superseded while its Ready was in flight
+            await conn.close()
             return
         complete = self._roster.confirm(conn)
         conn.on_lost = self._liveness.relay_lost

@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
 from .._config import RelayConfig
-from .._errors import AuthError, ConfigError, FlodlError, HandshakeError, WireError
+from .._errors import ConfigError, FlodlError, HandshakeError, WireError
 from .._handshake_io import run_handshake
 from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
 from .._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
 from ..timeline import Timeline
-from ..wire import Established, RecordOpener, RecordSealer, RelayHandshake, SessionSalt
+from ..wire import (
+    MAX_MODEL_SIG_DIGEST,
+    MAX_MODEL_SIG_NAME,
+    MAX_MODEL_SIGS,
+    Established,
+    RelayHandshake,
+    SessionSalt,
+)
 from ._link import RelayExit
 from .notices import RankNotices
 from .pump import Pump
@@ -46,14 +53,17 @@ class Relay:
         ranks: the global ranks it carries (ascending).
         rank_address: ``(host, port)`` where local ranks dial (a property; a ``ConfigError``
             when it was given listeners instead of binding TCP itself).
+        model_sigs: the model signatures it announces (name -> digest; may be empty).
     """
 
     def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
                  ranks: tuple[int, ...], world_size: int, config: RelayConfig,
                  timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
-                 server_hostname: str | None, rank_address: tuple[str, int] | None) -> None:
+                 server_hostname: str | None, rank_address: tuple[str, int] | None,
+                 model_sigs: dict[str, bytes] | None = None) -> None:
         self.host = host
         self.ranks = ranks
+        self.model_sigs: dict[str, bytes] = dict(model_sigs or {})
         self.world_size = world_size
         self.config = config
         self.timeline = timeline
@@ -104,7 +114,8 @@ class Relay:
         return self._local.rejects
 
     async def wait_connected(self) -> None:
-        """Return once the coordinator acknowledged this relay (``HelloAck``)."""
+        """Return once both sides confirmed the join (FT/2: ``HelloAck`` verified, ``Ready``
+        sent, and the coordinator's first record after it arrived)."""
         await self._connected.wait()
 
     async def wait_closed(self) -> RelayExit:
@@ -115,13 +126,12 @@ class Relay:
 
     # ------------------------------------------------------------------ phase 2
 
-    async def _connect_upstream(self) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
+    async def _connect_upstream(self) -> tuple[trio.abc.Stream, Established]:
         what = f"relay {self.host!r}"
         coordinator = _target_text(self._target)
         self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
 
-        async def handshake(stream: trio.abc.Stream
-                            ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener]:
+        async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, Established]:
             with trio.fail_after(self.config.handshake_timeout):
                 if self._ssl_context is not None:
                     stream = trio.SSLStream(stream, self._ssl_context,
@@ -129,10 +139,11 @@ class Relay:
                                             https_compatible=False)
                     await stream.do_handshake()
                 machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
-                                         coordinator=coordinator)
+                                         world_size=self.world_size,
+                                         model_sigs=self.model_sigs, coordinator=coordinator)
                 done = await run_handshake(stream, machine)
             assert isinstance(done, Established)
-            return stream, done.sealer, done.opener
+            return stream, done
 
         def on_retry(exc: BaseException) -> None:
             if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
@@ -145,12 +156,15 @@ class Relay:
             self._notices.upstream_status = (f"re-dialing the coordinator at {coordinator} "
                                              f"(last attempt: {exc!r})")
 
-        # An AuthError (a coordinator of another session) is final; a coordinator that is not
-        # up yet, or dropped the attempt before Ready, is retried.
+        # FT/2: any failure before the coordinator confirmed our Ready (EOF, a bad MAC, a
+        # HelloAck that does not echo us, a forged or replayed record) is a failed attempt:
+        # re-dial until connect_timeout, and name the last failure if none succeeds. Only an
+        # untrusted TLS certificate ends the attempts at once (on_retry).
         return await dial_and_handshake(
             self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
-            peer=coordinator, expected="an upstream handshake", on_retry=on_retry,
-            retry_on=(WireError, trio.TooSlowError, *STREAM_GONE), final=(AuthError,),
+            peer=coordinator, expected="a confirmed upstream handshake (HelloAck, Ready, "
+            "welcome)", on_retry=on_retry,
+            retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
             keepalive=KeepAlive.within(self.config.write_stall_timeout),
         )
 
@@ -165,10 +179,11 @@ class Relay:
                 joined = await self._join(listeners, stop_notices)
             if isinstance(joined, FlodlError):
                 raise joined  # outside the nursery: not wrapped in an ExceptionGroup
-            stream, sealer, opener = joined
+            stream, established = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            pump = Pump(self._local, stream, sealer, opener, self.timeline)
+            pump = Pump(self._local, stream, established.sealer, established.opener,
+                        self.timeline, first=established.records)
             exit_ = await pump.run()
             self._error = pump.error
         except FlodlError as exc:
@@ -185,7 +200,7 @@ class Relay:
             self._body_scope.cancel()
 
     async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
-                    ) -> tuple[trio.abc.Stream, RecordSealer, RecordOpener] | FlodlError:
+                    ) -> tuple[trio.abc.Stream, Established] | FlodlError:
         """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
         try:
             await accept_ranks(self._local, listeners)
@@ -209,6 +224,24 @@ class Relay:
 
 def _target_text(target: DialTarget) -> str:
     return format_address(target) if not callable(target) else "the coordinator"
+
+
+def _check_model_sigs(host: str, sigs: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    if sigs is None:
+        return out
+    if len(sigs) > MAX_MODEL_SIGS:
+        raise ConfigError(f"open_relay({host!r}): expected at most {MAX_MODEL_SIGS} model "
+                          f"signatures, got {len(sigs)}")
+    for name, digest in sigs.items():
+        if not isinstance(name, str) or not 1 <= len(name.encode("utf-8")) <= MAX_MODEL_SIG_NAME:
+            raise ConfigError(f"open_relay({host!r}): expected model signature names of 1-"
+                              f"{MAX_MODEL_SIG_NAME} UTF-8 bytes, got {name!r}")
+        if not isinstance(digest, bytes) or not 1 <= len(digest) <= MAX_MODEL_SIG_DIGEST:
+            raise ConfigError(f"open_relay({host!r}): model signature {name!r}: expected 1-"
+                              f"{MAX_MODEL_SIG_DIGEST} bytes, got {digest!r:.40}")
+        out[name] = digest
+    return out
 
 
 def _check_relay_args(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
@@ -253,6 +286,7 @@ async def open_relay(
     timeline: Timeline | None = None,
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
+    model_sigs: Mapping[str, bytes] | None = None,
 ) -> AsyncIterator[Relay]:
     """Run a host relay. The block is entered once the rank port is bound.
 
@@ -267,14 +301,21 @@ async def open_relay(
         config: deadlines (:class:`RelayConfig`).
         ssl_context: wrap the upstream connection in TLS (the channel magic travels inside).
         server_hostname: the name to verify the coordinator's certificate against.
+        model_sigs: this host's model signatures, name -> digest (flodl's ``model_sigs``,
+            supplied by the orchestrator; at most 64 names of 1-128 UTF-8 bytes, digests of
+            1-64 bytes). A relay whose digest for a name differs from an already joined
+            relay's fails formation, naming both hosts and the names.
 
     Raises:
         ConfigError: invalid arguments.
         FormationTimeout: not every local rank connected within ``rank_accept_timeout``.
-        HandshakeError: no upstream handshake within ``connect_timeout``.
-        AuthError / WireError: the coordinator is of another session, or broke the protocol.
+        HandshakeError: no confirmed upstream handshake within ``connect_timeout`` (the
+            message names the last failure: a coordinator of another session, a HelloAck that
+            did not echo us, EOF before the welcome, ...).
+        WireError: the coordinator broke the protocol after the join.
     """
     ordered = _check_relay_args(host, ranks, world_size)
+    sigs = _check_model_sigs(host, model_sigs)
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RelayConfig()
@@ -286,7 +327,8 @@ async def open_relay(
         rank_address = (str(name[0]), int(name[1]))
     relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
                   config=cfg, timeline=timeline, ssl_context=ssl_context,
-                  server_hostname=server_hostname, rank_address=rank_address)
+                  server_hostname=server_hostname, rank_address=rank_address,
+                  model_sigs=sigs)
     async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
         life.nursery.start_soon(relay.run, listeners)
         with life.body() as body_scope:

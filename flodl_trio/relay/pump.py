@@ -21,9 +21,11 @@ from ..timeline import Timeline
 from ..wire import (
     MAX_LEN_FRAME,
     FenceRank,
+    Goodbye,
     LenFrameDecoder,
     RankDropped,
     RankExit,
+    Record,
     RecordKind,
     RecordOpener,
     RecordSealer,
@@ -48,7 +50,8 @@ class Pump:
     """
 
     def __init__(self, local: LocalRanks, stream: trio.abc.Stream, sealer: RecordSealer,
-                 opener: RecordOpener, timeline: Timeline | None = None) -> None:
+                 opener: RecordOpener, timeline: Timeline | None = None, *,
+                 first: tuple[Record, ...] = ()) -> None:
         self.local = local
         self.host = local.host
         self.config: RelayConfig = local.config
@@ -57,6 +60,8 @@ class Pump:
         self.opener = opener
         self.error: WireError | None = None
         self.timeline = timeline
+        self.goodbye: str | None = None  # the coordinator's Goodbye reason (FT/2), once sent
+        self._first = first  # records opened with the handshake (the welcome)
         self.dropped = 0  # local ranks dropped for not draining their queue
         self._nursery: trio.Nursery | None = None
         self._outcome: list[RelayExit] = []
@@ -134,7 +139,9 @@ class Pump:
 
     async def read_upstream(self) -> None:
         try:
-            data: bytes | bytearray = b""  # the first feed opens what came with HelloAck
+            for rec in self._first:  # opened by the handshake (the coordinator's welcome)
+                await self.route(rec)
+            data: bytes | bytearray = b""  # the first feed opens what came with the welcome
             while True:
                 try:
                     records = self.opener.feed(data)
@@ -158,12 +165,17 @@ class Pump:
             self.finish(f"upstream connection lost ({type(exc).__name__})", False)
             return
         # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
-        # (their Exiting still flows upstream), then end.
+        # (their Exiting still flows upstream), then end. Only a Goodbye before the EOF makes
+        # it a clean end (FT/2); a bare EOF is a coordinator that died or dropped us.
         for link in self.local.links():
             link.end_queue()
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
-        self.finish("coordinator closed the connection")
+        if self.goodbye is not None:
+            self.finish(f"coordinator shut down: {self.goodbye}")
+        else:
+            self.finish("coordinator closed the connection without a Goodbye (it died, or "
+                        "dropped this relay)", False)
 
     async def flush_ranks(self) -> None:
         """Let the rank writers deliver what was verified and queued before the link broke."""
@@ -223,6 +235,10 @@ class Pump:
             msg = decode_relay(payload)
         except WireError as exc:
             self.drop("undecodable", f"control record from the coordinator: {exc}")
+            return
+        if isinstance(msg, Goodbye):
+            self.goodbye = msg.reason
+            log.info("relay %r: the coordinator is shutting down: %s", self.host, msg.reason)
             return
         if not isinstance(msg, FenceRank):
             self.drop("unexpected control", f"{type(msg).__name__} from the coordinator")

@@ -1,7 +1,9 @@
 """Relay phase 1 (SPEC §5): accept every local rank and terminate its handshake (§2.3).
 
-A bad hello is rejected and the relay keeps accepting until ``rank_accept_timeout``; a rank whose
-connection breaks before every rank is in gets its slot back, so its re-dial is accepted.
+A bad hello is rejected and the relay keeps accepting until ``rank_accept_timeout``. FT/2: a rank
+counts as connected only once its first frame after the ack arrived (the ack may be lost on the
+way); until then a re-dial of the same rank takes over its slot, and a rank whose connection
+breaks before every rank is in gets its slot back too, so its re-dial is accepted.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class LocalRanks:
         self.config = config
         self.rank_set = frozenset(ranks)
         self._links: dict[int, RankLink] = {}
-        self._reserved: set[int] = set()  # hello verified, ack not yet written
+        # Hello verified, the rank's first frame after the ack not yet arrived (FT/2): the
+        # attempt's cancel scope, so that a re-dial of the same rank takes over its slot.
+        self._reserved: dict[int, trio.CancelScope] = {}
         self._rejects = JunkCounter()  # rank-port rejects, by reason
         self._all_in = trio.Event()
 
@@ -63,22 +67,29 @@ class LocalRanks:
         """Local ranks whose connection is up."""
         return frozenset(r for r, link in self._links.items() if not link.gone)
 
-    def reserve(self, rank: int, peer: str) -> None:
-        """Hold ``rank``'s slot while its ack is written.
+    def reserve(self, rank: int, peer: str, attempt: trio.CancelScope) -> None:
+        """Hold ``rank``'s slot while its ack is written and its first frame awaited.
+
+        An earlier attempt of the same rank that is still unconfirmed is cancelled: its ack
+        may never have reached the rank, which re-dialed (FT/2).
 
         Raises:
-            HandshakeError: ``rank`` is connected (or being connected) already.
+            HandshakeError: ``rank`` is connected (confirmed) already.
         """
-        if rank in self._links or rank in self._reserved:
+        if rank in self._links:
             raise HandshakeError(f"rank hello from {peer}: rank {rank} is already connected")
-        self._reserved.add(rank)
+        older = self._reserved.get(rank)
+        if older is not None:
+            older.cancel()
+        self._reserved[rank] = attempt
 
-    def release(self, rank: int) -> None:
-        self._reserved.discard(rank)
+    def release(self, rank: int, attempt: trio.CancelScope) -> None:
+        if self._reserved.get(rank) is attempt:
+            del self._reserved[rank]
 
     def add(self, link: RankLink) -> bool:
-        """``link``'s ack was written; True when this was the last local rank."""
-        self._reserved.discard(link.rank)
+        """``link``'s first frame arrived; True when this was the last local rank."""
+        self._reserved.pop(link.rank, None)
         self._links[link.rank] = link
         if len(self._links) == len(self.ranks):
             self._all_in.set()
@@ -153,30 +164,43 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
     reserved: int | None = None
     machine = RankAcceptHandshake(local.salt, world_size=local.world_size, host=local.host,
                                   ranks=local.rank_set, peer=peer)
+    confirmed: RankConfirmed | None = None
     try:
-        with trio.fail_after(local.config.handshake_timeout):
-            hello = await run_handshake(stream, machine)
-            assert isinstance(hello, RankHelloReceived)
-            rank = hello.rank
-            local.reserve(rank, peer)
-            reserved = rank
-            machine.accept()
-            confirmed = await run_handshake(stream, machine)
-            assert isinstance(confirmed, RankConfirmed)
+        with trio.CancelScope() as attempt:
+            with trio.fail_after(local.config.handshake_timeout):
+                hello = await run_handshake(stream, machine)
+                assert isinstance(hello, RankHelloReceived)
+                rank = hello.rank
+                local.reserve(rank, peer, attempt)
+                reserved = rank
+                machine.accept()
+                event = await run_handshake(stream, machine)
+                assert isinstance(event, RankConfirmed)
+                confirmed = event
     except (trio.TooSlowError, WireError, HandshakeError, *STREAM_GONE) as exc:
         if reserved is not None:
-            local.release(reserved)
-        text = (f"rank hello from {peer}: no hello within handshake_timeout="
-                f"{local.config.handshake_timeout:g}s" if isinstance(exc, trio.TooSlowError)
-                else str(exc) or type(exc).__name__)
-        local.reject(reject_reason(exc), text)
+            local.release(reserved, attempt)
+        if isinstance(exc, trio.TooSlowError):
+            text = (f"rank hello from {peer}: no hello within handshake_timeout="
+                    f"{local.config.handshake_timeout:g}s" if reserved is None else
+                    f"rank {reserved} at {peer}: no first frame after the ack within "
+                    f"handshake_timeout={local.config.handshake_timeout:g}s")
+        else:
+            text = str(exc) or type(exc).__name__
+        local.reject("no first frame" if reserved is not None and not isinstance(
+            exc, HandshakeError) else reject_reason(exc), text)
         await trio.aclose_forcefully(stream)
         return
     except BaseException:
         if reserved is not None:
-            local.release(reserved)
+            local.release(reserved, attempt)
         await trio.aclose_forcefully(stream)
         raise
+    if confirmed is None:  # superseded by a re-dial of the same rank
+        if reserved is not None:
+            local.release(reserved, attempt)
+        await trio.aclose_forcefully(stream)
+        return
     link = RankLink(rank, stream, local.config)
     link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)

@@ -1,11 +1,11 @@
-"""FT/1 constants: magics, protocol version, ceilings, kinds (SPEC §2)."""
+"""FT/2 constants: magics, protocol version, ceilings, kinds (SPEC §2)."""
 
 from __future__ import annotations
 
 import enum
 import struct
 
-PROTOCOL_VERSION = 0x4654_0001  # "FT" 1
+PROTOCOL_VERSION = 0x4654_0002  # "FT" 2 (FT/1: no world size in Hello, no confirmed join)
 
 # Channel-select magic, the first 4 bytes of every connection to the coordinator port.
 CHANNEL_MAGIC_RENDEZVOUS = struct.pack("<I", 0xF10D17E0)

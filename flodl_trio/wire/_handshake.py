@@ -1,4 +1,4 @@
-"""The upstream handshake (SPEC §2.6) as two sans-IO state machines, one per end.
+"""The upstream handshake (SPEC §2.6, FT/2) as two sans-IO state machines, one per end.
 
 Learnt from h11's ``Connection``: the caller feeds received bytes with ``receive_data`` (``b""``
 is EOF), asks ``next_event()`` what they amount to, and writes whatever ``data_to_send()``
@@ -7,9 +7,16 @@ is a :class:`~flodl_trio.WireError` (``AuthError`` for a MAC, ``FrameTooLarge`` 
 length) or a :class:`~flodl_trio.HandshakeError`; a machine that failed is poisoned and raises
 the same error again.
 
+FT/2 confirms the join on both sides. The relay answers a verified ``HelloAck`` with ``Ready``;
+the coordinator's machine is established only once ``Ready`` verified, and its first record
+after that is a *welcome*: one FANOUT of ``CoordHeartbeat`` to the relay's ranks. The relay's
+machine is established only once that first record arrived. So each side knows the other has
+counted the join, and a connection that ends before that is, for both, a failed attempt (the
+coordinator un-covers the relay; the relay re-dials).
+
 The handshake ends in :class:`Established`: the sealer/opener pair, rekeyed to ``conn_key``,
 with the opener still holding whatever arrived past the handshake (``opener.feed(b"")`` opens
-it).
+it) and, on the relay, the records already opened (the welcome).
 """
 
 from __future__ import annotations
@@ -33,8 +40,18 @@ from ._constants import (
     RecordKind,
 )
 from ._crypto import SessionSalt, conn_key, hs_key
-from ._messages import Challenge, Hello, HelloAck, RelayControlMsg, decode_relay, encode
-from ._records import Record, RecordOpener, RecordSealer
+from ._frames import encode_frame
+from ._messages import (
+    Challenge,
+    CoordHeartbeat,
+    Hello,
+    HelloAck,
+    Ready,
+    RelayControlMsg,
+    decode_relay,
+    encode,
+)
+from ._records import Record, RecordOpener, RecordSealer, encode_fanout
 
 # A Hello is small; a stranger must not make the coordinator buffer megabytes before the MAC.
 MAX_HANDSHAKE_PAYLOAD = 256 * 1024
@@ -65,10 +82,15 @@ class HelloReceived:
 
 @attrs.frozen
 class Established:
-    """The handshake is done: records from here on use this pair (``conn_key``)."""
+    """The handshake is done: records from here on use this pair (``conn_key``).
+
+    ``records``: records already opened past the handshake (the relay's: the coordinator's
+    welcome), to be handled before anything the opener still holds.
+    """
 
     sealer: RecordSealer
     opener: RecordOpener
+    records: tuple[Record, ...] = ()
 
 
 HandshakeEvent = NeedData | HelloReceived | Established
@@ -134,7 +156,8 @@ class CoordinatorHandshake(_Machine):
     """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
 
     Events: ``HelloReceived`` once the Hello's MAC verified (the caller validates it against the
-    world and calls :meth:`accept`), then ``Established``. ``failure_category`` groups a failure
+    world and calls :meth:`accept`), then ``Established`` once the relay's ``Ready`` verified
+    (the welcome record is then queued). ``failure_category`` groups a failure
     for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before hello"``, ...).
 
     Args:
@@ -211,13 +234,25 @@ class CoordinatorHandshake(_Machine):
         if self._state == "decide":
             return NEED_DATA
         if self._state == "acked":
+            assert self.hello is not None
+            host = self.hello.host
+            what = f"Ready from relay {host!r} at {self.peer}"
+            rec = self._next_record(self._opener, what, "eof before ready")
+            if rec is None:
+                return NEED_DATA
+            self._control(rec, Ready, what)
+            # The welcome confirms the join to the relay: it is established only once a
+            # record arrives after its Ready.
+            welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
+            self._out += self._sealer.seal(RecordKind.FANOUT, 0, welcome)
             self._state = "done"
             self._done = True
             return Established(self._sealer, self._opener)
         raise HandshakeError(f"{self.peer}: the upstream handshake already ended")
 
     def accept(self) -> None:
-        """Answer the Hello with ``HelloAck`` and switch both directions to ``conn_key``."""
+        """Answer the Hello with ``HelloAck`` and switch both directions to ``conn_key``; the
+        machine then waits for the relay's ``Ready`` (FT/2)."""
         self._check()
         if self._state != "decide" or self.hello is None:
             raise HandshakeError(f"{self.peer}: accept() before an authenticated Hello")
@@ -251,24 +286,29 @@ class CoordinatorHandshake(_Machine):
 
 
 class RelayHandshake(_Machine):
-    """The relay's end: magic, verify ``Challenge``, ``Hello``, verify ``HelloAck``.
+    """The relay's end: magic, verify ``Challenge``, ``Hello``, verify ``HelloAck``, ``Ready``,
+    then wait for the coordinator's first record (its welcome) before ``Established``.
 
     The Hello is sent exactly as given (tests send unsorted or empty rank lists on purpose).
 
     Args:
         salt: the run's session salt.
-        host / ranks: the Hello's fields.
+        host / ranks / world_size / model_sigs: the Hello's fields.
         coordinator: the coordinator's address, named in every error.
         max_record_payload: the ceiling once acknowledged.
     """
 
     def __init__(self, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
-                 coordinator: str, max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+                 world_size: int, coordinator: str,
+                 model_sigs: dict[str, bytes] | None = None,
+                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
         super().__init__()
         self.host = host
         self.coordinator = coordinator
         self._salt = salt
         self._ranks = ranks
+        self._world_size = world_size
+        self._model_sigs = dict(model_sigs or {})
         self._max_record_payload = max_record_payload
         self.relay_nonce = secrets.token_bytes(NONCE_LEN)
         self._coord_nonce = b""
@@ -319,7 +359,9 @@ class RelayHandshake(_Machine):
             self._coord_nonce = challenge.nonce
             key = hs_key(self._salt, challenge.nonce)
             self._sealer = RecordSealer(key, RELAY_TO_COORD)
-            hello = Hello(host=self.host, ranks=self._ranks, nonce=self.relay_nonce)
+            hello = Hello(host=self.host, world_size=self._world_size,
+                          model_sigs=self._model_sigs, ranks=self._ranks,
+                          nonce=self.relay_nonce)
             self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
             self._opener.rekey(key)
             self._state = "ack"
@@ -338,9 +380,19 @@ class RelayHandshake(_Machine):
             self._sealer.rekey(final)
             self._opener.rekey(final)
             self._opener.max_payload = self._max_record_payload
+            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
+            self._state = "welcome"
+        if self._state == "welcome":
+            # The coordinator counts us only once it verified Ready; its first record after
+            # that says it did. A connection that ends before it is a failed attempt.
+            assert self._sealer is not None
+            rec = self._next_record(self._opener, f"{who}: the welcome from {self.coordinator} "
+                                    "after Ready", "eof before welcome")
+            if rec is None:
+                return NEED_DATA
             self._state = "done"
             self._done = True
-            return Established(self._sealer, self._opener)
+            return Established(self._sealer, self._opener, (rec,))
         raise HandshakeError(f"{who}: the upstream handshake already ended")
 
 

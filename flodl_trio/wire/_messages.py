@@ -1,4 +1,4 @@
-"""Every FT/1 payload message (SPEC §2.7) as an attrs frozen class.
+"""Every FT/2 payload message (SPEC §2.7) as an attrs frozen class.
 
 Annotations are the wire types; field order is the wire order. Lists are tuples in Python.
 """
@@ -651,10 +651,17 @@ class Hello(RelayControlMsg):
 
     Attributes:
         host: the host name (1-255 bytes of UTF-8).
+        world_size: the relay's world size (FT/2); a disagreement with the coordinator's is an
+            authenticated contradiction that fails formation naming both numbers.
+        model_sigs: the relay's model signatures, name -> digest (FT/2, flodl's
+            ``model_sigs``; may be empty); relays whose digests for one name differ fail
+            formation, naming the hosts and the names.
         ranks: the global ranks it carries, ascending.
         nonce: the relay's 16 fresh random bytes.
     """
     host: HostName
+    world_size: U32
+    model_sigs: dict[str, bytes]
     ranks: tuple[U32, ...]
     nonce: Nonce
 
@@ -679,6 +686,27 @@ class RankExit(RelayControlMsg):
         rank: the rank.
     """
     rank: U32
+
+
+@variant(RELAY_CONTROL_MSG, 4)
+@attrs.frozen
+class Ready(RelayControlMsg):
+    """Relay → coordinator (FT/2), the last record of the upstream handshake: the relay
+    verified ``HelloAck``. The coordinator counts the relay's ranks as covered only once it
+    has verified this; a connection that ends before that un-covers the relay."""
+
+
+@variant(RELAY_CONTROL_MSG, 5)
+@attrs.frozen
+class Goodbye(RelayControlMsg):
+    """Coordinator → relay (FT/2): the coordinator is shutting down gracefully; sent before
+    the half-close, so a relay tells a clean end from a coordinator that died.
+
+    Attributes:
+        reason: why the coordinator shut down.
+    """
+
+    reason: str
 
 
 @variant(RELAY_CONTROL_MSG, 6)

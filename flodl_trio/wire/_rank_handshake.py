@@ -1,9 +1,15 @@
-"""The rank ↔ relay handshake (SPEC §2.3) as two sans-IO state machines, one per end.
+"""The rank ↔ relay handshake (SPEC §2.3, FT/2) as two sans-IO state machines, one per end.
 
 Same shape as the upstream machines (``_handshake``): ``receive_data`` (``b""`` is EOF),
 ``next_event()``, ``data_to_send()``; failures are ``HandshakeError`` or ``WireError`` and
 poison the machine. Both end in :class:`RankConfirmed` with the bytes that arrived past the
 handshake, which belong to the length-framed stream that follows.
+
+FT/2 confirms the join on both sides: the rank answers a verified ack with its first frame at
+once (a ``Heartbeat``), and the relay counts the rank as connected only once that whole frame
+arrived; it then answers with a ``RelayWaiting`` notice, and the rank counts itself connected
+only once that whole frame arrived. A connection that ends before that is, for both, a failed
+attempt: the relay frees the rank's slot and the rank re-dials.
 """
 
 from __future__ import annotations
@@ -11,10 +17,18 @@ from __future__ import annotations
 import attrs
 
 from .._errors import FlodlError, HandshakeError, WireError
-from ._constants import RANK_ACK_LEN, RANK_HELLO_LEN
+from ._constants import LEN_PREFIX_LEN, MAX_LEN_FRAME, RANK_ACK_LEN, RANK_HELLO_LEN
 from ._crypto import SessionSalt
-from ._frames import decode_rank_hello, encode_rank_ack, encode_rank_hello, verify_rank_ack
+from ._frames import (
+    decode_rank_hello,
+    encode_frame,
+    encode_rank_ack,
+    encode_rank_hello,
+    len_frame,
+    verify_rank_ack,
+)
 from ._handshake import NEED_DATA, NeedData
+from ._messages import Heartbeat, RelayWaiting
 
 
 @attrs.frozen
@@ -64,6 +78,20 @@ class _RankMachine:
         self._error = exc
         return exc
 
+    def _first_frame(self, what: str) -> bool:
+        """True once one whole length-framed blob is buffered (it stays in the buffer)."""
+        if len(self._buf) >= LEN_PREFIX_LEN:
+            n = int.from_bytes(self._buf[:LEN_PREFIX_LEN], "little")
+            if n > MAX_LEN_FRAME:
+                raise self._fail(WireError(f"{what}: expected a length-framed blob of at most "
+                                           f"{MAX_LEN_FRAME} bytes, got a length of {n}"))
+            if len(self._buf) >= LEN_PREFIX_LEN + n:
+                return True
+        if self._eof:
+            raise self._fail(WireError(
+                f"{what}: peer closed the connection after {len(self._buf)} bytes of it"))
+        return False
+
     def _take(self, n: int, what: str) -> bytes | None:
         """The first ``n`` buffered bytes, or None while they have not all arrived."""
         if len(self._buf) >= n:
@@ -80,7 +108,8 @@ class _RankMachine:
 
 
 class RankDialHandshake(_RankMachine):
-    """The rank's end: send the 24-byte hello, verify the relay's 16-byte ack.
+    """The rank's end: send the 24-byte hello, verify the relay's 16-byte ack, send a first
+    ``Heartbeat`` at once, then wait for the relay's first frame (FT/2).
 
     Args:
         salt / rank / world_size: the hello's contents.
@@ -92,36 +121,45 @@ class RankDialHandshake(_RankMachine):
         self.rank = rank
         self.relay = relay
         self._salt = salt
-        self._done = False
+        self._state = "ack"
         self._out += encode_rank_hello(salt, rank, world_size)
 
     def next_event(self) -> RankHandshakeEvent:
-        """NEED_DATA until the ack arrived and verified.
+        """NEED_DATA until the ack verified and the relay's first frame arrived.
 
         Raises:
-            WireError: EOF before the whole ack. HandshakeError: the ack is not valid.
+            WireError: EOF before the whole ack or the relay's first frame.
+            HandshakeError: the ack is not valid.
         """
         self._check()
-        if self._done:
-            raise HandshakeError(f"rank {self.rank}: the handshake with {self.relay} already "
-                                 "ended")
-        ack = self._take(RANK_ACK_LEN, f"ack from relay {self.relay}")
-        if ack is None:
-            return NEED_DATA
-        try:
-            verify_rank_ack(self._salt, ack)
-        except HandshakeError as exc:
-            raise self._fail(HandshakeError(f"rank {self.rank}: from relay {self.relay}: "
-                                            f"{exc}")) from None
-        self._done = True
-        leftover = bytes(self._buf)
-        self._buf.clear()
-        return RankConfirmed(self.rank, leftover)
+        if self._state == "ack":
+            ack = self._take(RANK_ACK_LEN, f"ack from relay {self.relay}")
+            if ack is None:
+                return NEED_DATA
+            try:
+                verify_rank_ack(self._salt, ack)
+            except HandshakeError as exc:
+                raise self._fail(HandshakeError(f"rank {self.rank}: from relay {self.relay}: "
+                                                f"{exc}")) from None
+            # The relay counts us only once this whole frame arrived (FT/2).
+            self._out += len_frame(encode_frame(self._salt,
+                                                Heartbeat(rank=self.rank, step_count=0)))
+            self._state = "confirm"
+        if self._state == "confirm":
+            if not self._first_frame(f"rank {self.rank}: the relay {self.relay}'s first frame "
+                                     "after its ack"):
+                return NEED_DATA
+            self._state = "done"
+            leftover = bytes(self._buf)
+            self._buf.clear()
+            return RankConfirmed(self.rank, leftover)
+        raise HandshakeError(f"rank {self.rank}: the handshake with {self.relay} already ended")
 
 
 class RankAcceptHandshake(_RankMachine):
     """The relay's end: validate the hello (magic, version, world_size, MAC, rank of this
-    host), then, once the caller ``accept()``\\ s it, send the ack.
+    host), then, once the caller ``accept()``\\ s it, send the ack and wait for the rank's first
+    whole frame (FT/2); answer it with a ``RelayWaiting`` notice.
 
     Args:
         salt: the run's session salt.
@@ -167,6 +205,13 @@ class RankAcceptHandshake(_RankMachine):
             return NEED_DATA
         if self._state == "acked":
             assert self.rank is not None
+            # The ack may not have reached the rank: it counts only once its first frame did.
+            if not self._first_frame(f"rank {self.rank} at {self.peer}: its first frame after "
+                                     "the ack"):
+                return NEED_DATA
+            notice = RelayWaiting(host=self._host, detail=f"relay {self._host!r} confirmed "
+                                  f"rank {self.rank}; waiting for the cohort to form")
+            self._out += len_frame(encode_frame(self._salt, notice))
             self._state = "done"
             leftover = bytes(self._buf)
             self._buf.clear()

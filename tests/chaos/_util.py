@@ -32,13 +32,14 @@ class UpstreamHandshake:
 
     magic: int
     hello: int
+    ready: int
     challenge: int
     hello_ack: int
 
     @property
     def up(self) -> int:
-        """relay → coordinator: control magic, then the sealed Hello."""
-        return self.magic + self.hello
+        """relay → coordinator: control magic, the sealed Hello, then the sealed Ready."""
+        return self.magic + self.hello + self.ready
 
     @property
     def down(self) -> int:
@@ -46,7 +47,8 @@ class UpstreamHandshake:
         return self.challenge + self.hello_ack
 
 
-def upstream_handshake(host: str, ranks: Sequence[int]) -> UpstreamHandshake:
+def upstream_handshake(host: str, ranks: Sequence[int], world_size: int = 3
+                       ) -> UpstreamHandshake:
     """The handshake's lengths, computed from the wire constants and the CBOR encoder."""
 
     def record(msg: Any) -> int:
@@ -54,7 +56,9 @@ def upstream_handshake(host: str, ranks: Sequence[int]) -> UpstreamHandshake:
 
     return UpstreamHandshake(
         magic=len(wire.CHANNEL_MAGIC_CONTROL),
-        hello=record(wire.Hello(host=host, ranks=tuple(ranks), nonce=NONCE)),
+        hello=record(wire.Hello(host=host, world_size=world_size, model_sigs={},
+                                ranks=tuple(ranks), nonce=NONCE)),
+        ready=record(wire.Ready()),
         challenge=record(wire.Challenge(NONCE)),
         hello_ack=record(wire.HelloAck(NONCE)),
     )
