@@ -55,6 +55,25 @@ def parse_address(text: str, *, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def parse_model_sigs(items: list[str]) -> dict[str, bytes]:
+    """``["encoder=00ff"]`` → {"encoder": b"\\x00\\xff"}.
+
+    >>> parse_model_sigs(["encoder=00ff"])
+    {'encoder': b'\\x00\\xff'}
+    """
+    out: dict[str, bytes] = {}
+    for item in items:
+        name, sep, digest = item.partition("=")
+        try:
+            value = bytes.fromhex(digest)
+        except ValueError:
+            value = b""
+        if not sep or not name or not value:
+            raise UsageError(f"--model-sig: expected NAME=HEX (a hex digest), got {item!r}")
+        out[name] = value
+    return out
+
+
 def parse_ranks(text: str) -> list[int]:
     """``0-3,8`` → [0, 1, 2, 3, 8].
 

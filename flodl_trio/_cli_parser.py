@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of global ranks (required)")
     p.add_argument("--rank-port", type=int, default=0, metavar="PORT",
                    help="loopback port the local ranks dial (0: any free port, printed)")
+    p.add_argument("--model-sig", metavar="NAME=HEX", action="append", default=[],
+                   help="a model signature this host announces (repeatable; default: none); "
+                   "relays that disagree on a name fail formation")
     _add_salt_args(p)
     p.add_argument("--tls-ca", metavar="PEM", help="verify the coordinator's TLS certificate")
     p.add_argument("--tls-server-name", metavar="NAME",

@@ -26,6 +26,7 @@ from ._cli_common import (
     load_salt,
     os_error_text,
     parse_address,
+    parse_model_sigs,
     parse_ranks,
     write_text,
 )
@@ -166,6 +167,7 @@ async def run_relay(args: argparse.Namespace) -> int:
     salt = load_salt(args, long_running=True)
     target = parse_address(args.coordinator, what="--coordinator")
     ranks = parse_ranks(args.ranks)
+    sigs = parse_model_sigs(args.model_sig)
     ssl_context = _tls_client(args)
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
@@ -175,7 +177,8 @@ async def run_relay(args: argparse.Namespace) -> int:
                 relay_cm = open_relay(target, salt=salt, host=args.host, ranks=ranks,
                                       world_size=args.world_size, rank_listen=args.rank_port,
                                       config=RelayConfig(), ssl_context=ssl_context,
-                                      server_hostname=args.tls_server_name)
+                                      server_hostname=args.tls_server_name,
+                                      model_sigs=sigs)
                 async with relay_cm as relay:
                     print(f"relay {args.host} ranks {ranks} listening for ranks on "
                           f"{format_address(relay.rank_address)}", flush=True)

@@ -286,6 +286,23 @@ async def raw_relay_handshake(
 
 
 
+async def raw_rank_accept(stream: trio.abc.Stream, salt: ft.SessionSalt, *, world_size: int,
+                          ranks: Sequence[int], host: str = "fake-relay") -> int:
+    """Run the relay's end of one rank handshake (SPEC §2.3, FT/2: through the rank's first
+    frame and the relay's notice) with the library's own machine; returns the rank."""
+    from flodl_trio import wire
+    from flodl_trio._handshake_io import run_handshake
+
+    machine = wire.RankAcceptHandshake(salt, world_size=world_size, host=host,
+                                       ranks=frozenset(ranks), peer="test")
+    hello = await run_handshake(stream, machine)
+    assert isinstance(hello, wire.RankHelloReceived)
+    machine.accept()
+    done = await run_handshake(stream, machine)
+    assert isinstance(done, wire.RankConfirmed)
+    return done.rank
+
+
 @attrs.define(eq=False)
 class RawCoordinatorSide:
     """The coordinator end of one upstream connection, driven by the test."""
@@ -420,8 +437,11 @@ class RawRank:
         return sum(isinstance(m, kind) for m in self.received)
 
     def labels(self, *, heartbeats: bool = False) -> list[str]:
+        # The relay's own RelayWaiting notices (its FT/2 handshake answer) are not the
+        # coordinator's words.
         return [type(m).__name__ for m in self.received
-                if heartbeats or not isinstance(m, ft.wire.CoordHeartbeat)]
+                if not isinstance(m, ft.wire.RelayWaiting)
+                and (heartbeats or not isinstance(m, ft.wire.CoordHeartbeat))]
 
     async def send(self, msg: Any) -> None:
         blob = ft.wire.len_frame(ft.wire.encode_frame(self.salt, msg))

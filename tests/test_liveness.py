@@ -261,7 +261,7 @@ async def test_relay_lost_while_its_hello_ack_is_in_flight_never_counts_as_forme
 
     async def relay_that_dies_before_reading_its_ack() -> None:
         stream = await net.connect(COORD)
-        machine = wire.RelayHandshake(salt, host="host-0", ranks=(0, 1), world_size=2,
+        machine = wire.RelayHandshake(salt, host="host-0", ranks=(0, 1), world_size=4,
                                      coordinator=COORD)
         await stream.send_all(machine.data_to_send())  # the magic
         hello = b""

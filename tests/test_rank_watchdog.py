@@ -18,7 +18,14 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, open_peers, raw_coordinator_accept, read_exactly, read_one_record
+from helpers import (
+    COORD,
+    open_peers,
+    raw_coordinator_accept,
+    raw_rank_accept,
+    read_exactly,
+    read_one_record,
+)
 
 FAKE_RELAY = "fake-relay"
 WORLD = 4
@@ -32,9 +39,7 @@ async def serve_fake_relay(listener: trio.abc.Listener[Any], salt: ft.SessionSal
     """Accept one rank, check its hello, ack it, then run ``script`` on the link."""
     stream = await listener.accept()
     try:
-        hello = await read_exactly(stream, wire.RANK_HELLO_LEN)
-        assert wire.decode_rank_hello(salt, hello, world_size=WORLD) == RANK
-        await stream.send_all(wire.encode_rank_ack(salt))
+        assert await raw_rank_accept(stream, salt, world_size=WORLD, ranks=[RANK]) == RANK
         await script(stream, salt)
     finally:
         await trio.aclose_forcefully(stream)

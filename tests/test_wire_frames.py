@@ -20,7 +20,7 @@ from flodl_trio._errors import AuthError, ConfigError, FrameTooLarge, HandshakeE
 
 SALT_BYTES = bytes(range(16))
 SALT = wire.SessionSalt(SALT_BYTES)
-VERSION_LE = bytes.fromhex("01005446")  # 0x46540001, "FT" 1
+VERSION_LE = bytes.fromhex("02005446")  # 0x46540002, "FT" 2
 
 
 def mac64(key: bytes, data: bytes) -> bytes:
@@ -46,7 +46,7 @@ def chunks(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def test_protocol_version_and_channel_magics_are_the_spec_bytes() -> None:
-    assert wire.PROTOCOL_VERSION == 0x4654_0001
+    assert wire.PROTOCOL_VERSION == 0x4654_0002
     assert wire.CHANNEL_MAGIC_RENDEZVOUS == bytes.fromhex("e0170df1")
     assert wire.CHANNEL_MAGIC_DATA == bytes.fromhex("e1170df1")
     assert wire.CHANNEL_MAGIC_CONTROL == bytes.fromhex("e2170df1")
@@ -80,7 +80,7 @@ def test_rank_ack_is_16_bytes_magic_version_then_mac() -> None:
 
 
 def _hello(
-    *, magic: int = 0xF10D17C2, version: int = 0x46540001, rank: int = 3, world: int = 8,
+    *, magic: int = 0xF10D17C2, version: int = 0x46540002, rank: int = 3, world: int = 8,
     key: bytes = SALT_BYTES,
 ) -> bytes:  # fmt: skip
     head = struct.pack("<IIII", magic, version, rank, world)
@@ -92,7 +92,7 @@ def _hello(
     [
         # Each input fails two checks; the earlier one in SPEC order is reported.
         (_hello(magic=0xF10D17C3, version=1), ["magic", "0xF10D17C2", "0xF10D17C3"]),
-        (_hello(version=0x46540002, world=9), ["version", "0x46540001", "0x46540002"]),
+        (_hello(version=0x46540001, world=9), ["version", "0x46540002", "0x46540001"]),
         (_hello(world=9, key=b"x" * 16), ["world_size 9", "expected 8"]),
         (_hello(key=b"x" * 16), ["rank 3", "HMAC"]),
         (_hello()[:23], ["24 bytes", "got 23"]),
@@ -139,8 +139,8 @@ def test_encode_rank_hello_refuses_values_that_are_not_u32(rank: int, world: int
     ("ack", "words"),
     [
         (struct.pack("<II", 0xF10D17C2, 1) + b"\0" * 8, ["magic", "0xF10D17C3"]),
-        (struct.pack("<II", 0xF10D17C3, 0x46540002) + b"\0" * 8, ["version", "0x46540002"]),
-        (struct.pack("<II", 0xF10D17C3, 0x46540001) + b"\0" * 8, ["HMAC"]),
+        (struct.pack("<II", 0xF10D17C3, 0x46540001) + b"\0" * 8, ["version", "0x46540001"]),
+        (struct.pack("<II", 0xF10D17C3, 0x46540002) + b"\0" * 8, ["HMAC"]),
         (b"\0" * 15, ["16 bytes", "got 15"]),
     ],
     ids=["magic", "version", "mac", "short"],
@@ -211,8 +211,8 @@ BIG = wire.MAX_CONTROL_PAYLOAD + 1
         # Each input fails two checks; the earlier one in SPEC order is reported.
         (raw_frame(1, b"\x82", magic=b"\0\0\0\0", version=b"\0\0\0\0"), WireError,
          ["bad magic", "0xF10D17C4", "0x00000000"]),
-        (raw_frame(99, b"\x82", version=bytes.fromhex("02005446")), WireError,
-         ["version", "0x46540001", "0x46540002"]),
+        (raw_frame(99, b"\x82", version=bytes.fromhex("01005446")), WireError,
+         ["version", "0x46540002", "0x46540001"]),
         (raw_frame(99, b"", length=BIG), WireError, ["unknown kind 99"]),
         (raw_frame(1, b"", length=BIG, key=b"x" * 16), FrameTooLarge,
          [f"{BIG} bytes", "ceiling"]),

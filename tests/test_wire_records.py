@@ -34,7 +34,7 @@ def mac64(key: bytes, data: bytes) -> bytes:
 def expected_record(
     key: bytes, direction: int, seq: int, kind: int, rank: int, payload: bytes
 ) -> bytes:
-    head = bytes.fromhex("d0170df1 01005446") + bytes([kind])
+    head = bytes.fromhex("d0170df1 02005446") + bytes([kind])
     head += struct.pack("<II", rank, len(payload))
     tag = mac64(key, bytes([direction]) + struct.pack("<Q", seq) + head + payload)
     return head + tag + payload
@@ -52,7 +52,7 @@ def test_record_is_25_byte_header_with_tag_over_direction_seq_header_payload() -
     first = sealer.seal(DATA, 0x0A0B0C0D, b"hello")
     second = sealer.seal(CONTROL, 0, b"")
     assert first == expected_record(KEY_A, 0x01, 0, 1, 0x0A0B0C0D, b"hello")
-    assert first[:17] == bytes.fromhex("d0170df1 01005446 01 0d0c0b0a 05000000")
+    assert first[:17] == bytes.fromhex("d0170df1 02005446 01 0d0c0b0a 05000000")
     assert len(first) == 25 + 5
     assert second == expected_record(KEY_A, 0x01, 1, 2, 0, b"")
     assert sealer.seq == 2
@@ -253,7 +253,7 @@ def test_push_and_next_record_let_relay_rekey_between_records_of_one_chunk() -> 
 
 
 def _raw(kind: int = 1, rank: int = 0, payload: bytes = b"", *, magic: int = 0xF10D17D0,
-         version: int = 0x46540001, length: int | None = None, seq: int = 0,
+         version: int = 0x46540002, length: int | None = None, seq: int = 0,
          key: bytes = KEY_A) -> bytes:  # fmt: skip
     n = len(payload) if length is None else length
     head = struct.pack("<IIBII", magic, version, kind, rank, n)
@@ -265,7 +265,7 @@ def _raw(kind: int = 1, rank: int = 0, payload: bytes = b"", *, magic: int = 0xF
     [
         # Each input fails two checks; the earlier one is reported.
         (_raw(magic=0xF10D17C4, version=2), WireError, ["bad magic", "0xF10D17D0", "0xF10D17C4"]),
-        (_raw(version=0x46540002, kind=9), WireError, ["version", "0x46540001", "0x46540002"]),
+        (_raw(version=0x46540001, kind=9), WireError, ["version", "0x46540002", "0x46540001"]),
         (_raw(kind=9, length=2**32 - 1), WireError, ["kind 9"]),
         (_raw(kind=3), WireError, ["reserved kind 3"]),
         (_raw(kind=4), WireError, ["reserved kind 4"]),

@@ -2,10 +2,11 @@
 
 Every scenario runs one small cluster on a :class:`MemoryNetwork` (run it under ``MockClock``):
 relay ``host-a`` (ranks 0, 1) takes the fault on its *first* connection attempt only, relay
-``host-b`` (rank 2) is healthy. Unless a scenario says otherwise, host-b's rank starts late so
-that host-a is not the last relay to join: a fault that the coordinator only notices after the
-HelloAck then hits a relay *during* formation (the last relay's HelloAck completes formation, see
-:func:`last_relay_hello_ack_cut`).
+``host-b`` (rank 2) is healthy. ``last=False``: host-b's rank starts late, so host-a is the
+*first* relay to join; ``last=True``: host-a's ranks start late, so host-a is the *last* relay
+and its join completes formation. FT/2 makes both the same story: the coordinator counts host-a
+only once its ``Ready`` verified, so a cut anywhere in the handshake leaves host-a uncovered,
+host-a re-dials, and formation completes with every rank live.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from _util import (
     first,
     run_cluster,
     upstream_handshake,
-    wait_until,
 )
 
 import flodl_trio as ft
@@ -81,9 +81,11 @@ def corrupt_hello_categories(up_offset: int) -> set[str]:
 
 
 def _hosts(upstream: FaultyFirstDial, *, host_b_late: float = HOST_B_LATE,
+           host_a_late: float = 0.0,
            relay_config: ft.RelayConfig | None = None) -> dict[str, dict[str, object]]:
     return {
-        "host-a": {"ranks": [0, 1], "upstream": upstream, "relay_config": relay_config},
+        "host-a": {"ranks": [0, 1], "upstream": upstream, "relay_config": relay_config,
+                   "rank_delay": host_a_late},
         "host-b": {"ranks": [2], "rank_delay": host_b_late},
     }
 
@@ -126,7 +128,7 @@ def _relays_at_end(out: Outcome) -> None:
 async def upstream_fault(net: MemoryNetwork, plan: FaultPlan, *, name: str,
                          handshake_timeout: float = 5.0, formation_timeout: float = 60.0,
                          relay_config: ft.RelayConfig | None = None,
-                         host_b_late: float = HOST_B_LATE) -> Outcome:
+                         host_b_late: float = HOST_B_LATE, host_a_late: float = 0.0) -> Outcome:
     """host-a's first upstream connection runs ``plan``; host-a re-dials on its own."""
     salt = ft.SessionSalt.generate()
     out = Outcome(name, EventLog())
@@ -134,17 +136,22 @@ async def upstream_fault(net: MemoryNetwork, plan: FaultPlan, *, name: str,
     config = ft.CoordinatorConfig(world_size=3, formation_timeout=formation_timeout,
                                   handshake_timeout=handshake_timeout)
     await run_cluster(net, out, _hosts(dialer, relay_config=relay_config,
-                                       host_b_late=host_b_late),
+                                       host_b_late=host_b_late, host_a_late=host_a_late),
                       config=config, salt=salt)
     _first_connection_fate(out, dialer)
     _relays_at_end(out)
     return out
 
 
-async def upstream_cut(net: MemoryNetwork, direction: Dir, offset: int) -> Outcome:
-    """Cut host-a's first upstream connection after ``offset`` bytes of ``direction``."""
+async def upstream_cut(net: MemoryNetwork, direction: Dir, offset: int, *,
+                       last: bool = False) -> Outcome:
+    """Cut host-a's first upstream connection after ``offset`` bytes of ``direction``; host-a
+    is the first relay to join, or (``last``) the one whose join completes formation."""
+    where = "last" if last else "first"
     return await upstream_fault(net, FaultPlan().cut(offset, direction),
-                                name=f"upstream cut {direction}@{offset}")
+                                name=f"upstream cut {direction}@{offset} ({where} relay)",
+                                host_b_late=0.0 if last else HOST_B_LATE,
+                                host_a_late=1.0 if last else 0.0)
 
 
 async def corrupt_upstream(net: MemoryNetwork, direction: Dir, offset: int) -> Outcome:
@@ -169,39 +176,13 @@ async def slow_upstream(net: MemoryNetwork, plan: FaultPlan, *, name: str) -> Ou
                                 host_b_late=0.0)
 
 
-async def last_relay_hello_ack_cut(net: MemoryNetwork, offset_in_ack: int) -> Outcome:
-    """host-a joins *last* and its HelloAck is cut: the write completed formation.
-
-    The coordinator cannot know the ack never arrived: formation completes, the connection's EOF
-    then declares host-a's ranks dead, and host-a's re-dials are refused as "cohort formed".
-    """
-    plan = FaultPlan().cut(UPSTREAM.challenge + offset_in_ack, "down")
-    salt = ft.SessionSalt.generate()
-    out = Outcome(f"last relay HelloAck cut @{offset_in_ack}", EventLog())
-    dialer = FaultyFirstDial(net, COORD, plan)
-    config = ft.CoordinatorConfig(world_size=3, formation_timeout=60, handshake_timeout=5)
-    hosts = {
-        "host-a": {"ranks": [0, 1], "upstream": dialer, "rank_delay": 1.0,
-                   "relay_config": ft.RelayConfig(connect_timeout=5)},
-        "host-b": {"ranks": [2]},
-    }
-
-    async def body(coord: ft.Coordinator) -> None:
-        await wait_until(lambda: {0, 1} <= coord.dead_ranks, limit=10)
-        await trio.sleep(2)  # host-a's re-dials meet the formed cohort
-
-    await run_cluster(net, out, hosts, config=config, salt=salt, body=body)
-    _first_connection_fate(out, dialer)
-    return out
-
-
 async def rank_fault(net: MemoryNetwork, plan: FaultPlan, *, name: str,
                      faulty_is_last: bool = False) -> Outcome:
     """Rank 1's first connection to relay host-a runs ``plan``; rank 1 re-dials on its own.
 
     Rank 0 connects 1 s later, so rank 1 is not the relay's last rank (``faulty_is_last``
-    swaps that): a link that ends once its ack was written frees the slot only while the relay
-    still waits for other ranks.
+    swaps that). FT/2: the relay counts a rank only once its first frame after the ack
+    arrived, so a cut anywhere in the rank's handshake frees the slot, last rank included.
     """
     salt = ft.SessionSalt.generate()
     out = Outcome(name, EventLog())
@@ -228,9 +209,14 @@ async def rank_fault(net: MemoryNetwork, plan: FaultPlan, *, name: str,
     return out
 
 
-async def rank_cut(net: MemoryNetwork, direction: Dir, offset: int) -> Outcome:
+async def rank_cut(net: MemoryNetwork, direction: Dir, offset: int, *,
+                   last: bool = False) -> Outcome:
+    """Cut rank 1's first connection to its relay after ``offset`` bytes of ``direction``;
+    rank 1 is its relay's first rank, or (``last``) the one that completes the relay's set."""
+    where = "last" if last else "first"
     return await rank_fault(net, FaultPlan().cut(offset, direction),
-                            name=f"rank cut {direction}@{offset}")
+                            name=f"rank cut {direction}@{offset} ({where} rank)",
+                            faulty_is_last=last)
 
 
 async def silent_dialer(net: MemoryNetwork, *, handshake_timeout: float = 5.0) -> Outcome:

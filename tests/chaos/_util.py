@@ -35,6 +35,7 @@ class UpstreamHandshake:
     ready: int
     challenge: int
     hello_ack: int
+    welcome: int  # the coordinator's first record after Ready (not part of the cut range)
 
     @property
     def up(self) -> int:
@@ -43,7 +44,8 @@ class UpstreamHandshake:
 
     @property
     def down(self) -> int:
-        """coordinator → relay: the sealed Challenge, then the sealed HelloAck."""
+        """coordinator → relay: the sealed Challenge, then the sealed HelloAck (the welcome
+        that follows is the first record of the run, sent once the join was counted)."""
         return self.challenge + self.hello_ack
 
 
@@ -61,7 +63,15 @@ def upstream_handshake(host: str, ranks: Sequence[int], world_size: int = 3
         ready=record(wire.Ready()),
         challenge=record(wire.Challenge(NONCE)),
         hello_ack=record(wire.HelloAck(NONCE)),
+        welcome=wire.RECORD_HEADER_LEN + len(wire.encode_fanout(
+            ranks, wire.encode_frame(wire.SessionSalt(NONCE), wire.CoordHeartbeat()))),
     )
+
+
+def rank_heartbeat_len(rank: int) -> int:
+    """The rank's first frame (FT/2: a Heartbeat sent at once after the ack), length-framed."""
+    return len(wire.len_frame(wire.encode_frame(wire.SessionSalt(NONCE),
+                                                wire.Heartbeat(rank=rank, step_count=0))))
 
 
 # ------------------------------------------------------------------ events with mock time
