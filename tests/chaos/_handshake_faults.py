@@ -49,10 +49,18 @@ _PAYLOAD_LEN_AT = 13  # offset of payload_len inside the record header
 
 
 def hello_field(up_offset: int) -> str:
-    """Which field of the upstream bytes (magic + Hello record) ``up_offset`` falls in."""
+    """Which field of the upstream bytes (magic, Hello record, Ready record) ``up_offset``
+    falls in; the Ready record's fields are prefixed ``ready-``."""
     if up_offset < UPSTREAM.magic:
         return "channel magic"
     at = up_offset - UPSTREAM.magic
+    if at >= UPSTREAM.hello:
+        at -= UPSTREAM.hello
+        for name, size in _RECORD_FIELDS:
+            if at < size:
+                return f"ready-{name}"
+            at -= size
+        return "ready-payload"
     for name, size in _RECORD_FIELDS:
         if at < size:
             return name
@@ -68,6 +76,10 @@ def corrupt_hello_categories(up_offset: int) -> set[str]:
     bytes that never come: the coordinator's handshake deadline decides (``timeout``).
     """
     field = hello_field(up_offset)
+    if field.startswith("ready-"):
+        # After the Hello verified: the coordinator sent HelloAck and waits for Ready, so any
+        # damage to it un-covers the relay ("no ready"), at once or at the deadline.
+        return {"no ready"}
     if field == "channel magic":
         return {"bad magic"}
     if field in ("magic", "version", "kind"):
@@ -152,6 +164,19 @@ async def upstream_cut(net: MemoryNetwork, direction: Dir, offset: int, *,
                                 name=f"upstream cut {direction}@{offset} ({where} relay)",
                                 host_b_late=0.0 if last else HOST_B_LATE,
                                 host_a_late=1.0 if last else 0.0)
+
+
+def corrupt_decision_wait(up_offset: int, reason: str, handshake_timeout: float) -> float:
+    """How long after the dial the coordinator decides on a corrupted byte at ``up_offset``:
+    at once, except for a length that grew but stays under its ceiling (then the deadline)."""
+    if reason == "timeout":
+        return handshake_timeout
+    field = hello_field(up_offset)
+    if field == "ready-payload_len":
+        at = up_offset - UPSTREAM.magic - UPSTREAM.hello - _PAYLOAD_LEN_AT
+        declared = (UPSTREAM.ready - wire.RECORD_HEADER_LEN) ^ (0xFF << (8 * at))
+        return handshake_timeout if declared <= wire.MAX_RECORD_PAYLOAD else 0.0
+    return 0.0
 
 
 async def corrupt_upstream(net: MemoryNetwork, direction: Dir, offset: int) -> Outcome:

@@ -1,15 +1,22 @@
-"""One corrupted byte anywhere in a relay's magic or Hello is a pre-auth reject, never a crash
-(SPEC §2.5, §2.6, §4.2); a corrupted Challenge makes the relay give up with ``AuthError``."""
+"""One corrupted byte anywhere in a relay's magic, Hello or Ready is a reject, never a crash and
+never a join (SPEC §2.5, §2.6, §4.2); a corrupted Challenge is, for the relay, a failed attempt
+(FT/2): it re-dials and joins."""
 
 from __future__ import annotations
 
 import pytest
 import trio
-from _handshake_faults import UPSTREAM, corrupt_hello_categories, corrupt_upstream, hello_field
+from _handshake_faults import (
+    UPSTREAM,
+    corrupt_decision_wait,
+    corrupt_hello_categories,
+    corrupt_upstream,
+    hello_field,
+)
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.events import FormationFailed, HandshakeRejected
+from flodl_trio.events import HandshakeRejected, RelayLost
 from flodl_trio.testing import MemoryNetwork
 
 HELLO_OFFSETS = list(range(UPSTREAM.up))
@@ -27,12 +34,14 @@ async def test_corrupt_byte_of_magic_or_hello_is_rejected_pre_auth_and_the_re_di
     reason = out.decision.removeprefix("rejected: ")
     assert reason in corrupt_hello_categories(offset)
     # A header or MAC failure is decided at once; only a length that grew waits for the deadline.
-    expected_wait = 2.0 if reason == "timeout" else 0.0
+    expected_wait = corrupt_decision_wait(offset, reason, 2.0)
     assert out.decision_time == pytest.approx(expected_wait, abs=1e-6)
     (_, rejected), = out.log.of(HandshakeRejected)
     assert rejected.peer == out.details["first_peer"]
-    if reason == "bad mac":
+    if reason == "bad mac" or hello_field(offset) in ("ready-rank", "ready-tag",
+                                                      "ready-payload"):
         assert "tag does not verify" in rejected.reason
+    assert not out.log.of(RelayLost)  # never counted as joined
     assert out.details["attempts"] == 2
     assert out.details["relays"]["host-a"] == out.details["peers"][1]
     assert all(h.rank_outcome == dict.fromkeys(h.ranks, "ended") for h in out.hosts.values())
@@ -40,23 +49,58 @@ async def test_corrupt_byte_of_magic_or_hello_is_rejected_pre_auth_and_the_re_di
     memory_network.assert_all_closed()
 
 
-async def test_corrupt_challenge_makes_the_relay_fail_with_auth_error_as_from_a_wrong_session(
+async def test_corrupt_challenge_is_a_failed_attempt_and_the_relays_re_dial_joins(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     nonce_byte = wire.RECORD_HEADER_LEN + 5  # inside the Challenge's nonce: only the MAC sees it
     out = await corrupt_upstream(memory_network, "down", nonce_byte)
-    host_a = out.hosts["host-a"]
-    assert isinstance(host_a.relay_exit, ft.AuthError)
-    assert "not of this session" in str(host_a.relay_exit)
-    assert "host-a" in str(host_a.relay_exit)
-    assert out.details["attempts"] == 1  # an AuthError is final: no re-dial
-    # The coordinator saw an EOF before any Hello, and timed out formation without host-a.
+    # The relay could not tell a forged Challenge from another session's: it hung up and, as
+    # for any failure before the welcome (FT/2), re-dialed within its connect_timeout.
+    assert out.error is None and out.formed, out.error
+    assert out.dead == {}
+    assert out.details["attempts"] == 2
     assert out.decision == "rejected: eof before hello"
-    assert isinstance(out.error, ft.FormationTimeout)
-    assert "1/3 ranks covered" in str(out.error)
-    assert "host-b [2]" in str(out.error)
-    assert len(out.log.of(FormationFailed)) == 1
-    # host-a's ranks learnt that their relay is gone.
-    assert all(isinstance(o, ft.CoordinatorLost) for o in host_a.rank_outcome.values())
+    assert out.details["relays"]["host-a"] == out.details["peers"][1]
+    assert all(h.rank_outcome == dict.fromkeys(h.ranks, "ended") for h in out.hosts.values())
     assert out.leaks == []
     memory_network.assert_all_closed()
+
+
+async def test_relay_that_only_meets_forged_challenges_names_the_last_failure(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # Every attempt meets a coordinator of another session: the relay re-dials until its
+    # connect_timeout, then its error names what the last attempt met.
+    salt, other = ft.SessionSalt.generate(), ft.SessionSalt.generate()
+    listener = memory_network.listener("coordinator")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_serve_wrong_challenges, listener, other)
+        with pytest.raises(ft.HandshakeError) as info:
+            async with ft.open_relay(lambda: memory_network.connect("coordinator"), salt=salt,
+                                     host="host-a", ranks=[0], world_size=1,
+                                     rank_listen=memory_network.listener("relay:a"),
+                                     config=ft.RelayConfig(connect_timeout=3,
+                                                           rank_accept_timeout=5)) as relay:
+                async with ft.open_rank(lambda: memory_network.connect("relay:a"), salt=salt,
+                                        rank=0, world_size=1):
+                    await relay.wait_closed()
+        nursery.cancel_scope.cancel()
+    text = str(info.value)
+    assert "relay 'host-a'" in text and "connect_timeout=3s" in text
+    assert "not of this session" in text
+
+
+async def _serve_wrong_challenges(listener: trio.abc.Listener[trio.abc.Stream],
+                                  salt: ft.SessionSalt) -> None:
+    from flodl_trio._handshake_io import run_handshake
+
+    async with listener:
+        for _ in range(100):
+            stream = await listener.accept()
+            machine = wire.CoordinatorHandshake(salt, peer="test")
+            with trio.move_on_after(5):
+                try:
+                    await run_handshake(stream, machine)
+                except (ft.FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            await trio.aclose_forcefully(stream)
