@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _handshake_faults as hs
 import _procs
 import _run_faults as rf
-from _util import EventLog, Outcome
+from _util import EventLog, Outcome, rank_heartbeat_len
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -101,43 +101,47 @@ def memory_rows(rounds: int, rng: random.Random) -> list[Row]:
     repeat = range(rounds)
 
     def cut_ok(case: tuple[str, int], out: Outcome) -> bool:
-        direction, offset = case
-        lost = direction == "down" and offset > UP.challenge
-        decided = (out.decision == "relay lost during formation" if lost
-                   else out.decision.startswith("rejected: "))
-        return clean_formation(out) and decided and out.details["attempts"] == 2
+        # FT/2: a cut attempt is never counted as a join (no RelayLost), whatever the byte.
+        return (clean_formation(out) and out.decision.startswith("rejected: ")
+                and out.details["attempts"] == 2 and not out.dead)
 
-    for direction, length in (("up", UP.up), ("down", UP.down)):
-        cases = [(direction, k) for _ in repeat for k in range(length)]
-        rows.append(sweep(Row(f"upstream cut {direction} (every byte)", "mock"), cases,
-                          lambda c: mock_run(lambda c=c: hs.upstream_cut(MemoryNetwork(), *c)),
-                          cut_ok))
-    for direction, length in (("up", wire.RANK_HELLO_LEN), ("down", wire.RANK_ACK_LEN)):
-        cases = [(direction, k) for _ in repeat for k in range(length)]
-        rows.append(sweep(
-            Row(f"rank cut {direction} (every byte)", "mock"), cases,
-            lambda c: mock_run(lambda c=c: hs.rank_cut(MemoryNetwork(), *c)),
-            lambda c, o: clean_formation(o) and o.decision == "rank re-dialed"))
+    for last in (False, True):
+        which = "last" if last else "first"
+        for direction, length in (("up", UP.up), ("down", UP.down)):
+            cases = [(direction, k) for _ in repeat for k in range(length)]
+            rows.append(sweep(
+                Row(f"upstream cut {direction}, {which} relay (every byte)", "mock"), cases,
+                lambda c, last=last: mock_run(
+                    lambda c=c: hs.upstream_cut(MemoryNetwork(), *c, last=last)),
+                cut_ok))
+        rank_up = wire.RANK_HELLO_LEN + rank_heartbeat_len(1)
+        for direction, length in (("up", rank_up), ("down", wire.RANK_ACK_LEN)):
+            cases = [(direction, k) for _ in repeat for k in range(length)]
+            rows.append(sweep(
+                Row(f"rank cut {direction}, {which} rank (every byte)", "mock"), cases,
+                lambda c, last=last: mock_run(
+                    lambda c=c: hs.rank_cut(MemoryNetwork(), *c, last=last)),
+                lambda c, o: clean_formation(o) and o.decision == "rank re-dialed"
+                and not o.dead))
     rows.append(sweep(
-        Row("corrupt magic+Hello (every byte)", "mock"),
+        Row("corrupt magic+Hello+Ready (every byte)", "mock"),
         [k for _ in repeat for k in range(UP.up)],
         lambda k: mock_run(lambda k=k: hs.corrupt_upstream(MemoryNetwork(), "up", k)),
         lambda k, o: clean_formation(o) and o.decision.removeprefix("rejected: ")
         in hs.corrupt_hello_categories(k)))
 
-    def challenge_ok(offset: int, out: Outcome) -> bool:
-        # Header fields fail as a WireError (the relay re-dials), MAC-covered ones as AuthError.
-        field = hs.hello_field(offset + UP.magic)  # same record layout
-        if field in ("rank", "tag", "payload"):
-            return isinstance(out.hosts["host-a"].relay_exit, ft.AuthError) and isinstance(
-                out.error, ft.FormationTimeout) and not out.leaks
-        return clean_formation(out)
-
     rows.append(sweep(
         Row("corrupt Challenge (every byte)", "mock"),
         [k for _ in repeat for k in range(UP.challenge)],
         lambda k: mock_run(lambda k=k: hs.corrupt_upstream(MemoryNetwork(), "down", k)),
-        challenge_ok))
+        # FT/2: any failed attempt before the welcome re-dials, a forged Challenge included.
+        lambda k, o: clean_formation(o) and o.details["attempts"] == 2))
+    rows.append(sweep(
+        Row("corrupt HelloAck (every byte)", "mock"),
+        [k for _ in repeat for k in range(UP.challenge, UP.challenge + UP.hello_ack)],
+        lambda k: mock_run(lambda k=k: hs.corrupt_upstream(MemoryNetwork(), "down", k)),
+        lambda k, o: clean_formation(o) and o.details["attempts"] == 2
+        and o.decision == "rejected: no ready"))
     slow = [(f"stall up@{k}", FaultPlan().stall(k, "up")) for k in range(UP.up)]
     slow += [(f"stall down@{k}", FaultPlan().stall(k, "down")) for k in range(UP.challenge)]
     slow += [(f"drip {d} {r}B/s", FaultPlan().drip(r, d)) for d in ("up", "down")  # type: ignore[arg-type]
@@ -145,25 +149,20 @@ def memory_rows(rounds: int, rng: random.Random) -> list[Row]:
     rows.append(sweep(
         Row("stall / drip in the handshake", "mock"), [s for _ in repeat for s in slow],
         lambda s: mock_run(lambda s=s: hs.slow_upstream(MemoryNetwork(), s[1], name=s[0])),
-        lambda s, o: clean_formation(o) and o.decision == "rejected: timeout"
+        lambda s, o: clean_formation(o) and o.decision in ("rejected: timeout",
+                                                           "rejected: no ready")
         and o.decision_time == 5.0))
     rows.append(sweep(
         Row("silent dialer", "mock"), list(repeat),
         lambda _: mock_run(lambda: hs.silent_dialer(MemoryNetwork())),
         lambda _, o: clean_formation(o) and o.decision == "rejected: timeout"))
     rows.append(sweep(
-        Row("last relay: HelloAck cut (every byte)", "mock"),
-        [k for _ in repeat for k in range(1, UP.hello_ack)],
-        lambda k: mock_run(lambda k=k: hs.last_relay_hello_ack_cut(MemoryNetwork(), k)),
-        lambda k, o: o.formed and o.error is None and sorted(o.dead) == [0, 1]
-        and not o.leaks))
-    rows.append(sweep(
-        Row("last rank: ack cut (every byte)", "mock"),
-        [k for _ in repeat for k in range(1, wire.RANK_ACK_LEN)],
-        lambda k: mock_run(lambda k=k: hs.rank_fault(
-            MemoryNetwork(), FaultPlan().cut(k, "down"), name=f"last rank @{k}",
-            faulty_is_last=True)),
-        lambda k, o: o.formed and o.error is None and list(o.dead) == [1] and not o.leaks))
+        Row("world-size disagreement (both directions)", "mock"),
+        [w for _ in repeat for w in (2, 4)],
+        lambda w: mock_run(lambda w=w: hs.world_mismatch(MemoryNetwork(), relay_world=w)),
+        lambda w, o: isinstance(o.error, ft.FormationError) and "world_size mismatch"
+        in str(o.error) and f"is {w}" in str(o.error) and not o.leaks
+        and o.decision_time is not None and o.decision_time <= 5.0))
     for fault in rf.FAULTS:
         cases = [rng.randint(2, 45) for _ in range(3 * rounds)]
 

@@ -91,7 +91,8 @@ async def test_coordinator_cancelled_while_running_shuts_every_relay_down_cleanl
     assert len(events_of(timeline, ShutdownComplete)) == 1
     assert not events_of(timeline, RelayLost)
     exits = {hr.host: hr.exit for hr in runs}
-    assert exits == {h: ft.RelayExit("all ranks exited", True) for h in hosts}
+    # FT/2: each relay heard the coordinator's Goodbye (the shutdown reason) before its EOF.
+    assert exits == {h: ft.RelayExit("coordinator said Goodbye: cancelled", True) for h in hosts}
     for hr in runs:
         for run in hr.ranks.values():
             assert run.received[-1] == Shutdown() and run.outcome == "ended"

@@ -10,7 +10,7 @@ import trio
 
 from .._transport import STREAM_GONE
 from ..port_mux import PrefixedStream
-from ..wire import RecordOpener, RecordSealer
+from ..wire import Goodbye, RecordKind, RecordOpener, RecordSealer, encode
 from ._roster import ranks_text
 
 _EOF = -1  # queue marker: half-close after everything queued before it
@@ -165,7 +165,9 @@ class RelayConn:
     def retire(self, reason: str, grace: float) -> None:
         """Close on purpose once everything queued so far is written: half-close, wait up to
         ``grace`` for the relay to close its side (so nothing in flight turns into a reset),
-        then close. Nothing more can be submitted."""
+        then close. Nothing more can be submitted. A ``Goodbye`` with the reason goes first
+        (FT/2), so the relay ends knowing it was closed on purpose."""
+        self.submit(int(RecordKind.CONTROL), 0, encode(Goodbye(reason=reason)), None)
         self.submit(_RETIRE, 0, b"", None)
         self.retired = reason
         self._retire_grace = grace

@@ -166,16 +166,18 @@ class Pump:
             return
         # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
         # (their Exiting still flows upstream), then end. Only a Goodbye before the EOF makes
-        # it a clean end (FT/2); a bare EOF is a coordinator that died or dropped us.
+        # it a clean end (FT/2); a bare EOF is a coordinator that died or dropped us. The
+        # outcome is decided now: the ranks leaving because of it is not "all ranks exited".
+        if self.goodbye is not None:
+            self.finish(f"coordinator said Goodbye: {self.goodbye}", now=False)
+        else:
+            self.finish("coordinator closed the connection without a Goodbye (it died, or "
+                        "dropped this relay)", False, now=False)
         for link in self.local.links():
             link.end_queue()
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
-        if self.goodbye is not None:
-            self.finish(f"coordinator shut down: {self.goodbye}")
-        else:
-            self.finish("coordinator closed the connection without a Goodbye (it died, or "
-                        "dropped this relay)", False)
+        self.finish("")
 
     async def flush_ranks(self) -> None:
         """Let the rank writers deliver what was verified and queued before the link broke."""

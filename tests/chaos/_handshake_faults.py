@@ -30,6 +30,7 @@ from flodl_trio import wire
 from flodl_trio.chaos import FaultPlan
 from flodl_trio.events import (
     FormationComplete,
+    FormationFailed,
     HandshakeRejected,
     RankDeclaredDead,
     RelayJoined,
@@ -271,4 +272,24 @@ async def silent_dialer(net: MemoryNetwork, *, handshake_timeout: float = 5.0) -
         out.decision = f"rejected: {category(rejected[1].reason)}"
         out.decision_time = rejected[0] - float(silent["dialed_at"])  # type: ignore[arg-type]
     out.details.update(silent)
+    return out
+
+
+async def world_mismatch(net: MemoryNetwork, *, relay_world: int) -> Outcome:
+    """host-a (and its ranks) believe the world has ``relay_world`` ranks, the coordinator 3:
+    formation must fail at host-a's Hello, naming both numbers (FT/2)."""
+    salt = ft.SessionSalt.generate()
+    out = Outcome(f"world-size mismatch: coordinator 3, relay {relay_world}", EventLog())
+    config = ft.CoordinatorConfig(world_size=3, formation_timeout=60, handshake_timeout=5)
+    hosts: dict[str, dict[str, object]] = {
+        "host-a": {"ranks": [0, 1], "world": relay_world,
+                   "relay_config": ft.RelayConfig(connect_timeout=5)},
+        "host-b": {"ranks": [2]},
+    }
+    started = trio.current_time()
+    await run_cluster(net, out, hosts, config=config, salt=salt)
+    failed = first(out.log, FormationFailed)
+    if failed is not None:
+        out.decision = f"formation failed: {failed[1].reason}"
+        out.decision_time = failed[0] - started
     return out

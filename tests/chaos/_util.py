@@ -238,8 +238,10 @@ async def run_cluster(
     async with trio.open_nursery() as nursery:
         for name, spec in hosts.items():
             kwargs = dict(spec)
+            host_world = kwargs.pop("world", world)  # a host may disagree, on purpose
             out.hosts[name] = await nursery.start(partial(
-                run_host, net, name, kwargs.pop("ranks"), salt=salt, world=world, **kwargs))
+                run_host, net, name, kwargs.pop("ranks"), salt=salt, world=host_world,
+                **kwargs))
         for task in side_tasks:
             nursery.start_soon(task)
         try:

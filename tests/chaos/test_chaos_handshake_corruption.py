@@ -104,3 +104,24 @@ async def _serve_wrong_challenges(listener: trio.abc.Listener[trio.abc.Stream],
                 except (ft.FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
             await trio.aclose_forcefully(stream)
+
+
+ACK_OFFSETS = list(range(UPSTREAM.challenge, UPSTREAM.challenge + UPSTREAM.hello_ack))
+
+
+@pytest.mark.parametrize("offset", ACK_OFFSETS)
+async def test_a_forged_hello_ack_at_any_byte_is_a_failed_attempt_and_the_re_dial_joins(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, offset: int
+) -> None:
+    # FT/1 relays gave up for good after one forged or replayed HelloAck. FT/2: the relay
+    # hangs up, the coordinator (which never got Ready) un-covers it, and its re-dial joins.
+    out = await corrupt_upstream(memory_network, "down", offset)
+    assert out.error is None and out.formed, out.error
+    assert out.dead == {}
+    assert out.decision == "rejected: no ready"
+    assert not out.log.of(RelayLost)
+    assert out.details["attempts"] == 2
+    assert out.details["relays"]["host-a"] == out.details["peers"][1]
+    assert all(h.rank_outcome == dict.fromkeys(h.ranks, "ended") for h in out.hosts.values())
+    assert out.leaks == []
+    memory_network.assert_all_closed()

@@ -1,0 +1,169 @@
+"""FT/2's confirmed joins and clean ends, end to end on the in-memory transport (SPEC §2.6,
+§4.2, §4.6): model signatures that disagree fail formation; a graceful coordinator says
+``Goodbye`` before its half-close, so its relays end clean, and a coordinator that vanishes
+without one leaves its relays ending unclean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import flodl_trio as ft
+from flodl_trio.events import FormationFailed
+from flodl_trio.testing import MemoryNetwork
+
+from helpers import (
+    COORD,
+    events_of,
+    raw_coordinator_accept,
+    raw_relay_handshake,
+    start_host,
+    wait_until,
+)
+
+
+async def drain_and_close(stream: trio.abc.Stream) -> None:
+    with trio.move_on_after(30):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
+async def test_relays_whose_model_signatures_differ_fail_formation_naming_hosts_and_names(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    timeline = ft.Timeline()
+    cfg = ft.CoordinatorConfig(world_size=3, formation_timeout=60)
+    listener = memory_network.listener(COORD)
+    sigs_a = {"encoder": b"\x01" * 32, "head": b"\x02" * 32}
+    sigs_b = {"encoder": b"\x01" * 32, "head": b"\x0f" * 32}
+    acked: list[bool] = []
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def raw_relays() -> None:
+            for host, ranks, sigs in (("host-a", [0, 1], sigs_a), ("host-b", [2], sigs_b)):
+                raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, host,
+                                                ranks, world_size=3, model_sigs=sigs)
+                acked.append(raw.acked)
+                nursery.start_soon(drain_and_close, raw.stream)
+
+        nursery.start_soon(raw_relays)
+        with pytest.raises(ft.FormationError) as excinfo:
+            async with ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline):
+                pytest.fail("a host with another model build must never join")
+    text = str(excinfo.value)
+    assert type(excinfo.value) is ft.FormationError
+    assert "model signature mismatch" in text
+    assert "'host-a'" in text and "'host-b'" in text and "'head'" in text
+    assert "'encoder'" not in text  # only the names that differ
+    assert acked == [True, False]  # host-b was never acknowledged
+    assert trio.current_time() - started == pytest.approx(0)  # at once, no deadline
+    assert len(events_of(timeline, FormationFailed)) == 1
+    memory_network.assert_all_closed()
+
+
+async def test_relays_with_agreeing_model_signatures_form(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, formation_timeout=60, heartbeat_interval=3600)
+    sigs = {"model": bytes(range(32))}
+    async with trio.open_nursery() as nursery:
+        for host, ranks in (("host-a", [0]), ("host-b", [1])):
+            nursery.start_soon(_relay_with_sigs, memory_network, host, ranks, salt, sigs)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=cfg) as coord:
+            assert coord.covered_ranks == frozenset({0, 1})
+        nursery.cancel_scope.cancel()
+
+
+async def _relay_with_sigs(net: MemoryNetwork, host: str, ranks: list[int], salt: ft.SessionSalt,
+                           sigs: dict[str, bytes]) -> None:
+    async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=host, ranks=ranks,
+                             world_size=2, rank_listen=net.listener(f"relay:{host}"),
+                             model_sigs=sigs) as relay:
+        async with trio.open_nursery() as nursery:
+            for rank in ranks:
+                nursery.start_soon(_idle_rank, net, host, rank, salt)
+            await relay.wait_closed()
+
+
+async def _idle_rank(net: MemoryNetwork, host: str, rank: int, salt: ft.SessionSalt) -> None:
+    async with ft.open_rank(lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
+                            world_size=2) as ep:
+        async for _ in ep:
+            pass
+
+
+@pytest.mark.parametrize("sigs", [
+    {"": b"\x01"}, {"m": b""}, {"m": b"x" * 65}, {"n" * 129: b"\x01"},
+    {f"m{i}": b"\x01" for i in range(65)},
+], ids=["empty-name", "empty-digest", "long-digest", "long-name", "too-many"])
+async def test_model_signatures_out_of_their_limits_are_a_config_error(
+    memory_network: MemoryNetwork, sigs: dict[str, bytes]
+) -> None:
+    with pytest.raises(ft.ConfigError, match="model signature"):
+        async with ft.open_relay(lambda: memory_network.connect(COORD),
+                                 salt=ft.SessionSalt.generate(), host="h", ranks=[0],
+                                 world_size=1, model_sigs=sigs):
+            pytest.fail("not reached")
+
+
+async def test_a_graceful_coordinator_says_goodbye_and_its_relays_end_clean(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4)
+    async with trio.open_nursery() as nursery:
+        hosts = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
+                 for h, r in (("host-a", [0, 1]), ("host-b", [2, 3]))]
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg):
+            pass
+        await wait_until(lambda: all(h.all_done for h in hosts))
+    for host in hosts:
+        assert isinstance(host.exit, ft.RelayExit)
+        assert host.exit.clean, host.exit
+        # Its ranks saw Shutdown and left; or the Goodbye came first and it said why.
+        assert host.exit.reason.startswith("coordinator said Goodbye: ")
+    memory_network.assert_all_closed()
+
+
+async def test_a_coordinator_that_vanishes_without_goodbye_leaves_its_relay_unclean(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    listener = memory_network.listener(COORD)
+    exits: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def relay() -> None:
+            async with ft.open_relay(lambda: memory_network.connect(COORD), salt=salt,
+                                     host="host-a", ranks=[0], world_size=1,
+                                     rank_listen=memory_network.listener("relay:a")) as r:
+                async with ft.open_rank(lambda: memory_network.connect("relay:a"), salt=salt,
+                                        rank=0, world_size=1) as ep:
+                    with pytest.raises(ft.CoordinatorLost):
+                        async for _ in ep:
+                            pass
+                exits.append(await r.wait_closed())
+
+        nursery.start_soon(relay)
+        side = await raw_coordinator_accept(listener, salt)
+        # It confirms the join (the welcome), then half-closes with no Goodbye: a coordinator
+        # that died after writing everything looks exactly like this to the relay.
+        await side.stream.send_all(b"")
+        await side.stream.send_eof()
+        await wait_until(lambda: bool(exits))
+        await trio.aclose_forcefully(side.stream)
+        await listener.aclose()
+    (exit_,) = exits
+    assert not exit_.clean
+    assert "without a Goodbye" in exit_.reason
+    memory_network.assert_all_closed()
