@@ -24,7 +24,7 @@ from ._errors import ConfigError
 from ._keepalive import KeepAlive
 from ._listen import serve_each
 from ._pending import PendingHandshakes
-from ._prefixed_stream import PrefixedStream, remote_address_of
+from ._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
 from ._transport import STREAM_GONE
 
 __all__ = [
@@ -258,7 +258,7 @@ class PortMux:
         self.stats.accepted += 1
 
     async def _route(self, stream: trio.abc.Stream) -> None:
-        remote = remote_address_of(stream)
+        remote: PeerAddress | None = remote_address_of(stream)
         routed = False
         try:
             received = bytearray()
