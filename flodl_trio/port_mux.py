@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -25,6 +24,7 @@ from ._errors import ConfigError
 from ._keepalive import KeepAlive
 from ._listen import serve_each
 from ._pending import PendingHandshakes
+from ._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
 from ._transport import STREAM_GONE
 
 __all__ = [
@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Shown (repr, errors, docs) as this module's own, where users import it from.
+PrefixedStream.__module__ = __name__
 
 # Same values as the wire package; repeated here so the mux does not depend on the codec.
 CHANNEL_MAGIC_RENDEZVOUS = b"\xe0\x17\x0d\xf1"
@@ -61,9 +64,6 @@ _LEG_BY_PREFIX = (
 )
 _HTTP_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _PEEK_CHUNK = 4096
-
-PeerAddress = tuple[str, int] | str
-
 
 def leg_for_magic(prefix: bytes) -> str | None:
     """The leg name for a connection's first 4 bytes, or None when they match no leg.
@@ -90,111 +90,6 @@ def _is_http_method_start(head: bytes) -> bool:
     token, space, _ = head.partition(b" ")
     return bool(token) and all(c in _HTTP_METHOD_CHARS for c in token) and (
         bool(space) or len(token) == MAGIC_LEN)
-
-
-def _remote_address(stream: trio.abc.Stream) -> PeerAddress | None:
-    # getpeername() returns the numeric address; nothing here may resolve names (SPEC §2.1).
-    if isinstance(stream, trio.SocketStream):
-        try:
-            peer = stream.socket.getpeername()
-        except OSError:  # the peer already reset the connection
-            return None
-    else:
-        peer = getattr(stream, "remote_address", None)
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return (str(peer[0]), int(peer[1]))
-    return peer if isinstance(peer, str) else None
-
-
-class PrefixedStream(trio.abc.HalfCloseableStream):
-    """A stream that first replays ``prefix``, then reads from ``transport_stream``.
-
-    ``send_eof`` works when the transport is a :class:`trio.abc.HalfCloseableStream` (TCP and the
-    in-memory network are) and raises :class:`trio.BrokenResourceError` otherwise.
-
-    Attributes:
-        transport_stream: the underlying stream; all sends go straight to it.
-        remote_address: the peer's numeric ``(host, port)`` (or a path), None when unknown.
-    """
-
-    def __init__(
-        self,
-        transport_stream: trio.abc.Stream,
-        prefix: bytes,
-        *,
-        remote_address: PeerAddress | None = None,
-    ) -> None:
-        self.transport_stream = transport_stream
-        self.remote_address = remote_address
-        self._prefix = bytes(prefix)
-        self._receiving = False
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("this routed stream was closed")
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` to the transport stream (see :meth:`trio.abc.SendStream.send_all`)."""
-        self._check_open()
-        await self.transport_stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        """Delegate to the transport stream."""
-        self._check_open()
-        await self.transport_stream.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        """Half-close the transport stream.
-
-        Raises:
-            trio.BrokenResourceError: the transport stream cannot half-close.
-        """
-        self._check_open()
-        if not isinstance(self.transport_stream, trio.abc.HalfCloseableStream):
-            await trio.lowlevel.checkpoint()
-            raise trio.BrokenResourceError(
-                f"{type(self.transport_stream).__name__} does not support send_eof"
-            )
-        await self.transport_stream.send_eof()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        """Return replayed prefix bytes while any are left, then the transport's bytes.
-
-        Args:
-            max_bytes: the most bytes to return; None means no particular limit.
-
-        Raises:
-            ValueError: ``max_bytes`` is less than 1.
-            trio.BusyResourceError: another task is already receiving on this stream.
-            trio.ClosedResourceError: this stream was closed.
-        """
-        if max_bytes is not None:
-            max_bytes = operator.index(max_bytes)
-            if max_bytes < 1:
-                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this stream")
-        self._check_open()
-        self._receiving = True
-        try:
-            if self._prefix:
-                await trio.lowlevel.checkpoint()
-                count = len(self._prefix) if max_bytes is None else max_bytes
-                chunk, self._prefix = self._prefix[:count], self._prefix[count:]
-                return chunk
-            return await self.transport_stream.receive_some(max_bytes)
-        finally:
-            self._receiving = False
-
-    async def aclose(self) -> None:
-        """Close the transport stream (idempotent)."""
-        self._closed = True
-        self._prefix = b""
-        await self.transport_stream.aclose()
-
-    def __repr__(self) -> str:
-        return f"<PrefixedStream from {self.remote_address!r} over {self.transport_stream!r}>"
 
 
 class MuxStats:
@@ -363,7 +258,7 @@ class PortMux:
         self.stats.accepted += 1
 
     async def _route(self, stream: trio.abc.Stream) -> None:
-        remote = _remote_address(stream)
+        remote: PeerAddress | None = remote_address_of(stream)
         routed = False
         try:
             received = bytearray()

@@ -7,7 +7,7 @@ from typing import Literal
 import trio
 
 from .._errors import ConfigError
-from ..testing import _ConflictGuard
+from .._memory_stream import ConflictGuard
 from ._plan import FaultPlan, _drip_piece, _Schedule
 
 
@@ -56,8 +56,8 @@ class FaultyStream(trio.abc.HalfCloseableStream):
         # Bytes already taken from the wrapped stream but not returned yet: a receive cancelled
         # during its delay/drip sleep must not lose them.
         self._held = b""
-        self._send_guard = _ConflictGuard("send_all on a FaultyStream")
-        self._receive_guard = _ConflictGuard("receive_some on a FaultyStream")
+        self._send_guard = ConflictGuard("send_all on a FaultyStream")
+        self._receive_guard = ConflictGuard("receive_some on a FaultyStream")
 
     async def _fire(self, action: str) -> None:
         if self._ended is not None:
