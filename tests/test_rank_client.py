@@ -208,6 +208,38 @@ async def test_error_after_the_last_call_is_raised_when_the_block_is_left() -> N
     assert len(outcome) == 1 and "rank 0" in str(outcome[0])
 
 
+async def test_eviction_while_computing_is_raised_as_rank_evicted_at_the_next_recv() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
+    evicted = threading.Event()
+    errors: list[ft.RankEvicted] = []
+
+    def worker(relay_address: Any) -> None:
+        with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
+                           config=FAST_RANK) as rc:
+            assert evicted.wait(20)  # "computing": no call while the coordinator fences us
+            for _ in range(200):
+                if rc.error is not None:
+                    break
+                time.sleep(0.05)
+            for _ in range(2):
+                with pytest.raises(ft.RankEvicted) as excinfo:
+                    rc.recv(timeout=1)
+                errors.append(excinfo.value)
+            with pytest.raises(ft.RankEvicted):
+                rc.send(batch(0, 1))
+        # seen already: leaving the block does not raise it again
+
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            bound, _ = await two_host_cluster(nursery, salt, worker)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                await coord.declare_dead(0, "the orchestrator saw it hang")
+                evicted.set()
+    assert errors[0] is errors[1] and isinstance(errors[0], ft.CoordinatorLost)  # a subclass
+    assert errors[0].reason == "declared by the orchestrator: the orchestrator saw it hang"
+
+
 async def test_handshake_failure_is_raised_by_entering_the_block() -> None:
     salt = ft.SessionSalt.generate()
     outcome: list[BaseException] = []

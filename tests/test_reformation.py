@@ -154,3 +154,30 @@ def test_coverage_accounting_reports_overlaps_and_gaps() -> None:
         done = processed_ranges(ranges, batches, 4)
         rest = unprocessed_ranges(ranges, batches, 4)
         assert coverage(0, 23, {0: done, 1: rest, 2: [(10, 10)]}).exact, batches
+
+
+def test_survivor_not_asked_leaving_mid_reformation_is_left_out_of_the_sessions() -> None:
+    state = Reformation(5.0)
+    assert state.begin([0, 1, 2], 0.0, "after rank(s) [3] left") == 0
+    assert state.on_gone([(2, "relay host-b lost")], [0, 1]) is None  # rank 0 is still asked
+    state.on_uid(0, b"store-0")
+    assert state.answered
+    assert state.sessions([0, 1]) == {0: NewNcclSession(uid=b"store-0", new_rank=0,
+                                                        new_world_size=2),
+                                      1: NewNcclSession(uid=b"store-0", new_rank=1,
+                                                        new_world_size=2)}
+    assert not state.active
+
+
+def test_asked_rank_dying_after_its_answer_voids_the_uid_and_asks_the_next() -> None:
+    state = Reformation(5.0)
+    assert state.begin([0, 1, 2], 0.0, "after rank(s) [3] left") == 0
+    state.on_uid(0, b"store-0")
+    # its rendezvous died with it: the next lowest survivor is asked, and serves the new one
+    assert state.on_gone([(0, "heartbeat stale (>5s)")], [1, 2]) == 1
+    assert not state.answered
+    state.on_uid(0, b"late")  # from the dead rank: ignored
+    state.check_deadline(4.9)
+    state.on_uid(1, b"store-1")
+    assert {r: (s.uid, s.new_rank) for r, s in state.sessions([1, 2]).items()} == {
+        1: (b"store-1", 0), 2: (b"store-1", 1)}
