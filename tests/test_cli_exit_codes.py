@@ -221,18 +221,25 @@ def test_an_unwritable_timeline_is_one_line_naming_the_file(
                                "or directory")
 
 
-def test_plot_of_a_missing_or_binary_file_is_one_line_naming_it(
+def test_plot_of_a_missing_or_binary_file_or_to_an_unwritable_one_is_one_line_naming_it(
     env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:
     missing = tmp_path / "missing.jsonl"
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xff")
-    for path, words in ((missing, "No such file or directory"), (binary, "not UTF-8 text")):
-        plot = Proc("plot", str(path), "-o", str(tmp_path / "t.png"), env=env)
+    timeline = tmp_path / "t.jsonl"
+    timeline.write_text('{"t_ms": 0.0, "kind": "Listening", "address": "127.0.0.1:1"}\n')
+    unwritable = tmp_path / "no-such-dir" / "t.png"
+    for path, output, words in (
+        (missing, tmp_path / "t.png", f"{missing}: No such file or directory"),
+        (binary, tmp_path / "t.png", f"{binary}: expected a timeline (JSONL), got bytes that are "
+         "not UTF-8 text"),
+        (timeline, unwritable, f"-o {str(unwritable)!r}: No such file or directory"),
+    ):
+        plot = Proc("plot", str(path), "-o", str(output), env=env)
         procs.append(plot)
         assert plot.wait() == 2
-        line = one_line(plot)
-        assert str(path) in line and words in line, line
+        assert one_line(plot) == f"flodl-trio: error: {words}"
 
 
 @pytest.mark.slow
