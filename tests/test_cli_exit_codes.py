@@ -356,3 +356,21 @@ def test_a_demo_whose_run_fails_exits_1_with_one_line_and_keeps_its_logs(
     [kept] = scratch.iterdir()  # the logs are what one wants to read after a failure
     assert f"coordinator log: {kept / 'logs' / 'coordinator.log'})" in line
     assert (kept / "logs" / "coordinator.log").is_file()
+
+
+@pytest.mark.slow
+def test_a_relay_and_its_rank_whose_coordinator_never_answers_exit_1(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    scaled = dict(env, FLODL_NET_TIMEOUT_SCALE="0.1")  # connect_timeout 3 s instead of 30 s
+    relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
+                 "--world-size", "1", env=scaled)
+    procs.append(relay)
+    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
+                "--rank", "0", "--world-size", "1", env=scaled)
+    procs.append(rank)
+    assert (relay.wait(), rank.wait()) == (1, 1)
+    assert one_line(relay).startswith("flodl-trio: HandshakeError: relay 'h': expected a "
+                                      "connection to 127.0.0.1:1 within 3s")
+    assert one_line(rank).startswith("flodl-trio: CoordinatorLost: rank 0 ")
+    assert "the relay said: relay 'h' gave up" in one_line(rank)
