@@ -61,6 +61,17 @@ def test_the_chaos_test_example_passes_under_pytest() -> None:
     assert "2 passed" in done.stdout
 
 
+@pytest.mark.slow
+def test_the_python_examples_pass_mypy_strict(tmp_path: Path) -> None:
+    # What a user copies must type-check: the typed fixtures, sending typed by direction.
+    pytest.importorskip("mypy")
+    examples = sorted(str(p) for p in EXAMPLES.glob("*.py"))
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir",
+                           str(tmp_path / "cache"), *examples], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_every_readme_python_block_is_part_of_an_example_that_runs() -> None:
     sources = {p.name: p.read_text(encoding="utf-8") for p in EXAMPLES.glob("*.py")}
     python_blocks = [body for lang, body in fenced_blocks(README.read_text()) if lang == "python"]
