@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -89,6 +90,17 @@ def _drop_type_docstrings(app: object, what: str, name: str, obj: object, option
         lines.clear()
 
 
+# "(SPEC §7)": the specification the code was written from is not part of the repository, so a
+# reader of these pages could not follow the reference; the pages link their own instead.
+_SPEC_REFERENCE = re.compile(r"(?: \(SPEC §[\d.]+\)|, SPEC §[\d.]+(?=\)))")
+
+
+def _drop_spec_references(app: object, what: str, name: str, obj: object, options: object,
+                          lines: list[str]) -> None:
+    lines[:] = [_SPEC_REFERENCE.sub("", line) for line in lines]
+
+
 def setup(app: object) -> None:
+    app.connect("autodoc-process-docstring", _drop_spec_references)  # type: ignore[attr-defined]
     app.connect("autodoc-skip-member", _skip_reexports)  # type: ignore[attr-defined]
     app.connect("autodoc-process-docstring", _drop_type_docstrings)  # type: ignore[attr-defined]

@@ -194,3 +194,12 @@ def test_the_docs_build_with_warnings_as_errors_and_name_every_public_name_and_f
               for home in ["flodl_trio" if name in flodl_trio.__all__ else "flodl_trio.wire"]]
     assert "flodl_trio.wire.Batch.sync_divergence" in fields and len(fields) > 100
     assert [field for field in fields if field not in documented] == []
+    # The specification is not in the repository: the pages (docstrings included) cite none.
+    cited = [page.name for page in out.glob("*.html") if "SPEC §" in page.read_text()]
+    assert cited == []
+
+
+def test_the_readme_and_the_docs_cite_no_specification_outside_the_repository() -> None:
+    pages = [README, *DOCS.glob("*.rst")]
+    assert [p.name for p in pages if re.search(r"SPEC\b|§", p.read_text())] == []
+    assert "pip install 'flodl-trio" not in README.read_text()  # it is not on a registry
