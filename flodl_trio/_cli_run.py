@@ -253,13 +253,20 @@ async def run_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
           f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
-    for relay in state.get("relays", []):
+    # .get() throughout: a document from another version (or another server) is printed as far
+    # as it goes, never a KeyError traceback.
+    for relay in _entries(state.get("relays")):
         up = "connected" if relay.get("connected", True) else "gone"
-        print(f"  relay {relay['host']:<16} {relay['peer']!s:<22} {up:<9} ranks "
-              f"{relay['ranks']}")
+        print(f"  relay {relay.get('host', '?')!s:<16} {relay.get('peer', '?')!s:<22} {up:<9} "
+              f"ranks {relay.get('ranks', '?')}")
     print(f"  live {state.get('live')}")
-    for dead in state.get("dead", []):
-        print(f"  dead rank {dead['rank']}: {dead['reason']}")
+    for dead in _entries(state.get("dead")):
+        print(f"  dead rank {dead.get('rank', '?')}: {dead.get('reason', '?')}")
     print(f"  exited {state.get('exited')}  lost broadcasts {state.get('lost_broadcasts')}  "
           f"rejected handshakes {state.get('rejected_handshakes')}")
     return EXIT_OK
+
+
+def _entries(value: object) -> list[dict[str, Any]]:
+    """The JSON objects of a list in a status document (anything else is skipped)."""
+    return [entry for entry in value if isinstance(entry, dict)] if isinstance(value, list) else []
