@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,9 @@ html_theme_options = {"description": "The control plane of a multi-host training
 # A name re-exported by several public modules (flodl_trio.SessionSalt is flodl_trio.wire's,
 # scheduler re-exports ReformationError, ...) is documented once, where api.rst first meets it;
 # a second description would be a "duplicate object" warning, and -W turns it into an error.
+# Only a member the current module really documents counts as met: autodoc asks about the
+# imports of a module without __all__ (flodl_trio.rank imports Heartbeat, Shutdown, ...) before
+# it drops them, and counting those left every such message class out of the reference.
 _documented: set[tuple[str, str]] = set()
 
 
@@ -65,11 +69,38 @@ def _skip_reexports(app: object, what: str, name: str, obj: object, skip: bool,
     key = (getattr(obj, "__module__", "") or "", getattr(obj, "__qualname__", name))
     if not key[0] or not isinstance(obj, type) and not callable(obj):
         return None
+    module_name = app.env.temp_data.get("autodoc:module", "")  # type: ignore[attr-defined]
+    module = sys.modules.get(module_name)
+    public = getattr(module, "__all__", None)
+    if public is None and key[0] != module_name:
+        return None  # an import of a module without __all__: autodoc leaves it out
     if key in _documented:
         return True
     _documented.add(key)
     return None
 
 
+def _drop_type_docstrings(app: object, what: str, name: str, obj: object, options: object,
+                          lines: list[str]) -> None:
+    # A constant has no docstring of its own, and autodoc would print its type's instead (int's
+    # "int([x]) -> integer ..." under PROTOCOL_VERSION); api.rst describes each constant.
+    type_doc = type(obj).__doc__
+    if what in ("data", "attribute") and isinstance(type_doc, str) and \
+            " ".join(" ".join(lines).split()) == " ".join(type_doc.split()):
+        lines.clear()
+
+
+# "(SPEC §7)": the specification the code was written from is not part of the repository, so a
+# reader of these pages could not follow the reference; the pages link their own instead.
+_SPEC_REFERENCE = re.compile(r"(?: \(SPEC §[\d.]+\)|, SPEC §[\d.]+(?=\)))")
+
+
+def _drop_spec_references(app: object, what: str, name: str, obj: object, options: object,
+                          lines: list[str]) -> None:
+    lines[:] = [_SPEC_REFERENCE.sub("", line) for line in lines]
+
+
 def setup(app: object) -> None:
+    app.connect("autodoc-process-docstring", _drop_spec_references)  # type: ignore[attr-defined]
     app.connect("autodoc-skip-member", _skip_reexports)  # type: ignore[attr-defined]
+    app.connect("autodoc-process-docstring", _drop_type_docstrings)  # type: ignore[attr-defined]

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",
-                   help="keep the temporary directory of process logs (removed otherwise)")
+                   help="keep the temporary directory of process logs (otherwise removed, unless "
+                   "the run failed)")
     p.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
 
     p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",

@@ -31,6 +31,7 @@ from ._cli_common import (
     write_text,
 )
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
+from ._errors import FlodlError
 from ._transport import format_address
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
 from .rank import open_rank
@@ -87,12 +88,14 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     listen = parse_address(args.listen, what="--listen")
     config = _coordinator_config(args)
     ssl_context = _tls_server(args)
-    for path, what in ((args.timeline, "--timeline"), (args.summary_file, "--summary-file")):
+    for path, what in ((args.timeline, "--timeline"), (args.summary_file, "--summary-file"),
+                       (args.port_file, "--port-file")):
         if path:
             check_writable(path, what=what)
     timeline = Timeline(jsonl_path=args.timeline) if args.timeline else Timeline()
     summary: dict[str, Any] = {}
     failure: str | None = None
+    crash: FlodlError | None = None
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
         try:
@@ -106,25 +109,18 @@ async def run_coordinator(args: argparse.Namespace) -> int:
             await write_text(args.port_file, text + "\n", what="--port-file")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
-            async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
-                                        ssl_context=ssl_context) as coord:
-                print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
-                      flush=True)
-                if args.epochs > 0:
-                    sched = SyncScheduler(coord, total_samples=args.total_samples,
-                                          batch_size=args.batch_size, num_epochs=args.epochs)
-                    result = await sched.run()
-                    summary = summary_dict(result, coord)
-                    if result.epochs_completed != args.epochs:
-                        failure = (f"the run ended after {result.epochs_completed}/"
-                                   f"{args.epochs} epochs")
-                else:
-                    await _hold_until_all_exit(coord)
-                    summary = {"exited": sorted(coord.exited_ranks),
-                               "dead": sorted(coord.dead_ranks)}
-                    if coord.dead_ranks:
-                        failure = (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
-                                   f"{len(coord.exited_ranks)} exited cleanly")
+            try:
+                async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
+                                            ssl_context=ssl_context) as coord:
+                    print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
+                          flush=True)
+                    summary, failure = await _drive(args, coord)
+            except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
+                crash = exc
+                summary = {"failed": f"{type(exc).__name__}: {exc}"}
+                dead = getattr(exc, "dead", None)
+                if dead is not None:
+                    summary["dead_ranks"] = sorted(dead)
             nursery.cancel_scope.cancel()
     if stop.signum is not None:
         summary["stopped"] = stop.describe()
@@ -134,9 +130,29 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     print(json.dumps({"summary": summary}), flush=True)
     if stop.signum is not None:
         return _stopped(stop, "coordinator")
+    if crash is not None:
+        raise crash
     if failure is not None:
         raise CommandFailed(f"coordinator: {failure}")
     return EXIT_OK
+
+
+async def _drive(args: argparse.Namespace, coord: Coordinator) -> tuple[dict[str, Any], str | None]:
+    """The formed cohort's run: the summary, and what fell short of what was asked (or None)."""
+    if args.epochs > 0:
+        sched = SyncScheduler(coord, total_samples=args.total_samples,
+                              batch_size=args.batch_size, num_epochs=args.epochs)
+        result = await sched.run()
+        if result.epochs_completed != args.epochs:
+            return summary_dict(result, coord), (f"the run ended after {result.epochs_completed}"
+                                                 f"/{args.epochs} epochs")
+        return summary_dict(result, coord), None
+    await _hold_until_all_exit(coord)
+    summary = {"exited": sorted(coord.exited_ranks), "dead": sorted(coord.dead_ranks)}
+    if coord.dead_ranks:
+        return summary, (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
+                         f"{len(coord.exited_ranks)} exited cleanly")
+    return summary, None
 
 
 def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
@@ -223,19 +239,37 @@ async def run_rank(args: argparse.Namespace) -> int:
 
 async def run_status(args: argparse.Namespace) -> int:
     address = parse_address(args.address, what="status")
-    state = await fetch_state(address, timeout=args.timeout)
+    # Like the other commands, a signal stops it with 130 / 143 and one line (SIGTERM used to
+    # kill it outright, and SIGINT inherited as ignored by a background job was ignored).
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        stop = SignalStop(signals)
+        state: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop.watch, nursery.cancel_scope)
+            state = await fetch_state(address, timeout=args.timeout)
+            nursery.cancel_scope.cancel()
+    if stop.signum is not None:
+        sys.stderr.write(f"flodl-trio: status {args.address} stopped by {stop.describe()}\n")
+        return stop.exit_code
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
         return EXIT_OK
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
           f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
-    for relay in state.get("relays", []):
+    # .get() throughout: a document from another version (or another server) is printed as far
+    # as it goes, never a KeyError traceback.
+    for relay in _entries(state.get("relays")):
         up = "connected" if relay.get("connected", True) else "gone"
-        print(f"  relay {relay['host']:<16} {relay['peer']!s:<22} {up:<9} ranks "
-              f"{relay['ranks']}")
+        print(f"  relay {relay.get('host', '?')!s:<16} {relay.get('peer', '?')!s:<22} {up:<9} "
+              f"ranks {relay.get('ranks', '?')}")
     print(f"  live {state.get('live')}")
-    for dead in state.get("dead", []):
-        print(f"  dead rank {dead['rank']}: {dead['reason']}")
+    for dead in _entries(state.get("dead")):
+        print(f"  dead rank {dead.get('rank', '?')}: {dead.get('reason', '?')}")
     print(f"  exited {state.get('exited')}  lost broadcasts {state.get('lost_broadcasts')}  "
           f"rejected handshakes {state.get('rejected_handshakes')}")
     return EXIT_OK
+
+
+def _entries(value: object) -> list[dict[str, Any]]:
+    """The JSON objects of a list in a status document (anything else is skipped)."""
+    return [entry for entry in value if isinstance(entry, dict)] if isinstance(value, list) else []

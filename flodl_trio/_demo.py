@@ -246,11 +246,15 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
     for p in cluster.children():  # after the final Shutdown they end on their own
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-    if not cluster.summary.exists():
-        print(f"run FAILED: the coordinator exited with code {code} and wrote no summary "
-              f"(its log: {cluster.logs / 'coordinator.log'})")
-        return 1
-    summary = json.loads(cluster.summary.read_text(encoding="utf-8"))
+    summary = _read_summary(cluster.summary)
+    codes = {r: p.poll() for r, p in cluster.ranks.items()}
+    if "failed" in summary or "epochs_completed" not in summary:
+        # The coordinator failed (a ClusterFailure, ...): no run summary, one line of why.
+        print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
+        reason = summary.get("failed") or f"the coordinator exited with code {code} and wrote " \
+            "no summary"
+        raise CommandFailed(f"demo: the run failed: {reason} (coordinator log: "
+                            f"{cluster.logs / 'coordinator.log'})")
     done = summary.get("epochs_completed")
     print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
@@ -260,13 +264,22 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else ""))
-    codes = {r: p.poll() for r, p in cluster.ranks.items()}
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
     if args.timeline:
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
               f"`flodl-trio plot {args.timeline} -o timeline.png`")
     if code != 0 or done != args.epochs:
-        print(f"run FAILED (coordinator exit code {code})")
-        return 1
+        raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
+                            f"exit code {code} (coordinator log: "
+                            f"{cluster.logs / 'coordinator.log'})")
     print("run completed")
     return 0
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    """The coordinator's ``--summary-file``, or ``{}`` when it wrote none (or only part)."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}

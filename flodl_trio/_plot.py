@@ -19,6 +19,7 @@ _SYNC_COLOR, _LOST_COLOR, _FORMED_COLOR, _EPOCH_COLOR = "#8a5cc2", "#d68a00", "#
 _MAX_SYNC_TICKS = 120  # more than this and ticks merge into a bar: draw a rate histogram
 _SYNC_BINS = 120
 _SYNC_ROW = -1.0
+_LEGEND_INCHES = 0.5  # two rows of legend entries at fontsize 8
 
 
 def load_events(path: str | Path) -> list[dict[str, Any]]:
@@ -91,24 +92,30 @@ def plot_timeline(path: str | Path, output: str | Path) -> None:
     lanes = rank_lanes(events)
     end = max(ev.get("t_ms", 0.0) for ev in events) / 1000.0
     span = end * 1.04 if end > 0 else 1.0
-    fig, ax = plt.subplots(figsize=(12, 2.4 + 0.42 * max(1, len(lanes))))
+    height = 2.4 + 0.42 * max(1, len(lanes))
+    fig, ax = plt.subplots(figsize=(12, height))
     _draw_lanes(ax, lanes, end, span)
     top = max(1, len(lanes)) - 0.4
-    syncs = _draw_markers(ax, events, top, span)
+    syncs, lost = _draw_markers(ax, events, top, span)
     hosts = rank_hosts(events)
     ticks = [_SYNC_ROW, *sorted(lanes)]
     ax.set_yticks(ticks)
-    ax.set_yticklabels([f"syncs ({syncs})", *(f"rank {r} · {hosts.get(r, '?')}"
-                                               for r in sorted(lanes))])
+    sync_label = f"syncs ({syncs})" + (f"\nlost broadcasts ({lost})" if lost else "")
+    ax.set_yticklabels([sync_label, *(f"rank {r} · {hosts.get(r, '?')}" for r in sorted(lanes))])
     ax.set_ylim(_SYNC_ROW - 0.6, top + 1.3)
     ax.set_xlim(0, span)
     ax.set_xlabel("seconds since the coordinator started")
     ax.set_title(f"flodl-trio run: {Path(path).name}")
-    ax.legend(handles=_legend(), loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8,
-              ncol=5, frameon=False)
-    fig.tight_layout()
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
+    # The legend in a strip of its own at the bottom of the figure: placed under the axes (an
+    # offset in axes units) it ran into the x-axis label whenever there were few lanes.
+    fig.legend(handles=_legend(), loc="lower center", fontsize=8, ncol=5, frameon=False)
+    fig.tight_layout(rect=(0, _LEGEND_INCHES / height, 1, 1))
+    try:
+        fig.savefig(output, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"-o {str(output)!r}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
 
 
 def _draw_lanes(ax: Any, lanes: dict[int, list[tuple[float, str]]], end: float,
@@ -125,9 +132,11 @@ def _draw_lanes(ax: Any, lanes: dict[int, list[tuple[float, str]]], end: float,
                         markeredgecolor="black", markeredgewidth=0.6)
 
 
-def _draw_markers(ax: Any, events: list[dict[str, Any]], top: float, span: float) -> int:
-    """Formation, epochs, syncs and lost broadcasts; returns the number of syncs."""
+def _draw_markers(ax: Any, events: list[dict[str, Any]], top: float,
+                  span: float) -> tuple[int, int]:
+    """Formation, epochs, syncs and lost broadcasts; returns how many syncs and lost ones."""
     sync_times: list[float] = []
+    lost = 0
     last_label = -span
     for ev in events:
         t = ev.get("t_ms", 0.0) / 1000.0
@@ -146,6 +155,7 @@ def _draw_markers(ax: Any, events: list[dict[str, Any]], top: float, span: float
             sync_times.append(t)
         elif kind == "LostBroadcast":
             ax.plot([t], [_SYNC_ROW], marker="v", color=_LOST_COLOR, markersize=9)
+            lost += 1
     if len(sync_times) <= _MAX_SYNC_TICKS:
         for t in sync_times:
             ax.plot([t, t], [_SYNC_ROW - 0.3, _SYNC_ROW + 0.3], color=_SYNC_COLOR, linewidth=1)
@@ -162,7 +172,7 @@ def _draw_markers(ax: Any, events: list[dict[str, Any]], top: float, span: float
         ax.text(span, _SYNC_ROW + 0.4, f"sync rate per {width:.3g} s; top of row = "
                 f"{peak / width:.2g} syncs/s ", fontsize=7, color=_SYNC_COLOR, ha="right",
                 va="bottom")
-    return len(sync_times)
+    return len(sync_times), lost
 
 
 def _legend() -> list[Any]:

@@ -1,4 +1,4 @@
-"""The ``flodl-trio`` command line (SPEC §12).
+"""The ``flodl-trio`` command line (docs/cli.rst).
 
 Exit codes: 0 the run completed as asked, 1 it failed, 2 usage error, 130 / 143 stopped by
 SIGINT / SIGTERM after a graceful shutdown. Errors print one line (a traceback only with

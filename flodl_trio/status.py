@@ -1,4 +1,4 @@
-"""The HTTP/1.1 status responder of the coordinator port (SPEC §7), and a client for it.
+"""The HTTP/1.1 status responder of the coordinator port, and a client for it.
 
 Routes: ``GET /state.json`` (the status document as JSON), ``GET /healthz`` (200 ``ok`` while the
 phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition); ``HEAD`` answers
@@ -59,7 +59,7 @@ async def serve_status(
 
     Args:
         listener: usually the port mux's ``status`` leg; any listener of streams works.
-        state_fn: returns the coordinator's status document (SPEC §7); called once per request.
+        state_fn: returns the status document (``Coordinator.state()``); called once per request.
         request_timeout: seconds one connection may take, from accept to close.
         max_request_bytes: the largest request head accepted; a bigger one gets 431.
         task_status: ``started()`` is called once the accept loop runs.
@@ -199,7 +199,7 @@ def _count(value: object) -> int:
 
 
 def render_prometheus(state: Mapping[str, Any]) -> str:
-    """Render a status document (SPEC §7) in the Prometheus text exposition format 0.0.4.
+    """Render a status document in the Prometheus text exposition format 0.0.4.
 
     Args:
         state: the coordinator's status document; missing keys count as zero or empty.

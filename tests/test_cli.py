@@ -73,6 +73,11 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     ["coordinator"],
     ["frobnicate"],
     ["status", "127.0.0.1"],
+    ["rank", "--relay", "nonsense", "--rank", "0", "--world-size", "1"],
+    ["rank", "--relay", "127.0.0.1:1", "--rank", "5", "--world-size", "2"],
+    ["demo", "--kill-relay", "host-z@1"],
+    ["demo", "--hosts", "0"],
+    ["coordinator", "--world-size", "1", "--port-file", "/no-such-dir/port"],
 ])
 def test_usage_errors_exit_2_with_one_line(argv: list[str]) -> None:
     env = dict(os.environ, FLODL_SALT_HEX="00" * 16)

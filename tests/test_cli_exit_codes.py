@@ -4,6 +4,7 @@ stop on SIGINT / SIGTERM; operating-system errors are one line naming the addres
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -132,33 +133,61 @@ def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_
 
 
 @pytest.mark.slow
-def test_ranks_whose_coordinator_dies_exit_1_and_a_signalled_rank_143(
+def test_signalled_ranks_exit_143_and_130_and_a_lost_coordinator_is_1_for_rank_and_relay(
     env: dict[str, str], procs: list[Proc]
 ) -> None:
-    coord = Proc("coordinator", "--world-size", "2", env=env)  # holds the cohort, no epochs
+    coord = Proc("coordinator", "--world-size", "3", env=env)  # holds the cohort, no epochs
     procs.append(coord)
     address = coord.line_with("coordinator listening on").split()[-1]
-    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-1",
-                 "--world-size", "2", env=env)
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-2",
+                 "--world-size", "3", env=env)
     procs.append(relay)
     rank_address = relay.line_with("listening for ranks on").split()[-1]
-    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "2",
-                  env=env) for r in (0, 1)]
+    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "3",
+                  env=env) for r in (0, 1, 2)]
     procs.extend(ranks)
-    coord.line_with("formed: 2 ranks")
+    coord.line_with("formed: 3 ranks")
     ranks[1].signal(signal.SIGTERM)
-    assert ranks[1].wait() == 143
+    ranks[2].signal(signal.SIGINT)
+    assert (ranks[1].wait(), ranks[2].wait()) == (143, 130)
     assert one_line(ranks[1]) == "flodl-trio: rank 1 stopped by SIGTERM (graceful shutdown done)"
+    assert one_line(ranks[2]) == "flodl-trio: rank 2 stopped by SIGINT (graceful shutdown done)"
     coord.popen.kill()  # no Shutdown: the rank's link ends and its coordinator is lost
     assert ranks[0].wait() == 1
     assert "CoordinatorLost: rank 0" in one_line(ranks[0])
+    relay.wait()  # 0 or 1: see the next test
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="relay/pump.py counts a coordinator's EOF without "
+                   "Shutdown (SIGKILL: the kernel sends FIN) as a clean end: 'all ranks exited' "
+                   "once its ranks' links are closed, or 'coordinator closed the connection'; "
+                   "only a write that meets the reset gives 1")
+def test_a_relay_whose_coordinator_was_sigkilled_exits_1(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    coord = Proc("coordinator", "--world-size", "1", env=env)
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").split()[-1]
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0",
+                 "--world-size", "1", env=env)
+    procs.append(relay)
+    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
+                "--rank", "0", "--world-size", "1", env=env)
+    procs.append(rank)
+    coord.line_with("formed: 1 ranks")
+    coord.popen.kill()
+    assert rank.wait() == 1
+    assert relay.wait() == 1, relay.out
 
 
 @pytest.mark.slow
 def test_a_coordinator_whose_every_rank_died_exits_1_with_the_cluster_failure(
-    env: dict[str, str], procs: list[Proc]
+    env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:
-    coord = Proc("coordinator", "--world-size", "1", env=env)
+    summary_file = tmp_path / "summary.json"
+    coord = Proc("coordinator", "--world-size", "1", "--summary-file", str(summary_file),
+                 env=env)
     procs.append(coord)
     address = coord.line_with("coordinator listening on").split()[-1]
     relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0",
@@ -172,6 +201,9 @@ def test_a_coordinator_whose_every_rank_died_exits_1_with_the_cluster_failure(
     assert coord.wait() == 1
     assert one_line(coord).startswith("flodl-trio: ClusterFailure: cluster failure: "
                                       "ALL_RANKS_LOST; dead ranks [0]")
+    summary = json.loads(summary_file.read_text())  # written, not left empty
+    assert summary["failed"].startswith("ClusterFailure: cluster failure: ALL_RANKS_LOST")
+    assert summary["dead_ranks"] == [0]
     assert relay.wait() == 0  # its rank is gone and the coordinator shut it down: a clean end
 
 
@@ -221,18 +253,25 @@ def test_an_unwritable_timeline_is_one_line_naming_the_file(
                                "or directory")
 
 
-def test_plot_of_a_missing_or_binary_file_is_one_line_naming_it(
+def test_plot_of_a_missing_or_binary_file_or_to_an_unwritable_one_is_one_line_naming_it(
     env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:
     missing = tmp_path / "missing.jsonl"
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xff")
-    for path, words in ((missing, "No such file or directory"), (binary, "not UTF-8 text")):
-        plot = Proc("plot", str(path), "-o", str(tmp_path / "t.png"), env=env)
+    timeline = tmp_path / "t.jsonl"
+    timeline.write_text('{"t_ms": 0.0, "kind": "Listening", "address": "127.0.0.1:1"}\n')
+    unwritable = tmp_path / "no-such-dir" / "t.png"
+    for path, output, words in (
+        (missing, tmp_path / "t.png", f"{missing}: No such file or directory"),
+        (binary, tmp_path / "t.png", f"{binary}: expected a timeline (JSONL), got bytes that are "
+         "not UTF-8 text"),
+        (timeline, unwritable, f"-o {str(unwritable)!r}: No such file or directory"),
+    ):
+        plot = Proc("plot", str(path), "-o", str(output), env=env)
         procs.append(plot)
         assert plot.wait() == 2
-        line = one_line(plot)
-        assert str(path) in line and words in line, line
+        assert one_line(plot) == f"flodl-trio: error: {words}"
 
 
 @pytest.mark.slow
@@ -258,19 +297,80 @@ def test_demo_stopped_by_a_signal_says_so_stops_its_children_and_cleans_up(
 
 
 @pytest.mark.slow
-def test_a_relay_stopped_by_sigterm_exits_143_and_one_whose_ranks_never_came_exits_1(
+def test_relays_stopped_by_sigterm_and_sigint_exit_143_and_130_one_whose_ranks_never_came_1(
     env: dict[str, str], procs: list[Proc]
 ) -> None:
-    waiting = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
-                   "--world-size", "1", env=env)
+    waiting = [Proc("relay", "--coordinator", "127.0.0.1:1", "--host", host, "--ranks", "0",
+                    "--world-size", "1", env=env) for host in ("h", "i")]
     # The shortest deadlines the scale allows: rank_accept_timeout is 6 s instead of 60 s.
     alone = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "lonely", "--ranks", "0",
                  "--world-size", "1", env=dict(env, FLODL_NET_TIMEOUT_SCALE="0.1"))
-    procs.extend([waiting, alone])
-    waiting.line_with("listening for ranks on")
-    waiting.signal(signal.SIGTERM)
-    assert waiting.wait() == 143
-    assert one_line(waiting) == "flodl-trio: relay h stopped by SIGTERM (graceful shutdown done)"
+    procs.extend([*waiting, alone])
+    for relay, signum in zip(waiting, (signal.SIGTERM, signal.SIGINT), strict=True):
+        relay.line_with("listening for ranks on")
+        relay.signal(signum)
+    assert [relay.wait() for relay in waiting] == [143, 130]
+    assert one_line(waiting[0]) == "flodl-trio: relay h stopped by SIGTERM (graceful shutdown done)"
+    assert one_line(waiting[1]) == "flodl-trio: relay i stopped by SIGINT (graceful shutdown done)"
     assert alone.wait() == 1
     line = one_line(alone)
     assert line.startswith("flodl-trio: FormationTimeout: relay 'lonely'"), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_status_stopped_by_a_signal_while_waiting_exits_128_plus_signum(
+    env: dict[str, str], procs: list[Proc], signum: int, code: int
+) -> None:
+    with socket.socket() as silent:  # accepts, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(PATIENCE)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        status = Proc("status", address, "--timeout", "60", env=env)
+        procs.append(status)
+        connection, _ = silent.accept()  # it is waiting for the answer now
+        with connection:
+            status.signal(signum)
+            assert status.wait() == code
+    name = signal.Signals(signum).name
+    assert one_line(status) == f"flodl-trio: status {address} stopped by {name}"
+
+
+@pytest.mark.slow
+def test_a_demo_whose_run_fails_exits_1_with_one_line_and_keeps_its_logs(
+    env: dict[str, str], procs: list[Proc], tmp_path: Path
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    # Its only relay SIGKILLed: every rank is lost, the coordinator fails with ClusterFailure.
+    demo = Proc("demo", "--no-live", "--hosts", "1", "--kill-relay", "host-a@0.2",
+                env=dict(env, TMPDIR=str(scratch)))
+    procs.append(demo)
+    assert demo.wait() == 1
+    line = one_line(demo)
+    assert line.startswith("flodl-trio: demo: the run failed: ClusterFailure: cluster failure: "
+                           "ALL_RANKS_LOST; dead ranks [0, 1]"), line
+    assert demo.line_with("cluster FAILED: ALL_RANKS_LOST")
+    [kept] = scratch.iterdir()  # the logs are what one wants to read after a failure
+    assert f"coordinator log: {kept / 'logs' / 'coordinator.log'})" in line
+    assert (kept / "logs" / "coordinator.log").is_file()
+
+
+@pytest.mark.slow
+def test_a_relay_and_its_rank_whose_coordinator_never_answers_exit_1(
+    env: dict[str, str], procs: list[Proc]
+) -> None:
+    scaled = dict(env, FLODL_NET_TIMEOUT_SCALE="0.1")  # connect_timeout 3 s instead of 30 s
+    relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
+                 "--world-size", "1", env=scaled)
+    procs.append(relay)
+    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
+                "--rank", "0", "--world-size", "1", env=scaled)
+    procs.append(rank)
+    assert (relay.wait(), rank.wait()) == (1, 1)
+    assert one_line(relay).startswith("flodl-trio: HandshakeError: relay 'h': expected a "
+                                      "connection to 127.0.0.1:1 within 3s")
+    assert one_line(rank).startswith("flodl-trio: CoordinatorLost: rank 0 ")
+    assert "the relay said: relay 'h' gave up" in one_line(rank)

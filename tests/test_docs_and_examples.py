@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 import flodl_trio
@@ -59,6 +60,17 @@ def test_the_chaos_test_example_passes_under_pytest() -> None:
                           text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_python_examples_pass_mypy_strict(tmp_path: Path) -> None:
+    # What a user copies must type-check: the typed fixtures, sending typed by direction.
+    pytest.importorskip("mypy")
+    examples = sorted(str(p) for p in EXAMPLES.glob("*.py"))
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir",
+                           str(tmp_path / "cache"), *examples], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_readme_python_block_is_part_of_an_example_that_runs() -> None:
@@ -134,13 +146,61 @@ def test_the_api_reference_documents_every_public_module() -> None:
     assert public <= documented, sorted(public - documented)
 
 
+def public_names(module_name: str) -> list[str]:
+    """``__all__``, or (without one) the classes and functions the module itself defines."""
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [name for name, obj in vars(module).items() if not name.startswith("_")
+            and getattr(obj, "__module__", None) == module_name]
+
+
 @pytest.mark.slow
-def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
-    # The same build as ./scripts/docs and .ci/run (the dummy builder skips writing HTML): a
-    # docstring that breaks the reference fails here, before it reaches CI.
+def test_the_docs_build_with_warnings_as_errors_and_name_every_public_name_and_field(
+    tmp_path: Path,
+) -> None:
+    # The same build as ./scripts/docs and .ci/run: a docstring that breaks the reference fails
+    # here, before it reaches CI. Then its inventory (objects.inv) must hold every public name of
+    # every public module (a name re-exported from another module may be documented there) and
+    # every field of every message class: autodoc drops members silently, and it once dropped
+    # Heartbeat, Shutdown and every other message that flodl_trio.rank happens to import.
     pytest.importorskip("sphinx")
+    from sphinx.util.inventory import InventoryFile
+
     env = {k: v for k, v in os.environ.items() if k != "FLODL_DOCS_INTERSPHINX"}
+    out = tmp_path / "html"
     done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
-                           "dummy", str(DOCS), str(tmp_path / "out")], capture_output=True,
+                           "html", str(DOCS), str(out)], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    with (out / "objects.inv").open("rb") as f:
+        inventory = InventoryFile.load(f, "", lambda base, uri: uri)
+    documented = {name for objects in inventory.values() for name in objects}
+    modules = ["flodl_trio", "flodl_trio.wire", *sorted(
+        f"flodl_trio.{m.name}" for m in pkgutil.iter_modules(flodl_trio.__path__)
+        if not m.name.startswith("_") and m.name not in ("cli", "wire"))]
+    missing = []
+    for module_name in modules:
+        for name in public_names(module_name):
+            obj = getattr(importlib.import_module(module_name), name)
+            homes = [m for m in modules if getattr(importlib.import_module(m), name, None) is obj]
+            if not any(f"{home}.{name}" in documented for home in homes):
+                missing.append(f"{module_name}.{name}")
+    assert missing == []
+    wire = importlib.import_module("flodl_trio.wire")
+    fields = [f"{home}.{name}.{field.name}" for name in wire.__all__
+              if attrs.has(cls := getattr(wire, name)) and isinstance(cls, type)
+              for field in attrs.fields(cls)
+              for home in ["flodl_trio" if name in flodl_trio.__all__ else "flodl_trio.wire"]]
+    assert "flodl_trio.wire.Batch.sync_divergence" in fields and len(fields) > 100
+    assert [field for field in fields if field not in documented] == []
+    # The specification is not in the repository: the pages (docstrings included) cite none.
+    cited = [page.name for page in out.glob("*.html") if "SPEC §" in page.read_text()]
+    assert cited == []
+
+
+def test_the_readme_and_the_docs_cite_no_specification_outside_the_repository() -> None:
+    pages = [README, *DOCS.glob("*.rst")]
+    assert [p.name for p in pages if re.search(r"SPEC\b|§", p.read_text())] == []
+    assert "pip install 'flodl-trio" not in README.read_text()  # it is not on a registry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -340,3 +341,20 @@ async def test_fetch_state_reports_a_non_200_and_a_deadline() -> None:
             nursery.start_soon(answer_404)
             with pytest.raises(FlodlError, match=r"expected 200 from /state.json, got 404 'nope'"):
                 await fetch_state(("127.0.0.1", port), timeout=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", [
+    make_state(),
+    {"phase": "running", "relays": [{"host": "host-a"}, "junk"], "dead": [{}]},  # other version
+], ids=["full", "partial"])
+async def test_the_status_command_prints_any_status_document_it_gets(state: dict[str, Any]
+                                                                    ) -> None:
+    async with status_server(state) as (host, port):
+        done = await trio.run_process([sys.executable, "-m", "flodl_trio", "status",
+                                       f"{host}:{port}"], capture_stdout=True,
+                                      capture_stderr=True, check=False)
+    assert (done.returncode, done.stderr) == (0, b"")
+    out = done.stdout.decode()
+    assert out.startswith(f"phase running  world {state.get('world_size')}")
+    assert "relay host-a" in out and "dead rank " in out
