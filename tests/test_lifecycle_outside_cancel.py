@@ -21,7 +21,8 @@ from flodl_trio.wire import Shutdown
 from helpers import COORD, HostRun, events_of, start_host, wait_until
 
 HOSTS = {f"host-{h}": [2 * h, 2 * h + 1] for h in range(4)}
-CLEAN = ft.RelayExit("all ranks exited", True)
+# FT/2: each relay hears the shutdown reason in a Goodbye before the coordinator's EOF.
+CLEAN = ft.RelayExit("coordinator said Goodbye: cancelled", True)
 
 
 @contextmanager
