@@ -1,7 +1,7 @@
 """flodl-trio: the control plane of a multi-host training cluster, on Trio.
 
 A port of flodl's cluster coordinator: one coordinator, one relay per host, one endpoint per rank,
-all speaking the authenticated FT/1 wire protocol (:mod:`flodl_trio.wire`).
+all speaking the authenticated FT/2 wire protocol (:mod:`flodl_trio.wire`).
 """
 
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig

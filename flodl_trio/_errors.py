@@ -22,7 +22,7 @@ class ConfigError(FlodlError, ValueError):
 
 
 class WireError(FlodlError):
-    """Bytes on the wire do not form a valid FT/1 frame, record or message."""
+    """Bytes on the wire do not form a valid FT/2 frame, record or message."""
 
 
 class AuthError(WireError):

@@ -1,4 +1,4 @@
-"""The field types of FT/1 payloads (SPEC §2.7): one ``Spec`` per wire type.
+"""The field types of FT/2 payloads (SPEC §2.7): one ``Spec`` per wire type.
 
 ``load`` is strict (decoding: the exact CBOR type, in range) and names the field that failed;
 ``coerce`` is for user construction (an ``int`` for a float field becomes a float; on the wire an
