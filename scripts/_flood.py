@@ -231,7 +231,7 @@ async def foreign_frames(count: int) -> FloodResult:
     async def scenario(child: Coordinator) -> None:
         result.rss_before_mb = child.rss_mb()
         stream = await trio.open_tcp_stream("127.0.0.1", child.port)
-        machine = wire.RelayHandshake(salt, host="forger", ranks=(0,), world_size=2,
+        machine = wire.RelayHandshake(salt, host="forger", ranks=(0,), world_size=1,
                                       coordinator=f"127.0.0.1:{child.port}")
         done = await run_handshake(stream, machine)
         assert isinstance(done, wire.Established)
