@@ -134,7 +134,7 @@ async def main(args: argparse.Namespace) -> None:
     frames = 100_000 if args.quick else 300_000
     reps = args.runs or 3
     print(f"{rep.machine_note()}\ningest: {frames:,} Batch frames per run, {reps} runs per case; "
-          "one load process; consumer: {args.consumer}")
+          f"one load process; consumer: {args.consumer}")
     rows, medians = [], []
     for ranks in args.ranks or (128, 1024):
         runs = [await run_case(ranks, 8, frames, args.consumer == "drain") for _ in range(reps)]
