@@ -51,6 +51,7 @@ import trio
 
 from . import _timeouts as T
 from ._callbacks import Callbacks
+from ._epoch_ledger import EpochLedger
 from ._epoch_math import (
     EpochCoverage,
     Range,
@@ -58,27 +59,22 @@ from ._epoch_math import (
     check_cadence,
     check_count,
     check_ratios,
-    coverage,
     partition_sizes,
     plan_epoch,
-    processed_ranges,
     split_remainder,
     unprocessed_ranges,
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
 from ._reformation import ProcessGroupKeeper, ReformationError
-from ._scheduler_parts import Inbox, InboxClosed, RunSummary, Share
+from ._scheduler_parts import Inbox, InboxClosed, RunSummary
 from .events import Note
 from .wire import (
     Batch,
     CheckpointResult,
     ControlMsg,
     EpochAggregated,
-    EpochMetrics,
-    EpochPlan,
     EvalResult,
     ExtendPartition,
-    Metrics,
     NewNcclIdGenerated,
     SaveReason,
     SetEpochCallbackRole,
@@ -146,16 +142,10 @@ class SyncScheduler:
                               f"{reform_timeout!r}")
         self._group = (ProcessGroupKeeper(coord.timeline, self._send, float(timeout))
                        if process_group else None)
-        self._total = check_count("total_samples", total_samples)
-        self._batch_size = check_count("batch_size", batch_size)
+        total = check_count("total_samples", total_samples)
+        batch = check_count("batch_size", batch_size)
         self._num_epochs = check_count("num_epochs", num_epochs)
-        self._ratios = check_ratios(partition_ratios, coord.world_size)
-        self._plans: dict[int, dict[int, EpochPlan]] = {}
-        self._epoch = -1
-        self._shares: dict[int, Share] = {}
-        self._metrics: dict[int, Metrics] = {}
-        self._awaiting_metrics: set[int] = set()
-        self._batch_size_reported: set[int] = set()
+        ratios = check_ratios(partition_ratios, coord.world_size)
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
@@ -165,11 +155,12 @@ class SyncScheduler:
             checkpoint_every=check_cadence("checkpoint_every", checkpoint_every),
             eval_every=check_cadence("eval_every", eval_every), send=self._send,
             move_role=self._move_role)
+        # Built after every check, so that an invalid argument is a ConfigError first.
+        self._ledger = EpochLedger(coord.timeline, total_samples=total, batch_size=batch,
+                                   world_size=coord.world_size, ratios=ratios)
         self._inbox = Inbox(coord.timing, coord.metrics, _POLL_INTERVAL)
         self._global_step = 0
         self._syncs = 0
-        self._aggregated: list[EpochMetrics] = []
-        self._coverage: list[EpochCoverage] = []
         self._finishing = False
         self._final_sync_done = False
         self._done = False
@@ -207,8 +198,8 @@ class SyncScheduler:
                     except InboxClosed:
                         raise self._closed() from None
         return RunSummary(
-            epochs_completed=len(self._aggregated), syncs=self._syncs,
-            global_step=self._global_step, epoch_metrics=tuple(self._aggregated),
+            epochs_completed=len(self._ledger.aggregated), syncs=self._syncs,
+            global_step=self._global_step, epoch_metrics=self._ledger.aggregated,
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
             elapsed_s=trio.current_time() - started,
         )
@@ -218,17 +209,17 @@ class SyncScheduler:
         """The scheduler's accounting of each aggregated epoch so far (:class:`EpochCoverage`):
         which samples it counts as processed and by whom (a dead rank: the batches it reported).
         """
-        return tuple(self._coverage)
+        return self._ledger.coverage
 
     # ------------------------------------------------------------------ reading
 
     def _closed(self) -> FlodlError:
         return FlodlError(f"SyncScheduler: the coordinator closed its timing/metrics channels "
-                          f"(it is shutting down) during epoch {self._epoch}")
+                          f"(it is shutting down) during epoch {self._ledger.epoch}")
 
     def _drain(self) -> None:
         try:
-            self._inbox.drain(self._on_timing, self._on_metrics)
+            self._inbox.drain(self._on_timing, self._ledger.on_metrics)
         except InboxClosed:
             raise self._closed() from None
 
@@ -237,9 +228,7 @@ class SyncScheduler:
         if rank in self._gone:
             return
         if isinstance(msg, Batch):
-            share = self._shares.get(rank)
-            if share is not None:
-                share.batches += 1
+            self._ledger.on_batch(rank)
             self._steps[rank] = self._steps.get(rank, 0) + 1
             self._awaiting_batch.discard(rank)
         elif isinstance(msg, SyncAck):
@@ -248,34 +237,6 @@ class SyncScheduler:
             self._group.on_uid(rank, msg.uid)
         elif isinstance(msg, CheckpointResult | EvalResult):
             self._callbacks.on_result(rank, msg)
-
-    def _on_metrics(self, msg: Metrics) -> None:
-        rank, epoch = int(msg.rank), int(msg.epoch)
-        if epoch != self._epoch:
-            log.debug("Metrics of rank %d for epoch %d arrived during epoch %d; dropped", rank,
-                      epoch, self._epoch)
-            return
-        self._metrics[rank] = msg
-        share = self._shares.get(rank)
-        if share is not None and (not share.extended or msg.samples_processed >= share.assigned):
-            self._awaiting_metrics.discard(rank)
-        if share is not None and msg.samples_processed == share.assigned:
-            self._check_batch_size(rank, share, msg)
-
-    def _check_batch_size(self, rank: int, share: Share, msg: Metrics) -> None:
-        # The plan's remainders (redistribution after a death) are computed with our batch size:
-        # a rank that batches differently gets wrong remainders and a different sync count, so
-        # say so once per rank instead of letting the two settings drift apart silently.
-        planned = sum(-(-size // self._batch_size) for _, size in share.ranges)
-        if msg.batches_processed == planned or rank in self._batch_size_reported:
-            return
-        self._batch_size_reported.add(rank)
-        log.warning("rank %d processed %d samples in %d batches where batch_size %d plans %d: "
-                    "its batch size disagrees with the scheduler's", rank,
-                    msg.samples_processed, msg.batches_processed, self._batch_size, planned)
-        self._coord.timeline.event(Note(what="batch_size_mismatch", fields={
-            "rank": rank, "batch_size": self._batch_size, "samples": msg.samples_processed,
-            "batches": int(msg.batches_processed), "planned_batches": planned}))
 
     # ------------------------------------------------------------------ sending
 
@@ -299,29 +260,22 @@ class SyncScheduler:
 
     def _no_rank_left(self) -> ClusterFailure:
         return ClusterFailure(SaveReason.ALL_RANKS_LOST, self._coord.dead_ranks,
-                              f"scheduler: no live rank left in epoch {self._epoch} of "
+                              f"scheduler: no live rank left in epoch {self._ledger.epoch} of "
                               f"{self._num_epochs}")
 
     async def _dispatch(self, epoch: int) -> None:
         live = self._survivors()
         if not live:
             raise self._no_rank_left()
-        if epoch not in self._plans:
-            weights = None if self._ratios is None else [self._ratios[r] for r in live]
-            self._plans[epoch] = plan_epoch(epoch, self._total, live, weights)
-        plans = self._plans[epoch]
+        plans = self._ledger.plan(epoch, live)
         if self._role is None:  # first dispatch: every rank learns the role before StartEpoch
             self._role = live[0]
             self._awaiting_batch = set(live)
             self._steps = dict.fromkeys(live, 0)
             await self._broadcast(SetEpochCallbackRole(rank=self._role))
-        self._epoch = epoch
+        self._ledger.begin(epoch, plans)
         self._coord.timeline.event(Note(what="epoch_started",
                                         fields={"epoch": epoch, "ranks": sorted(plans)}))
-        self._shares = {r: Share([(p.partition_offset, p.partition_size)])
-                        for r, p in plans.items()}
-        self._metrics = {}
-        self._awaiting_metrics = set(plans)
         for rank in sorted(plans):
             await self._send(rank, StartEpoch(plan=plans[rank]))
 
@@ -334,14 +288,11 @@ class SyncScheduler:
         self._drain()  # count every batch the coordinator read from them before the death
         remainders: list[tuple[int, list[Range]]] = []
         for rank in new:
-            share = self._shares.get(rank)
-            if share is not None and rank in self._awaiting_metrics:
-                rest = unprocessed_ranges(share.ranges, share.batches, self._batch_size)
-                share.done = processed_ranges(share.ranges, share.batches, self._batch_size)
-                if rest:
-                    remainders.append((rank, rest))
+            rest = self._ledger.settle(rank)
+            if rest:
+                remainders.append((rank, rest))
             self._gone.add(rank)
-            for waiting in (self._awaiting_metrics, self._awaiting_batch, self._awaiting_ack):
+            for waiting in (self._awaiting_batch, self._awaiting_ack):
                 waiting.discard(rank)
         survivors = self._survivors()
         if not survivors:
@@ -351,18 +302,12 @@ class SyncScheduler:
             raise self._no_rank_left()
         for dead, rest in remainders:
             log.info("rank %d left %d samples of epoch %d; extending ranks %s", dead,
-                     sum(s for _, s in rest), self._epoch, survivors)
-            parts = split_remainder(rest, len(survivors))
+                     sum(s for _, s in rest), self._ledger.epoch, survivors)
+            given = self._ledger.hand_over(rest, survivors)
             self._coord.timeline.event(Note(what="redistributed", fields={
-                "epoch": self._epoch, "from_rank": dead,
-                "to": {str(r): [list(rng) for rng in p]
-                       for r, p in zip(survivors, parts, strict=True) if p}}))
-            for rank, part in zip(survivors, parts, strict=True):
-                if not part:
-                    continue
-                self._shares[rank].ranges.extend(part)
-                self._shares[rank].extended = True
-                self._awaiting_metrics.add(rank)
+                "epoch": self._ledger.epoch, "from_rank": dead,
+                "to": {str(r): [list(rng) for rng in p] for r, p in given.items()}}))
+            for rank, part in given.items():
                 for offset, size in part:
                     await self._send(rank, ExtendPartition(partition_offset=offset,
                                                            partition_size=size))
@@ -393,7 +338,7 @@ class SyncScheduler:
         if self._group is not None and self._group.waiting:
             if await self._group.advance(self._survivors()):
                 return  # no collective (SyncNow) and no new epoch before the group exists
-            if self._epoch < 0:
+            if self._ledger.epoch < 0:
                 await self._dispatch(0)
                 return
         if self._callbacks.failed:
@@ -403,7 +348,7 @@ class SyncScheduler:
                 live = self._survivors()
                 if live:
                     await self._sync(live)
-            if not self._awaiting_metrics:
+            if self._ledger.complete:
                 await self._aggregate()
             return
         if self._awaiting_ack or self._done:
@@ -419,21 +364,16 @@ class SyncScheduler:
             self._done = True
 
     async def _aggregate(self) -> None:
-        metrics = aggregate_metrics(
-            self._epoch, [self._metrics[r] for r in sorted(self._metrics)],
-            world_size=self._coord.world_size, total_samples=self._total)
-        self._aggregated.append(metrics)
-        self._coverage.append(coverage(self._epoch, self._total, {
-            r: share.ranges if share.done is None else share.done
-            for r, share in self._shares.items()}))
-        log.info("epoch %d aggregated: avg_loss %.4f", self._epoch, metrics.avg_loss)
+        metrics = self._ledger.close()
+        epoch = self._ledger.epoch
+        log.info("epoch %d aggregated: avg_loss %.4f", epoch, metrics.avg_loss)
         self._coord.timeline.event(Note(what="epoch_aggregated", fields={
-            "epoch": self._epoch, "avg_loss": metrics.avg_loss}))
+            "epoch": epoch, "avg_loss": metrics.avg_loss}))
         await self._broadcast(EpochAggregated(metrics=metrics))
-        completed = self._epoch + 1
+        completed = epoch + 1
         await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
             await self._dispatch(completed)
         else:
             self._finishing = True
-            self._shares, self._awaiting_metrics = {}, set()
+            self._ledger.finish()

@@ -1,0 +1,162 @@
+"""The Sync scheduler's accounting of its epochs (the *Partitions*, *Deaths* and *Epoch end* rules
+of :mod:`flodl_trio.scheduler`): which samples each rank owes in the current epoch, the batches
+and ``Metrics`` it reported, what a rank that left still owed and who takes it over, and the
+aggregate and coverage of every epoch closed. It decides and records; the scheduler sends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ._epoch_math import (
+    EpochCoverage,
+    Range,
+    aggregate_metrics,
+    coverage,
+    plan_epoch,
+    processed_ranges,
+    split_remainder,
+    unprocessed_ranges,
+)
+from ._scheduler_parts import Share
+from .events import Note
+from .timeline import Timeline
+from .wire import EpochMetrics, EpochPlan, Metrics
+
+# The scheduler's records, whichever of its modules logs them.
+log = logging.getLogger("flodl_trio.scheduler")
+
+
+class EpochLedger:
+    """Who owes what in the current epoch, and the record of every epoch closed so far.
+
+    Args:
+        timeline: where a rank whose batch size disagrees with ``batch_size`` is noted.
+        total_samples: dataset size.
+        batch_size: samples per batch on every rank.
+        world_size: the coordinator's world size.
+        ratios: one partition weight per world rank, or None for equal partitions.
+    """
+
+    def __init__(self, timeline: Timeline, *, total_samples: int, batch_size: int,
+                 world_size: int, ratios: tuple[float, ...] | None) -> None:
+        self._timeline = timeline
+        self._total = total_samples
+        self._batch_size = batch_size
+        self._world_size = world_size
+        self._ratios = ratios
+        self._plans: dict[int, dict[int, EpochPlan]] = {}
+        self._epoch = -1
+        self._shares: dict[int, Share] = {}
+        self._metrics: dict[int, Metrics] = {}
+        self._awaiting_metrics: set[int] = set()
+        self._batch_size_reported: set[int] = set()
+        self._aggregated: list[EpochMetrics] = []
+        self._coverage: list[EpochCoverage] = []
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (-1 before the first one begins)."""
+        return self._epoch
+
+    @property
+    def complete(self) -> bool:
+        """Every rank that owes the current epoch's ``Metrics`` has reported them."""
+        return not self._awaiting_metrics
+
+    @property
+    def aggregated(self) -> tuple[EpochMetrics, ...]:
+        """The ``EpochMetrics`` of every epoch closed, in order."""
+        return tuple(self._aggregated)
+
+    @property
+    def coverage(self) -> tuple[EpochCoverage, ...]:
+        """The coverage of every epoch closed, in order."""
+        return tuple(self._coverage)
+
+    def plan(self, epoch: int, live: Sequence[int]) -> dict[int, EpochPlan]:
+        """The plans of ``epoch``, computed over ``live`` the first time it is asked for."""
+        if epoch not in self._plans:
+            weights = None if self._ratios is None else [self._ratios[r] for r in live]
+            self._plans[epoch] = plan_epoch(epoch, self._total, live, weights)
+        return self._plans[epoch]
+
+    def begin(self, epoch: int, plans: dict[int, EpochPlan]) -> None:
+        """Make ``epoch`` current: every planned rank owes its plan and its ``Metrics``."""
+        self._epoch = epoch
+        self._shares = {r: Share([(p.partition_offset, p.partition_size)])
+                        for r, p in plans.items()}
+        self._metrics = {}
+        self._awaiting_metrics = set(plans)
+
+    def on_batch(self, rank: int) -> None:
+        share = self._shares.get(rank)
+        if share is not None:
+            share.batches += 1
+
+    def on_metrics(self, msg: Metrics) -> None:
+        rank, epoch = int(msg.rank), int(msg.epoch)
+        if epoch != self._epoch:
+            log.debug("Metrics of rank %d for epoch %d arrived during epoch %d; dropped", rank,
+                      epoch, self._epoch)
+            return
+        self._metrics[rank] = msg
+        share = self._shares.get(rank)
+        if share is not None and (not share.extended or msg.samples_processed >= share.assigned):
+            self._awaiting_metrics.discard(rank)
+        if share is not None and msg.samples_processed == share.assigned:
+            self._check_batch_size(rank, share, msg)
+
+    def _check_batch_size(self, rank: int, share: Share, msg: Metrics) -> None:
+        # The plan's remainders (redistribution after a death) are computed with our batch size:
+        # a rank that batches differently gets wrong remainders and a different sync count, so
+        # say so once per rank instead of letting the two settings drift apart silently.
+        planned = sum(-(-size // self._batch_size) for _, size in share.ranges)
+        if msg.batches_processed == planned or rank in self._batch_size_reported:
+            return
+        self._batch_size_reported.add(rank)
+        log.warning("rank %d processed %d samples in %d batches where batch_size %d plans %d: "
+                    "its batch size disagrees with the scheduler's", rank,
+                    msg.samples_processed, msg.batches_processed, self._batch_size, planned)
+        self._timeline.event(Note(what="batch_size_mismatch", fields={
+            "rank": rank, "batch_size": self._batch_size, "samples": msg.samples_processed,
+            "batches": int(msg.batches_processed), "planned_batches": planned}))
+
+    def settle(self, rank: int) -> list[Range]:
+        """``rank`` left (declared dead or exited): what it leaves of the current epoch, in
+        order (empty if it owed nothing more). Only its reported batches count as done."""
+        rest: list[Range] = []
+        share = self._shares.get(rank)
+        if share is not None and rank in self._awaiting_metrics:
+            rest = unprocessed_ranges(share.ranges, share.batches, self._batch_size)
+            share.done = processed_ranges(share.ranges, share.batches, self._batch_size)
+        self._awaiting_metrics.discard(rank)
+        return rest
+
+    def hand_over(self, rest: Sequence[Range], survivors: Sequence[int]) -> dict[int, list[Range]]:
+        """Split a remainder across ``survivors`` and extend their shares (each owes its
+        ``Metrics`` again, covering the extension). Returns the part of each rank that got one,
+        in ``survivors`` order."""
+        parts = split_remainder(rest, len(survivors))
+        given = {r: part for r, part in zip(survivors, parts, strict=True) if part}
+        for rank, part in given.items():
+            self._shares[rank].ranges.extend(part)
+            self._shares[rank].extended = True
+            self._awaiting_metrics.add(rank)
+        return given
+
+    def close(self) -> EpochMetrics:
+        """Aggregate the current epoch's ``Metrics`` and record what it covered."""
+        metrics = aggregate_metrics(
+            self._epoch, [self._metrics[r] for r in sorted(self._metrics)],
+            world_size=self._world_size, total_samples=self._total)
+        self._aggregated.append(metrics)
+        self._coverage.append(coverage(self._epoch, self._total, {
+            r: share.ranges if share.done is None else share.done
+            for r, share in self._shares.items()}))
+        return metrics
+
+    def finish(self) -> None:
+        """After the last epoch: nobody owes anything more."""
+        self._shares, self._awaiting_metrics = {}, set()

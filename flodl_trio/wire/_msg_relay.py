@@ -1,0 +1,116 @@
+"""The RelayControlMsg family: the CONTROL records of the relay ↔ coordinator leg (SPEC §2.7).
+
+Annotations are the wire types; field order is the wire order. Lists are tuples in Python. Each
+variant registers with :data:`RELAY_CONTROL_MSG` on import; ``_messages`` generates the codecs.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ._schema import U32, Family, HostName, Nonce, WireMessage, variant
+
+RELAY_CONTROL_MSG = Family("RelayControlMsg")
+
+
+class RelayControlMsg(WireMessage):
+    """Base of the CONTROL records of the relay ↔ coordinator leg."""
+
+    __slots__ = ()
+
+
+@variant(RELAY_CONTROL_MSG, 0)
+@attrs.frozen
+class Challenge(RelayControlMsg):
+    """Coordinator → relay, first record of the upstream handshake, sealed with the salt itself.
+
+    Attributes:
+        nonce: 16 fresh random bytes.
+    """
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 1)
+@attrs.frozen
+class Hello(RelayControlMsg):
+    """Relay → coordinator: who the relay is, sealed with the handshake key.
+
+    Attributes:
+        host: the host name (1-255 bytes of UTF-8).
+        world_size: the relay's world size (FT/2); a disagreement with the coordinator's is an
+            authenticated contradiction that fails formation naming both numbers.
+        model_sigs: the relay's model signatures, name -> digest (FT/2, flodl's
+            ``model_sigs``; may be empty); relays whose digests for one name differ fail
+            formation, naming the hosts and the names.
+        ranks: the global ranks it carries, ascending.
+        nonce: the relay's 16 fresh random bytes.
+    """
+    host: HostName
+    world_size: U32
+    model_sigs: dict[str, bytes]
+    ranks: tuple[U32, ...]
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 2)
+@attrs.frozen
+class HelloAck(RelayControlMsg):
+    """Coordinator → relay: accepted, echoing the relay's nonce; both switch to the connection key.
+
+    Attributes:
+        nonce: the relay's nonce.
+    """
+    nonce: Nonce
+
+
+@variant(RELAY_CONTROL_MSG, 3)
+@attrs.frozen
+class RankExit(RelayControlMsg):
+    """Relay → coordinator: a local rank's connection ended.
+
+    Attributes:
+        rank: the rank.
+    """
+    rank: U32
+
+
+@variant(RELAY_CONTROL_MSG, 4)
+@attrs.frozen
+class Ready(RelayControlMsg):
+    """Relay → coordinator (FT/2), the last record of the upstream handshake: the relay
+    verified ``HelloAck``. The coordinator counts the relay's ranks as covered only once it
+    has verified this; a connection that ends before that un-covers the relay."""
+
+
+@variant(RELAY_CONTROL_MSG, 5)
+@attrs.frozen
+class Goodbye(RelayControlMsg):
+    """Coordinator → relay (FT/2): the coordinator is shutting down gracefully; sent before
+    the half-close, so a relay tells a clean end from a coordinator that died.
+
+    Attributes:
+        reason: why the coordinator shut down.
+    """
+
+    reason: str
+
+
+@variant(RELAY_CONTROL_MSG, 6)
+@attrs.frozen
+class FenceRank(RelayControlMsg):
+    """Coordinator → relay (beyond flodl): ``rank`` was declared dead. The relay delivers what
+    is queued for it (the ``Fenced`` frame last), half-closes its link, stops forwarding its
+    frames and closes the link after ``shutdown_grace``."""
+
+    rank: U32
+    reason: str
+
+
+@variant(RELAY_CONTROL_MSG, 7)
+@attrs.frozen
+class RankDropped(RelayControlMsg):
+    """Relay → coordinator (beyond flodl): the relay dropped a local rank itself (``RankExit``
+    with the reason): it did not drain its queue within the relay's ``write_stall_timeout``."""
+
+    rank: U32
+    reason: str
