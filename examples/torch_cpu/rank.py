@@ -8,7 +8,7 @@ What it does with each control message:
   port and answer ``NewNcclIdGenerated`` with its address (the rendezvous of the next group).
 - ``NewNcclSession{uid, new_rank, new_world_size}``: leave the old gloo group (if any) and join
   the new one at that rendezvous, as ``new_rank`` of ``new_world_size``; the learning rate
-  becomes ``--lr`` times the group's size (reported with ``LrUpdate``).
+  becomes ``--lr`` times the group's size, halved every 5 epochs (reported with ``LrUpdate``).
 - ``StartEpoch`` / ``ExtendPartition``: queue sample ranges; they are trained in batches of
   ``--batch-size`` (never mixing two ranges), each reported with ``Batch``; when the queue runs
   dry, a cumulative ``Metrics`` for the epoch.
@@ -39,6 +39,8 @@ from sklearn.model_selection import train_test_split
 
 import flodl_trio as ft
 from flodl_trio import wire
+
+LR_HALVING = 5  # epochs between halvings of the learning rate
 
 log = logging.getLogger("torch_cpu.rank")
 GROUP_TIMEOUT = datetime.timedelta(seconds=30)
@@ -136,23 +138,31 @@ class Trainer:
                 return
             self.on_message(msg)
 
+    def set_lr(self) -> None:
+        """``--lr`` times the group's size (linear scaling: an average over fewer replicas is a
+        smaller batch, so a smaller step, and the progress per epoch does not depend on how many
+        survived), halved every ``LR_HALVING`` epochs so that both runs settle."""
+        halvings = (self.epoch or 0) // LR_HALVING
+        lr = self.args.lr * self.group.size * 0.5 ** halvings
+        if all(group["lr"] == lr for group in self.opt.param_groups):
+            return
+        for param_group in self.opt.param_groups:
+            param_group["lr"] = lr
+        self.rc.send(wire.LrUpdate(rank=self.rank, lr=lr))
+
     def on_message(self, msg: wire.ControlMsg) -> None:
         rc = self.rc
         if isinstance(msg, wire.RequestNewNcclId):
             rc.send(wire.NewNcclIdGenerated(rank=self.rank, uid=self.group.new_id()))
         elif isinstance(msg, wire.NewNcclSession):
             self.group.join(msg.uid, int(msg.new_rank), int(msg.new_world_size))
-            # Linear scaling: an average over fewer replicas is a smaller batch, so a smaller
-            # step; the run's progress per epoch then does not depend on how many survived.
-            lr = self.args.lr * self.group.size
-            for param_group in self.opt.param_groups:
-                param_group["lr"] = lr
-            rc.send(wire.LrUpdate(rank=self.rank, lr=lr))
+            self.set_lr()
             log.info("rank %d: joined group %s as %d/%d", self.rank, msg.uid.decode(),
                      msg.new_rank, msg.new_world_size)
         elif isinstance(msg, wire.StartEpoch):
             plan = msg.plan
             self.epoch = int(plan.epoch)
+            self.set_lr()
             generator = torch.Generator().manual_seed(1000 + self.epoch)
             self.order = torch.randperm(len(self.x), generator=generator)
             self.queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
