@@ -1,5 +1,8 @@
 """A whole cluster (coordinator + relays + rank endpoints) in one Trio run, for tests and demos.
 
+:func:`open_local_cluster` and :class:`LocalCluster` are also importable from
+:mod:`flodl_trio.testing`, beside the in-memory network they run on::
+
     async with open_local_cluster({"host-a": [0, 1], "host-b": [2]}) as cluster:
         await cluster.coord.broadcast_control(SyncNow())
         msg = await cluster.ranks[2].receive()
@@ -19,10 +22,10 @@ import trio
 
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
 from ._errors import ConfigError, FlodlError
+from ._memory_network import MemoryNetwork
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
 from .rank import RankEndpoint, open_rank
 from .relay import Relay, open_relay
-from .testing import MemoryNetwork
 from .timeline import Timeline
 from .wire import SessionSalt
 

@@ -35,8 +35,17 @@ async def test_killed_relay_in_local_cluster_is_declared_dead_and_survivors_told
         assert all(isinstance(e, DeclareDead) for e in [])
 
 
+def test_the_testing_module_exports_the_local_cluster_builder() -> None:
+    import flodl_trio.local_cluster
+    import flodl_trio.testing
+
+    assert flodl_trio.testing.open_local_cluster is flodl_trio.local_cluster.open_local_cluster
+    assert flodl_trio.testing.LocalCluster is flodl_trio.local_cluster.LocalCluster
+    assert {"open_local_cluster", "LocalCluster"} <= set(flodl_trio.testing.__all__)
+
+
 async def test_local_cluster_over_real_tcp() -> None:
-    from flodl_trio.local_cluster import open_local_cluster
+    from flodl_trio.testing import open_local_cluster
 
     with trio.fail_after(10):
         async with open_local_cluster(layout(2, 1), transport="tcp") as cluster:

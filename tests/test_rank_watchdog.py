@@ -23,7 +23,6 @@ from helpers import (
     open_peers,
     raw_coordinator_accept,
     raw_rank_accept,
-    read_exactly,
     read_one_record,
 )
 

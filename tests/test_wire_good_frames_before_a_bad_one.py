@@ -25,7 +25,6 @@ from helpers import (
     raw_coordinator_accept,
     raw_rank_accept,
     raw_relay_handshake,
-    read_exactly,
     read_one_record,
     wait_until,
 )
