@@ -61,7 +61,7 @@ class MemoryListener(trio.abc.Listener[MemoryStream]):
             self._closed = True
             self._network._forget_listener(self)
             while self._backlog:
-                self._backlog.popleft().server._close_now()
+                self._backlog.popleft().server.close_now()
             self._arrived.unpark_all()
         await trio.lowlevel.checkpoint()
 

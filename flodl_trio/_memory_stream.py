@@ -245,7 +245,15 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                     return b""
                 await pipe.changed.park()
 
-    def _close_now(self) -> None:
+    def close_now(self) -> None:
+        """Close this end at once, without checkpointing (idempotent): :meth:`aclose` minus its
+        checkpoint, for synchronous cleanup such as a listener closing the connections nobody
+        accepted.
+
+        The peer's reads drain what this end already sent, then return ``b""``; the peer's
+        ``send_all`` raises :class:`trio.BrokenResourceError`; calls on this end raise
+        :class:`trio.ClosedResourceError`, including ones blocked in other tasks.
+        """
         if self._closed:
             return
         self._closed = True
@@ -265,7 +273,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         :class:`trio.BrokenResourceError`; calls on this end raise
         :class:`trio.ClosedResourceError`, including ones blocked in other tasks.
         """
-        self._close_now()
+        self.close_now()
         await trio.lowlevel.checkpoint()
 
     def reset(self) -> None:

@@ -27,7 +27,7 @@ import pytest
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
 from ._errors import FlodlError
 from .chaos import ChaosProxy, open_chaos_proxy
-from .local_cluster import LocalCluster, open_local_cluster
+from .local_cluster import LocalCluster, RawRankMain, open_local_cluster
 from .rank import RankEndpoint
 from .testing import EventLog, MemoryNetwork
 from .timeline import Timeline
@@ -52,6 +52,8 @@ class LocalClusterFactory(Protocol):
         rank_configs: Mapping[int, RankConfig] | None = ...,
         rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = ...,
         rank_errors: tuple[type[Exception], ...] = ...,
+        raw_ranks: Mapping[int, RawRankMain] | None = ...,
+        teardown_timeout: float = ...,
     ) -> AbstractAsyncContextManager[LocalCluster]: ...
 
 
@@ -102,12 +104,15 @@ def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
         rank_configs: Mapping[int, RankConfig] | None = None,
         rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = None,
         rank_errors: tuple[type[Exception], ...] = (FlodlError,),
+        raw_ranks: Mapping[int, RawRankMain] | None = None,
+        teardown_timeout: float = 60.0,
     ) -> AbstractAsyncContextManager[LocalCluster]:
         return open_local_cluster(
             hosts, transport=transport, network=memory_network if transport == "memory" else None,
             salt=salt, coord_config=coord_config, relay_config=relay_config,
             rank_config=rank_config, timeline=timeline, rank_configs=rank_configs,
-            rank_main=rank_main, rank_errors=rank_errors,
+            rank_main=rank_main, rank_errors=rank_errors, raw_ranks=raw_ranks,
+            teardown_timeout=teardown_timeout,
         )
 
     return factory

@@ -1,4 +1,11 @@
-"""An in-memory transport that behaves like loopback TCP, for tests that run without sockets.
+"""Tools for testing code that uses flodl-trio: an in-memory network and whole local clusters.
+
+:func:`open_local_cluster` (with :class:`LocalCluster`, the handles it yields, and
+:class:`RawRankSlot` / :class:`RawRankMain` for ranks that speak the wire by hand; all defined in
+:mod:`flodl_trio.local_cluster`, which can still be imported from) starts a coordinator, one
+relay per host and every rank in one Trio run, over a :class:`MemoryNetwork` by default; the
+library's own tests build their clusters with it too. :func:`wait_until` polls a condition in
+Trio time, and :class:`EventLog` is a timeline that notes when (in Trio time) each event happened.
 
 :class:`MemoryNetwork` hands out named listeners and dials them. Unlike
 :func:`trio.testing.memory_stream_pair`, every direction of a connection has a *bounded* buffer, so
@@ -30,10 +37,12 @@ from ._memory_network import MemoryListener, MemoryNetwork
 from ._memory_stream import MemoryConnection, MemoryStream
 from ._waiting import wait_until
 from .events import Event
+from .local_cluster import LocalCluster, RawRankMain, RawRankSlot, open_local_cluster
 from .timeline import Stamped, Timeline
 
 __all__ = [
-    "EventLog", "MemoryConnection", "MemoryListener", "MemoryNetwork", "MemoryStream", "wait_until",
+    "EventLog", "LocalCluster", "MemoryConnection", "MemoryListener", "MemoryNetwork",
+    "MemoryStream", "RawRankMain", "RawRankSlot", "open_local_cluster", "wait_until",
 ]
 
 # Shown (repr, errors, docs) as the testing module's own, where users import them from.

@@ -1,4 +1,10 @@
-"""Shared helpers for the test suite: small in-memory clusters built from the public API."""
+"""Shared helpers for the test suite, built from the public API.
+
+Clusters come from :func:`flodl_trio.testing.open_local_cluster`, as for users; these helpers give
+it ranks that record what they receive (:class:`Recorder`). :func:`start_host` starts a relay and
+its ranks alone, for the tests that open the coordinator themselves (formation failures) or play
+it by hand; the raw peers drive the library's sans-IO handshakes, then only what the test says.
+"""
 
 from __future__ import annotations
 
@@ -12,46 +18,150 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import events
-from flodl_trio.testing import EventLog, MemoryNetwork, wait_until
+from flodl_trio.testing import (
+    EventLog,
+    LocalCluster,
+    MemoryConnection,
+    MemoryNetwork,
+    RawRankMain,
+    RawRankSlot,
+    open_local_cluster,
+)
+from flodl_trio.testing import wait_until as wait_until  # the tests import it from here
 
 COORD = "coordinator"
 
 
 # ---------------------------------------------------------------------------------------------
-# Hosts whose ranks record what they receive, and raw peers that speak the wire by hand.
+# Ranks that record what they receive: the rank_main of open_local_cluster, or start_host's.
 
 
 @attrs.define(eq=False)
-class RankRun:
-    """One rank endpoint running in a task: what it received and how it ended.
-
-    ``leave()`` makes the body leave the ``open_rank`` block cleanly (so ``Exiting`` is sent),
-    ``kill()`` cancels the task through the block (no ``Exiting``), ``crash(exc)`` makes the body
-    raise ``exc``.
-    """
+class RankRecord:
+    """What one rank endpoint received, and how its iteration ended (see
+    :func:`record_iteration`)."""
 
     rank: int
-    host: str
+    ep: ft.RankEndpoint | None = None
     received: list[Any] = attrs.Factory(list)
-    endpoint: ft.RankEndpoint | None = None
-    # "ended" after a clean end of iteration, "left" after leave(), or the exception it ended with.
-    outcome: Any = None
-    entered: trio.Event = attrs.Factory(trio.Event)
-    done: trio.Event = attrs.Factory(trio.Event)
-    leave_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    kill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    crash_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    lost: ft.CoordinatorLost | None = None
+    ended_at: float | None = None
+    ended: trio.Event = attrs.Factory(trio.Event)
+    stop_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     crash_with: BaseException | None = None
 
     def leave(self) -> None:
-        self.leave_scope.cancel()
+        """Stop iterating and leave the ``open_rank`` block cleanly (it says ``Exiting``)."""
+        self.stop_scope.cancel()
+
+    def crash(self, exc: BaseException) -> None:
+        """Raise ``exc`` out of the ``open_rank`` block (no ``Exiting``); pass its type in the
+        cluster's ``rank_errors`` to have it land in ``outcomes``."""
+        self.crash_with = exc
+        self.stop_scope.cancel()
+
+    def labels(self) -> list[str]:
+        return [type(m).__name__ for m in self.received]
+
+    def declared_dead(self) -> list[int]:
+        return [int(m.rank) for m in self.received if isinstance(m, ft.wire.DeclareDead)]
+
+
+async def record_iteration(rec: RankRecord, ep: ft.RankEndpoint) -> object:
+    """Iterate ``ep`` into ``rec``; returns ``"ended"`` after a clean end of iteration, ``"left"``
+    after ``leave()``, or the ``CoordinatorLost`` it ended with (``crash()`` raises)."""
+    rec.ep = ep
+    try:
+        with rec.stop_scope:
+            try:
+                async for msg in ep:
+                    rec.received.append(msg)
+            except ft.CoordinatorLost as exc:
+                rec.lost = exc
+        rec.ended_at = trio.current_time()
+    finally:
+        rec.ended.set()
+    if rec.crash_with is not None:
+        raise rec.crash_with
+    if rec.lost is not None:
+        return rec.lost
+    return "left" if rec.stop_scope.cancelled_caught else "ended"
+
+
+class Recorder:
+    """``rank_main=`` (and ``raw_ranks=recorder.raw_mains``) of ``open_local_cluster``.
+
+    Every endpoint rank iterates and records each control message in ``recorder[rank]``; its
+    outcome is ``"ended"`` after a clean end of iteration, ``"left"`` after ``leave()``, or the
+    ``CoordinatorLost`` it ended with. The ranks of ``raw`` (rank → heartbeat interval) are
+    :class:`RawRank` clients instead, in ``recorder.raw`` once their handshake is done.
+    """
+
+    def __init__(self, *, raw: dict[int, float | None] | None = None) -> None:
+        self.ranks: dict[int, RankRecord] = {}
+        self.raw: dict[int, RawRank] = {}
+        self._intervals = dict(raw or {})
+
+    def __getitem__(self, rank: int) -> RankRecord:
+        return self.ranks.setdefault(rank, RankRecord(rank))
+
+    def survivors(self, dead: Sequence[int]) -> list[RankRecord]:
+        return [rec for rank, rec in sorted(self.ranks.items()) if rank not in dead]
+
+    async def __call__(self, ep: ft.RankEndpoint) -> object:
+        return await record_iteration(self[ep.rank], ep)
+
+    @property
+    def raw_mains(self) -> dict[int, RawRankMain]:
+        return {rank: self._run_raw for rank in self._intervals}
+
+    async def _run_raw(self, slot: RawRankSlot, *, task_status: trio.TaskStatus[None]) -> None:
+        raw = await RawRank.connect(slot.dial, salt=slot.salt, rank=slot.rank,
+                                    world_size=slot.world_size,
+                                    interval=self._intervals[slot.rank])
+        self.raw[slot.rank] = raw
+        task_status.started()
+        await raw.run()
+
+
+def formed_at(log: EventLog) -> float:
+    """The Trio time of the coordinator's ``FormationComplete``."""
+    return log.of(events.FormationComplete)[0][0]
+
+
+def upstream_of(cluster: LocalCluster, host: str) -> MemoryConnection:
+    """The MemoryConnection of ``host``'s relay to the coordinator."""
+    assert cluster.network is not None
+    (info,) = [r for r in cluster.coord.relays if r.host == host]
+    (conn,) = [c for c in cluster.network.connections
+               if c.name == COORD and info.peer.endswith(f":{c.index}")]
+    return conn
+
+
+# ---------------------------------------------------------------------------------------------
+# Relays and ranks started by hand, for a coordinator the test opens itself or plays by hand.
+
+
+@attrs.define(eq=False)
+class RankRun(RankRecord):
+    """A rank of :func:`start_host`: its record, plus how its task ended.
+
+    ``kill()`` cancels the task through the ``open_rank`` block (no ``Exiting``); ``outcome`` is
+    what :func:`record_iteration` returned, ``"killed"``, or the exception the task ended with.
+    """
+
+    host: str = ""
+    outcome: Any = None
+    entered: trio.Event = attrs.Factory(trio.Event)
+    done: trio.Event = attrs.Factory(trio.Event)
+    kill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    @property
+    def endpoint(self) -> ft.RankEndpoint | None:
+        return self.ep
 
     def kill(self) -> None:
         self.kill_scope.cancel()
-
-    def crash(self, exc: BaseException) -> None:
-        self.crash_with = exc
-        self.crash_scope.cancel()
 
 
 @attrs.define(eq=False)
@@ -82,20 +192,8 @@ async def _run_rank(net: MemoryNetwork, run: RankRun, *, salt: ft.SessionSalt, w
                 lambda: net.connect(f"relay:{run.host}"), salt=salt, rank=run.rank,
                 world_size=world, config=config,
             ) as ep:
-                run.endpoint = ep
                 run.entered.set()
-                with run.crash_scope, run.leave_scope:
-                    try:
-                        async for msg in ep:
-                            run.received.append(msg)
-                    except ft.CoordinatorLost as exc:
-                        run.outcome = exc
-                    else:
-                        run.outcome = "ended"
-                if run.crash_with is not None:
-                    raise run.crash_with
-                if run.leave_scope.cancelled_caught:
-                    run.outcome = "left"
+                run.outcome = await record_iteration(run, ep)
     except Exception as exc:  # recorded for the test to assert on
         run.outcome = exc
     finally:
@@ -135,9 +233,9 @@ async def start_host(
 
     ``start_ranks`` limits which ranks start now; start the others with :func:`start_rank`.
     """
-    hr = HostRun(host, {r: RankRun(r, host) for r in ranks})
-    await nursery.start(partial_kw(_run_relay, net, hr, salt=salt, world=world,
-                                   config=relay_config, coordinator=coordinator))
+    hr = HostRun(host, {r: RankRun(r, host=host) for r in ranks})
+    await nursery.start(functools.partial(_run_relay, net, hr, salt=salt, world=world,
+                                          config=relay_config, coordinator=coordinator))
     for rank in (ranks if start_ranks is None else start_ranks):
         start_rank(nursery, net, hr.ranks[rank], salt=rank_salt or salt, world=world,
                    rank_config=rank_config)
@@ -148,93 +246,12 @@ def start_rank(nursery: trio.Nursery, net: MemoryNetwork, run: RankRun, *,
                salt: ft.SessionSalt, world: int, rank_config: ft.RankConfig | None = None
                ) -> None:
     """Start one recording rank that dials ``relay:<its host>``."""
-    nursery.start_soon(partial_kw(_run_rank, net, run, salt=salt, world=world,
-                                  config=rank_config))
-
-
-def partial_kw(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``functools.partial`` (imported here so the helpers above stay import-light)."""
-    from functools import partial
-
-    return partial(fn, *args, **kwargs)
+    nursery.start_soon(functools.partial(_run_rank, net, run, salt=salt, world=world,
+                                         config=rank_config))
 
 
 def events_of(timeline: ft.Timeline, kind: type[Any]) -> list[Any]:
     return [ev for ev in timeline.events() if isinstance(ev, kind)]
-
-
-@attrs.define
-class Cluster:
-    coord: ft.Coordinator
-    hosts: dict[str, HostRun]
-    salt: ft.SessionSalt
-    net: MemoryNetwork
-
-    @property
-    def rank_runs(self) -> dict[int, RankRun]:
-        return {r: run for hr in self.hosts.values() for r, run in hr.ranks.items()}
-
-
-@asynccontextmanager
-async def recording_cluster(
-    net: MemoryNetwork,
-    hosts: dict[str, Sequence[int]],
-    *,
-    salt: ft.SessionSalt | None = None,
-    coord_config: ft.CoordinatorConfig | None = None,
-    relay_config: ft.RelayConfig | None = None,
-    rank_config: ft.RankConfig | None = None,
-    teardown_timeout: float = 60.0,
-) -> AsyncIterator[Cluster]:
-    """Coordinator, relays and ranks that iterate and record what they receive (``start_host``).
-
-    On exit the coordinator shuts down first, then every relay and rank task must finish within
-    ``teardown_timeout`` seconds of trio time.
-    """
-    salt = salt or ft.SessionSalt.generate()
-    world = sum(len(r) for r in hosts.values())
-    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
-    listener = net.listener(COORD)
-    try:
-        async with _recording_cluster(net, hosts, listener, salt=salt, world=world, cfg=cfg,
-                                      relay_config=relay_config, rank_config=rank_config,
-                                      teardown_timeout=teardown_timeout) as cluster:
-            yield cluster
-    except BaseExceptionGroup as group:
-        # The helper's own nursery wraps what the body or the coordinator raised; a test asserts
-        # on the exception itself, as open_coordinator raises it.
-        _, rest = group.split(trio.Cancelled)
-        leaves = _leaves(rest) if rest is not None else []
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
-
-
-@asynccontextmanager
-async def _recording_cluster(
-    net: MemoryNetwork, hosts: dict[str, Sequence[int]], listener: Any, *,
-    salt: ft.SessionSalt, world: int, cfg: ft.CoordinatorConfig,
-    relay_config: ft.RelayConfig | None, rank_config: ft.RankConfig | None,
-    teardown_timeout: float,
-) -> AsyncIterator[Cluster]:
-    async with trio.open_nursery() as nursery:
-        runs: dict[str, HostRun] = {}
-        for host, host_ranks in hosts.items():
-            runs[host] = await start_host(nursery, net, host, host_ranks, salt=salt, world=world,
-                                          relay_config=relay_config, rank_config=rank_config)
-        async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
-            cluster = Cluster(coord, runs, salt, net)
-            await wait_until(lambda: all(r.entered.is_set() or r.done.is_set()
-                                         for r in cluster.rank_runs.values()), limit=5)
-            yield cluster
-        await wait_until(lambda: all(hr.all_done for hr in runs.values()),
-                         limit=teardown_timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,64 +360,6 @@ def live_task_names() -> list[str]:
     return names
 
 
-# ---------------------------------------------------------------------------------------------
-# Liveness helpers: ranks that record what arrives, raw wire-level peers, and mock-time events.
-
-
-
-
-@attrs.define(eq=False)
-class RankProbe:
-    """A rank endpoint that iterates and records every control message it is given.
-
-    Set ``leave`` to make it leave its ``open_rank`` block cleanly (it then says ``Exiting``).
-    """
-
-    rank: int
-    host: str
-    ep: ft.RankEndpoint | None = None
-    received: list[Any] = attrs.Factory(list)
-    lost: ft.CoordinatorLost | None = None
-    ended_at: float | None = None
-    ended: trio.Event = attrs.Factory(trio.Event)
-    left: trio.Event = attrs.Factory(trio.Event)
-    leave: trio.Event = attrs.Factory(trio.Event)
-
-    def labels(self) -> list[str]:
-        return [type(m).__name__ for m in self.received]
-
-    def declared_dead(self) -> list[int]:
-        return [int(m.rank) for m in self.received if isinstance(m, ft.wire.DeclareDead)]
-
-
-async def run_probe(probe: RankProbe, dialer: Any, *, salt: ft.SessionSalt, world_size: int,
-                    config: ft.RankConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    try:
-        async with ft.open_rank(dialer, salt=salt, rank=probe.rank, world_size=world_size,
-                                config=config) as ep:
-            probe.ep = ep
-            task_status.started()
-            with trio.CancelScope() as iteration:
-
-                async def leave_on_request() -> None:
-                    await probe.leave.wait()
-                    iteration.cancel()
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(leave_on_request)
-                    try:
-                        async for msg in ep:
-                            probe.received.append(msg)
-                    except ft.CoordinatorLost as exc:
-                        probe.lost = exc
-                    probe.ended_at = trio.current_time()
-                    probe.ended.set()
-                    nursery.cancel_scope.cancel()
-    finally:
-        probe.ended.set()
-        probe.left.set()
-
-
 class RawRank:
     """A rank client built from the wire API alone: hello, ack, then only what the test says.
 
@@ -487,178 +446,6 @@ class RawRank:
                     return
 
 
-async def read_exactly(stream: trio.abc.ReceiveStream, count: int) -> bytes:
-    data = bytearray()
-    for _ in range(count):  # each read returns at least one byte, so this bound is enough
-        if len(data) >= count:
-            break
-        chunk = await stream.receive_some(count - len(data))
-        if not chunk:
-            raise AssertionError(f"EOF after {len(data)} of {count} bytes")
-        data += chunk
-    return bytes(data)
-
-
-@attrs.define(eq=False)
-class Peers:
-    """Relays and ranks of a test cluster; the coordinator is the test's or probed_cluster's."""
-
-    salt: ft.SessionSalt
-    world_size: int
-    relays: dict[str, ft.Relay]
-    probes: dict[int, RankProbe]
-    raw: dict[int, RawRank]
-    relay_scopes: dict[str, trio.CancelScope]
-    relay_exits: dict[str, ft.RelayExit]
-
-    def stop_relay(self, host: str) -> None:
-        """Cancel a relay's task: it closes its upstream connection and its ranks' links."""
-        self.relay_scopes[host].cancel()
-
-    def survivors(self, dead: Sequence[int]) -> list[RankProbe]:
-        return [p for r, p in sorted(self.probes.items()) if r not in dead]
-
-
-
-
-@asynccontextmanager
-async def open_peers(
-    net: MemoryNetwork,
-    hosts: dict[str, Sequence[int]],
-    *,
-    salt: ft.SessionSalt | None = None,
-    relay_config: ft.RelayConfig | None = None,
-    rank_config: ft.RankConfig | None = None,
-    rank_configs: dict[int, ft.RankConfig] | None = None,
-    raw_ranks: dict[int, float | None] | None = None,
-    teardown_grace: float = 60.0,
-) -> AsyncIterator[Peers]:
-    """Relays dialing ``COORD`` on ``net`` and their ranks (probes, or ``RawRank`` for the ranks in
-    ``raw_ranks``, mapped to their heartbeat interval).
-
-    On exit every peer gets ``teardown_grace`` seconds to end on its own (the coordinator's
-    close reaches it), then what is left is cancelled. An ``Exception`` from the body is
-    re-raised after that, unwrapped (not inside an ``ExceptionGroup``).
-    """
-    salt = salt or ft.SessionSalt.generate()
-    world = sum(len(r) for r in hosts.values())
-    raw_ranks = raw_ranks or {}
-    rank_configs = rank_configs or {}
-    peers = Peers(salt, world, {}, {}, {}, {}, {})
-    relays_done: list[trio.Event] = []
-    failure: Exception | None = None
-
-    async def run_relay(host: str, host_ranks: Sequence[int], done: trio.Event,
-                        task_status: Any) -> None:
-        try:
-            with trio.CancelScope() as scope:
-                peers.relay_scopes[host] = scope
-                async with ft.open_relay(
-                    lambda: net.connect(COORD), salt=salt, host=host, ranks=host_ranks,
-                    world_size=world, rank_listen=net.listener(f"relay:{host}"),
-                    config=relay_config or ft.RelayConfig(),
-                ) as relay:
-                    peers.relays[host] = relay
-                    task_status.started()
-                    peers.relay_exits[host] = await relay.wait_closed()
-        finally:
-            done.set()
-
-    async def run_raw(host: str, rank: int, interval: float | None) -> None:
-        raw = await RawRank.connect(lambda: net.connect(f"relay:{host}"), salt=salt, rank=rank,
-                                    world_size=world, interval=interval)
-        peers.raw[rank] = raw
-        await raw.run()
-
-    async with trio.open_nursery() as nursery:
-        for host, host_ranks in hosts.items():
-            done = trio.Event()
-            relays_done.append(done)
-            await nursery.start(run_relay, host, host_ranks, done)
-        for host, host_ranks in hosts.items():
-            for rank in host_ranks:
-                if rank in raw_ranks:
-                    nursery.start_soon(run_raw, host, rank, raw_ranks[rank])
-                else:
-                    probe = RankProbe(rank, host)
-                    peers.probes[rank] = probe
-                    nursery.start_soon(functools.partial(
-                        run_probe, probe, functools.partial(net.connect, f"relay:{host}"),
-                        salt=salt, world_size=world,
-                        config=rank_configs.get(rank, rank_config or ft.RankConfig())))
-        try:
-            yield peers
-        except Exception as exc:
-            failure = exc
-        with trio.move_on_after(teardown_grace):
-            for event in relays_done:
-                await event.wait()
-            for probe in peers.probes.values():
-                await probe.left.wait()
-            for raw in peers.raw.values():
-                await raw.eof.wait()
-        nursery.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-
-
-@attrs.define(eq=False)
-class ProbedCluster:
-    coord: ft.Coordinator
-    peers: Peers
-    log: EventLog
-    net: MemoryNetwork
-
-    @property
-    def probes(self) -> dict[int, RankProbe]:
-        return self.peers.probes
-
-    @property
-    def raw(self) -> dict[int, RawRank]:
-        return self.peers.raw
-
-    @property
-    def formed_at(self) -> float:
-        return self.log.of(events.FormationComplete)[0][0]
-
-    def upstream_of(self, host: str) -> Any:
-        """The MemoryConnection of ``host``'s relay to the coordinator."""
-        (info,) = [r for r in self.coord.relays if r.host == host]
-        (conn,) = [c for c in self.net.connections
-                   if c.name == COORD and info.peer.endswith(f":{c.index}")]
-        return conn
-
-
-@asynccontextmanager
-async def probed_cluster(
-    net: MemoryNetwork,
-    hosts: dict[str, Sequence[int]],
-    *,
-    coord_config: ft.CoordinatorConfig | None = None,
-    relay_config: ft.RelayConfig | None = None,
-    rank_config: ft.RankConfig | None = None,
-    rank_configs: dict[int, ft.RankConfig] | None = None,
-    raw_ranks: dict[int, float | None] | None = None,
-) -> AsyncIterator[ProbedCluster]:
-    """A formed cluster whose ranks record what they receive; ``ClusterFailure`` and other errors
-    of ``open_coordinator`` come out unwrapped, after every peer was torn down."""
-    world = sum(len(r) for r in hosts.values())
-    cfg = coord_config or ft.CoordinatorConfig(world_size=world)
-    timeline = EventLog()
-    async with open_peers(net, hosts, relay_config=relay_config, rank_config=rank_config,
-                          rank_configs=rank_configs, raw_ranks=raw_ranks) as peers:
-        async with ft.open_coordinator(net.listener(COORD), salt=peers.salt, config=cfg,
-                                       timeline=timeline) as coord:
-            # Entered at formation; the endpoints are up by then, the last one may lag a pass,
-            # and a relay may not have read its HelloAck yet.
-            await wait_until(lambda: all(p.ep is not None for p in peers.probes.values())
-                           and len(peers.raw) == len(raw_ranks or {}), limit=1)
-            with trio.fail_after(1):
-                for relay in peers.relays.values():
-                    await relay.wait_connected()
-            yield ProbedCluster(coord, peers, timeline, net)
-
-
 # ---------------------------------------------------------------------------- simulated ranks
 
 
@@ -689,7 +476,6 @@ async def sim_cluster(
     """``open_local_cluster`` with one ``SimulatedRank`` per rank (``sim_args(rank)`` gives its
     keyword arguments). A crash leaves that rank's block with an exception (no ``Exiting``; the
     relay reports ``RankExit``); hung sims are cancelled at exit."""
-    from flodl_trio.local_cluster import open_local_cluster
     from flodl_trio.sim import SimulatedCrash, SimulatedRank
 
     sims: dict[int, Any] = {}

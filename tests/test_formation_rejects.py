@@ -17,14 +17,14 @@ from flodl_trio.events import (
     InvalidFrame,
     RelayJoined,
 )
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
 
 from helpers import (
     COORD,
+    Recorder,
     events_of,
     live_task_names,
     raw_relay_handshake,
-    recording_cluster,
     start_host,
     wait_until,
 )
@@ -378,9 +378,8 @@ async def test_timing_message_for_a_rank_of_another_host_is_dropped(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     hosts = {"host-a": [0, 1], "host-b": [2, 3]}
-    async with recording_cluster(memory_network, hosts) as c:
-        ep = c.rank_runs[0].endpoint
-        assert ep is not None
+    async with open_local_cluster(hosts, network=memory_network, rank_main=Recorder()) as c:
+        ep = c.ranks[0]
         forged = wire.Batch(rank=2, batch_ms=1.0, data_ms=0.5, step_count=99, param_norm=None,
                             batch_loss=0.25, sync_divergence=None)
         genuine = wire.Batch(rank=0, batch_ms=1.0, data_ms=0.5, step_count=100,

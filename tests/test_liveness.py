@@ -12,10 +12,10 @@ import trio.testing
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import LostBroadcast, RankDeclaredDead, RankExited, RelayLost
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 from flodl_trio.wire import CoordHeartbeat, Heartbeat, SyncNow
 
-from helpers import COORD, probed_cluster, start_host, wait_until
+from helpers import COORD, Recorder, formed_at, start_host, upstream_of, wait_until
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 
@@ -27,9 +27,12 @@ def config(world: int = 4, **kw: object) -> ft.CoordinatorConfig:
 
 async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_then_declared_stale(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={3: 1.0},
-                              coord_config=config(heartbeat_timeout=5)) as c:
-        raw = c.raw[3]
+    log = EventLog()
+    rec = Recorder(raw={3: 1.0})
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  raw_ranks=rec.raw_mains,
+                                  coord_config=config(heartbeat_timeout=5)) as c:
+        raw = rec.raw[3]
         await trio.sleep(3.5)
         raw.beating = False  # the process froze: the link stays open, nothing more is sent
         assert raw.last_sent is not None
@@ -37,10 +40,10 @@ async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_the
 
         await trio.sleep_until(silent_since + 5 - 0.01)
         assert 3 in c.coord.live_ranks
-        assert c.log.of(RankDeclaredDead) == []
+        assert log.of(RankDeclaredDead) == []
 
         await wait_until(lambda: 3 in c.coord.dead_ranks, limit=1)
-        ((declared_at, event),) = c.log.of(RankDeclaredDead)
+        ((declared_at, event),) = log.of(RankDeclaredDead)
         assert declared_at == pytest.approx(silent_since + 5, abs=1e-9)
         assert event == RankDeclaredDead(rank=3, host="host-1", reason="heartbeat stale (>5s)")
         assert c.coord.dead_reason(3) == "heartbeat stale (>5s)"
@@ -50,13 +53,16 @@ async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_the
 async def test_endpoint_that_never_heartbeats_is_declared_dead_heartbeat_timeout_after_formation(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     silent = ft.RankConfig(heartbeat_interval=1e6)
-    async with probed_cluster(memory_network, TWO_HOSTS, rank_configs={1: silent},
-                              coord_config=config(heartbeat_timeout=7)) as c:
-        await trio.sleep_until(c.formed_at + 7 - 0.01)
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  rank_configs={1: silent},
+                                  coord_config=config(heartbeat_timeout=7)) as c:
+        await trio.sleep_until(formed_at(log) + 7 - 0.01)
         assert c.coord.live_ranks == {0, 1, 2, 3}
         await wait_until(lambda: 1 in c.coord.dead_ranks, limit=1)
-        ((declared_at, event),) = c.log.of(RankDeclaredDead)
-        assert declared_at == pytest.approx(c.formed_at + 7, abs=1e-9)
+        ((declared_at, event),) = log.of(RankDeclaredDead)
+        assert declared_at == pytest.approx(formed_at(log) + 7, abs=1e-9)
         assert event.reason == "heartbeat stale (>7s)"
         # The heartbeating ranks are fine, long after the timeout.
         await trio.sleep(20)
@@ -66,13 +72,16 @@ async def test_endpoint_that_never_heartbeats_is_declared_dead_heartbeat_timeout
 async def test_slow_timing_consumer_does_not_make_healthy_ranks_stale(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     cfg = config(heartbeat_timeout=3, timing_buffer=4)
-    async with probed_cluster(memory_network, TWO_HOSTS, coord_config=cfg) as c:
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  coord_config=cfg) as c:
         # Nobody reads coord.timing for ten times the heartbeat timeout: the readers block.
         await trio.sleep(30)
         assert c.coord.timing.statistics().current_buffer_used == 4
         assert c.coord.timing.statistics().tasks_waiting_send >= 1
         assert c.coord.dead_ranks == frozenset()
-        assert c.log.of(RankDeclaredDead) == []
+        assert log.of(RankDeclaredDead) == []
 
         heartbeats = {r: 0 for r in range(4)}
         with trio.move_on_after(5):
@@ -82,7 +91,7 @@ async def test_slow_timing_consumer_does_not_make_healthy_ranks_stale(
         # Nothing was lost while nobody read: every rank's ~35 heartbeats arrive.
         assert all(n >= 34 for n in heartbeats.values()), heartbeats
         assert c.coord.dead_ranks == frozenset()
-        assert all(p.lost is None for p in c.probes.values())
+        assert all(p.lost is None for p in rec.ranks.values())
 
 
 async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
@@ -90,8 +99,10 @@ async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
     # Nothing wakes the staleness watch when a reader's wait on a full channel ends; the
     # watch looks again by itself, so a rank that falls silent afterwards is declared on time.
     cfg = config(heartbeat_timeout=3, timing_buffer=4)
-    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={3: 1.0},
-                              coord_config=cfg) as c:
+    log = EventLog()
+    rec = Recorder(raw={3: 1.0})
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  raw_ranks=rec.raw_mains, coord_config=cfg) as c:
         await trio.sleep(10)  # nobody reads: the readers wait on the full channel
         assert c.coord.timing.statistics().tasks_waiting_send >= 1
 
@@ -102,13 +113,13 @@ async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drain)
             await trio.sleep(2.5)
-            raw = c.raw[3]
+            raw = rec.raw[3]
             raw.beating = False
             assert raw.last_sent is not None
             silent_since = raw.last_sent
             await wait_until(lambda: 3 in c.coord.dead_ranks, limit=5)
             nursery.cancel_scope.cancel()
-        ((declared_at, event),) = c.log.of(RankDeclaredDead)
+        ((declared_at, event),) = log.of(RankDeclaredDead)
         assert event.rank == 3
         assert declared_at == pytest.approx(silent_since + 3, abs=1e-9)
         assert c.coord.dead_ranks == {3}
@@ -116,19 +127,21 @@ async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
 
 async def test_rank_that_exited_cleanly_is_never_declared_dead(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with probed_cluster(memory_network, TWO_HOSTS, coord_config=config(heartbeat_timeout=3)
-                              ) as c:
-        leaver = c.probes[1]
-        leaver.leave.set()
-        await leaver.left.wait()
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  coord_config=config(heartbeat_timeout=3)) as c:
+        leaver = rec[1]
+        leaver.leave()
+        await c.wait_rank_finished(1)
         await wait_until(lambda: 1 in c.coord.exited_ranks, limit=1)
         await trio.sleep(3 * 3)
 
         assert c.coord.exited_ranks == {1}
         assert c.coord.dead_ranks == frozenset()
         assert c.coord.live_ranks == {0, 2, 3}
-        assert c.log.events(RankExited) == [RankExited(rank=1)]
-        assert c.log.of(RankDeclaredDead) == []
+        assert log.events(RankExited) == [RankExited(rank=1)]
+        assert log.of(RankDeclaredDead) == []
         with pytest.raises(ft.SendError, match="exited cleanly"):
             await c.coord.send_control(1, SyncNow())
         result = await c.coord.broadcast_control(SyncNow())
@@ -140,14 +153,17 @@ async def test_rank_that_exited_cleanly_is_never_declared_dead(
 async def test_relay_upstream_loss_declares_all_its_ranks_dead_in_one_scheduler_pass(
         how: str, autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     hosts = {"host-0": [0, 1, 2], "host-1": [3, 4]}
-    async with probed_cluster(memory_network, hosts, coord_config=config(5)) as c:
-        upstream = c.upstream_of("host-0")
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(hosts, network=memory_network, timeline=log, rank_main=rec,
+                                  coord_config=config(5)) as c:
+        upstream = upstream_of(c, "host-0")
         lost_at = trio.current_time()
         if how == "reset":
             upstream.client.reset()
             cause = "connection reset"
         else:
-            c.peers.stop_relay("host-0")
+            c.kill_relay("host-0")
             cause = "connection closed by the relay (EOF)"
         await trio.testing.wait_all_tasks_blocked()
 
@@ -155,15 +171,15 @@ async def test_relay_upstream_loss_declares_all_its_ranks_dead_in_one_scheduler_
         for rank in (0, 1, 2):
             reason = c.coord.dead_reason(rank)
             assert reason is not None and "'host-0'" in reason and cause in reason, reason
-        assert c.log.events(RelayLost) == [RelayLost(host="host-0", ranks=(0, 1, 2), reason=cause)]
-        deaths = c.log.of(RankDeclaredDead)
+        assert log.events(RelayLost) == [RelayLost(host="host-0", ranks=(0, 1, 2), reason=cause)]
+        deaths = log.of(RankDeclaredDead)
         assert sorted(ev.rank for _, ev in deaths) == [0, 1, 2]
         assert all(t == lost_at and ev.host == "host-0" for t, ev in deaths)
 
         with pytest.raises(ft.SendError, match="rank 0 was declared dead"):
             await c.coord.send_control(0, SyncNow())
 
-        survivors = [c.probes[3], c.probes[4]]
+        survivors = [rec[3], rec[4]]
         await wait_until(lambda: all(len(p.declared_dead()) == 3 for p in survivors), limit=1)
         for probe in survivors:
             assert sorted(probe.declared_dead()) == [0, 1, 2]
@@ -173,36 +189,41 @@ async def test_relay_upstream_loss_declares_all_its_ranks_dead_in_one_scheduler_
 
 async def test_rank_link_that_ends_without_exiting_is_declared_dead_from_relay_rank_exit(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={2: 1.0},
-                              coord_config=config()) as c:
+    log = EventLog()
+    rec = Recorder(raw={2: 1.0})
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  raw_ranks=rec.raw_mains, coord_config=config()) as c:
         await trio.sleep(2)
         crashed_at = trio.current_time()
-        await c.raw[2].stream.aclose()  # the rank process died: no Exiting, its socket closes
+        await rec.raw[2].stream.aclose()  # the rank process died: no Exiting, its socket closes
         await wait_until(lambda: 2 in c.coord.dead_ranks, limit=1)
-        ((declared_at, event),) = c.log.of(RankDeclaredDead)
+        ((declared_at, event),) = log.of(RankDeclaredDead)
         assert declared_at == crashed_at
         assert event.host == "host-1"
         assert "ended without Exiting" in event.reason
-        await wait_until(lambda: all(p.declared_dead() == [2] for p in c.probes.values()), limit=1)
+        await wait_until(lambda: all(p.declared_dead() == [2] for p in rec.ranks.values()), limit=1)
 
 
 async def test_declare_dead_records_the_reason_and_tells_every_survivor(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with probed_cluster(memory_network, TWO_HOSTS, coord_config=config()) as c:
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  coord_config=config()) as c:
         await c.coord.declare_dead(1, "GPU 1 fell off the bus")
         assert c.coord.dead_ranks == {1}
-        ((event),) = c.log.events(RankDeclaredDead)
+        ((event),) = log.events(RankDeclaredDead)
         assert event.rank == 1 and event.host == "host-0"
         assert "GPU 1 fell off the bus" in event.reason
         assert c.coord.dead_reason(1) == event.reason
 
-        survivors = c.peers.survivors([1])
+        survivors = rec.survivors([1])
         await wait_until(lambda: all(p.declared_dead() == [1] for p in survivors), limit=1)
         assert all(p.ep is not None and p.ep.dead_peers == {1} for p in survivors)
-        assert c.probes[1].declared_dead() == []  # the dead rank itself is not addressed
+        assert rec[1].declared_dead() == []  # the dead rank itself is not addressed
 
         await c.coord.declare_dead(1, "reported twice")  # already dead: nothing new
-        assert len(c.log.events(RankDeclaredDead)) == 1
+        assert len(log.events(RankDeclaredDead)) == 1
         with pytest.raises(ft.ConfigError, match="expected a rank in"):
             await c.coord.declare_dead(4, "out of range")
         result = await c.coord.broadcast_control(SyncNow())
@@ -212,15 +233,18 @@ async def test_declare_dead_records_the_reason_and_tells_every_survivor(
 async def test_coord_heartbeats_feed_rank_watchdogs_while_the_coordinator_is_idle(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     watchful = ft.RankConfig(coord_liveness_timeout=3)
-    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={3: 1.0},
-                              rank_config=watchful, coord_config=config()) as c:
+    log = EventLog()
+    rec = Recorder(raw={3: 1.0})
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  raw_ranks=rec.raw_mains, rank_config=watchful,
+                                  coord_config=config()) as c:
         await trio.sleep(30)
-        for probe in c.probes.values():
+        for probe in rec.ranks.values():
             assert probe.lost is None
             assert probe.ep is not None and probe.ep.coordinator_lost is None
             assert probe.received == []  # CoordHeartbeat is absorbed by the endpoint
         # On the wire they are there, one per heartbeat_interval.
-        assert 29 <= c.raw[3].count(CoordHeartbeat) <= 31
+        assert 29 <= rec.raw[3].count(CoordHeartbeat) <= 31
         assert c.coord.lost_broadcasts == 0
         assert c.coord.dead_ranks == frozenset()
 
@@ -228,26 +252,29 @@ async def test_coord_heartbeats_feed_rank_watchdogs_while_the_coordinator_is_idl
 async def test_lost_relay_falls_back_to_heartbeat_staleness_without_declare_dead_on_relay_loss(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     cfg = config(heartbeat_timeout=5, declare_dead_on_relay_loss=False)
-    async with probed_cluster(memory_network, TWO_HOSTS, coord_config=cfg) as c:
+    log = EventLog()
+    rec = Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
+                                  coord_config=cfg) as c:
         await trio.sleep(2.5)
         lost_at = trio.current_time()
-        c.upstream_of("host-0").client.reset()
+        upstream_of(c, "host-0").client.reset()
         await trio.testing.wait_all_tasks_blocked()
-        assert [ev.host for ev in c.log.events(RelayLost)] == ["host-0"]
+        assert [ev.host for ev in log.events(RelayLost)] == ["host-0"]
         assert c.coord.dead_ranks == frozenset()
 
         # The last heartbeats got through less than one heartbeat_interval before the reset.
         await trio.sleep_until(lost_at + 5 - 1 - 0.01)
         assert c.coord.dead_ranks == frozenset()
         # Meanwhile every CoordHeartbeat missed ranks 0 and 1: counted as lost broadcasts.
-        lost = c.log.events(LostBroadcast)
+        lost = log.events(LostBroadcast)
         assert len(lost) == c.coord.lost_broadcasts >= 3
         assert all(ev.control == "CoordHeartbeat" and set(ev.failures) == {0, 1} for ev in lost)
         await trio.sleep_until(lost_at + 5)
         await trio.testing.wait_all_tasks_blocked()
         assert c.coord.dead_ranks == {0, 1}
         assert {c.coord.dead_reason(r) for r in (0, 1)} == {"heartbeat stale (>5s)"}
-        await wait_until(lambda: sorted(c.probes[2].declared_dead()) == [0, 1], limit=1)
+        await wait_until(lambda: sorted(rec[2].declared_dead()) == [0, 1], limit=1)
 
 
 async def test_relay_lost_while_its_hello_ack_is_in_flight_never_counts_as_formed(

@@ -258,6 +258,25 @@ async def test_aclose_checkpoints_and_closes_even_when_cancelled() -> None:
         await server.aclose()
 
 
+async def test_close_now_closes_synchronously_and_is_idempotent() -> None:
+    net = MemoryNetwork()
+    async with net.listener("coord"):
+        client, server = await _pair(net)
+        await client.send_all(b"last words")
+        client.close_now()  # synchronous: nothing to await, so nothing can cancel it halfway
+        client.close_now()
+        assert not client.is_open
+        assert await server.receive_some() == b"last words"
+        assert await server.receive_some() == b""
+        with pytest.raises(trio.BrokenResourceError):
+            await server.send_all(b"late")
+        with pytest.raises(trio.ClosedResourceError):
+            await client.send_all(b"more")
+        await client.aclose()  # still idempotent after close_now()
+        await server.aclose()
+    net.assert_all_closed()
+
+
 async def test_concurrent_send_or_receive_on_one_end_is_busy() -> None:
     net = MemoryNetwork(buffer_size=1)
     async with net.listener("coord"):

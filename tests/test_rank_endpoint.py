@@ -14,15 +14,14 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import RankDeclaredDead, RankExited
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import CoordHeartbeat, DeclareDead, Heartbeat, SetGlobalStep, Shutdown
 
 from helpers import (
     COORD,
-    HostRun,
+    Recorder,
     events_of,
     raw_coordinator_accept,
-    recording_cluster,
     start_host,
     wait_until,
 )
@@ -170,13 +169,15 @@ async def test_coord_heartbeats_keep_the_rank_alive_but_never_reach_the_user(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     rank_cfg = ft.RankConfig(coord_liveness_timeout=5)
-    async with recording_cluster(memory_network, {"host-a": [0, 1]}, rank_config=rank_cfg) as c:
+    rec = Recorder()
+    async with open_local_cluster({"host-a": [0, 1]}, network=memory_network,
+                                  rank_config=rank_cfg, rank_main=rec) as c:
         await trio.sleep(20)  # four liveness timeouts, filled with CoordHeartbeat only
-        for run in c.rank_runs.values():
-            assert run.endpoint is not None and run.endpoint.coordinator_lost is None
+        for rank, run in rec.ranks.items():
+            assert c.ranks[rank].coordinator_lost is None
             assert run.received == []
         await c.coord.broadcast_control(SetGlobalStep(global_step=2))
-    for run in c.rank_runs.values():
+    for run in rec.ranks.values():
         assert run.received == [SetGlobalStep(global_step=2), Shutdown()]
         assert not any(isinstance(m, CoordHeartbeat) for m in run.received)
 
@@ -209,19 +210,22 @@ async def test_silent_coordinator_is_lost_after_coord_liveness_timeout(
 async def test_declare_dead_is_delivered_and_updates_dead_peers(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, {"host-a": [0, 1], "host-b": [2]}) as c:
+    rec = Recorder()
+    async with open_local_cluster({"host-a": [0, 1], "host-b": [2]}, network=memory_network,
+                                  rank_main=rec) as c:
         await c.coord.declare_dead(2, "observed by the orchestrator")
-        await wait_until(lambda: DeclareDead(rank=2) in c.rank_runs[0].received)
-        ep = c.rank_runs[0].endpoint
-        assert ep is not None and ep.dead_peers == frozenset({2})
-    assert c.rank_runs[1].received == [DeclareDead(rank=2), Shutdown()]
+        await wait_until(lambda: DeclareDead(rank=2) in rec[0].received)
+        assert c.ranks[0].dead_peers == frozenset({2})
+    assert rec[1].received == [DeclareDead(rank=2), Shutdown()]
 
 
 async def test_exiting_is_sent_on_clean_exit_but_not_when_the_body_raised(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     hosts = {"host-a": [0, 1], "host-b": [2]}
-    async with recording_cluster(memory_network, hosts) as c:
+    rec = Recorder()
+    async with open_local_cluster(hosts, network=memory_network, rank_main=rec,
+                                  rank_errors=(RuntimeError, ft.FlodlError)) as c:
         exiting_from: list[int] = []
 
         async def watch_timing() -> None:
@@ -231,9 +235,9 @@ async def test_exiting_is_sent_on_clean_exit_but_not_when_the_body_raised(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_timing)
-            c.rank_runs[0].leave()
+            rec[0].leave()
             boom = RuntimeError("training step blew up")
-            c.rank_runs[1].crash(boom)
+            rec[1].crash(boom)
             await wait_until(lambda: 0 in c.coord.exited_ranks and 1 in c.coord.dead_ranks)
             await trio.sleep(1)
             nursery.cancel_scope.cancel()
@@ -242,10 +246,6 @@ async def test_exiting_is_sent_on_clean_exit_but_not_when_the_body_raised(
         assert [ev.rank for ev in events_of(c.coord.timeline, RankExited)] == [0]
         (dead,) = events_of(c.coord.timeline, RankDeclaredDead)
         assert dead.rank == 1 and "without Exiting" in dead.reason
-    assert c.rank_runs[0].outcome == "left"
-    assert c.rank_runs[1].outcome is boom
-    assert_host_ended(c.hosts["host-b"])
-
-
-def assert_host_ended(host: HostRun) -> None:
-    assert host.done.is_set() and isinstance(host.exit, ft.RelayExit)
+    assert c.outcomes[0] == "left"
+    assert c.outcomes[1] is boom
+    assert isinstance(c.relay_exits["host-b"], ft.RelayExit)

@@ -20,10 +20,10 @@ from flodl_trio.testing import MemoryNetwork
 
 from helpers import (
     COORD,
-    open_peers,
     raw_coordinator_accept,
     raw_rank_accept,
     read_one_record,
+    start_host,
 )
 
 FAKE_RELAY = "fake-relay"
@@ -232,18 +232,20 @@ async def test_silent_coordinator_is_caught_by_the_ranks_watchdog_behind_a_real_
             await side.stream.aclose()
 
         nursery.start_soon(silent_coordinator)
-        async with open_peers(memory_network, {"host-0": [0, 1]}, salt=salt,
-                              rank_config=ft.RankConfig(coord_liveness_timeout=3)) as peers:
-            await peers.relays["host-0"].wait_connected()
-            for probe in peers.probes.values():
-                await probe.ended.wait()
-            exit_ = await peers.relays["host-0"].wait_closed()
+        host = await start_host(nursery, memory_network, "host-0", [0, 1], salt=salt, world=2,
+                                rank_config=ft.RankConfig(coord_liveness_timeout=3))
+        assert host.relay is not None
+        await host.relay.wait_connected()
+        for run in host.ranks.values():
+            await run.done.wait()
+        exit_ = await host.relay.wait_closed()
 
-    for probe in peers.probes.values():
-        assert isinstance(probe.lost, ft.CoordinatorLost)
-        assert "coord_liveness_timeout=3s" in str(probe.lost)
-        assert probe.ended_at == pytest.approx(3, abs=1e-9)
-        assert probe.ep is not None and probe.ep.dead_peers == {1 - probe.rank}
+    assert host.exit == exit_  # open_relay raised nothing after it
+    for run in host.ranks.values():
+        assert isinstance(run.outcome, ft.CoordinatorLost)
+        assert "coord_liveness_timeout=3s" in str(run.outcome)
+        assert run.ended_at == pytest.approx(3, abs=1e-9)
+        assert run.endpoint is not None and run.endpoint.dead_peers == {1 - run.rank}
     # Until then the relay carried the ranks' heartbeats up; then it ended with its ranks.
     heartbeats = [wire.frame_message(wire.decode_frame(salt, rec.payload)) for rec in records
                   if rec.kind == wire.RecordKind.DATA]
@@ -269,10 +271,10 @@ async def test_relay_ends_on_upstream_eof_and_its_ranks_lose_the_coordinator(
             await side.stream.aclose()
 
         nursery.start_soon(coordinator_that_goes_away)
-        async with open_peers(memory_network, {"host-0": [0, 1, 2]}, salt=salt) as peers:
-            relay = peers.relays["host-0"]
-            exit_ = await relay.wait_closed()
-            closed_at = trio.current_time()
+        host = await start_host(nursery, memory_network, "host-0", [0, 1, 2], salt=salt, world=3)
+        assert host.relay is not None
+        exit_ = await host.relay.wait_closed()
+        closed_at = trio.current_time()
 
     # At once: the relay closed its ranks' links, they saw EOF, then it ended (whichever of
     # "its ranks are gone" and "upstream closed" it noticed last).
@@ -285,13 +287,14 @@ async def test_relay_ends_on_upstream_eof_and_its_ranks_lose_the_coordinator(
         reasons.add("upstream connection lost (BrokenResourceError)")
     assert exit_.reason in reasons
     assert not exit_.clean
-    for probe in peers.probes.values():
-        assert isinstance(probe.lost, ft.CoordinatorLost)
-        assert "ended without Shutdown" in str(probe.lost)
-        assert probe.ended_at is not None and probe.ended_at <= closed_at
-        assert probe.ended_at == pytest.approx(2, abs=1e-9)  # at once, not after 30 s
-        assert probe.ep is not None
-        assert probe.ep.dead_peers == frozenset({0, 1, 2}) - {probe.rank}
+    assert host.exit == exit_  # open_relay raised nothing after it
+    for run in host.ranks.values():
+        assert isinstance(run.outcome, ft.CoordinatorLost)
+        assert "ended without Shutdown" in str(run.outcome)
+        assert run.ended_at is not None and run.ended_at <= closed_at
+        assert run.ended_at == pytest.approx(2, abs=1e-9)  # at once, not after 30 s
+        assert run.endpoint is not None
+        assert run.endpoint.dead_peers == frozenset({0, 1, 2}) - {run.rank}
 
 
 async def test_forged_frames_are_counted_and_barely_logged_and_do_not_feed_the_watchdog(

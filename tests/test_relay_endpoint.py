@@ -11,15 +11,15 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown
 
 from helpers import (
     COORD,
+    Recorder,
     events_of,
     raw_coordinator_accept,
     read_one_record,
-    recording_cluster,
     start_host,
     start_rank,
     wait_until,
@@ -109,46 +109,45 @@ async def test_relay_survives_a_local_rank_dying_and_the_others_keep_receiving(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     hosts = {"host-a": [0, 1, 2], "host-b": [3]}
-    async with recording_cluster(memory_network, hosts) as c:
-        host_a = c.hosts["host-a"]
-        host_a.ranks[1].kill()  # no Exiting: its connection just ends
+    rec = Recorder()
+    async with open_local_cluster(hosts, network=memory_network, rank_main=rec) as c:
+        c.kill_rank(1)  # no Exiting: its connection just ends
         await wait_until(lambda: 1 in c.coord.dead_ranks)
         (dead,) = events_of(c.coord.timeline, RankDeclaredDead)
         assert dead.rank == 1 and dead.host == "host-a"
         assert "without Exiting" in dead.reason
-        host_a.ranks[2].leave()  # Exiting first: never declared dead
+        rec[2].leave()  # Exiting first: never declared dead
         await wait_until(lambda: 2 in c.coord.exited_ranks)
         await trio.sleep(1)
         assert c.coord.dead_ranks == frozenset({1})
         assert [ev.rank for ev in events_of(c.coord.timeline, RankExited)] == [2]
         result = await c.coord.broadcast_control(SetGlobalStep(global_step=5))
         assert result.delivered == frozenset({0, 3})
-        assert not host_a.done.is_set()
+        assert "host-a" not in c.relay_exits
         assert not events_of(c.coord.timeline, RelayLost)
-    assert c.rank_runs[0].received == [DeclareDead(rank=1), SetGlobalStep(global_step=5),
-                                       Shutdown()]
-    assert c.rank_runs[1].outcome == "killed"
-    assert c.rank_runs[2].outcome == "left"
+    assert rec[0].received == [DeclareDead(rank=1), SetGlobalStep(global_step=5), Shutdown()]
+    assert 1 not in c.outcomes  # killed: it never ended on its own
+    assert c.outcomes[2] == "left"
 
 
 async def test_relay_ends_with_all_ranks_exited_when_its_last_rank_leaves(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     hosts = {"host-a": [0], "host-b": [1, 2]}
-    async with recording_cluster(memory_network, hosts) as c:
-        host_b = c.hosts["host-b"]
-        host_b.ranks[1].leave()
+    rec = Recorder()
+    async with open_local_cluster(hosts, network=memory_network, rank_main=rec) as c:
+        rec[1].leave()
         await wait_until(lambda: 1 in c.coord.exited_ranks)
-        host_b.ranks[2].leave()
-        await wait_until(lambda: host_b.done.is_set())
-        assert host_b.exit == ft.RelayExit("all ranks exited")
+        rec[2].leave()
+        await wait_until(lambda: "host-b" in c.relay_exits)
+        assert c.relay_exits["host-b"] == ft.RelayExit("all ranks exited")
         await wait_until(lambda: bool(events_of(c.coord.timeline, RelayLost)))
         await trio.sleep(1)
         # Both said Exiting: neither the last RankExit nor the relay's EOF makes them dead.
         assert c.coord.exited_ranks == frozenset({1, 2})
         assert c.coord.dead_ranks == frozenset()
         assert c.coord.live_ranks == frozenset({0})
-    assert c.rank_runs[0].received == [Shutdown()]
+    assert rec[0].received == [Shutdown()]
 
 
 async def test_relay_forwards_the_last_ranks_exit_before_it_ends(
@@ -156,11 +155,10 @@ async def test_relay_forwards_the_last_ranks_exit_before_it_ends(
 ) -> None:
     """Every local rank's EOF sends RankExit, the last one's included (SPEC §5)."""
     hosts = {"host-a": [0], "host-b": [1, 2]}
-    async with recording_cluster(memory_network, hosts) as c:
-        host_b = c.hosts["host-b"]
-        host_b.ranks[1].kill()
+    async with open_local_cluster(hosts, network=memory_network, rank_main=Recorder()) as c:
+        c.kill_rank(1)
         await wait_until(lambda: 1 in c.coord.dead_ranks)
-        host_b.ranks[2].kill()
+        c.kill_rank(2)
         await wait_until(lambda: 2 in c.coord.dead_ranks)
         reasons = {ev.rank: ev.reason for ev in events_of(c.coord.timeline, RankDeclaredDead)}
     assert "reported that rank 2's connection ended without Exiting" in reasons[2]

@@ -8,15 +8,15 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
 
 from helpers import (
     COORD,
     RawRelay,
+    Recorder,
     events_of,
     raw_relay_handshake,
-    recording_cluster,
     start_host,
     wait_until,
 )
@@ -27,18 +27,20 @@ HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 async def test_send_control_reaches_exactly_the_addressed_rank(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
         for rank in range(4):
             await c.coord.send_control(rank, SetGlobalStep(global_step=1000 + rank))
-    for rank, run in c.rank_runs.items():
+    for rank, run in rec.ranks.items():
         assert run.received == [SetGlobalStep(global_step=1000 + rank), Shutdown()]
-        assert run.outcome == "ended"
+        assert c.outcomes[rank] == "ended"
 
 
 async def test_broadcast_control_reaches_every_rank_in_order_and_nothing_else(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
         for i in range(20):
             result = await c.coord.broadcast_control(SetGlobalStep(global_step=i))
             assert result.delivered == frozenset(range(4))
@@ -48,7 +50,7 @@ async def test_broadcast_control_reaches_every_rank_in_order_and_nothing_else(
         await c.coord.broadcast_control(Throttle())
         assert c.coord.lost_broadcasts == 0
     expected = [SetGlobalStep(global_step=i) for i in range(20)]
-    for rank, run in c.rank_runs.items():
+    for rank, run in rec.ranks.items():
         tail = [SyncNow(), Throttle()] if rank == 3 else [Throttle()]
         assert run.received == [*expected, *tail, Shutdown()]
 
@@ -56,19 +58,21 @@ async def test_broadcast_control_reaches_every_rank_in_order_and_nothing_else(
 async def test_send_control_to_rank_out_of_range_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
         for bad in (4, -1, 100):
             with pytest.raises(ft.SendError, match=r"expected a rank in \[0, 4\)"):
                 await c.coord.send_control(bad, SyncNow())
         with pytest.raises(ft.SendError, match="expected a rank"):
             await c.coord.send_control(True, SyncNow())  # type: ignore[arg-type]
-    assert all(run.received == [Shutdown()] for run in c.rank_runs.values())
+    assert all(rec[rank].received == [Shutdown()] for rank in range(4))
 
 
 async def test_send_control_to_a_dead_rank_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
         await c.coord.declare_dead(1, "GPU fell off the bus")
         assert c.coord.dead_ranks == frozenset({1})
         with pytest.raises(ft.SendError) as excinfo:
@@ -81,19 +85,20 @@ async def test_send_control_to_a_dead_rank_raises_send_error(
         result = await c.coord.broadcast_control(Throttle())
         assert result.delivered == frozenset({0, 2, 3})
     for rank in (0, 2, 3):
-        assert c.rank_runs[rank].received == [DeclareDead(rank=1), Throttle(), Shutdown()]
-    assert Throttle() not in c.rank_runs[1].received
+        assert rec[rank].received == [DeclareDead(rank=1), Throttle(), Shutdown()]
+    assert Throttle() not in rec[1].received
 
 
 async def test_send_control_to_a_rank_that_exited_cleanly_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
-        leaver = c.rank_runs[2]
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+        leaver = rec[2]
         leaver.leave()
         await wait_until(lambda: 2 in c.coord.exited_ranks)
-        await wait_until(lambda: leaver.done.is_set())
-        assert leaver.outcome == "left"
+        await wait_until(lambda: 2 in c.outcomes)  # its open_rank block was left
+        assert c.outcomes[2] == "left"
         with pytest.raises(ft.SendError, match="rank 2 exited cleanly"):
             await c.coord.send_control(2, SyncNow())
         # Its relay reported the closed connection, but an exited rank is never declared dead.
@@ -103,7 +108,7 @@ async def test_send_control_to_a_rank_that_exited_cleanly_raises_send_error(
         result = await c.coord.broadcast_control(Throttle())
         assert result.delivered == frozenset({0, 1, 3})
         await c.coord.send_control(3, SyncNow())  # the exited rank's relay still carries rank 3
-    assert c.rank_runs[3].received == [Throttle(), SyncNow(), Shutdown()]
+    assert rec[3].received == [Throttle(), SyncNow(), Shutdown()]
     assert leaver.received == []
 
 
@@ -113,8 +118,10 @@ async def test_broadcast_with_a_lost_relay_reports_exactly_its_ranks_when_not_de
     # No CoordHeartbeat during the test, so the only lost broadcast is ours.
     cfg = ft.CoordinatorConfig(world_size=4, declare_dead_on_relay_loss=False,
                                heartbeat_interval=3600)
-    async with recording_cluster(memory_network, HOSTS, coord_config=cfg) as c:
-        c.hosts["host-b"].kill()
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, coord_config=cfg,
+                                  rank_main=rec) as c:
+        c.kill_relay("host-b")
         await wait_until(lambda: bool(events_of(c.coord.timeline, RelayLost)))
         assert c.coord.live_ranks == frozenset(range(4))  # not declared dead by config
         with pytest.raises(ft.BroadcastError) as excinfo:
@@ -132,17 +139,18 @@ async def test_broadcast_with_a_lost_relay_reports_exactly_its_ranks_when_not_de
         assert set(lost.failures) == {2, 3}
         with pytest.raises(ft.SendError, match="host-b"):
             await c.coord.send_control(2, SyncNow())
-    assert c.rank_runs[0].received == [SetGlobalStep(global_step=7), Shutdown()]
-    assert c.rank_runs[1].received == [SetGlobalStep(global_step=7), Shutdown()]
+    assert rec[0].received == [SetGlobalStep(global_step=7), Shutdown()]
+    assert rec[1].received == [SetGlobalStep(global_step=7), Shutdown()]
     for rank in (2, 3):
-        assert isinstance(c.rank_runs[rank].outcome, ft.CoordinatorLost)
+        assert isinstance(c.outcomes[rank], ft.CoordinatorLost)
 
 
 async def test_broadcast_after_relay_loss_skips_its_dead_ranks_and_succeeds_for_the_rest(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
-        c.hosts["host-b"].kill()
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+        c.kill_relay("host-b")
         await wait_until(lambda: c.coord.dead_ranks == frozenset({2, 3}))
         dead = events_of(c.coord.timeline, RankDeclaredDead)
         assert sorted(ev.rank for ev in dead) == [2, 3]
@@ -153,7 +161,7 @@ async def test_broadcast_after_relay_loss_skips_its_dead_ranks_and_succeeds_for_
         assert c.coord.lost_broadcasts == 0
         assert not events_of(c.coord.timeline, LostBroadcast)
     for rank in (0, 1):
-        received = c.rank_runs[rank].received
+        received = rec[rank].received
         assert sorted(m.rank for m in received if isinstance(m, DeclareDead)) == [2, 3]
         assert [m for m in received if not isinstance(m, DeclareDead)] == [
             SetGlobalStep(global_step=7), Shutdown()]

@@ -14,15 +14,15 @@ from flodl_trio.events import (
     ShutdownComplete,
     ShutdownStarted,
 )
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
 
 from helpers import (
     COORD,
     RawRelay,
+    Recorder,
     events_of,
     raw_relay_handshake,
-    recording_cluster,
     start_host,
     wait_until,
 )
@@ -36,7 +36,8 @@ HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 async def test_leaving_the_block_sends_shutdown_to_every_rank_and_closes_everything(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    rec = Recorder()
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
         coord = c.coord
         await coord.broadcast_control(SetGlobalStep(global_step=1))
         assert coord.state()["phase"] == "running"
@@ -48,19 +49,20 @@ async def test_leaving_the_block_sends_shutdown_to_every_rank_and_closes_everyth
     assert started.reason == "the block exited"
     assert coord.state()["phase"] == "closed"
     assert coord.phase == "closed"
-    for run in c.rank_runs.values():
+    for rank, run in rec.ranks.items():
         # Iteration ended cleanly right after yielding Shutdown.
         assert run.received == [SetGlobalStep(global_step=1), Shutdown()]
-        assert run.outcome == "ended"
-    for hr in c.hosts.values():
-        assert isinstance(hr.exit, ft.RelayExit) and hr.exit.clean
+        assert c.outcomes[rank] == "ended"
+    assert set(c.relay_exits) == set(HOSTS)
+    for relay_exit in c.relay_exits.values():
+        assert isinstance(relay_exit, ft.RelayExit) and relay_exit.clean
     memory_network.assert_all_closed()
 
 
 async def test_timing_and_metrics_consumers_see_end_of_channel_after_the_block(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with recording_cluster(memory_network, HOSTS) as c:
+    async with open_local_cluster(HOSTS, network=memory_network, rank_main=Recorder()) as c:
         await trio.sleep(3)  # some heartbeats are queued, unread
     drained = 0
     with trio.fail_after(1):

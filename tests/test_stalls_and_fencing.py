@@ -18,10 +18,19 @@ from flodl_trio.events import (
     RelayStalled,
 )
 from flodl_trio.relay._link import RankLink
-from flodl_trio.testing import EventLog, MemoryNetwork
+from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep
 
-from helpers import COORD, RawRank, RawRelay, probed_cluster, raw_relay_handshake, start_host
+from helpers import (
+    COORD,
+    RawRank,
+    RawRelay,
+    Recorder,
+    formed_at,
+    raw_relay_handshake,
+    start_host,
+    upstream_of,
+)
 from helpers import wait_until as poll_until
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
@@ -153,23 +162,24 @@ async def test_rank_declared_dead_by_staleness_is_told_why_and_its_endpoint_ends
 ) -> None:
     silent = ft.RankConfig(heartbeat_interval=1e6)
     cfg = ft.CoordinatorConfig(world_size=4, heartbeat_timeout=7)
-    async with probed_cluster(memory_network, TWO_HOSTS, rank_configs={1: silent},
-                              coord_config=cfg) as c:
-        await wait_until(lambda: c.probes[1].ended.is_set(), limit=8)
-        ((declared_at, _),) = c.log.of(RankDeclaredDead)
-        assert declared_at == pytest.approx(c.formed_at + 7, abs=1e-9)
-        assert c.probes[1].ended_at == pytest.approx(declared_at, abs=0.01)
-        lost = c.probes[1].lost
+    log, rec = EventLog(), Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, rank_configs={1: silent},
+                                  coord_config=cfg, timeline=log, rank_main=rec) as c:
+        await wait_until(lambda: rec[1].ended.is_set(), limit=8)
+        ((declared_at, _),) = log.of(RankDeclaredDead)
+        assert declared_at == pytest.approx(formed_at(log) + 7, abs=1e-9)
+        assert rec[1].ended_at == pytest.approx(declared_at, abs=0.01)
+        lost = rec[1].lost
         assert isinstance(lost, ft.RankEvicted) and isinstance(lost, ft.CoordinatorLost)
         assert lost.reason == "heartbeat stale (>7s)"
         assert "the coordinator declared rank 1 dead (heartbeat stale (>7s)) and cut it off" in (
             str(lost))
-        assert c.log.events(RankFenced) == [
+        assert log.events(RankFenced) == [
             RankFenced(rank=1, host="host-0", reason="heartbeat stale (>7s)")]
         # Its sibling and the relay go on; the relay is not disconnected for one dead rank.
         await trio.sleep(10)
-        assert c.probes[0].lost is None and c.coord.live_ranks == {0, 2, 3}
-        assert c.log.of(RelayRetired) == [] and c.log.of(RelayLost) == []
+        assert rec[0].lost is None and c.coord.live_ranks == {0, 2, 3}
+        assert log.of(RelayRetired) == [] and log.of(RelayLost) == []
         assert c.coord.state()["fenced_ranks"] == 1
 
 
@@ -178,35 +188,38 @@ async def test_relay_whose_ranks_are_all_declared_dead_is_disconnected_and_its_r
 ) -> None:
     silent = ft.RankConfig(heartbeat_interval=1e6)
     cfg = ft.CoordinatorConfig(world_size=4, heartbeat_timeout=5)
-    async with probed_cluster(memory_network, TWO_HOSTS, rank_configs={2: silent, 3: silent},
-                              coord_config=cfg) as c:
-        upstream = c.upstream_of("host-1")
+    log, rec = EventLog(), Recorder()
+    async with open_local_cluster(TWO_HOSTS, network=memory_network,
+                                  rank_configs={2: silent, 3: silent}, coord_config=cfg,
+                                  timeline=log, rank_main=rec) as c:
+        upstream = upstream_of(c, "host-1")
         await wait_until(lambda: not upstream.server.is_open, limit=6)
-        assert trio.current_time() == pytest.approx(c.formed_at + 5, abs=0.01)
-        assert c.log.events(RelayRetired) == [RelayRetired(host="host-1", ranks=(2, 3))]
-        assert c.log.of(RelayLost) == []  # closed on purpose: nothing was lost
-        await wait_until(lambda: "host-1" in c.peers.relay_exits, limit=1)
+        assert trio.current_time() == pytest.approx(formed_at(log) + 5, abs=0.01)
+        assert log.events(RelayRetired) == [RelayRetired(host="host-1", ranks=(2, 3))]
+        assert log.of(RelayLost) == []  # closed on purpose: nothing was lost
+        await wait_until(lambda: "host-1" in c.relay_exits, limit=1)
         # Its evicted ranks leave, then the coordinator's EOF arrives: either ends it, cleanly.
-        relay_exit = c.peers.relay_exits["host-1"]
+        relay_exit = c.relay_exits["host-1"]
         assert (relay_exit.reason == "all ranks exited"
                 or relay_exit.reason.startswith("coordinator said Goodbye: ")), relay_exit
         assert relay_exit.clean
         for rank in (2, 3):
-            lost = c.probes[rank].lost
+            lost = rec[rank].lost
             assert isinstance(lost, ft.RankEvicted), lost
             assert lost.reason == "heartbeat stale (>5s)"
         assert c.coord.state()["relays_disconnected"] == 1
-        assert c.coord.live_ranks == {0, 1} and c.probes[0].lost is None
+        assert c.coord.live_ranks == {0, 1} and rec[0].lost is None
 
 
 async def test_frames_of_a_fenced_rank_are_ignored(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
 ) -> None:
     cfg = ft.CoordinatorConfig(world_size=4)
-    async with probed_cluster(memory_network, TWO_HOSTS, raw_ranks={3: None},
-                              coord_config=cfg) as c:
+    rec = Recorder(raw={3: None})
+    async with open_local_cluster(TWO_HOSTS, network=memory_network, coord_config=cfg,
+                                  rank_main=rec, raw_ranks=rec.raw_mains) as c:
         await c.coord.declare_dead(3, "the orchestrator saw it hang")
-        raw = c.raw[3]
+        raw = rec.raw[3]
         await wait_until(lambda: raw.count(ft.wire.Fenced) == 1, limit=1)
         (fenced,) = [m for m in raw.received if isinstance(m, ft.wire.Fenced)]
         assert fenced == ft.wire.Fenced(rank=3, reason="declared by the orchestrator: the "

@@ -20,12 +20,13 @@ from flodl_trio.testing import MemoryNetwork
 
 from helpers import (
     COORD,
+    RawRank,
     events_of,
-    open_peers,
     raw_coordinator_accept,
     raw_rank_accept,
     raw_relay_handshake,
     read_one_record,
+    start_host,
     wait_until,
 )
 
@@ -86,15 +87,24 @@ async def test_relay_forwards_a_ranks_frames_before_its_bad_length_then_drops_th
     async with trio.open_nursery() as nursery:
         listener = memory_network.listener(COORD)
         nursery.start_soon(coordinator)
-        async with open_peers(memory_network, {"host-0": [0, 1]}, salt=salt,
-                              raw_ranks={0: None, 1: None}) as peers:
-            await upstream_ready.wait()
-            frames = [wire.encode_frame(salt, wire.LrUpdate(rank=0, lr=lr)) for lr in (0.1, 0.2)]
-            await peers.raw[0].stream.send_all(
-                b"".join(wire.len_frame(f) for f in frames) + OVERSIZED)
-            await peers.raw[0].eof.wait()  # the relay closed rank 0's link
-            await wait_until(lambda: any(r.kind == wire.RecordKind.CONTROL for r in records))
-            nursery.cancel_scope.cancel()
+        host = await start_host(nursery, memory_network, "host-0", [0, 1], salt=salt, world=2,
+                                start_ranks=[])
+        raw: dict[int, RawRank] = {}
+
+        async def raw_rank(rank: int) -> None:
+            raw[rank] = await RawRank.connect(lambda: memory_network.connect("relay:host-0"),
+                                              salt=salt, rank=rank, world_size=2, interval=None)
+            await raw[rank].run()
+
+        for rank in (0, 1):
+            nursery.start_soon(raw_rank, rank)
+        await upstream_ready.wait()
+        frames = [wire.encode_frame(salt, wire.LrUpdate(rank=0, lr=lr)) for lr in (0.1, 0.2)]
+        await raw[0].stream.send_all(b"".join(wire.len_frame(f) for f in frames) + OVERSIZED)
+        await raw[0].eof.wait()  # the relay closed rank 0's link
+        await wait_until(lambda: any(r.kind == wire.RecordKind.CONTROL for r in records))
+        nursery.cancel_scope.cancel()
+    assert not isinstance(host.exit, Exception)  # the relay failed in no way until cancelled
 
     from_rank_0 = [r for r in records if r.kind == wire.RecordKind.DATA and r.rank == 0]
     # FT/2: rank 0's handshake Heartbeat came first, then the two frames before the bad length.
