@@ -167,3 +167,43 @@ async def test_a_coordinator_that_vanishes_without_goodbye_leaves_its_relay_uncl
     assert not exit_.clean
     assert "without a Goodbye" in exit_.reason
     memory_network.assert_all_closed()
+
+
+async def test_records_that_arrive_in_the_same_read_as_ready_are_acted_on_at_once(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    from flodl_trio import wire
+
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_interval=3600, heartbeat_timeout=3600)
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+
+        async def relay_that_writes_a_frame_behind_its_ready() -> None:
+            stream = await memory_network.connect(COORD)
+            machine = wire.RelayHandshake(salt, host="host-a", ranks=(0,), world_size=1,
+                                          coordinator=COORD)
+            await stream.send_all(machine.data_to_send())  # the magic
+            written = 0
+            for _ in range(20):  # Challenge -> Hello, HelloAck -> Ready
+                machine.receive_data(bytes(await stream.receive_some(4096)))
+                assert machine.next_event() is wire.NEED_DATA
+                out = machine.data_to_send()
+                if not out:
+                    continue
+                written += 1
+                if written == 2:  # the Ready: one write with a DATA record right behind it
+                    assert machine.sealer is not None
+                    frame = wire.encode_frame(salt, wire.Heartbeat(rank=0, step_count=7))
+                    out += machine.sealer.seal(wire.RecordKind.DATA, 0, frame)
+                await stream.send_all(out)
+                if written == 2:
+                    break
+            nursery.start_soon(drain_and_close, stream)  # then silence, the link open
+
+        nursery.start_soon(relay_that_writes_a_frame_behind_its_ready)
+        async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+            with trio.fail_after(1):
+                msg = await coord.timing.receive()
+            assert msg == wire.Heartbeat(rank=0, step_count=7)
+        nursery.cancel_scope.cancel()

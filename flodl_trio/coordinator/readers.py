@@ -78,6 +78,10 @@ class Readers:
         self._idle = trio.Event() if self._active == 1 else self._idle
         cause: str | None = None
         try:
+            # Records that came in the same read as the relay's Ready are in the opener already.
+            first = conn.opener.feed(b"")
+            if first:
+                await self.act_on(conn, first)
             while cause is None:
                 data = await conn.stream.receive_some(RECEIVE_SIZE)
                 if not data:
