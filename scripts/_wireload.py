@@ -94,6 +94,7 @@ class LoadRelay:
     def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int) -> None:
         self.host = host
         self.world_size = world_size
+        self.redials = 0
         self.ranks = ranks
         self.frames = frames  # one per rank, cycled through
         self.stream: trio.SocketStream | None = None
@@ -107,14 +108,27 @@ class LoadRelay:
         self._pending = bytearray()  # received bytes not yet forming a whole record
 
     async def dial(self, target: tuple[str, int], salt: ft.SessionSalt, raw: bool) -> None:
-        self.stream = await trio.open_tcp_stream(*target)
-        if raw:
-            self.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
-            return
-        machine = wire.RelayHandshake(salt, host=self.host, ranks=tuple(self.ranks),
-                                      world_size=self.world_size,
-                                      coordinator=f"{target[0]}:{target[1]}")
-        done = await drive_handshake(self.stream, machine)
+        """Dial and handshake; like the library's relay, a failed attempt (a connection shed
+        by the coordinator's ``max_pending_handshakes`` when thousands dial at once) is
+        retried every 0.5 s, for 30 s at most."""
+        deadline = trio.current_time() + 30
+        while True:
+            self.stream = await trio.open_tcp_stream(*target)
+            if raw:
+                self.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
+                return
+            machine = wire.RelayHandshake(salt, host=self.host, ranks=tuple(self.ranks),
+                                          world_size=self.world_size,
+                                          coordinator=f"{target[0]}:{target[1]}")
+            try:
+                done = await drive_handshake(self.stream, machine)
+                break
+            except (trio.BrokenResourceError, ft.WireError):
+                await trio.aclose_forcefully(self.stream)
+                self.redials += 1
+                if trio.current_time() + 0.5 > deadline:
+                    raise
+                await trio.sleep(0.5)
         assert isinstance(done, wire.Established)
         self.sealer = done.sealer
         if done.opener.buffered:  # bytes that followed the welcome in its read
@@ -259,7 +273,8 @@ async def child_main(args: argparse.Namespace) -> None:
                     for relay in relays:
                         dialers.start_soon(dial_one, relay)
                 emit({"dialed": len(relays) - len(errors), "go_t": go_t,
-                      "done_t": time.monotonic(), "errors": errors[:5]})
+                      "done_t": time.monotonic(), "errors": errors[:5],
+                      "redials": sum(r.redials for r in relays)})
             elif cmd == "seal":
                 for relay in relays:
                     relay.seal_ahead(int(rest[0]))

@@ -16,6 +16,7 @@ in one write, as a relay forwards ranks that started together) and reads the Coo
 from __future__ import annotations
 
 import argparse
+import cProfile
 import time
 from typing import Any
 
@@ -80,17 +81,31 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dic
             trio.open_nursery() as nursery:
         formation_s = cluster.formation_s
         coord = cluster.coord
+        # Relays shed while more than max_pending_handshakes were unauthenticated, re-dialed.
+        redials = sum(int(d.get("redials", 0)) for d in cluster.dialed)
 
         async def drain() -> None:
-            async for _ in coord.timing:
-                pass
+            # Like bench_ingest.py's consumer: everything queued, then wait (an ``async for``
+            # step is one scheduler pass per message, the consumer's cost, not the coordinator's).
+            receive, receive_nowait = coord.timing.receive, coord.timing.receive_nowait
+            while True:
+                await receive()
+                try:
+                    while True:
+                        receive_nowait()
+                except trio.WouldBlock:
+                    pass
 
         nursery.start_soon(drain)
         await cluster.command(f"seal {per_relay * int(idle_s + 5)}")
         await cluster.command(f"rate {per_relay} {per_relay}")  # 1 Heartbeat/s per rank
         await trio.sleep(1.5)  # settle: every relay has sent a round
         w0, c0 = time.monotonic(), time.process_time()
+        if PROFILE is not None:
+            PROFILE.enable()
         await trio.sleep(idle_s)
+        if PROFILE is not None:
+            PROFILE.disable()
         cpu = (time.process_time() - c0) / (time.monotonic() - w0)
         rss, peak = rep.rss_mb()
         dead = len(coord.dead_ranks)
@@ -98,13 +113,16 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dic
         nursery.cancel_scope.cancel()
     return {"ranks": ranks, "relays": relays, "formation_ms": formation_s * 1000,
             "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
-            "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead}
+            "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead,
+            "redials": redials}
 
+
+PROFILE: cProfile.Profile | None = None  # --profile: the idle windows only
 
 COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
-    ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"),
+    ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
 ]
 
 
@@ -145,4 +163,11 @@ if __name__ == "__main__":
     p.add_argument("--world", action="append", help="only this world size (repeatable)")
     p.add_argument("--procs", type=int, default=2, help="load processes")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
-    trio.run(main, p.parse_args())
+    p.add_argument("--profile", default=None,
+                   help="write a cProfile of the coordinator's idle windows here")
+    ns = p.parse_args()
+    if ns.profile:
+        PROFILE = cProfile.Profile()
+    trio.run(main, ns)
+    if PROFILE is not None:
+        PROFILE.dump_stats(ns.profile)

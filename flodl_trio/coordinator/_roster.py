@@ -57,9 +57,13 @@ class Roster(Generic[M]):
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._relays: list[M] = []
+        # Insertion-ordered sets (dicts): a 16k-rank world has 2,048 relays, and every Hello
+        # asks about them, so nothing here may scan the list per relay.
+        self._relays: dict[M, None] = {}
+        self._by_host: dict[str, list[M]] = {}
+        self._sig_owner: dict[str, tuple[bytes, M]] = {}  # first digest seen per name
         self._relay_of: dict[int, M] = {}
-        self._unconfirmed: list[M] = []  # registered, Ready not yet verified (FT/2)
+        self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
@@ -100,8 +104,8 @@ class Roster(Generic[M]):
         """Ranks of relays whose join both sides confirmed (``Ready`` verified)."""
         if not self._unconfirmed:
             return frozenset(self._relay_of)
-        waiting = {id(r) for r in self._unconfirmed}
-        return frozenset(r for r, relay in self._relay_of.items() if id(relay) not in waiting)
+        waiting = self._unconfirmed
+        return frozenset(r for r, relay in self._relay_of.items() if relay not in waiting)
 
     @property
     def live(self) -> frozenset[int]:
@@ -184,7 +188,10 @@ class Roster(Generic[M]):
         return None
 
     def _sigs_problem(self, who: str, host: str, sigs: dict[str, bytes]) -> str | None:
-        for other in self._relays:
+        # Every registered relay agrees with the first digest seen for each name, so comparing
+        # with those is comparing with all of them.
+        owners = {self._sig_owner[name][1] for name in sigs if name in self._sig_owner}
+        for other in owners:
             if other.host == host:
                 continue  # a re-dial of the same relay is judged on its own
             theirs = other.model_sigs
@@ -201,12 +208,15 @@ class Roster(Generic[M]):
 
     def same_relay(self, host: str, ranks: tuple[int, ...]) -> list[M]:
         """Registered relays with exactly this host and these ranks (a re-dial replaces them)."""
-        return [old for old in self._relays if old.host == host and old.ranks == ranks]
+        return [old for old in self._by_host.get(host, ()) if old.ranks == ranks]
 
     def register(self, relay: M, now: float) -> None:
         """Reserve ``relay``'s ranks; formation waits for :meth:`confirm` (its ``Ready``)."""
-        self._relays.append(relay)
-        self._unconfirmed.append(relay)
+        self._relays[relay] = None
+        self._by_host.setdefault(relay.host, []).append(relay)
+        self._unconfirmed[relay] = None
+        for name, digest in relay.model_sigs.items():
+            self._sig_owner.setdefault(name, (digest, relay))
         for r in relay.ranks:
             self._relay_of[r] = relay
             self._last_seen[r] = now
@@ -214,8 +224,7 @@ class Roster(Generic[M]):
     def confirm(self, relay: M) -> bool:
         """``relay``'s ``Ready`` verified (FT/2: both sides know it joined); True when this
         completes coverage."""
-        if relay in self._unconfirmed:
-            self._unconfirmed.remove(relay)
+        self._unconfirmed.pop(relay, None)
         for r in relay.ranks:
             if self._relay_of.get(r) is relay and r not in self._dead and r not in self._exited:
                 self._live.add(r)
@@ -229,10 +238,17 @@ class Roster(Generic[M]):
 
     def unregister(self, relay: M) -> None:
         """Forget ``relay``: its ranks are uncovered again (formation only)."""
-        if relay in self._relays:
-            self._relays.remove(relay)
-        if relay in self._unconfirmed:
-            self._unconfirmed.remove(relay)
+        if self._relays.pop(relay, 0) is None:  # it was registered
+            same_host = self._by_host[relay.host]
+            same_host.remove(relay)
+            if not same_host:
+                del self._by_host[relay.host]
+            if any(owner is relay for _, owner in self._sig_owner.values()):
+                self._sig_owner = {}
+                for other in self._relays:
+                    for name, digest in other.model_sigs.items():
+                        self._sig_owner.setdefault(name, (digest, other))
+        self._unconfirmed.pop(relay, None)
         for r in relay.ranks:
             if self._relay_of.get(r) is relay:
                 del self._relay_of[r]
