@@ -154,15 +154,21 @@ def test_records_that_arrive_with_the_hello_ack_stay_in_the_relays_opener() -> N
     assert done.opener.feed(b"") == [wire.Record(wire.RecordKind.DATA, 1, b"early")]
 
 
-def test_a_relay_whose_connection_ends_before_the_welcome_fails_its_attempt() -> None:
+def accepted_upstream() -> tuple[Any, Any]:
+    """Both ends driven until the coordinator accepted the Hello (its HelloAck is queued)."""
     relay, coord = upstream()
     coord.receive_data(relay.data_to_send())
     coord.next_event()
     relay.receive_data(coord.data_to_send())
     relay.next_event()
     coord.receive_data(relay.data_to_send())
-    coord.next_event()
+    assert isinstance(coord.next_event(), wire.HelloReceived)
     coord.accept()
+    return relay, coord
+
+
+def test_a_relay_whose_connection_ends_before_the_welcome_fails_its_attempt() -> None:
+    relay, coord = accepted_upstream()
     relay.receive_data(coord.data_to_send())
     assert relay.next_event() is wire.NEED_DATA
     assert relay.data_to_send()  # its Ready
@@ -174,14 +180,7 @@ def test_a_relay_whose_connection_ends_before_the_welcome_fails_its_attempt() ->
 
 
 def test_a_coordinator_whose_relay_never_sends_ready_fails_and_names_the_relay() -> None:
-    relay, coord = upstream()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    coord.accept()
+    relay, coord = accepted_upstream()
     assert coord.next_event() is wire.NEED_DATA
     coord.receive_data(b"")
     with pytest.raises(ft.WireError, match="Ready from relay 'host-a'"):
@@ -190,14 +189,7 @@ def test_a_coordinator_whose_relay_never_sends_ready_fails_and_names_the_relay()
 
 
 def test_something_other_than_ready_after_the_hello_ack_is_refused() -> None:
-    relay, coord = upstream()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    coord.accept()
+    relay, coord = accepted_upstream()
     coord.data_to_send()
     # A relay that skips Ready and sends data: sealed right (conn_key, seq 1), but not Ready.
     assert relay.sealer is not None
