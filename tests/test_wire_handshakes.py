@@ -180,7 +180,7 @@ def test_a_relay_whose_connection_ends_before_the_welcome_fails_its_attempt() ->
 
 
 def test_a_coordinator_whose_relay_never_sends_ready_fails_and_names_the_relay() -> None:
-    relay, coord = accepted_upstream()
+    _, coord = accepted_upstream()
     assert coord.next_event() is wire.NEED_DATA
     coord.receive_data(b"")
     with pytest.raises(ft.WireError, match="Ready from relay 'host-a'"):
