@@ -14,9 +14,13 @@ relay's ``write_stall_timeout``):
 * ``TCP_KEEPIDLE`` = deadline minus the probes' time (at least 1 s), so that idle + 3 probes
   = the deadline: 30 s gives 15 s idle, then probes at 5 s intervals.
 
-Keepalive probes only a connection with nothing unacknowledged in flight. ``TCP_USER_TIMEOUT``
-would also bound retransmissions, but Linux applies it to a peer that keeps a zero window too,
-which would end a slow reader before ``write_stall_timeout`` says so; it is left unset.
+Keepalive probes only a connection with nothing unacknowledged in flight, and the coordinator
+writes heartbeats to every joined relay (during formation too), so a peer that went silent
+mid-write was left to TCP's retransmissions (about 15 minutes). ``TCP_USER_TIMEOUT`` bounds
+that: unacknowledged data older than ``unacked`` ends the connection. Linux applies it to a peer
+that keeps a zero window too, so ``unacked`` is *twice* the longer of the silent-peer deadline
+and the end's ``write_stall_timeout``: a slow reader is still ended by the write-stall rule
+first, with its own reason (``KeepAlive.within(deadline, unacked=...)``; unset when not given).
 
 An infinite deadline keeps ``SO_KEEPALIVE`` on with the system's intervals. Options the
 platform lacks are skipped; a socket that refuses one is left as it is (never an error).
@@ -56,19 +60,27 @@ class KeepAlive:
     idle: int
     interval: int
     probes: int
+    unacked: float = math.inf  # seconds before unacknowledged data ends it (TCP_USER_TIMEOUT)
 
     @classmethod
-    def within(cls, deadline: float) -> KeepAlive:
-        """The settings that find a silent peer within ``deadline`` seconds (module docstring)."""
+    def within(cls, deadline: float, *, write_stall: float | None = None) -> KeepAlive:
+        """The settings that find a silent peer within ``deadline`` seconds (module docstring);
+        with ``write_stall`` (that end's ``write_stall_timeout``), also ``TCP_USER_TIMEOUT`` at
+        twice the longer of the two."""
+        unacked = math.inf if write_stall is None else 2 * max(deadline, write_stall)
         if math.isinf(deadline):
-            return cls(deadline, 0, 0, KEEPALIVE_PROBES)
+            return cls(deadline, 0, 0, KEEPALIVE_PROBES, unacked)
         interval = max(1, int(deadline / (2 * KEEPALIVE_PROBES)))
         idle = min(_MAX_IDLE, max(1, int(deadline - KEEPALIVE_PROBES * interval)))
-        return cls(deadline, idle, interval, KEEPALIVE_PROBES)
+        return cls(deadline, idle, interval, KEEPALIVE_PROBES, unacked)
 
     def options(self) -> list[tuple[int, int, int]]:
         """``(level, option, value)`` for every option this platform has."""
         opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if user_timeout is not None and not math.isinf(self.unacked):
+            opts.append((socket.IPPROTO_TCP, user_timeout,
+                         min(2**31 - 1, max(1, int(self.unacked * 1000)))))
         if math.isinf(self.deadline):
             return opts
         for name, value in (("TCP_KEEPIDLE", self.idle), ("TCP_KEEPINTVL", self.interval),

@@ -331,7 +331,8 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         expected="a handshake ack (a relay closes connections whose salt, world_size or rank it "
         "rejects: check its log)",
         retry_on=(WireError, trio.TooSlowError, *STREAM_GONE),
-        keepalive=KeepAlive.within(config.coord_liveness_timeout),
+        keepalive=KeepAlive.within(config.coord_liveness_timeout,
+                                   write_stall=config.write_stall_timeout),
     )
 
 

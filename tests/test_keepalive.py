@@ -55,19 +55,20 @@ def tcp_connections_of_this_process() -> list[socket.socket]:
     return found
 
 
-def keepalive_of(sock: socket.socket) -> tuple[int, int, int, int]:
+def keepalive_of(sock: socket.socket) -> tuple[int, int, int, int, int]:
     return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
             sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
             sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
 
 
 @linux_keepalive
 async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_deadlines() -> None:
     # Distinct deadlines per role, so each socket shows which rule set it.
-    coord_config = ft.CoordinatorConfig(world_size=3, heartbeat_timeout=12)
+    coord_config = ft.CoordinatorConfig(world_size=3, heartbeat_timeout=12, write_stall_timeout=7)
     relay_config = ft.RelayConfig(write_stall_timeout=18)
-    rank_config = ft.RankConfig(coord_liveness_timeout=24)
+    rank_config = ft.RankConfig(coord_liveness_timeout=24, write_stall_timeout=30)
     async with open_local_cluster({"host-a": [0, 1], "host-b": [2]}, transport="tcp",
                                   coord_config=coord_config, relay_config=relay_config,
                                   rank_config=rank_config) as cluster:
@@ -75,7 +76,7 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
         rank_ports = {relay.rank_address[1] for relay in cluster.relays.values()}
         sockets = tcp_connections_of_this_process()
         try:
-            seen: dict[str, list[tuple[int, int, int, int]]] = {
+            seen: dict[str, list[tuple[int, int, int, int, int]]] = {
                 "coordinator": [], "relay upstream": [], "relay rank side": [], "rank": []}
             for sock in sockets:
                 local, peer = sock.getsockname()[1], sock.getpeername()[1]
@@ -88,9 +89,11 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
         finally:
             for sock in sockets:
                 sock.close()
+    # TCP_USER_TIMEOUT (ms): twice the longer of the silent-peer deadline and that end's
+    # write_stall_timeout, so unacknowledged data (which stops keepalive probing) ends it too.
     assert seen == {
-        "coordinator": [(1, 6, 2, 3)] * 2,        # heartbeat_timeout 12
-        "relay upstream": [(1, 9, 3, 3)] * 2,     # write_stall_timeout 18
-        "relay rank side": [(1, 9, 3, 3)] * 3,    # write_stall_timeout 18
-        "rank": [(1, 12, 4, 3)] * 3,              # coord_liveness_timeout 24
+        "coordinator": [(1, 6, 2, 3, 24_000)] * 2,        # heartbeat_timeout 12 (stall 7)
+        "relay upstream": [(1, 9, 3, 3, 36_000)] * 2,     # write_stall_timeout 18
+        "relay rank side": [(1, 9, 3, 3, 36_000)] * 3,    # write_stall_timeout 18
+        "rank": [(1, 12, 4, 3, 60_000)] * 3,              # coord_liveness 24, stall 30
     }

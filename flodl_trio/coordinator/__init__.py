@@ -173,7 +173,9 @@ async def open_coordinator(
                     open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
                                   legs=("control", "status"), queue_size=MUX_QUEUE,
                                   max_peeking=config.max_pending_handshakes,
-                                  keepalive=KeepAlive.within(config.heartbeat_timeout))
+                                  keepalive=KeepAlive.within(
+                                      config.heartbeat_timeout,
+                                      write_stall=config.write_stall_timeout))
                 )
                 life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
                                                 request_timeout=config.peek_timeout))

@@ -75,7 +75,9 @@ class Formation:
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
         """Accept relay connections from ``listener``; one handshake task each."""
         await serve_each(listener, self.serve_connection, what="coordinator",
-                         keepalive=KeepAlive.within(self._config.heartbeat_timeout))
+                         keepalive=KeepAlive.within(
+                             self._config.heartbeat_timeout,
+                             write_stall=self._config.write_stall_timeout))
 
     def reject(self, peer: str, category: str, detail: str) -> None:
         """Count a connection that failed before authenticating.

@@ -165,7 +165,8 @@ class Relay:
             peer=coordinator, expected="a confirmed upstream handshake (HelloAck, Ready, "
             "welcome)", on_retry=on_retry,
             retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
-            keepalive=KeepAlive.within(self.config.write_stall_timeout),
+            keepalive=KeepAlive.within(self.config.write_stall_timeout,
+                                       write_stall=self.config.write_stall_timeout),
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -156,7 +156,8 @@ async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
                            nursery: trio.Nursery) -> None:
     await serve_each(listener, partial(rank_handshake, local), what=f"relay {local.host!r}",
                      handler_nursery=nursery,
-                     keepalive=KeepAlive.within(local.config.write_stall_timeout))
+                     keepalive=KeepAlive.within(local.config.write_stall_timeout,
+                                                write_stall=local.config.write_stall_timeout))
 
 
 async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:

@@ -175,3 +175,75 @@ async def _read_port_file(path: trio.Path) -> str:
                 return text
         await trio.sleep(0.01)
     raise AssertionError(f"{path} was never written")
+
+
+def veth_of(pair: NetnsPair, ns: str) -> str:
+    """The name of ``pair``'s veth end inside namespace ``ns``."""
+    listed = _ip("-n", ns, "-o", "link", "show", "type", "veth")
+    _check(listed)
+    # "<index>: <name>@<peer>: <flags> ..."
+    return listed.stdout.split(":", 2)[1].strip().split("@", 1)[0]
+
+
+def cut_link(pair: NetnsPair, ns: str) -> None:
+    """Take ``ns``'s veth end down: from then on nothing crosses, not even a FIN or an RST
+    (what a pulled cable or a frozen host looks like to the other end)."""
+    _check(_ip("-n", ns, "link", "set", veth_of(pair, ns), "down"))
+
+
+async def silent_link_during_formation(pair: NetnsPair, workdir: Path, *,
+                                       heartbeat_timeout: float) -> tuple[float, dict[str, Any]]:
+    """Coordinator CLI in NS1 (world 2, so formation waits), relay ``ns2-host`` with rank 0 in
+    NS2. Once the relay joined, NS2's link is cut. Returns how long after the cut the
+    coordinator's ``RelayLost`` came, and that event. The coordinator's deadlines are scaled by
+    0.1 (``write_stall_timeout`` 3 s) and ``heartbeat_timeout`` is given: nothing but the
+    kernel's keepalive and ``TCP_USER_TIMEOUT`` can find a peer that went silent during
+    formation (no staleness watch runs yet, and its heartbeats fit in the socket buffer)."""
+    salt = ft.SessionSalt.generate()
+    env = child_env(salt)
+    coord_env = {**env, "FLODL_NET_TIMEOUT_SCALE": "0.1"}
+    port_file, timeline_file = workdir / "port", workdir / "timeline.jsonl"
+    children: list[Child] = []
+    try:
+        with trio.fail_after(RUN_PATIENCE):
+            async with trio.open_nursery() as nursery:
+                coord = await Child.start(nursery, "coordinator", cli(
+                    "coordinator", "--listen", f"{pair.address1}:0", "--world-size", "2",
+                    "--formation-timeout", str(RUN_PATIENCE), "--heartbeat-timeout",
+                    str(heartbeat_timeout), "--port-file", str(port_file),
+                    "--timeline", str(timeline_file)),
+                    env=coord_env, prefix=pair.exec_prefix(pair.ns1))
+                children.append(coord)
+                await coord.wait_line(lambda s: s.startswith("coordinator listening on"))
+                listen = await _read_port_file(trio.Path(port_file))
+                relay = await Child.start(nursery, "relay", cli(
+                    "relay", "--coordinator", listen, "--host", "ns2-host", "--ranks", "0",
+                    "--world-size", "2"), env=env, prefix=pair.exec_prefix(pair.ns2))
+                children.append(relay)
+                host, port = rank_address(
+                    await relay.wait_line(lambda s: "listening for ranks on" in s))
+                children.append(await Child.start(nursery, "rank 0", cli(
+                    "rank", "--relay", f"{host}:{port}", "--rank", "0", "--world-size", "2"),
+                    env=env, prefix=pair.exec_prefix(pair.ns2)))
+                await _wait_event(trio.Path(timeline_file), "RelayJoined")
+                cut_link(pair, pair.ns2)
+                cut_at = trio.current_time()
+                lost = await _wait_event(trio.Path(timeline_file), "RelayLost")
+                nursery.cancel_scope.cancel()
+                return trio.current_time() - cut_at, lost
+    finally:
+        for child in children:
+            await child.stop()
+    raise AssertionError("not reached")
+
+
+async def _wait_event(path: trio.Path, kind: str) -> dict[str, Any]:
+    """The first timeline event of ``kind`` (polled; the caller's deadline bounds it)."""
+    for _ in range(100_000):
+        if await path.exists():
+            for line in (await path.read_text()).splitlines():
+                event = json.loads(line)
+                if event["kind"] == kind:
+                    return dict(event)
+        await trio.sleep(0.05)
+    raise AssertionError(f"no {kind} event in {path}")

@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _netns import NetnsPair, leftover, multi_host_run, netns_pair, unavailable
+from _netns import (
+    NetnsPair,
+    leftover,
+    multi_host_run,
+    netns_pair,
+    silent_link_during_formation,
+    unavailable,
+)
 
 
 @pytest.fixture
@@ -38,3 +45,20 @@ async def test_relay_in_another_network_namespace_forms_and_runs_an_epoch(
     assert run.joined[0]["peer"].startswith(f"{pair.address2}:")
     assert any(ev["kind"] == "FormationComplete" for ev in run.events)
     assert run.rank_leg is not None and run.rank_leg[0] == "127.0.0.1"  # loopback inside NS2
+
+
+@pytest.mark.slow
+async def test_a_link_that_goes_silent_is_found_by_keepalive_without_any_traffic(
+    namespaces: NetnsPair, tmp_path: Path
+) -> None:
+    # During formation no staleness watch runs, and the coordinator's heartbeats to a joined
+    # relay fit in the socket buffer: no write stall either. Its heartbeats are unacknowledged
+    # data, so keepalive does not probe; TCP_USER_TIMEOUT (twice the longer of
+    # heartbeat_timeout 3 s and write_stall_timeout 3 s) ends the connection within 6 s of the
+    # cut. Without it the kernel retransmitted for about 15 minutes.
+    took, lost = await silent_link_during_formation(namespaces, tmp_path, heartbeat_timeout=3)
+    assert lost["host"] == "ns2-host"
+    # The kernel gave up on the unacknowledged data: ETIMEDOUT, or the soft error it had
+    # recorded meanwhile (EHOSTUNREACH: the dead link's neighbour no longer answers).
+    assert "timed out" in lost["reason"] or "No route to host" in lost["reason"], lost
+    assert 2.0 <= took <= 6.0 + 2.0, took
