@@ -303,6 +303,17 @@ async def raw_relay_handshake(
 
 
 
+async def drain_and_close(stream: trio.abc.Stream, *, limit: float = 30) -> None:
+    """Read (and drop) what a raw peer's stream receives until EOF or ``limit``, then close."""
+    with trio.move_on_after(limit):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
 async def raw_rank_accept(stream: trio.abc.Stream, salt: ft.SessionSalt, *, world_size: int,
                           ranks: Sequence[int], host: str = "fake-relay") -> int:
     """Run the relay's end of one rank handshake (SPEC §2.3, FT/2: through the rank's first

@@ -159,25 +159,6 @@ def test_signalled_ranks_exit_143_and_130_and_a_lost_coordinator_is_1_for_rank_a
 
 
 @pytest.mark.slow
-def test_a_relay_whose_coordinator_was_sigkilled_exits_1(
-    env: dict[str, str], procs: list[Proc]
-) -> None:
-    coord = Proc("coordinator", "--world-size", "1", env=env)
-    procs.append(coord)
-    address = coord.line_with("coordinator listening on").split()[-1]
-    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0",
-                 "--world-size", "1", env=env)
-    procs.append(relay)
-    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
-                "--rank", "0", "--world-size", "1", env=env)
-    procs.append(rank)
-    coord.line_with("formed: 1 ranks")
-    coord.popen.kill()
-    assert rank.wait() == 1
-    assert relay.wait() == 1, relay.out
-
-
-@pytest.mark.slow
 def test_a_coordinator_whose_every_rank_died_exits_1_with_the_cluster_failure(
     env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from helpers import (
     COORD,
     Recorder,
+    drain_and_close,
     events_of,
     live_task_names,
     raw_relay_handshake,
@@ -302,13 +303,6 @@ async def form_with_raw_relays(
     assert trio.current_time() - started == pytest.approx(0)
     assert len(events_of(timeline, FormationFailed)) == 1
     return excinfo.value, acked, timeline
-
-
-async def drain_and_close(stream: trio.abc.Stream) -> None:
-    with trio.move_on_after(30):
-        while await stream.receive_some(65536):
-            pass
-    await stream.aclose()
 
 
 async def test_rank_already_announced_by_another_relay_fails_formation_at_once(

@@ -16,22 +16,13 @@ from flodl_trio.testing import MemoryNetwork
 
 from helpers import (
     COORD,
+    drain_and_close,
     events_of,
     raw_coordinator_accept,
     raw_relay_handshake,
     start_host,
     wait_until,
 )
-
-
-async def drain_and_close(stream: trio.abc.Stream) -> None:
-    with trio.move_on_after(30):
-        try:
-            while await stream.receive_some(65536):
-                pass
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-    await trio.aclose_forcefully(stream)
 
 
 async def test_relays_whose_model_signatures_differ_fail_formation_naming_hosts_and_names(

@@ -156,13 +156,7 @@ def test_records_that_arrive_with_the_hello_ack_stay_in_the_relays_opener() -> N
 
 def accepted_upstream() -> tuple[Any, Any]:
     """Both ends driven until the coordinator accepted the Hello (its HelloAck is queued)."""
-    relay, coord = upstream()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    assert isinstance(coord.next_event(), wire.HelloReceived)
+    relay, coord = hello_received_upstream()
     coord.accept()
     return relay, coord
 
@@ -241,7 +235,8 @@ def test_relay_of_another_session_is_refused_by_the_coordinator_as_bad_mac() -> 
     assert "relay 'host-a'" in str(info.value) and "coord:1" in str(info.value)
 
 
-def test_relay_refuses_a_hello_ack_that_does_not_echo_its_nonce() -> None:
+def hello_received_upstream() -> tuple[Any, Any]:
+    """Both ends driven until the coordinator holds the relay's authenticated Hello."""
     relay, coord = upstream()
     coord.receive_data(relay.data_to_send())
     coord.next_event()
@@ -249,6 +244,11 @@ def test_relay_refuses_a_hello_ack_that_does_not_echo_its_nonce() -> None:
     relay.next_event()
     coord.receive_data(relay.data_to_send())
     assert isinstance(coord.next_event(), wire.HelloReceived)
+    return relay, coord
+
+
+def test_relay_refuses_a_hello_ack_that_does_not_echo_its_nonce() -> None:
+    relay, coord = hello_received_upstream()
     # A HelloAck sealed in the right place with the right key, echoing another nonce: what a
     # replayed coordinator record looks like to this relay.
     forged = coord.sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(wire.HelloAck(bytes(16))))
