@@ -131,26 +131,12 @@ async def multi_host_run(pair: NetnsPair, workdir: Path) -> MultiHostRun:
     try:
         with trio.fail_after(RUN_PATIENCE):
             async with trio.open_nursery() as nursery:
-                coord = await Child.start(nursery, "coordinator", cli(
-                    "coordinator", "--listen", f"{pair.address1}:0", "--world-size", "2",
-                    "--epochs", "1", "--total-samples", "16", "--batch-size", "4",
-                    "--formation-timeout", "15", "--port-file", str(port_file),
-                    "--summary-file", str(summary_file), "--timeline", str(timeline_file)),
-                    env=env, prefix=pair.exec_prefix(pair.ns1))
-                children.append(coord)
-                await coord.wait_line(lambda s: s.startswith("coordinator listening on"))
-                listen = await _read_port_file(trio.Path(port_file))
-                relay = await Child.start(nursery, "relay", cli(
-                    "relay", "--coordinator", listen, "--host", "ns2-host", "--ranks", "0-1",
-                    "--world-size", "2"), env=env, prefix=pair.exec_prefix(pair.ns2))
-                children.append(relay)
-                host, port = rank_leg = rank_address(
-                    await relay.wait_line(lambda s: "listening for ranks on" in s))
-                for rank in (0, 1):
-                    children.append(await Child.start(nursery, f"rank {rank}", cli(
-                        "rank", "--relay", f"{host}:{port}", "--rank", str(rank),
-                        "--world-size", "2", "--batch-ms", "5"),
-                        env=env, prefix=pair.exec_prefix(pair.ns2)))
+                rank_leg = await _start_hosts(
+                    nursery, pair, children, env=env, env1=env, ranks=(0, 1), port_file=port_file,
+                    coordinator_args=("--epochs", "1", "--total-samples", "16", "--batch-size",
+                                      "4", "--formation-timeout", "15", "--summary-file",
+                                      str(summary_file), "--timeline", str(timeline_file)),
+                    rank_args=("--batch-ms", "5"))
                 for child in children:
                     await child.proc.wait()
                 nursery.cancel_scope.cancel()
@@ -164,6 +150,33 @@ async def multi_host_run(pair: NetnsPair, workdir: Path) -> MultiHostRun:
         status={c.name: (c.proc.returncode, c.lines[-3:]) for c in children},
         summary=summary, events=[json.loads(line) for line in lines],
         seconds=trio.current_time() - started, rank_leg=rank_leg)
+
+
+async def _start_hosts(nursery: trio.Nursery, pair: NetnsPair, children: list[Child], *,
+                       env: dict[str, str], env1: dict[str, str], ranks: tuple[int, ...],
+                       port_file: Path, coordinator_args: tuple[str, ...],
+                       rank_args: tuple[str, ...] = ()) -> tuple[str, int]:
+    """The coordinator CLI (world 2, environment ``env1``) in NS1 on ``address1``, relay
+    ``ns2-host`` with ``ranks`` and one simulated rank process each in NS2 (their loopback);
+    every child is appended to ``children``. Returns where the ranks dialed their relay."""
+    coord = await Child.start(nursery, "coordinator", cli(
+        "coordinator", "--listen", f"{pair.address1}:0", "--world-size", "2",
+        "--port-file", str(port_file), *coordinator_args),
+        env=env1, prefix=pair.exec_prefix(pair.ns1))
+    children.append(coord)
+    await coord.wait_line(lambda s: s.startswith("coordinator listening on"))
+    listen = await _read_port_file(trio.Path(port_file))
+    relay = await Child.start(nursery, "relay", cli(
+        "relay", "--coordinator", listen, "--host", "ns2-host", "--ranks",
+        ",".join(map(str, ranks)), "--world-size", "2"), env=env,
+        prefix=pair.exec_prefix(pair.ns2))
+    children.append(relay)
+    host, port = rank_address(await relay.wait_line(lambda s: "listening for ranks on" in s))
+    for rank in ranks:
+        children.append(await Child.start(nursery, f"rank {rank}", cli(
+            "rank", "--relay", f"{host}:{port}", "--rank", str(rank), "--world-size", "2",
+            *rank_args), env=env, prefix=pair.exec_prefix(pair.ns2)))
+    return host, port
 
 
 async def _read_port_file(path: trio.Path) -> str:
@@ -207,24 +220,12 @@ async def silent_link_during_formation(pair: NetnsPair, workdir: Path, *,
     try:
         with trio.fail_after(RUN_PATIENCE):
             async with trio.open_nursery() as nursery:
-                coord = await Child.start(nursery, "coordinator", cli(
-                    "coordinator", "--listen", f"{pair.address1}:0", "--world-size", "2",
-                    "--formation-timeout", str(RUN_PATIENCE), "--heartbeat-timeout",
-                    str(heartbeat_timeout), "--port-file", str(port_file),
-                    "--timeline", str(timeline_file)),
-                    env=coord_env, prefix=pair.exec_prefix(pair.ns1))
-                children.append(coord)
-                await coord.wait_line(lambda s: s.startswith("coordinator listening on"))
-                listen = await _read_port_file(trio.Path(port_file))
-                relay = await Child.start(nursery, "relay", cli(
-                    "relay", "--coordinator", listen, "--host", "ns2-host", "--ranks", "0",
-                    "--world-size", "2"), env=env, prefix=pair.exec_prefix(pair.ns2))
-                children.append(relay)
-                host, port = rank_address(
-                    await relay.wait_line(lambda s: "listening for ranks on" in s))
-                children.append(await Child.start(nursery, "rank 0", cli(
-                    "rank", "--relay", f"{host}:{port}", "--rank", "0", "--world-size", "2"),
-                    env=env, prefix=pair.exec_prefix(pair.ns2)))
+                await _start_hosts(
+                    nursery, pair, children, env=env, env1=coord_env, ranks=(0,),
+                    port_file=port_file,
+                    coordinator_args=("--formation-timeout", str(RUN_PATIENCE),
+                                      "--heartbeat-timeout", str(heartbeat_timeout),
+                                      "--timeline", str(timeline_file)))
                 await _wait_event(trio.Path(timeline_file), "RelayJoined")
                 cut_link(pair, pair.ns2)
                 cut_at = trio.current_time()
