@@ -276,9 +276,11 @@ async def test_1100_magic_and_close_connections_do_not_fail_formation_and_are_su
 
 
 async def form_with_raw_relays(
-    net: MemoryNetwork, world: int, hellos: list[tuple[str, list[int]]]
+    net: MemoryNetwork, world: int, hellos: list[tuple[str, list[int]]],
+    model_sigs: list[dict[str, bytes]] | None = None,
 ) -> tuple[ft.FormationError, list[bool], ft.Timeline]:
-    """Raw relays send these Hellos one after the other; formation must fail."""
+    """Raw relays send these Hellos (with these model signatures, one dict per Hello) one after
+    the other; formation must fail."""
     salt = ft.SessionSalt.generate()
     timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=world, formation_timeout=60)
@@ -288,9 +290,10 @@ async def form_with_raw_relays(
     async with trio.open_nursery() as nursery:
 
         async def raw_relays() -> None:
-            for host, ranks in hellos:
+            for i, (host, ranks) in enumerate(hellos):
+                sigs = model_sigs[i] if model_sigs is not None else None
                 raw = await raw_relay_handshake(await net.connect(COORD), salt, host, ranks,
-                                          world_size=world)
+                                                world_size=world, model_sigs=sigs)
                 acked.append(raw.acked)
                 nursery.start_soon(drain_and_close, raw.stream)
 
@@ -394,3 +397,18 @@ async def test_timing_message_for_a_rank_of_another_host_is_dropped(
         assert "does not carry" in invalid[0].reason
         # Dropping the frame did not hurt anyone.
         assert c.coord.live_ranks == frozenset(range(4))
+
+
+async def test_relays_whose_model_signatures_differ_fail_formation_naming_hosts_and_names(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    sigs_a = {"encoder": b"\x01" * 32, "head": b"\x02" * 32}
+    sigs_b = {"encoder": b"\x01" * 32, "head": b"\x0f" * 32}
+    error, acked, _ = await form_with_raw_relays(
+        memory_network, 3, [("host-a", [0, 1]), ("host-b", [2])], model_sigs=[sigs_a, sigs_b])
+    text = str(error)
+    assert "model signature mismatch" in text
+    assert "'host-a'" in text and "'host-b'" in text and "'head'" in text
+    assert "'encoder'" not in text  # only the names that differ
+    assert acked == [True, False]  # host-b, a host with another model build, never joined
+    memory_network.assert_all_closed()
