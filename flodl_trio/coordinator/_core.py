@@ -18,14 +18,11 @@ from ..timeline import Timeline
 from ..wire import (
     ControlMsg,
     FrameCodec,
-    Goodbye,
     Metrics,
-    RecordKind,
     SaveReason,
     SessionSalt,
     Shutdown,
     TimingMsg,
-    encode,
 )
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
@@ -303,12 +300,8 @@ class Coordinator:
             # our readers drain until then, so nothing in flight turns into a reset.
             alive = [conn for conn in relays if conn.alive]
             eofs = Delivery(len(alive))
-            goodbye = encode(Goodbye(reason=reason))
             for conn in alive:
-                # FT/2: a sealed Goodbye before the half-close tells the relay (and its exit
-                # code) that this is a clean end, not a coordinator that died.
-                conn.submit(int(RecordKind.CONTROL), 0, goodbye, None)
-                conn.submit_eof(eofs)  # after everything already queued for it
+                conn.submit_eof(eofs, goodbye=reason)  # after everything already queued for it
             await eofs.done.wait()
             await self._readers.wait_idle()
         for conn in relays:

@@ -158,16 +158,21 @@ class RelayConn:
             return
         self._enqueue(_RAW, 0, record[written:], delivery)
 
-    def submit_eof(self, delivery: Delivery | None) -> None:
-        """Half-close once everything queued so far is written."""
+    def submit_eof(self, delivery: Delivery | None, *, goodbye: str) -> None:
+        """Say ``Goodbye{goodbye}`` (FT/2: the relay tells a clean end from a coordinator that
+        died), then half-close, once everything queued so far is written."""
+        self._submit_goodbye(goodbye)
         self.submit(_EOF, 0, b"", delivery)
+
+    def _submit_goodbye(self, reason: str) -> None:
+        self.submit(int(RecordKind.CONTROL), 0, encode(Goodbye(reason=reason)), None)
 
     def retire(self, reason: str, grace: float) -> None:
         """Close on purpose once everything queued so far is written: half-close, wait up to
         ``grace`` for the relay to close its side (so nothing in flight turns into a reset),
         then close. Nothing more can be submitted. A ``Goodbye`` with the reason goes first
         (FT/2), so the relay ends knowing it was closed on purpose."""
-        self.submit(int(RecordKind.CONTROL), 0, encode(Goodbye(reason=reason)), None)
+        self._submit_goodbye(reason)
         self.submit(_RETIRE, 0, b"", None)
         self.retired = reason
         self._retire_grace = grace

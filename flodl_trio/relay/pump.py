@@ -177,7 +177,7 @@ class Pump:
             link.end_queue()
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
-        self.finish("")
+        self._scope.cancel()  # the outcome was recorded at the EOF
 
     async def flush_ranks(self) -> None:
         """Let the rank writers deliver what was verified and queued before the link broke."""
