@@ -104,10 +104,14 @@ class ProxiedConnection:
         return self._held[direction] + queued(source, "unread") + queued(sink, "unsent")
 
     def buffer_bound(self, direction: Literal["up", "down"]) -> int:
-        """The most :meth:`buffered` can reach in ``direction``: one read of 64 KiB plus the
-        receive buffer of the socket the bytes arrive on and the send buffer of the one they
-        leave by, as the kernel sized them (each 64 KiB asked, 128 KiB granted on Linux: at most
-        320 KiB per direction there). Past it the writer's own send blocks: backpressure."""
+        """The most :meth:`buffered` can reach in ``direction``.
+
+        That is one read of 64 KiB plus the receive buffer of the socket the bytes arrive on and
+        the send buffer of the one they leave by, as the kernel sized them (64 KiB asked for
+        each, 128 KiB granted on Linux: 320 KiB per direction there). Once the proxy holds that
+        much, what the writer sends stays in its own socket until that is full too, and then its
+        ``send_all`` blocks: backpressure.
+        """
         source, sink = self._path(direction)
         return _CHUNK + kernel_buffer(source, "receive") + kernel_buffer(sink, "send")
 
