@@ -10,6 +10,7 @@ from typing import Literal
 import pytest
 import trio
 
+from flodl_trio import ConfigError
 from flodl_trio.chaos import FaultPlan, ProxiedConnection, open_chaos_proxy
 
 PIECE = 65536
@@ -91,10 +92,24 @@ async def test_proxy_holds_at_most_its_bound_when_the_far_side_stops_reading(
             assert 0 < peak <= bound <= LINUX_BOUND, (written, peak, bound)
 
 
-async def test_stalled_proxy_blocks_the_writer_at_the_same_bound() -> None:
+@pytest.mark.parametrize("direction", ["up", "down"])
+async def test_stalled_proxy_blocks_the_writer_at_the_same_bound(
+    direction: Literal["up", "down"],
+) -> None:
+    stall_at = 4 * 2**20
     with trio.fail_after(PATIENCE):
-        async with _proxied_pair(FaultPlan().stall(4 * 2**20, "up")) as (client, server, conn):
-            await _move(client, server, 4 * 2**20)  # exactly up to the stall
-            written, peak = await _write_until_blocked(client, conn, "up")
-            assert conn.bytes_up == 4 * 2**20  # the stall forwarded nothing more
-            assert 0 < peak <= conn.buffer_bound("up") <= LINUX_BOUND, (written, peak)
+        async with _proxied_pair(FaultPlan().stall(stall_at, direction)) as (client, server, conn):
+            writer, reader = (client, server) if direction == "up" else (server, client)
+            await _move(writer, reader, stall_at)  # exactly up to the stall
+            written, peak = await _write_until_blocked(writer, conn, direction)
+            forwarded = conn.bytes_up if direction == "up" else conn.bytes_down
+            assert forwarded == stall_at  # the stall forwarded nothing more
+            assert 0 < peak <= conn.buffer_bound(direction) <= LINUX_BOUND, (written, peak)
+        await conn.wait_closed()
+        assert conn.buffered(direction) == 0  # closed: it holds nothing any more
+
+
+async def test_buffered_names_a_direction_it_does_not_know() -> None:
+    async with _proxied_pair() as (_, _, conn):
+        with pytest.raises(ConfigError, match="'up' or 'down', got 'sideways'"):
+            conn.buffered("sideways")  # type: ignore[arg-type]

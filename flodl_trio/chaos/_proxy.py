@@ -98,9 +98,15 @@ class ProxiedConnection:
 
         That is the chunk the proxy has read and not finished writing, plus the bytes its
         receiving socket holds unread and its sending socket holds unsent (Linux; elsewhere only
-        the chunk and the unread bytes are counted). It never exceeds :meth:`buffer_bound`.
+        the chunk and the unread bytes are counted); 0 once the connection is closed. It never
+        exceeds :meth:`buffer_bound`.
+
+        Raises:
+            ConfigError: ``direction`` is not ``"up"`` or ``"down"``.
         """
         source, sink = self._path(direction)
+        if self.closed:
+            return 0  # whatever was left in it went with the sockets
         return self._held[direction] + queued(source, "unread") + queued(sink, "unsent")
 
     def buffer_bound(self, direction: Literal["up", "down"]) -> int:
