@@ -118,9 +118,9 @@ class Formation:
         close its connection and, with ``record``, count and report the reject with
         ``detail`` (the reason, naming the relay and the rank)."""
         del machine  # the sealed state a refusal record will be written with
-        await trio.aclose_forcefully(stream)
-        if record:
+        if record:  # before the close: whoever sees the EOF finds the reject recorded
             self.reject(peer, category, detail)
+        await trio.aclose_forcefully(stream)
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)
