@@ -65,6 +65,7 @@ class Roster(Generic[M]):
         self._relay_of: dict[int, M] = {}
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
+        self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
         # Covered, not dead, not exited: kept as it changes, since the staleness watch and
@@ -125,6 +126,11 @@ class Roster(Generic[M]):
     def dead(self) -> dict[int, str]:
         """Dead ranks and why (a copy)."""
         return dict(self._dead)
+
+    @property
+    def rejoins(self) -> dict[int, int]:
+        """Times each rank came back after being declared dead (a copy)."""
+        return dict(self._rejoins)
 
     @property
     def exited(self) -> frozenset[int]:
@@ -278,7 +284,8 @@ class Roster(Generic[M]):
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay
-            self._dead.pop(r, None)
+            if self._dead.pop(r, None) is not None:
+                self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
             self._live.add(r)
         dropped = [old for old in before if not any(self._relay_of.get(r) is old
