@@ -21,6 +21,8 @@ from flodl_trio.events import HandshakeRejected, Note, RankRejoined
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog
 
+from helpers import wait_until
+
 
 def _load_relay_proc() -> ModuleType:
     path = Path(__file__).resolve().parent.parent / "scripts" / "_relay_proc.py"
@@ -71,9 +73,9 @@ async def _run_with_a_restart(*, kill_after_join: bool) -> None:
                         if kill_after_join:
                             await first.wait_lines(_connected)
                         else:
-                            while not any(ev.what == "epoch_started" and
-                                          ev.fields["epoch"] == 1 for ev in log.events_of(Note)):
-                                await trio.sleep(0.01)
+                            await wait_until(lambda: any(
+                                ev.what == "epoch_started" and ev.fields["epoch"] == 1
+                                for ev in log.events_of(Note)), limit=30)
                         first.proc.kill()
                         await first.proc.wait()
                         child = await start(nursery, "host-a", [0, 1], bound.address)
@@ -135,8 +137,7 @@ async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_re
                         ranks=[1], world_size=4)
                     children.append(intruder)
                     started = trio.current_time()
-                    while not log.events_of(HandshakeRejected):
-                        await trio.sleep(0.01)
+                    await wait_until(lambda: log.events_of(HandshakeRejected), limit=10)
                     (at, rejected), = log.of(HandshakeRejected)
                     assert at - started < 3  # a process start, then one round trip
                     assert rejected.reason.startswith("rejoin refused: ")

@@ -66,6 +66,10 @@ def start(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: list[int]
     return h
 
 
+def _worked_in(h: SimHost, epoch: int) -> bool:
+    return any(e == epoch for e, _, _ in h.records[0].processed)
+
+
 def notes(log: EventLog, what: str) -> list[tuple[float, dict[str, Any]]]:
     return [(t, ev.fields) for t, ev in log.of(Note) if ev.what == what]
 
@@ -90,8 +94,7 @@ async def test_rejoined_ranks_work_from_the_next_epoch_in_a_reformed_group_cover
             async def flap() -> None:
                 for epoch in (1, 2):  # mid epoch: host-a dies with work left, then comes back
                     a = incarnations[-1]
-                    await wait_until(lambda: any(e == epoch for e, _, _ in  # noqa: B023
-                                                 a.records[0].processed), limit=60)
+                    await wait_until(functools.partial(_worked_in, a, epoch), limit=60)
                     a.scope.cancel()
                     await a.done.wait()
                     await wait_until(lambda: coord.dead_ranks == {0, 1}, limit=5)
