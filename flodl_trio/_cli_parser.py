@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base batch time; host i runs (1 + i) times slower")
     p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="SIGKILL that relay process SECONDS after formation (repeatable)")
+    p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="start a killed host's relay and ranks again SECONDS after the kill: "
+                   "they rejoin the running cohort (repeatable)")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",
