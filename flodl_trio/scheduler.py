@@ -71,7 +71,7 @@ from ._epoch_math import (
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
 from ._reformation import ProcessGroupKeeper, ReformationError
-from ._scheduler_parts import Inbox, InboxClosed, RunSummary
+from ._scheduler_parts import Inbox, InboxClosed, Members, RunSummary
 from .events import Note
 from .wire import (
     Batch,
@@ -154,10 +154,7 @@ class SyncScheduler:
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
-        self._gone: set[int] = set()
-        # Ranks back from the dead (issue 26), waiting for the next epoch to get work.
-        self._joining: set[int] = set()
-        self._rejoins_seen: dict[int, int] = {}
+        self._members = Members()
         self._deferred_epoch: int | None = None  # dispatched once the process group formed
         self._role: int | None = None
         self._callbacks = Callbacks(
@@ -235,7 +232,7 @@ class SyncScheduler:
 
     def _on_timing(self, msg: TimingMsg) -> None:
         rank = int(msg.rank)
-        if rank in self._gone or rank in self._joining:  # no share in this epoch
+        if self._members.ignores(rank):  # no share in this epoch
             return
         if isinstance(msg, Batch):
             self._ledger.on_batch(rank)
@@ -266,13 +263,12 @@ class SyncScheduler:
     # ------------------------------------------------------------------ deciding
 
     def _survivors(self) -> list[int]:
-        return sorted(self._coord.live_ranks - self._gone - self._joining)
+        return self._members.survivors(self._coord.live_ranks)
 
     async def _fold_joiners(self) -> list[int]:
         """At an epoch boundary: ranks that came back take part from now on; each learns the
         role and the global step first (a restarted rank knows neither)."""
-        joiners = sorted(self._joining & self._coord.live_ranks)
-        self._joining.clear()
+        joiners = self._members.take_joiners(self._coord.live_ranks)
         if self._role is None:  # the first dispatch tells everyone
             return joiners
         for rank in joiners:
@@ -307,19 +303,13 @@ class SyncScheduler:
     async def _reconcile(self) -> None:
         """Fold newly dead or exited ranks: redistribute their remainders, move the role."""
         coord = self._coord
-        rejoins = coord.rejoins
         # A rank that died and came back between two looks is a death all the same: what it
         # owed of this epoch died with its old process.
-        missed = {r for r, n in rejoins.items()
-                  if n != self._rejoins_seen.get(r, 0) and r not in self._gone}
-        self._rejoins_seen = rejoins
-        new = sorted(((coord.dead_ranks | coord.exited_ranks) - self._gone) | missed)
+        new = self._members.newly_gone(coord.dead_ranks, coord.exited_ranks, coord.rejoins)
         if new:
             await self._fold_gone(new)
-        back = sorted(self._gone & coord.live_ranks)
+        back = self._members.returned(coord.live_ranks)
         if back:
-            self._gone.difference_update(back)
-            self._joining.update(back)
             log.info("rank(s) %s rejoined; they get work from the next epoch", back)
             coord.timeline.event(Note(what="ranks_rejoined", fields={
                 "ranks": back, "from_epoch": self._ledger.epoch + 1}))
@@ -328,13 +318,12 @@ class SyncScheduler:
         coord = self._coord
         self._drain()  # count every batch the coordinator read from them before the death
         remainders: list[tuple[int, list[Range]]] = []
-        members = [r for r in new if r not in self._joining]  # of the current group
+        members = [r for r in new if r not in self._members.joining]  # of the current group
         for rank in new:
-            self._joining.discard(rank)
             rest = self._ledger.settle(rank)
             if rest:
                 remainders.append((rank, rest))
-            self._gone.add(rank)
+            self._members.leave(rank)
             for waiting in (self._awaiting_batch, self._awaiting_ack):
                 waiting.discard(rank)
         survivors = self._survivors()
@@ -359,9 +348,9 @@ class SyncScheduler:
                 [(r, coord.dead_reason(r) or ("exited cleanly" if r in coord.exited_ranks
                                               else "died and came back"))
                  for r in members], survivors)
-        if self._role in self._gone:
+        if self._role in self._members.gone:
             await self._move_role(survivors[0])
-        await self._callbacks.retarget(self._gone, self._role)
+        await self._callbacks.retarget(self._members.gone, self._role)
 
     @property
     def _group_waiting(self) -> bool:
@@ -423,7 +412,7 @@ class SyncScheduler:
         completed = epoch + 1
         await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
-            if self._group is not None and self._joining & self._coord.live_ranks:
+            if self._group is not None and self._members.joining & self._coord.live_ranks:
                 # The group is re-formed with the ranks that came back before they get work.
                 joiners = await self._fold_joiners()
                 self._deferred_epoch = completed

@@ -12,6 +12,7 @@ import attrs
 import trio
 
 import flodl_trio as ft
+from flodl_trio._scheduler_parts import Members
 from flodl_trio.events import Note, RankRejoined
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.sim import SimRecord, SimulatedRank
@@ -134,3 +135,23 @@ async def test_rejoined_ranks_work_from_the_next_epoch_in_a_reformed_group_cover
                 for i in rec.samples(epoch)}
         assert seen == set(range(SAMPLES)), epoch
     assert isinstance(incarnations[-1].exit, ft.RelayExit) and incarnations[-1].exit.clean
+
+
+def test_a_rank_that_died_and_came_back_unseen_is_settled_then_works_from_the_next_epoch() -> None:
+    members = Members()
+    live = frozenset({0, 1, 2, 3})
+    assert members.newly_gone(frozenset(), frozenset(), {}) == []
+    # Rank 1 died and was back before the scheduler looked: only its rejoin count moved.
+    assert members.newly_gone(frozenset(), frozenset(), {1: 1}) == [1]
+    members.leave(1)
+    assert members.survivors(live) == [0, 2, 3]
+    assert members.returned(live) == [1]
+    assert members.ignores(1) and members.survivors(live) == [0, 2, 3]
+    assert members.newly_gone(frozenset(), frozenset(), {1: 1}) == []  # already settled
+    assert members.take_joiners(live) == [1]
+    assert members.survivors(live) == [0, 1, 2, 3] and not members.ignores(1)
+    # A joining rank that dies again before its epoch leaves without a share.
+    assert members.newly_gone(frozenset({2}), frozenset(), {1: 1}) == [2]
+    members.leave(2)
+    assert members.returned(frozenset({0, 1, 3})) == []
+    assert members.survivors(frozenset({0, 1, 3})) == [0, 1, 3]
