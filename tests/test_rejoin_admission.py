@@ -58,6 +58,30 @@ class Run:
         return [ev.reason for ev in self.timeline.events_of(HandshakeRejected)]
 
 
+class Recording(trio.abc.HalfCloseableStream):
+    """A stream that keeps a copy of every byte sent through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sent = bytearray()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 @asynccontextmanager
 async def running(net: MemoryNetwork, **config: Any) -> AsyncIterator[Run]:
     """host-a carries ranks 0 and 1, host-b ranks 2 and 3; formed; yields the run."""
@@ -191,3 +215,24 @@ async def test_rank_that_exited_cleanly_never_rejoins(
         assert "rank 3 exited cleanly and does not rejoin" in run.refusals()[0]
         assert (await run.dial("host-b", [2])).acked
         await wait_until(lambda: run.coord.live_ranks == {0, 1, 2}, limit=1)
+
+
+async def test_a_recorded_rejoin_replayed_on_a_new_connection_is_refused(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network) as run:
+        await run.hang_up(run.relays["host-a"], {0, 1})
+        recording = Recording(await run.net.connect(COORD))
+        genuine = await raw_relay_handshake(recording, run.salt, "host-a", [0, 1], world_size=4,
+                                            model_sigs=SIGS)
+        assert genuine.acked
+        await wait_until(lambda: run.coord.live_ranks == {0, 1, 2, 3}, limit=1)
+        await run.hang_up(genuine, {0, 1})
+        # Everything the genuine relay sent (its magic, Hello, Ready), on a new connection.
+        replay = await run.net.connect(COORD)
+        await replay.send_all(bytes(recording.sent))
+        await drain_and_close(replay, limit=5)
+        (reason,) = run.refusals()
+        assert reason.startswith("bad mac: ") and "tag does not verify" in reason
+        assert run.coord.dead_ranks == {0, 1}
+        assert len(run.timeline.events_of(RankRejoined)) == 2  # the genuine rejoin only
