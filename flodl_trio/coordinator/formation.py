@@ -2,7 +2,10 @@
 
 A connection that fails before authenticating is rejected, recorded and dropped; an
 authenticated Hello that contradicts the world fails formation at once; a relay that lost its
-connection mid-handshake and re-dials with the same host and ranks simply replaces it.
+connection mid-handshake and re-dials with the same host and ranks simply replaces it. After
+formation the accept loop goes on: an authenticated Hello then goes to the rejoin rules
+(:mod:`._rejoin`), and every relay refused after its Hello authenticated is refused through
+:meth:`Formation.refuse`.
 """
 
 from __future__ import annotations
