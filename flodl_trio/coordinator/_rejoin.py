@@ -103,7 +103,8 @@ class Rejoins:
         relay's connection is then read here until it ends."""
         ranks = tuple(hello.ranks)
         roster = self._roster
-        problem = (roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
+        problem = (self._phase_problem(hello.host, peer)
+                   or roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
                                         model_sigs=hello.model_sigs, rejoin=True)
                    or rejoin_problem(roster, hello.host, ranks, peer,
                                      allow_takeover=self._config.allow_rank_takeover)
@@ -122,24 +123,33 @@ class Rejoins:
             with trio.fail_after(self._config.handshake_timeout):
                 await finish_handshake(stream, machine)
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
-            self._release(conn)
             conn.abandon("no Ready")
             await conn.close()
             log.info("relay %r at %s: rejoin abandoned before its Ready (%s)", hello.host, peer,
                      "handshake_timeout" if isinstance(exc, trio.TooSlowError) else exc)
             return
-        self._release(conn)
-        if conn.lost_reason is not None or roster.shutting_down:  # superseded, or too late
+        except BaseException:  # cancelled (the coordinator is going away): nothing may leak
+            await trio.aclose_forcefully(stream)
+            raise
+        finally:
+            self._release(conn)
+        if conn.lost_reason is not None:  # superseded by a re-dial of the same relay
             await conn.close()
             return
-        # Checked again: a death or another rejoin may have changed the world since the Hello.
-        problem = rejoin_problem(roster, hello.host, ranks, peer,
-                                 allow_takeover=self._config.allow_rank_takeover)
+        # Checked again: a death, another rejoin or the shutdown may have come since the Hello.
+        problem = self._phase_problem(hello.host, peer) or rejoin_problem(
+            roster, hello.host, ranks, peer, allow_takeover=self._config.allow_rank_takeover)
         if problem is not None:
             await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
             return
         self._join(conn)
         await self._readers.read_relay(conn)
+
+    def _phase_problem(self, host: str, peer: str) -> str | None:
+        if self._roster.running:
+            return None
+        return (f"authenticated Hello from relay {host!r} at {peer}: expected a running cohort "
+                f"to rejoin, but the coordinator is {self._roster.phase.replace('_', ' ')}")
 
     def _release(self, conn: RelayConn) -> None:
         for rank in conn.ranks:
