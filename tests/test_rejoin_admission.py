@@ -120,6 +120,7 @@ async def test_relay_whose_ranks_are_all_dead_is_admitted_and_they_are_alive_aga
         assert [ev.host for ev in run.timeline.events_of(RelayJoined)] == [
             "host-a", "host-b", "host-a"]
         assert run.refusals() == []
+        assert run.coord.state()["rejoins"] == {"0": 1, "1": 1}
         # The new connection is the one addressed: a send to a rejoined rank goes through.
         await run.coord.send_control(0, ft.wire.SyncNow())
 

@@ -414,4 +414,5 @@ class Roster(Generic[M]):
             "live": sorted(self.live),
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
             "exited": sorted(self._exited),
+            "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
         }
