@@ -146,10 +146,13 @@ class Rejoins:
         await self._readers.read_relay(conn)
 
     def _phase_problem(self, host: str, peer: str) -> str | None:
-        if self._roster.running:
-            return None
-        return (f"authenticated Hello from relay {host!r} at {peer}: expected a running cohort "
-                f"to rejoin, but the coordinator is {self._roster.phase.replace('_', ' ')}")
+        who = f"authenticated Hello from relay {host!r} at {peer}"
+        if not self._roster.running:
+            return (f"{who}: expected a running cohort to rejoin, but the coordinator is "
+                    f"{self._roster.phase.replace('_', ' ')}")
+        if self._liveness.failure is not None:  # the run is stopping: nothing to rejoin
+            return f"{who}: expected a running cohort to rejoin, but {self._liveness.failure}"
+        return None
 
     def _release(self, conn: RelayConn) -> None:
         for rank in conn.ranks:
