@@ -237,3 +237,50 @@ async def test_a_recorded_rejoin_replayed_on_a_new_connection_is_refused(
         assert reason.startswith("bad mac: ") and "tag does not verify" in reason
         assert run.coord.dead_ranks == {0, 1}
         assert len(run.timeline.events_of(RankRejoined)) == 2  # the genuine rejoin only
+
+
+class NoReady(Recording):
+    """A relay's stream whose records after the coordinator's HelloAck never leave: its Ready
+    is lost on the way."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.reads = 0
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.inner.receive_some(max_bytes)
+        self.reads += 1
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.reads < 2:  # the magic and the Hello go; from the Ready on, nothing does
+            await super().send_all(data)
+
+
+async def test_a_rejoin_whose_ready_was_lost_is_superseded_by_the_same_relay_redialing(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network, handshake_timeout=30, allow_rank_takeover=True) as run:
+        await run.hang_up(run.relays["host-a"], {0, 1})
+        outcome: list[bool] = []
+
+        async def first_attempt() -> None:
+            stream = NoReady(await run.net.connect(COORD))
+            raw = await raw_relay_handshake(stream, run.salt, "host-a", [0, 1], world_size=4,
+                                            model_sigs=SIGS)
+            outcome.append(raw.acked)
+            await stream.aclose()
+
+        run.nursery.start_soon(first_attempt)
+        await trio.sleep(1)
+        assert outcome == [] and run.coord.dead_ranks == {0, 1}  # waiting for its Ready
+        # Meanwhile a spare may not claim them (takeover is allowed, but they are claimed),
+        # and the same relay re-dialing may.
+        assert not (await run.dial("host-x", [0, 1])).acked
+        assert "rank 0 is being rejoined by relay 'host-a'" in run.refusals()[0]
+        started = trio.current_time()
+        assert (await run.dial("host-a", [0, 1])).acked
+        await wait_until(lambda: outcome == [False], limit=1)  # closed at once, not at 30 s
+        assert trio.current_time() - started < 1
+        assert run.coord.live_ranks == {0, 1, 2, 3}
+        assert len(run.timeline.events_of(RankRejoined)) == 2

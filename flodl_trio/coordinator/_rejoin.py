@@ -114,12 +114,13 @@ class Rejoins:
             await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
             return
         conn = self._admitter.new_conn(stream, machine, peer, hello)
+        superseded = {old: None for rank in ranks if (old := self._claims.get(rank))}
         for rank in ranks:
-            superseded = self._claims.get(rank)
-            if superseded is not None:  # the same relay re-dialed before its Ready arrived
-                superseded.abandon("superseded by a new connection")
             self._claims[rank] = conn
         try:
+            for old in superseded:  # the same relay re-dialed before its Ready arrived
+                old.abandon("superseded by a new connection")
+                await old.close()  # its wait for a Ready ends now
             with trio.fail_after(self._config.handshake_timeout):
                 await finish_handshake(stream, machine)
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
