@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failure", type=int, default=None, metavar="N",
                    help="stop with MAX_FAILURE_EXCEEDED once N ranks are dead (None: only when "
                    "every rank is lost)")
+    p.add_argument("--allow-takeover", action="store_true",
+                   help="let a relay of another host (a spare) take over ranks that are all "
+                   "dead (a host that comes back may always rejoin)")
     p.add_argument("--timeline", metavar="FILE", help="append every event to FILE (JSONL)")
     p.add_argument("--epochs", type=int, default=0, metavar="E",
                    help="drive E epochs with the SyncScheduler (0: just hold the cohort until "
@@ -154,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base batch time; host i runs (1 + i) times slower")
     p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="SIGKILL that relay process SECONDS after formation (repeatable)")
+    p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="start a killed host's relay and ranks again SECONDS after the kill: "
+                   "they rejoin the running cohort (repeatable)")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",

@@ -80,7 +80,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["heartbeat_timeout"] = args.heartbeat_timeout
     if args.max_failure is not None:
         overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
-    return CoordinatorConfig(world_size=args.world_size, **overrides)
+    return CoordinatorConfig(world_size=args.world_size,
+                             allow_rank_takeover=args.allow_takeover, **overrides)
 
 
 async def run_coordinator(args: argparse.Namespace) -> int:
@@ -169,6 +170,7 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
                 else [list(v) for v in value]
         out[field.name] = value
     out["dead_ranks"] = sorted(coord.dead_ranks)
+    out["rejoins"] = {str(rank): n for rank, n in sorted(coord.rejoins.items())}
     out["lost_broadcasts"] = coord.lost_broadcasts
     return out
 

@@ -30,6 +30,7 @@ class Story:
         syncs: ``SyncNow`` rounds so far.
         dead: rank → the reason it was declared dead.
         exited: ranks that left cleanly.
+        rejoined: ranks that came back after their death (issue 26).
         events: timeline lines read.
     """
 
@@ -43,6 +44,7 @@ class Story:
         self.syncs = 0
         self.dead: dict[int, str] = {}
         self.exited: set[int] = set()
+        self.rejoined: set[int] = set()
         self.events = 0
 
     def poll(self) -> list[str]:
@@ -81,6 +83,13 @@ class Story:
         if kind == "RankDeclaredDead":
             self.dead[int(ev["rank"])] = str(ev["reason"])
             return f"{t}  rank {ev['rank']} ({ev['host']}) declared dead: {ev['reason']}"
+        if kind == "RankRejoined":
+            self.dead.pop(int(ev["rank"]), None)
+            self.rejoined.add(int(ev["rank"]))
+            return f"{t}  rank {ev['rank']} ({ev['host']}) rejoined the running cohort"
+        if kind == "RankTakenOver":
+            return (f"{t}  rank {ev['rank']} of host {ev['previous_host']} taken over by host "
+                    f"{ev['host']}")
         if kind == "RankExited":
             self.exited.add(int(ev["rank"]))
             return None  # every rank exits at the end: the summary counts them
@@ -109,6 +118,9 @@ class Story:
             left = sum(size for p in fields["to"].values() for _, size in p)
             return (f"{t}  rank {fields['from_rank']}'s {left} unprocessed samples of epoch "
                     f"{int(fields['epoch']) + 1} redistributed: {took}")
+        if what == "ranks_rejoined":
+            return (f"{t}  ranks {fields['ranks']} get work again from epoch "
+                    f"{int(fields['from_epoch']) + 1}")
         if what == "batch_size_mismatch":
             return (f"{t}  rank {fields['rank']} batches disagree with the plan: "
                     f"{fields['samples']} samples in {fields['batches']} batches, batch size "

@@ -168,6 +168,13 @@ class Coordinator:
         return self._roster.exited
 
     @property
+    def rejoins(self) -> dict[int, int]:
+        """How many times each rank was brought back after being declared dead (ranks that
+        never were are absent; a copy). A count that moved means the rank died and came back,
+        even if nobody looked at ``dead_ranks`` in between."""
+        return self._roster.rejoins
+
+    @property
     def phase(self) -> str:
         """``forming``, ``running``, ``shutting_down`` or ``closed``."""
         return self._roster.phase
