@@ -105,6 +105,8 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                                 f"{os_error_text(exc)}") from None
         text = format_address(bound.address)
         print(f"coordinator listening on {text}", flush=True)
+        peers = ", ".join(format_address(a) for a in bound.addresses_for_peers())
+        print(f"relays can dial: {peers}", flush=True)
         if args.port_file:
             await write_text(args.port_file, text + "\n", what="--port-file")
         async with trio.open_nursery() as nursery:

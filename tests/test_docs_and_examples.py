@@ -119,7 +119,8 @@ def test_the_doctests_of_the_docs_pass(page: str, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("module", ["flodl_trio._config", "flodl_trio._cli_common",
-                                    "flodl_trio.port_mux", "flodl_trio._demo_story"])
+                                    "flodl_trio.port_mux", "flodl_trio._demo_story",
+                                    "flodl_trio._interfaces", "flodl_trio._cli_errors"])
 def test_the_doctests_in_docstrings_pass(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
