@@ -30,6 +30,7 @@ from ._cli_common import (
     parse_ranks,
     write_text,
 )
+from ._cli_progress import EpochProgress, print_progress
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
 from ._errors import FlodlError
 from ._transport import format_address
@@ -116,7 +117,7 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                                             ssl_context=ssl_context) as coord:
                     print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
                           flush=True)
-                    summary, failure = await _drive(args, coord)
+                    summary, failure = await _drive(args, coord, nursery)
             except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
                 crash = exc
                 summary = {"failed": f"{type(exc).__name__}: {exc}"}
@@ -139,16 +140,23 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _drive(args: argparse.Namespace, coord: Coordinator) -> tuple[dict[str, Any], str | None]:
-    """The formed cohort's run: the summary, and what fell short of what was asked (or None)."""
+async def _drive(args: argparse.Namespace, coord: Coordinator,
+                 nursery: trio.Nursery) -> tuple[dict[str, Any], str | None]:
+    """The formed cohort's run: the summary, and what fell short of what was asked (or None).
+
+    A line per completed epoch and per death goes to stdout meanwhile (a task of ``nursery``,
+    cancelled with it)."""
     if args.epochs > 0:
         sched = SyncScheduler(coord, total_samples=args.total_samples,
                               batch_size=args.batch_size, num_epochs=args.epochs)
+        progress = EpochProgress(args.epochs, lambda: sched.coverage)
+        await nursery.start(print_progress, coord.timeline, progress, sys.stdout)
         result = await sched.run()
         if result.epochs_completed != args.epochs:
             return summary_dict(result, coord), (f"the run ended after {result.epochs_completed}"
                                                  f"/{args.epochs} epochs")
         return summary_dict(result, coord), None
+    await nursery.start(print_progress, coord.timeline, EpochProgress(0, tuple), sys.stdout)
     await _hold_until_all_exit(coord)
     summary = {"exited": sorted(coord.exited_ranks), "dead": sorted(coord.dead_ranks)}
     if coord.dead_ranks:
@@ -163,7 +171,8 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
     for field in attrs.fields(type(result)):
         value = getattr(result, field.name)
         if field.name == "epoch_metrics":
-            value = [{"epoch": m.epoch, "avg_loss": m.avg_loss} for m in value]
+            # Numbered from 1, as the progress lines and the demo number them.
+            value = [{"epoch": m.epoch + 1, "avg_loss": m.avg_loss} for m in value]
         elif isinstance(value, dict):
             value = {str(k): v for k, v in value.items()}
         elif isinstance(value, tuple | frozenset | set):

@@ -266,7 +266,7 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch'] + 1}: avg loss {m['avg_loss']:.4f}")
+        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")  # numbered from 1
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else ""))

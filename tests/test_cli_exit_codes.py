@@ -130,6 +130,10 @@ def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_
     assert [rank.wait() for rank in ranks] == [0, 0], [rank.err for rank in ranks]
     assert relay.wait() == 0, relay.err
     assert '"epochs_completed": 1' in coord.line_with('"summary"')
+    assert '"epoch_metrics": [{"epoch": 1,' in coord.line_with('"summary"')  # as the line below
+    progress = coord.line_with("epoch 1/1: ")
+    assert progress.startswith("epoch 1/1: 16/16 samples covered (exactly once), ")
+    assert progress.endswith(" 0 deaths (0 dead in all)") and "samples/s" in progress
 
 
 @pytest.mark.slow
