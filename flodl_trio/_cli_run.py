@@ -31,6 +31,7 @@ from ._cli_common import (
     write_text,
 )
 from ._cli_progress import EpochProgress, print_progress
+from ._cli_watch import check_interval, watch
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
 from ._errors import FlodlError
 from ._transport import format_address
@@ -250,23 +251,33 @@ async def run_rank(args: argparse.Namespace) -> int:
 
 async def run_status(args: argparse.Namespace) -> int:
     address = parse_address(args.address, what="status")
+    interval = check_interval(args.interval) if args.watch else 0.0
     # Like the other commands, a signal stops it with 130 / 143 and one line (SIGTERM used to
     # kill it outright, and SIGINT inherited as ignored by a background job was ignored).
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
         state: dict[str, Any] = {}
+        code = EXIT_OK
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
-            state = await fetch_state(address, timeout=args.timeout)
+            if args.watch:
+                code = await watch(address, args.address, interval=interval,
+                                   timeout=args.timeout)
+            else:
+                state = await fetch_state(address, timeout=args.timeout)
             nursery.cancel_scope.cancel()
+    what = "status --watch" if args.watch else "status"
     if stop.signum is not None:
-        sys.stderr.write(f"flodl-trio: status {args.address} stopped by {stop.describe()}\n")
+        sys.stderr.write(f"flodl-trio: {what} {args.address} stopped by {stop.describe()}\n")
         return stop.exit_code
+    if args.watch:
+        return code
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
         return EXIT_OK
+    epoch = f"  epoch {state['epoch']}" if state.get("epoch") is not None else ""
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
-          f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
+          f"{state.get('covered')}{epoch}  uptime {state.get('uptime_s')} s")
     # .get() throughout: a document from another version (or another server) is printed as far
     # as it goes, never a KeyError traceback.
     for relay in _entries(state.get("relays")):

@@ -10,10 +10,11 @@ from typing import Any
 
 
 def ranges_text(ranges: list[list[int]]) -> str:
-    """``[[196, 196], [400, 1]]`` → ``"samples 196–391, 400"`` (sample indices, inclusive).
+    r"""``[[196, 196], [400, 1]]`` → ``"samples 196-391, 400"`` with an en dash (U+2013): sample
+    indices, inclusive.
 
-    >>> ranges_text([[196, 196], [400, 1]])
-    'samples 196–391, 400'
+    >>> ranges_text([[196, 196], [400, 1]]) == "samples 196\u2013391, 400"
+    True
     >>> ranges_text([[7, 1]])
     'sample 7'
     """
