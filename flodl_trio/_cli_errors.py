@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 MAX_LINE = 200
 _MORE = " ... (--debug for the full message)"
+RANK_REJECTED = "expected a handshake ack"  # a rank's HandshakeError: its relay closed each try
 RELAY_SAID = "; the relay said: "  # how a rank's CoordinatorLost quotes its relay's last notice
 
 # The peer each network command dials, and the option that names it.
@@ -86,6 +87,10 @@ def error_line(exc: BaseException, *, command: str, who: str, address: str | Non
             return shorten(f"flodl-trio: {who}: {hint}", MAX_LINE)
     if default is None:
         text = str(exc)
+        if command == "rank" and address is not None and RANK_REJECTED in text:
+            text = (f"{who}: the relay at {address} closed every handshake: is this rank one of "
+                    "its --ranks, and do --world-size and the salt match its own? (its log says "
+                    "which)")
         _, said_sep, said = text.partition(RELAY_SAID)
         if said_sep and command == "rank":  # why the relay gave up is the cause to act on
             text = f"{who}: the relay said: {said}"

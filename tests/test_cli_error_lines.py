@@ -126,3 +126,16 @@ def test_unknown_names_and_unreachable_networks_say_to_check_the_address() -> No
     assert network_cause(unreachable, peer="relay", address="10.0.0.1:7000") == (
         "no route to 10.0.0.1:7000 (Network is unreachable): check the relay address")
     assert network_cause(FlodlError("bad mac"), peer="relay", address="x:1") is None
+
+
+def test_a_rank_its_relay_rejects_is_told_what_to_check() -> None:
+    rejected = HandshakeError(
+        "rank 3: expected a handshake ack (a relay closes connections whose salt, world_size or "
+        "rank it rejects: check its log) from relay 127.0.0.1:4000 within connect_timeout=3s; "
+        "last attempt failed: WireError('ack from relay 127.0.0.1:4000: peer closed the "
+        "connection before sending anything')")
+    line = error_line(rejected, command="rank", who="rank 3", address="127.0.0.1:4000")
+    assert line == ("flodl-trio: HandshakeError: rank 3: the relay at 127.0.0.1:4000 closed every "
+                    "handshake: is this rank one of its --ranks, and do --world-size and the salt "
+                    "match its own? (its log says which)")
+    assert len(line) < MAX_LINE
