@@ -252,6 +252,8 @@ async def run_rank(args: argparse.Namespace) -> int:
 async def run_status(args: argparse.Namespace) -> int:
     address = parse_address(args.address, what="status")
     interval = check_interval(args.interval) if args.watch else 0.0
+    if args.watch and args.json:
+        raise UsageError("status: --watch shows a view, --json one document: choose one")
     # Like the other commands, a signal stops it with 130 / 143 and one line (SIGTERM used to
     # kill it outright, and SIGINT inherited as ignored by a background job was ignored).
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:

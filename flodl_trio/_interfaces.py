@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 import socket
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def _by_route(family: int, probe: str) -> list[str]:
 
 def interface_addresses() -> list[str]:
     """Every IPv4 and IPv6 address of this machine's interfaces (loopback included)."""
-    found = _ipv4_by_ioctl() + _ipv6_from_proc()
+    # SIOCGIFADDR's number and /proc/net/if_inet6 are Linux's; elsewhere, the routing table.
+    found = _ipv4_by_ioctl() + _ipv6_from_proc() if sys.platform == "linux" else []
     if not found:
         for family, probe in _PROBES:
             found += _by_route(family, probe)

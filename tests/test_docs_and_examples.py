@@ -97,6 +97,17 @@ def test_every_readme_python_block_is_part_of_an_example_that_runs() -> None:
     assert (EXAMPLES / "embedding.py").read_text(encoding="utf-8") in python_blocks
 
 
+def test_the_messages_sent_most_come_from_flodl_trio_itself() -> None:
+    # `ft.SetGlobalStep` raised AttributeError: the embedding page's first attempt failed on it.
+    wire = importlib.import_module("flodl_trio.wire")
+    for name in ("StartEpoch", "EpochPlan", "SetGlobalStep", "SyncNow", "DeclareDead",
+                 "Throttle", "Shutdown", "ShutdownWithSave", "Batch", "SyncAck", "Heartbeat",
+                 "ControlMsg", "TimingMsg"):
+        assert getattr(flodl_trio, name) is getattr(wire, name), name
+        assert name in flodl_trio.__all__
+    assert "``SetGlobalStep``" in (DOCS / "embedding.rst").read_text()
+
+
 def test_the_testing_extra_brings_what_the_pytest_plugin_needs() -> None:
     # A user's chaos tests need pytest and pytest-trio (trio_mode); the test extra pins the same.
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][

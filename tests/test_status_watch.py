@@ -82,6 +82,12 @@ def test_the_refresh_interval_is_bounded(interval: str,
                                        f"[0.2, 60], got {float(interval):g}\n")
 
 
+def test_watch_and_json_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--watch", "--json", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == ("flodl-trio: error: status: --watch shows a view, --json "
+                                       "one document: choose one\n")
+
+
 class _StatusServer:
     """A status page on loopback that answers STATE and counts requests (a coordinator's view)."""
 
