@@ -1,6 +1,6 @@
 """A coordinator bound to a wildcard publishes addresses a peer can dial: the machine's interface
-addresses and loopback, never ``0.0.0.0`` or ``::``; a specific bind publishes itself. Only the
-loopback addresses are dialed here."""
+addresses and loopback, never ``0.0.0.0`` or ``::``; a specific bind publishes itself. Only
+loopback is bound and dialed here."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ async def test_a_specific_bind_publishes_exactly_that_address_and_it_answers() -
 
 
 async def test_a_wildcard_bind_publishes_this_machines_addresses_with_loopback_last() -> None:
-    async with await ft.bind_coordinator(("0.0.0.0", 0)) as bound:
-        port = bound.address[1]
+    # What bind_coordinator(("0.0.0.0", 0)) returns, without opening a wildcard socket here:
+    # the addresses the OS reported, and the machine's real interfaces.
+    async with await ft.bind_coordinator(("127.0.0.1", 0)) as loopback:
+        port = loopback.address[1]
+        bound = ft.CoordinatorBind([], [("0.0.0.0", port)])
         published = bound.addresses_for_peers()
-        assert bound.address == ("0.0.0.0", port)  # what the OS says: not dialable elsewhere
         assert published[-1] == ("127.0.0.1", port)
         assert all(p == port and h != "0.0.0.0" for h, p in published)
         assert {h for h, _ in published} <= set(interface_addresses()) | {"127.0.0.1"}
@@ -33,6 +35,8 @@ async def test_a_wildcard_bind_publishes_this_machines_addresses_with_loopback_l
         assert not any(ipaddress.ip_address(h).is_loopback for h, _ in published[:-1])
         stream = await trio.open_tcp_stream(*published[-1])  # loopback only
         await stream.aclose()
+    both = ft.CoordinatorBind([], [("0.0.0.0", 7), ("::", 7)]).addresses_for_peers()
+    assert ("127.0.0.1", 7) in both and not any(h in ("0.0.0.0", "::") for h, _ in both)
 
 
 def test_both_families_skip_link_local_and_duplicates_and_keep_specific_binds() -> None:
@@ -49,11 +53,9 @@ def test_the_coordinator_cli_prints_the_addresses_relays_can_dial(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FLODL_SALT_HEX", "ab" * 16)
-    main(["coordinator", "--listen", "0.0.0.0:0", "--world-size", "1",
+    main(["coordinator", "--listen", "127.0.0.1:0", "--world-size", "1",
           "--formation-timeout", "0.2"])
     out = capsys.readouterr().out.splitlines()
     port = out[0].rsplit(":", 1)[1]
-    assert out[0] == f"coordinator listening on 0.0.0.0:{port}"
-    assert out[1].startswith("relays can dial: ")
-    assert out[1].endswith(f"127.0.0.1:{port}")
-    assert "0.0.0.0" not in out[1]
+    assert out[0] == f"coordinator listening on 127.0.0.1:{port}"
+    assert out[1] == f"relays can dial: 127.0.0.1:{port}"

@@ -69,14 +69,12 @@ def test_a_rank_whose_relay_port_is_closed_asks_whether_a_relay_runs_there(
 @pytest.mark.parametrize(("argv", "code", "line"), [
     (["demo", "--hosts", "0"], 2,
      "flodl-trio: error: demo: expected --hosts, --ranks-per-host and --epochs >= 1"),
-    (["plot", "/no-such-dir/t.jsonl"], 2,
-     "flodl-trio: error: /no-such-dir/t.jsonl: No such file or directory"),
     (["coordinator", "--world-size", "1", "--listen", "127.0.0.1:99999"], 2,
      "flodl-trio: error: --listen: expected HOST:PORT, got '127.0.0.1:99999'"),
     (["relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0", "--world-size",
       "1", "--salt-file", "/no-such-dir/salt"], 2,
      "flodl-trio: error: --salt-file '/no-such-dir/salt': No such file or directory"),
-], ids=["demo-hosts", "plot-missing", "coordinator-listen", "relay-salt-file"])
+], ids=["demo-hosts", "coordinator-listen", "relay-salt-file"])
 def test_each_usage_error_is_its_one_short_line(
     argv: list[str], code: int, line: str, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
