@@ -16,6 +16,7 @@ from collections.abc import Iterator
 MAX_LINE = 200
 _MORE = " ... (--debug for the full message)"
 RANK_REJECTED = "expected a handshake ack"  # a rank's HandshakeError: its relay closed each try
+NOBODY_CAME = "hosts joined: none; rejected connections: none"  # a coordinator's FormationTimeout
 RELAY_SAID = "; the relay said: "  # how a rank's CoordinatorLost quotes its relay's last notice
 
 # The peer each network command dials, and the option that names it.
@@ -91,6 +92,9 @@ def error_line(exc: BaseException, *, command: str, who: str, address: str | Non
             text = (f"{who}: the relay at {address} closed every handshake: is this rank one of "
                     "its --ranks, and do --world-size and the salt match its own? (its log says "
                     "which)")
+        if command == "coordinator" and NOBODY_CAME in text:  # nothing reached it at all
+            text = (f"{text.partition('; ')[0]}: no relay dialed in; start each relay with "
+                    "--coordinator set to an address of 'relays can dial'")
         _, said_sep, said = text.partition(RELAY_SAID)
         if said_sep and command == "rank":  # why the relay gave up is the cause to act on
             text = f"{who}: the relay said: {said}"

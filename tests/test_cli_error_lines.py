@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_trio import FlodlError, HandshakeError
+from flodl_trio import FlodlError, FormationTimeout, HandshakeError
 from flodl_trio._cli_errors import MAX_LINE, error_line, network_cause
 from flodl_trio.cli import main
 
@@ -84,14 +84,22 @@ def test_each_usage_error_is_its_one_short_line(
     assert only_line(capsys.readouterr().err) == line
 
 
-def test_a_coordinator_whose_formation_times_out_says_how_far_it_got(
+def test_a_coordinator_no_relay_ever_reached_says_how_far_it_got_and_what_to_start(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FLODL_SALT_HEX", "ab" * 16)
     assert main(["coordinator", "--world-size", "2", "--formation-timeout", "0.2"]) == 1
     assert only_line(capsys.readouterr().err) == (
-        "flodl-trio: FormationTimeout: formation timed out after 0.2s: 0/2 ranks covered; "
-        "hosts joined: none; rejected connections: none")
+        "flodl-trio: FormationTimeout: formation timed out after 0.2s: 0/2 ranks covered: no "
+        "relay dialed in; start each relay with --coordinator set to an address of 'relays can "
+        "dial'")
+
+
+def test_a_formation_timeout_with_rejected_relays_keeps_the_rejections_first() -> None:
+    timeout = FormationTimeout("formation timed out after 60s: 0/2 ranks covered; hosts joined: "
+                               "none; rejected connections: bad mac x3 (last from 127.0.0.1:5)")
+    assert error_line(timeout, command="coordinator", who="coordinator", address=None) == (
+        f"flodl-trio: FormationTimeout: {timeout}")
 
 
 def test_a_long_library_message_is_cut_at_a_clause_and_points_at_debug() -> None:
