@@ -85,7 +85,7 @@ def test_usage_errors_exit_2_with_one_line(argv: list[str]) -> None:
     assert done.returncode == 2, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("flodl-trio")
+    assert lines[0].startswith("flodl-trio") and len(lines[0]) < 200, lines[0]
     assert "Traceback" not in done.stderr
 
 

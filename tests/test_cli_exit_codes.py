@@ -92,6 +92,7 @@ def one_line(proc: Proc) -> str:
     assert not any("Traceback" in line for line in proc.err), proc.err
     lines = [ln for ln in proc.err if ln.startswith("flodl-trio")]
     assert len(lines) == 1, proc.err
+    assert len(lines[0]) < 200, lines[0]  # the cause to act on, not the whole story
     return lines[0]
 
 
