@@ -133,13 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random spread of each batch time, as a fraction of --batch-ms")
     _add_salt_args(p)
 
-    p = _command("status", "print a coordinator's /state.json",
+    p = _command("status", "print a coordinator's /state.json (--watch: a live view)",
                  "Query a coordinator's status page (its --listen port). Exits 0 with an "
-                 "answer, 1 without one.")
+                 "answer, 1 without one;\nwith --watch, 0 once the coordinator went away.")
     p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds for the whole exchange")
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p.add_argument("--watch", action="store_true",
+                   help="a one-screen view refreshed in place (hosts, ranks alive/dead, epoch, "
+                   "lost broadcasts) until Ctrl-C or the coordinator goes away (then exit 0)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between --watch refreshes, 0.2 to 60")
 
     p = _command("demo", "a whole local cluster as separate processes on loopback",
                  "Run a coordinator, one relay per host and simulated ranks as separate "

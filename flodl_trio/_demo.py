@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._cli_common import CommandFailed, Terminated, UsageError, check_writable
+from ._cli_errors import MAX_LINE, shorten
 from ._demo_story import Story
 from .wire import SessionSalt
 
@@ -70,12 +71,17 @@ def _log(folder: Path, name: str) -> IO[str]:
     return (folder / f"{name}.log").open("w", encoding="utf-8")
 
 
+# The kept directory's path is printed on stdout ("process logs kept in ..."): a temporary path
+# would take most of the one error line.
+LOG_HINT = " (see coordinator.log in the process logs kept)"
+
+
 def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the child prints it right after binding
     if not line:
         raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
-                            f"printing its address (its log: {logs / (what + '.log')})")
+                            f"printing its address (see {what}.log in the process logs kept)")
     return line
 
 
@@ -300,14 +306,14 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
         print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
         reason = summary.get("failed") or f"the coordinator exited with code {code} and wrote " \
             "no summary"
-        raise CommandFailed(f"demo: the run failed: {reason} (coordinator log: "
-                            f"{cluster.logs / 'coordinator.log'})")
+        room = MAX_LINE - len(f"flodl-trio: demo: the run failed: {LOG_HINT}") - 1
+        raise CommandFailed(f"demo: the run failed: {shorten(reason, room)}{LOG_HINT}")
     done = summary.get("epochs_completed")
     print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch'] + 1}: avg loss {m['avg_loss']:.4f}")
+        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")  # numbered from 1
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")
@@ -319,8 +325,7 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
               f"`flodl-trio plot {args.timeline} -o timeline.png`")
     if code != 0 or done != args.epochs:
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
-                            f"exit code {code} (coordinator log: "
-                            f"{cluster.logs / 'coordinator.log'})")
+                            f"exit code {code}{LOG_HINT}")
     print("run completed")
     return 0
 

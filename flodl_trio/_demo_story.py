@@ -10,15 +10,19 @@ from typing import Any
 
 
 def ranges_text(ranges: list[list[int]]) -> str:
-    """``[[32, 4], [40, 2]]`` → ``"32-35, 40-41"`` (sample indices, inclusive).
+    r"""``[[196, 196], [400, 1]]`` → ``"samples 196-391, 400"`` with an en dash (U+2013): sample
+    indices, inclusive.
 
-    >>> ranges_text([[32, 4], [40, 1]])
-    '32-35, 40'
+    >>> ranges_text([[196, 196], [400, 1]]) == "samples 196\u2013391, 400"
+    True
+    >>> ranges_text([[7, 1]])
+    'sample 7'
     """
     parts = []
     for offset, size in ranges:
-        parts.append(str(offset) if size == 1 else f"{offset}-{offset + size - 1}")
-    return ", ".join(parts)
+        parts.append(str(offset) if size == 1 else f"{offset}\u2013{offset + size - 1}")
+    single = len(ranges) == 1 and ranges[0][1] == 1
+    return ("sample " if single else "samples ") + ", ".join(parts)
 
 
 class Story:
@@ -113,7 +117,7 @@ class Story:
             return (f"{t}  epoch {int(fields['epoch']) + 1}/{self.epochs} done: avg loss "
                     f"{float(fields['avg_loss']):.4f}, {self.syncs} syncs so far")
         if what == "redistributed":
-            took = "; ".join(f"rank {r} took {ranges_text(p)}"
+            took = "; ".join(f"rank {r} takes {ranges_text(p)}"
                              for r, p in sorted(fields["to"].items(), key=lambda kv: int(kv[0])))
             left = sum(size for p in fields["to"].values() for _, size in p)
             return (f"{t}  rank {fields['from_rank']}'s {left} unprocessed samples of epoch "
