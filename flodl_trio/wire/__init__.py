@@ -128,8 +128,18 @@ from ._rank_handshake import (
     RankHandshakeEvent,
     RankHelloReceived,
 )
+from ._rank_session import RankFrame, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._schema import WireMessage
+from ._session import (
+    READ_SIZE,
+    CoordinatorSession,
+    Deliver,
+    EndOfStream,
+    Invalid,
+    UpstreamSession,
+    ranks_text,
+)
 
 __all__ = [
     "CHANNEL_MAGIC_CONTROL",
@@ -154,6 +164,7 @@ __all__ = [
     "RANK_ACK_MAGIC",
     "RANK_HELLO_LEN",
     "RANK_HELLO_MAGIC",
+    "READ_SIZE",
     "RECORD_HEADER_LEN",
     "RECORD_MAGIC",
     "RELAY_TO_COORD",
@@ -165,11 +176,14 @@ __all__ = [
     "ControlMsg",
     "CoordHeartbeat",
     "CoordinatorHandshake",
+    "CoordinatorSession",
     "DashboardRegister",
     "DashboardSetHardware",
     "DashboardSetMetadata",
     "DashboardSetSvg",
     "DeclareDead",
+    "Deliver",
+    "EndOfStream",
     "EpochAggregated",
     "EpochFnElapsed",
     "EpochMetrics",
@@ -194,6 +208,7 @@ __all__ = [
     "HelloReceived",
     "Intent",
     "IntentKind",
+    "Invalid",
     "LenFrameDecoder",
     "LrUpdate",
     "Mac64",
@@ -207,8 +222,11 @@ __all__ = [
     "RankDialHandshake",
     "RankDropped",
     "RankExit",
+    "RankFrame",
     "RankHandshakeEvent",
     "RankHelloReceived",
+    "RankLinkSession",
+    "RankSession",
     "Ready",
     "Record",
     "RecordKind",
@@ -235,6 +253,7 @@ __all__ = [
     "Throttle",
     "TimingMsg",
     "Update",
+    "UpstreamSession",
     "WireMessage",
     "conn_key",
     "control_label",
@@ -258,5 +277,6 @@ __all__ = [
     "len_frame",
     "mac64",
     "max_hello_payload",
+    "ranks_text",
     "verify_rank_ack",
 ]
