@@ -202,7 +202,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
             local.release(reserved, attempt)
         await trio.aclose_forcefully(stream)
         return
-    link = RankLink(rank, stream, local.config)
+    link = RankLink(rank, stream, local.config, host=local.host)
     link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):
