@@ -14,10 +14,10 @@ import trio
 
 from ._errors import FlodlError
 from ._transport import STREAM_GONE
-from .wire import NeedData
+from .wire import READ_SIZE, NeedData
 
 # A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
-HANDSHAKE_READ = 65536
+HANDSHAKE_READ = READ_SIZE
 
 Event = TypeVar("Event", covariant=True)
 
