@@ -338,3 +338,13 @@ def test_rank_events_do_not_depend_on_how_reads_were_cut() -> None:
     stream = b"".join(wire.len_frame(CODEC.encode(m)) for m in
                       (wire.CoordHeartbeat(), wire.Fenced(rank=2, reason="r"), wire.Shutdown()))
     every_cut(rank_side, stream)
+
+
+def test_records_buffered_by_the_handshake_are_the_first_events() -> None:
+    opener = wire.RecordOpener(KEY, wire.RELAY_TO_COORD)
+    stream = relay_records((CONTROL, 0, wire.encode(wire.RankExit(rank=2))),
+                           (CONTROL, 0, wire.encode(wire.RankExit(rank=3))))
+    opener.push(stream[:-1])  # as the handshake leaves it: one whole record and a partial one
+    session = CoordinatorSession(opener, wire.RecordSealer(KEY, wire.COORD_TO_RELAY), CODEC,
+                                 host="h1", ranks=(2, 3))
+    assert events_of(session, [stream[-1:]]) == [wire.RankExit(rank=2), wire.RankExit(rank=3)]
