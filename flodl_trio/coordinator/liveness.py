@@ -118,15 +118,15 @@ class Liveness:
         while self._deaths_handled < target and not self._roster.shutting_down:
             await self._deaths_progress.wait()
 
-    def relay_lost(self, conn: RelayConn, cause: str) -> None:
+    def relay_lost(self, conn: RelayConn, cause: str, stalled: bool = False) -> None:
         """An upstream connection ended: during formation its ranks are uncovered again (the
-        relay may re-dial); afterwards its live ranks are declared dead at once."""
-        if conn.lost_reason is not None:
+        relay may re-dial); afterwards its live ranks are declared dead at once. Only its
+        first end counts (a retired connection's end is no loss)."""
+        if not conn.abandon(cause, stalled=stalled):
             return
-        conn.abandon(cause)
-        if self._roster.shutting_down or conn.retired is not None:
+        if self._roster.shutting_down:
             return  # closed on purpose: nothing is lost
-        if conn.stalled:
+        if stalled:
             self.write_stalls += 1
             self._timeline.event(RelayStalled(host=conn.host, ranks=conn.ranks,
                                               stalled_s=conn.write_stall_timeout))

@@ -80,12 +80,10 @@ class Readers:
         except trio.ClosedResourceError:
             cause = session.close("connection closed")
         finally:
-            conn.reader_done.set()
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
-        if conn.lost_reason is None:
-            self._liveness.relay_lost(conn, cause)
+        self._liveness.relay_lost(conn, cause)  # its first end only counts
 
     async def act_on(self, conn: RelayConn,
                      session: CoordinatorSession) -> EndOfStream | NeedData:
