@@ -25,14 +25,12 @@ from ._errors import (
     SendError,
     WireError,
 )
-from ._handshake_io import run_handshake
+from ._handshake_io import receive_event, run_handshake
 from ._keepalive import KeepAlive
 from ._lifecycle import open_lifecycle
 from ._ratelimit import JunkCounter
 from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial_and_handshake, format_address
 from .wire import (
-    NEED_DATA,
-    READ_SIZE,
     ControlMsg,
     CoordHeartbeat,
     DeclareDead,
@@ -186,18 +184,15 @@ class RankEndpoint:
             session.receive_data(self._leftover)
             self._leftover = b""
         try:
-            while True:
-                event = session.next_event()
-                if event is NEED_DATA:
-                    session.receive_data(await self._stream.receive_some(READ_SIZE))
-                elif type(event) is Invalid:
-                    if event.category != "invalid frame":  # it verified: a sign of life
-                        self._last_inbound = trio.current_time()
+            while not isinstance(event := await receive_event(self._stream, session),
+                                 EndOfStream):
+                if type(event) is Invalid and event.category == "invalid frame":
+                    self._drop(event.category, event.detail)  # it did not verify
+                    continue
+                self._last_inbound = trio.current_time()  # it verified: a sign of life
+                if type(event) is Invalid:
                     self._drop(event.category, event.detail)
-                elif isinstance(event, EndOfStream):
-                    break
                 else:
-                    self._last_inbound = trio.current_time()
                     await self._on_message(event)
         except STREAM_GONE as exc:
             self._set_lost(session.close(f"link to relay {self._relay} lost "

@@ -17,7 +17,6 @@ relay that stopped reading delays nobody else; its writer gives up after
 from __future__ import annotations
 
 import logging
-import math
 
 import trio
 
@@ -56,7 +55,11 @@ class Liveness:
         self._sender = sender
         self._config = config
         self._timeline = timeline
-        self._death_send, self._death_recv = trio.open_memory_channel[int](math.inf)
+        # Deaths not yet told to the survivors. Never full: a rank is queued only on its way
+        # from live to dead (the roster refuses to mark a dead rank again), so world_size bounds
+        # it; a rank that comes back must be handled as dead before it can die again.
+        self._death_send, self._death_recv = trio.open_memory_channel[int](
+            max(1, config.world_size))
         self._deaths_marked = 0
         self._deaths_handled = 0
         self._deaths_progress = trio.Event()

@@ -13,6 +13,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
+from .._handshake_io import receive_event
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE
 from ..events import RelayDroppedRank
@@ -276,14 +277,8 @@ class Pump:
                 link.early.clear()
             if link.early_eof:
                 session.receive_data(b"")
-            while True:
-                event = session.next_event()
-                if event is NEED_DATA:
-                    session.receive_data(await link.stream.receive_some(READ_SIZE))
-                elif type(event) is RankFrame:
-                    await up_send.send((event.rank, event.blob))
-                else:
-                    break
+            while type(event := await receive_event(link.stream, session)) is RankFrame:
+                await up_send.send((event.rank, event.blob))
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
