@@ -157,10 +157,14 @@ def test_an_eof_in_the_middle_of_a_record_is_not_a_clean_end() -> None:
     assert not end.clean and "peer closed mid-frame" in end.reason and "relay 'h1'" in end.reason
 
 
-def test_the_loops_close_reason_wins_over_a_later_eof() -> None:
-    session = coordinator_side()
-    assert session.close("write stall: no progress for 5s") == "write stall: no progress for 5s"
-    assert events_of(session, [b""]) == [EndOfStream("write stall: no progress for 5s", True)]
+def test_the_loops_close_reason_wins_over_a_later_eof_which_is_then_not_clean() -> None:
+    session = relay_side()
+    session.receive_data(coordinator_records((CONTROL, 0, wire.encode(wire.Goodbye(reason="x")))))
+    assert session.close("upstream write stall: no progress for 5s") == (
+        "upstream write stall: no progress for 5s")
+    assert events_of(session, [b""]) == [
+        wire.Goodbye(reason="x"), EndOfStream("upstream write stall: no progress for 5s", False)]
+    assert session.close_reason == "upstream write stall: no progress for 5s"
 
 
 def test_coordinator_sends_only_goodbye_and_fencerank() -> None:
@@ -348,3 +352,22 @@ def test_records_buffered_by_the_handshake_are_the_first_events() -> None:
     session = CoordinatorSession(opener, wire.RecordSealer(KEY, wire.COORD_TO_RELAY), CODEC,
                                  host="h1", ranks=(2, 3))
     assert events_of(session, [stream[-1:]]) == [wire.RankExit(rank=2), wire.RankExit(rank=3)]
+
+
+def test_what_one_side_sends_is_what_the_other_side_gets_in_both_directions() -> None:
+    coordinator, relay = coordinator_side(), relay_side()
+    relay.receive_data(coordinator.send(wire.FenceRank(rank=3, reason="dead"))
+                       + coordinator.seal(FANOUT, 0, wire.encode_fanout([2, 3], b"f"))
+                       + coordinator.send(wire.Goodbye(reason="done")))
+    assert drain(relay) == [wire.FenceRank(rank=3, reason="dead"),
+                            Deliver((2, 3), wire.len_frame(b"f")), wire.Goodbye(reason="done")]
+    beat = wire.Heartbeat(rank=2, step_count=9)
+    coordinator.receive_data(relay.seal(DATA, 2, CODEC.encode(beat))
+                             + relay.send(wire.RankExit(rank=3)))
+    assert drain(coordinator) == [beat, wire.RankExit(rank=3)]
+    rank, link = rank_side(), RankLinkSession(2, host="h1")
+    link.receive_data(rank.send(beat))
+    (frame,) = drain(link)
+    assert wire.frame_message(CODEC.open(frame.blob)) == beat
+    rank.receive_data(link.send(CODEC.encode(wire.Shutdown())))
+    assert drain(rank) == [wire.Shutdown()]

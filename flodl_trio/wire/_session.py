@@ -162,6 +162,8 @@ class _Session:
         return self.close_reason
 
     def _finish(self, reason: str, clean: bool, error: WireError | None) -> EndOfStream:
+        # An end the loop reported first (a reset, a stall) is never a clean one.
+        clean = clean and self.close_reason is None
         self._end = EndOfStream(self.close(reason), clean, error)
         return self._end
 
