@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+import attrs
 import trio
 
 from .._transport import STREAM_GONE
@@ -36,28 +37,24 @@ from .liveness import Liveness
 log = logging.getLogger("flodl_trio.coordinator")
 
 
+def _idle_event() -> trio.Event:
+    event = trio.Event()
+    event.set()  # no reader is running yet
+    return event
+
+
+@attrs.define(kw_only=True, eq=False)
 class Readers:
     """The relay connections' readers, and whether any of them is still reading."""
 
-    def __init__(
-        self,
-        *,
-        roster: Roster[RelayConn],
-        liveness: Liveness,
-        codec: FrameCodec,
-        timeline: Timeline,
-        timing: trio.MemorySendChannel[TimingMsg],
-        metrics: trio.MemorySendChannel[Metrics],
-    ) -> None:
-        self._roster = roster
-        self._liveness = liveness
-        self._codec = codec
-        self._timeline = timeline
-        self._timing = timing
-        self._metrics = metrics
-        self._active = 0
-        self._idle = trio.Event()
-        self._idle.set()
+    _roster: Roster[RelayConn]
+    _liveness: Liveness
+    _codec: FrameCodec
+    _timeline: Timeline
+    _timing: trio.MemorySendChannel[TimingMsg]
+    _metrics: trio.MemorySendChannel[Metrics]
+    _active: int = attrs.field(default=0, init=False)
+    _idle: trio.Event = attrs.field(factory=_idle_event, init=False)
 
     async def wait_idle(self) -> None:
         """Return once no reader is running (every relay connection reached its end)."""
