@@ -129,8 +129,18 @@ from ._rank_handshake import (
     RankHandshakeEvent,
     RankHelloReceived,
 )
+from ._rank_session import RankFrame, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._schema import WireMessage
+from ._session import (
+    READ_SIZE,
+    CoordinatorSession,
+    Deliver,
+    EndOfStream,
+    Invalid,
+    UpstreamSession,
+    ranks_text,
+)
 
 __all__ = [
     "CHANNEL_MAGIC_CONTROL",
@@ -155,6 +165,7 @@ __all__ = [
     "RANK_ACK_MAGIC",
     "RANK_HELLO_LEN",
     "RANK_HELLO_MAGIC",
+    "READ_SIZE",
     "RECORD_HEADER_LEN",
     "RECORD_MAGIC",
     "RELAY_TO_COORD",
@@ -166,12 +177,15 @@ __all__ = [
     "ControlMsg",
     "CoordHeartbeat",
     "CoordinatorHandshake",
+    "CoordinatorSession",
     "DashboardRegister",
     "DashboardSetHardware",
     "DashboardSetMetadata",
     "DashboardSetSvg",
     "DeclareAlive",
     "DeclareDead",
+    "Deliver",
+    "EndOfStream",
     "EpochAggregated",
     "EpochFnElapsed",
     "EpochMetrics",
@@ -196,6 +210,7 @@ __all__ = [
     "HelloReceived",
     "Intent",
     "IntentKind",
+    "Invalid",
     "LenFrameDecoder",
     "LrUpdate",
     "Mac64",
@@ -209,8 +224,11 @@ __all__ = [
     "RankDialHandshake",
     "RankDropped",
     "RankExit",
+    "RankFrame",
     "RankHandshakeEvent",
     "RankHelloReceived",
+    "RankLinkSession",
+    "RankSession",
     "Ready",
     "Record",
     "RecordKind",
@@ -237,6 +255,7 @@ __all__ = [
     "Throttle",
     "TimingMsg",
     "Update",
+    "UpstreamSession",
     "WireMessage",
     "conn_key",
     "control_label",
@@ -260,5 +279,6 @@ __all__ = [
     "len_frame",
     "mac64",
     "max_hello_payload",
+    "ranks_text",
     "verify_rank_ack",
 ]
