@@ -178,7 +178,8 @@ async def open_coordinator(
                                       write_stall=config.write_stall_timeout))
                 )
                 life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
-                                                request_timeout=config.peek_timeout))
+                                                request_timeout=config.peek_timeout,
+                                                board_fn=coord.board))
                 control: list[trio.abc.Listener[Any]] = [mux.control]
             else:
                 for listener in direct:

@@ -31,6 +31,7 @@ from ..wire import (
     decode_timing,
     frames_before,
 )
+from ._board import Board
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from .liveness import Liveness
@@ -58,8 +59,10 @@ class Readers:
         timeline: Timeline,
         timing: trio.MemorySendChannel[TimingMsg],
         metrics: trio.MemorySendChannel[Metrics],
+        board: Board,
     ) -> None:
         self._roster = roster
+        self._board = board
         self._liveness = liveness
         self._codec = codec
         self._timeline = timeline
@@ -192,7 +195,9 @@ class Readers:
             self._roster.seen(rank, now)
             if type(msg) is Exiting and self._roster.mark_exited(rank):
                 self._timeline.event(RankExited(rank=rank))
+            self._board.on_message(msg)
             return self._timing, msg
+        self._board.on_message(msg)
         return self._metrics, msg
 
     async def deliver_when_room(self, conn: RelayConn, send: trio.MemorySendChannel[Any],
