@@ -21,12 +21,20 @@ from ._errors import (
     HandshakeError,
     RankEvicted,
     SendError,
+    SvgRejected,
     WireError,
 )
 from ._reformation import ReformationError
+from ._svg import sanitize_svg
 from ._timeouts import timeout_scale
 from ._version import __version__
-from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
+from .coordinator import (
+    Coordinator,
+    CoordinatorBind,
+    DashboardPush,
+    bind_coordinator,
+    open_coordinator,
+)
 from .rank import RankEndpoint, open_rank
 from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
@@ -43,6 +51,7 @@ __all__ = [
     "CoordinatorBind",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DashboardPush",
     "FlodlError",
     "FlodlInternalError",
     "FormationAborted",
@@ -63,6 +72,7 @@ __all__ = [
     "SaveReason",
     "SendError",
     "SessionSalt",
+    "SvgRejected",
     "Timeline",
     "WireError",
     "__version__",
@@ -70,5 +80,6 @@ __all__ = [
     "open_coordinator",
     "open_rank",
     "open_relay",
+    "sanitize_svg",
     "timeout_scale",
 ]

@@ -22,9 +22,11 @@ from ..port_mux import open_port_mux
 from ..status import serve_status
 from ..timeline import Timeline
 from ..wire import SessionSalt
+from ._board import DashboardPush
 from ._core import Coordinator
 
-__all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
+__all__ = ["Coordinator", "CoordinatorBind", "DashboardPush", "bind_coordinator",
+           "open_coordinator"]
 
 log = logging.getLogger("flodl_trio.coordinator")
 
