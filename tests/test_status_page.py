@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -15,11 +16,10 @@ from typing import Any
 import h11
 import trio
 import trio.testing
+from test_status_http import get, parse_response, read_to_eof
 
 from flodl_trio.status import serve_status
 from flodl_trio.testing import MemoryNetwork, MemoryStream
-
-from test_status_http import get, parse_response, read_to_eof
 
 
 class Board:
@@ -150,7 +150,7 @@ async def test_a_viewer_that_does_not_read_is_dropped_and_the_others_keep_their_
             arrivals.append(trio.current_time())
             last = document
         assert last is not None and last["dropped_viewers"] == 1 and last["viewers"] == 1
-        gaps = [b - a for a, b in zip(arrivals[2:], arrivals[3:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(arrivals[2:])]
         assert all(abs(gap - 1.0) < 0.01 for gap in gaps)  # the coordinator never waited
         # The dropped viewer's connection is closed: what it can still read ends in EOF.
         with trio.fail_after(5):
