@@ -1,7 +1,8 @@
 """The status page's live feed: ``GET /events`` as Server-Sent Events, one stream per viewer.
 
 One ticker computes the page's document once per ``tick`` for every viewer (and not at all while
-nobody watches) and offers the encoded message to each viewer's queue of
+nobody watches; less often when one document costs more than :data:`MAX_CPU_SHARE` of a tick)
+and offers the encoded message to each viewer's queue of
 :data:`VIEWER_QUEUE` messages without waiting. A viewer whose queue is full (its socket does not
 take the messages as fast as they come) is dropped and counted: the coordinator never waits on a
 viewer. Viewers are capped (``max_viewers``; the next one gets 503 and the page falls back to
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -26,6 +28,9 @@ log = logging.getLogger("flodl_trio.status")
 
 BoardFn = Callable[[], Mapping[str, Any]]
 VIEWER_QUEUE: Final = 2
+# The ticker's share of a core at most: when one document takes longer to build than this share
+# of the tick (a 16k-rank world on a busy machine), the next tick waits longer instead.
+MAX_CPU_SHARE: Final = 0.05
 # The browser waits this long before reconnecting after a stream ends.
 RETRY_MS: Final = 1000
 
@@ -98,6 +103,7 @@ class BoardFeed:
             if not self._viewers:
                 self._wake = trio.Event()
                 await self._wake.wait()
+            began = time.perf_counter()
             try:
                 payload = self._build(trio.current_time())
             except Exception:  # a broken board_fn must not take the coordinator down
@@ -109,7 +115,8 @@ class BoardFeed:
                     viewer.send.send_nowait(message)
                 except trio.WouldBlock:
                     self._drop(viewer, f"it did not read its last {VIEWER_QUEUE} messages")
-            await trio.sleep(self.tick)
+            spent = time.perf_counter() - began
+            await trio.sleep(max(self.tick, spent / MAX_CPU_SHARE))
 
     def _drop(self, viewer: _Viewer, why: str) -> None:
         if self._viewers.pop(viewer, 0) is None:

@@ -2,9 +2,9 @@
 and the board: computed once per tick for every viewer, so its cost is per tick, not per viewer.
 
 Up to :data:`RANK_DETAIL_LIMIT` ranks every rank is listed with its state, step count and last
-heartbeat age; above it each relay is one line of counts (a 16,384-rank world is 2,048 relay
-lines, not 16,384 rank lines), and only the deaths are listed rank by rank (the last
-:data:`DEATHS_LISTED`).
+heartbeat age; above it each relay is one row of counts (:data:`RELAY_COLUMNS`): a 16,384-rank
+world is 2,048 relay rows, not 16,384 rank lines, and only the deaths are listed rank by rank
+(the last :data:`DEATHS_LISTED`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ class _States:
 
     def __init__(self, roster: Roster[RelayConn]) -> None:
         self.dead = roster.dead
+        self.dead_set = frozenset(self.dead)
         self.exited = roster.exited
         self.covered = roster.covered
+        self.live = roster.live
 
     def of(self, rank: int) -> str:
         if rank in self.dead:
@@ -57,19 +59,25 @@ def _rank_rows(ranks: Iterable[int], states: _States, board: Board,
     return [[r, states.of(r), steps.get(r), _age(seen, r, now)] for r in ranks]
 
 
-def _relay_counts(ranks: tuple[int, ...], states: _States, board: Board,
-                  seen: Mapping[int, float], now: float) -> dict[str, Any]:
-    counts = dict.fromkeys(STATES, 0)
-    steps = [board.steps[r] for r in ranks if r in board.steps]
-    oldest: float | None = None
-    for r in ranks:
-        state = states.of(r)
-        counts[state] += 1
-        if state == "alive" and r in seen:
-            oldest = now - seen[r] if oldest is None else max(oldest, now - seen[r])
-    return {"counts": counts, "steps_min": min(steps, default=None),
-            "steps_max": max(steps, default=None),
-            "age_max": None if oldest is None else round(max(0.0, oldest), 1)}
+RELAY_COLUMNS: Final = ("host", "peer", "connected", "n", "alive", "dead", "exited", "waiting",
+                        "steps_min", "steps_max", "age_max")
+
+
+def _relay_row(conn: RelayConn, states: _States, board: Board,
+               seen: Mapping[int, float], now: float) -> list[Any]:
+    """One relay's line in a large world, as a row of :data:`RELAY_COLUMNS` (a list, not an
+    object: 2,048 of them go to every viewer every tick). Set intersections and ``map`` (C
+    loops), since this runs for every relay of the world per document."""
+    ranks, rank_set = conn.ranks, conn.rank_set
+    dead = len(rank_set & states.dead_set) if states.dead_set else 0
+    exited = len(rank_set & states.exited) if states.exited else 0
+    live = rank_set & states.live
+    steps = [v for v in map(board.steps.get, ranks) if v is not None]
+    heard = [t for t in map(seen.get, ranks if len(live) == len(ranks) else live)
+             if t is not None]
+    return [conn.host, conn.peer, conn.alive, len(ranks), len(live), dead, exited,
+            len(ranks) - len(live) - dead - exited, min(steps, default=None),
+            max(steps, default=None), round(max(0.0, now - min(heard)), 1) if heard else None]
 
 
 def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
@@ -86,19 +94,17 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
     states = _States(roster)
     seen = roster.last_seen
     detailed = roster.world_size <= RANK_DETAIL_LIMIT
-    relays: list[dict[str, Any]] = []
+    relays: list[Any] = []
     carried: set[int] = set()
     for conn in roster.relays:
-        entry: dict[str, Any] = {"host": conn.host, "peer": conn.peer, "connected": conn.alive,
-                                 "n": len(conn.ranks)}
         if detailed:
-            entry["ranks"] = _rank_rows(conn.ranks, states, board, seen, now)
+            relays.append({"host": conn.host, "peer": conn.peer, "connected": conn.alive,
+                           "n": len(conn.ranks),
+                           "ranks": _rank_rows(conn.ranks, states, board, seen, now)})
+            carried.update(conn.ranks)
         else:
-            entry.update(_relay_counts(conn.ranks, states, board, seen, now))
-        carried.update(conn.ranks)
-        relays.append(entry)
-    unannounced = roster.world_size - len(carried)
-    if detailed and unannounced:
+            relays.append(_relay_row(conn, states, board, seen, now))
+    if detailed and len(carried) < roster.world_size:
         waiting = [r for r in range(roster.world_size) if r not in carried]
         relays.append({"host": None, "peer": None, "connected": False, "n": len(waiting),
                        "ranks": _rank_rows(waiting, states, board, seen, now)})
@@ -108,13 +114,14 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
     epochs = board.epochs()
     counts = dict.fromkeys(STATES, 0)
     counts["dead"], counts["exited"] = len(dead), len(states.exited)
-    counts["alive"] = len(roster.live)
+    counts["alive"] = len(states.live)
     counts["waiting"] = roster.world_size - counts["alive"] - counts["dead"] - counts["exited"]
     return {
         "phase": page_phase(roster.phase, failed),
         "coordinator_phase": roster.phase,
         "world_size": roster.world_size,
         "detail": "ranks" if detailed else "relays",
+        "relay_columns": None if detailed else RELAY_COLUMNS,
         "counts": counts,
         "relays": relays,
         "deaths": deaths,
