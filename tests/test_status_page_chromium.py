@@ -6,6 +6,7 @@ processes on loopback); one relay is SIGKILLed and the page shows its ranks dead
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -16,8 +17,11 @@ from types import ModuleType
 
 import pytest
 import trio
+from test_board import big_world
 
 import flodl_trio as ft
+from flodl_trio.coordinator._boardview import board_document
+from flodl_trio.status import serve_status
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -63,7 +67,6 @@ async def _coordinator_process(tmp: Path, salt: ft.SessionSalt) -> tuple[trio.Pr
 
 
 async def _read(page: object) -> dict[str, object]:
-    import json
     return json.loads(await page.evaluate(RANKS_JS))  # type: ignore[attr-defined,no-any-return]
 
 
@@ -119,3 +122,45 @@ async def test_chromium_shows_the_ranks_of_a_sigkilled_relay_dead_within_3s(
                 proc.kill()
                 with trio.CancelScope(shield=True):
                     await proc.wait()
+
+
+async def test_chromium_renders_16384_ranks_as_2048_relay_lines_and_pushes_as_inert_text(
+) -> None:
+    roster, board = big_world()
+    board.on_message(ft.wire.DashboardSetSvg(
+        rank=5, label="<i>loss</i>", svg='<svg xmlns="http://www.w3.org/2000/svg" width="40" '
+        'height="20" onload="document.title=1"><rect width="40" height="20" fill="red"/></svg>'))
+    board.on_message(ft.wire.DashboardSetMetadata(rank=5, json='{"note": "<b>bold</b>"}'))
+    board.on_message(ft.wire.DashboardSetHardware(rank=5, summary="<img src=x onerror=alert(1)>"))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with listeners[0], trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve_status(
+                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
+                board_fn=lambda: board_document(roster, board, now=3.0, failed=False,
+                                                extras={"uptime_s": 3.0, "formation_s": 1.5,
+                                                        "formed": True, "lost_broadcasts": 0})))
+            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
+                for _ in range(400):  # until the first document is rendered
+                    if await page.evaluate("document.querySelectorAll('.relay').length"):
+                        break
+                    await trio.sleep(0.05)
+                seen = json.loads(await page.evaluate("""JSON.stringify({
+                  relays: document.querySelectorAll('section.relay').length,
+                  ranks: document.querySelectorAll('[data-rank]').length,
+                  dead: document.querySelectorAll('section.relay[data-state=dead]').length,
+                  img: document.querySelector('figure[data-push-rank="5"] img')?.naturalWidth,
+                  caption: document.querySelector('figure figcaption').textContent,
+                  metadata: document.querySelector('figure pre.metadata').textContent,
+                  injected: document.querySelectorAll(
+                    'figure b, figure i, img:not([src^="data:image/svg+xml"])').length,
+                  title: document.title,
+                })"""))
+            nursery.cancel_scope.cancel()
+    assert seen["relays"] == 2048 and seen["ranks"] == 0
+    assert seen["dead"] == 39  # host-1 (ranks 9, 10) and the 38 relays of ranks 1000..1299
+    assert seen["img"] == 40  # the sanitised SVG rendered, as an image
+    assert seen["caption"] == "rank 5 · <i>loss</i>"  # text, not markup
+    assert seen["metadata"] == '{"note": "<b>bold</b>"}'
+    assert seen["injected"] == 0 and seen["title"] == "flodl-trio status"
