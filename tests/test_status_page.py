@@ -19,7 +19,7 @@ import trio.testing
 from test_status_http import get, parse_response, read_to_eof
 
 from flodl_trio.status import serve_status
-from flodl_trio.testing import MemoryNetwork, MemoryStream
+from flodl_trio.testing import MemoryNetwork, MemoryStream, open_local_cluster
 
 
 class Board:
@@ -75,7 +75,11 @@ class Viewer:
                 continue  # a retry: field
             if self.ended:
                 return None
-            event = self.conn.next_event()
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError:  # closed mid-body: the server went away
+                self.ended = True
+                continue
             if event is h11.NEED_DATA:
                 self.conn.receive_data(await self.stream.receive_some())
             elif isinstance(event, h11.Response):
@@ -197,3 +201,24 @@ async def test_events_head_is_bounded_like_every_request_and_the_stream_by_its_l
             documents += 1
         assert viewer.ended and abs(trio.current_time() - start - 10.0) < 0.01
         assert 9 <= documents <= 11
+
+
+async def test_an_open_events_stream_does_not_hold_up_the_coordinators_shutdown() -> None:
+    with trio.fail_after(20):
+        async with open_local_cluster({"host-a": [0, 1]}, transport="tcp") as cluster:
+            host, port = cluster.coord.address
+            client = await trio.open_tcp_stream(host, port)
+            viewer = Viewer(client)  # type: ignore[arg-type]
+            await client.send_all(get("/events"))
+            document = await viewer.next_event()
+            assert document is not None and document["phase"] == "running"
+            assert [row[:2] for row in document["relays"][0]["ranks"]] == [
+                [0, "alive"], [1, "alive"]]
+            left_at = trio.current_time()
+        assert trio.current_time() - left_at < 5  # shutdown_grace, not stream_seconds (300 s)
+        with trio.fail_after(5):  # its last documents, then the end of the stream
+            for _ in range(20):
+                if await viewer.next_event() is None:
+                    break
+        assert viewer.ended
+        await client.aclose()
