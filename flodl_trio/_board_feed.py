@@ -74,6 +74,7 @@ class BoardFeed:
         self._viewers: dict[_Viewer, None] = {}
         self._wake = trio.Event()
         self._latest: tuple[float, bytes] | None = None
+        self._ticker_scope = trio.CancelScope()
         self.dropped_viewers = 0
         self.refused_viewers = 0
         self.documents = 0
@@ -97,8 +98,19 @@ class BoardFeed:
         self._latest = (now, payload)
         return payload
 
+    def close(self) -> None:
+        """Stop the ticker and end every stream (each writes the end of its body, then closes)."""
+        self._ticker_scope.cancel()
+        for viewer in self._viewers:
+            viewer.send.close()
+
     async def run_ticker(self) -> None:
-        """Build one document per tick while anyone watches, and offer it to every viewer."""
+        """Build one document per tick while anyone watches, and offer it to every viewer,
+        until :meth:`close`."""
+        with self._ticker_scope:
+            await self._tick_forever()
+
+    async def _tick_forever(self) -> None:
         while True:
             if not self._viewers:
                 self._wake = trio.Event()

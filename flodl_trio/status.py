@@ -96,8 +96,12 @@ async def serve_status(
                               request_timeout=request_timeout,
                               max_request_bytes=max_request_bytes),
             what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
+            handler_nursery=nursery,
         )
-        nursery.cancel_scope.cancel()
+        # The listener is closed: one-shot answers finish (each within request_timeout), the
+        # /events streams end now, each with a clean end of its body.
+        if feed is not None:
+            feed.close()
 
 
 async def _serve_connection(

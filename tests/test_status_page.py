@@ -56,6 +56,7 @@ class Viewer:
         self.status = 0
         self.buffer = b""
         self.ended = False
+        self.clean_end = False
 
     @classmethod
     async def connect(cls, net: MemoryNetwork) -> Viewer:
@@ -89,6 +90,7 @@ class Viewer:
                 self.buffer += event.data
             else:  # EndOfMessage or ConnectionClosed
                 self.ended = True
+                self.clean_end = isinstance(event, h11.EndOfMessage)
         raise AssertionError("no event in 10,000 rounds")
 
 
@@ -222,3 +224,26 @@ async def test_an_open_events_stream_does_not_hold_up_the_coordinators_shutdown(
                     break
         assert viewer.ended
         await client.aclose()
+
+
+async def test_closing_the_status_listener_ends_every_events_stream_cleanly_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        listener = net.listener("status")
+        await nursery.start(lambda task_status: serve_status(
+            listener, lambda: {"phase": "running"}, board_fn=Board(), request_timeout=3.0,
+            task_status=task_status))
+        viewers = [await Viewer.connect(net) for _ in range(2)]
+        for viewer in viewers:
+            assert await viewer.next_event() is not None
+        closed_at = trio.current_time()
+        await listener.aclose()
+        for viewer in viewers:
+            while await viewer.next_event() is not None:  # bounded: the stream ends
+                pass
+            assert viewer.clean_end  # the end of the body, not a cut connection
+            await viewer.stream.aclose()
+    assert trio.current_time() - closed_at < 0.01  # not stream_seconds (300 s) later
+    net.assert_all_closed()
