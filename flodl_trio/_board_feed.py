@@ -22,6 +22,7 @@ from typing import Any, Final
 import h11
 import trio
 
+from ._board_page import page
 from ._transport import STREAM_GONE
 
 log = logging.getLogger("flodl_trio.status")
@@ -135,6 +136,17 @@ class BoardFeed:
             self.dropped_viewers += 1
             log.info("status: dropped /events viewer %s: %s", viewer.peer, why)
             viewer.scope.cancel()
+
+    def answer(self, path: str) -> tuple[int, bytes, list[tuple[str, str]]]:
+        """The one-shot answer to ``GET`` (or ``HEAD``) of ``/``, ``/board.json`` or a ``HEAD``
+        of ``/events``."""
+        if path == "/":
+            body, headers = page()
+            return 200, body, headers
+        if path == "/board.json":
+            return 200, self.document(), [("Content-Type", "application/json"),
+                                          ("Cache-Control", "no-store")]
+        return 200, b"", [("Content-Type", "text/event-stream; charset=utf-8")]
 
     def refuse(self) -> str | None:
         """Why a new viewer is refused now (the cap), or None; a refusal is counted."""

@@ -31,7 +31,6 @@ import h11
 import trio
 
 from ._board_feed import BoardFeed, BoardFn
-from ._board_page import page
 from ._errors import ConfigError, FlodlError
 from ._keepalive import KeepAlive, enable_keepalive
 from ._listen import serve_each
@@ -179,7 +178,7 @@ def _answer(
         return 405, f"method {method} not allowed: GET or HEAD\n", [("Allow", "GET, HEAD")]
     try:
         if feed is not None and path in BOARD_ROUTES:
-            return _answer_board(path, feed)
+            return feed.answer(path)
         state = state_fn()
         if path == "/state.json":
             body = json.dumps(state, sort_keys=True, default=_json_default) + "\n"
@@ -192,16 +191,6 @@ def _answer(
     except Exception:  # a broken state_fn must not take the coordinator down with it
         logger.exception("status: building the response to %s failed", path)
         return 500, "internal error\n", []
-
-
-def _answer_board(path: str, feed: BoardFeed) -> tuple[int, bytes | str, list[tuple[str, str]]]:
-    if path == "/":
-        body, headers = page()
-        return 200, body, headers
-    if path == "/board.json":
-        return 200, feed.document(), [("Content-Type", "application/json"),
-                                      ("Cache-Control", "no-store")]
-    return 200, b"", [("Content-Type", "text/event-stream; charset=utf-8")]  # HEAD /events
 
 
 def _json_default(value: object) -> object:

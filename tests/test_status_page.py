@@ -247,3 +247,18 @@ async def test_closing_the_status_listener_ends_every_events_stream_cleanly_at_o
             await viewer.stream.aclose()
     assert trio.current_time() - closed_at < 0.01  # not stream_seconds (300 s) later
     net.assert_all_closed()
+
+
+async def test_the_page_routes_are_read_only_head_answers_and_other_methods_get_405() -> None:
+    net = MemoryNetwork()
+    async with page_server(Board(), net):
+        for path in ("/", "/board.json", "/events"):
+            client = await net.connect("status")
+            await client.send_all(get(path, "POST"))
+            status, headers, _ = parse_response(await read_to_eof(client))
+            assert (status, headers["allow"]) == (405, "GET, HEAD")
+        client = await net.connect("status")
+        await client.send_all(get("/events", "HEAD"))
+        raw = await read_to_eof(client)
+        assert raw.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in raw
+        assert raw.endswith(b"\r\n\r\n")  # the head only: no stream behind it
