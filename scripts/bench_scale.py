@@ -80,12 +80,13 @@ async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
 
 
 def document_build_ms(coord: ft.Coordinator, rounds: int = 5) -> tuple[float, int]:
-    """Median ms to build and encode the page's document once, and its size in bytes."""
+    """Median CPU ms to build and encode the page's document once (CPU, not wall: the load
+    processes share the cores), and its size in bytes."""
     times, size = [], 0
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         size = len(json.dumps(coord.board(), separators=(",", ":")))
-        times.append((time.perf_counter() - t0) * 1000)
+        times.append((time.process_time() - t0) * 1000)
     return sorted(times)[rounds // 2], size
 
 
@@ -160,7 +161,8 @@ COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
     ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
-    ("viewer msgs", "viewer_msgs", "d"), ("doc KB", "doc_kb", ".0f"), ("doc ms", "doc_ms", ".1f"),
+    ("viewer msgs", "viewer_msgs", "d"), ("doc KB", "doc_kb", ".0f"),
+    ("doc CPU ms", "doc_ms", ".1f"),
 ]
 
 

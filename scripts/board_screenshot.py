@@ -20,7 +20,8 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import open_local_cluster, wait_until
 
-_spec = importlib.util.spec_from_file_location("_chromium", Path(__file__).with_name("_chromium.py"))
+_spec = importlib.util.spec_from_file_location("_chromium",
+                                               Path(__file__).with_name("_chromium.py"))
 assert _spec is not None and _spec.loader is not None
 _chromium = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_chromium)
@@ -51,7 +52,7 @@ async def rank_main(ep: ft.RankEndpoint) -> None:
         pass
 
 
-async def main(output: Path) -> None:
+async def main() -> bytes:
     hosts = {"host-a": [0, 1, 2, 3], "host-b": [4, 5, 6, 7]}
     async with open_local_cluster(hosts, transport="tcp", rank_main=rank_main) as cluster:
         coord = cluster.coord
@@ -64,10 +65,7 @@ async def main(output: Path) -> None:
                     break
                 await trio.sleep(0.1)
             await trio.sleep(1.2)  # the next tick: the heartbeat ages are fresh
-            png = await page.screenshot(980, 690)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(png)
-    print(f"wrote {output} ({len(png)} bytes)")
+            return bytes(await page.screenshot(980, 690))
 
 
 if __name__ == "__main__":
@@ -75,4 +73,8 @@ if __name__ == "__main__":
     parser.add_argument("-o", "--output", type=Path,
                         default=Path(__file__).resolve().parent.parent / "docs" / "_static"
                         / "status-page.png")
-    trio.run(main, parser.parse_args().output)
+    output = parser.parse_args().output
+    png = trio.run(main)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(png)
+    print(f"wrote {output} ({len(png)} bytes)")
