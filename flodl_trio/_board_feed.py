@@ -29,8 +29,8 @@ log = logging.getLogger("flodl_trio.status")
 
 BoardFn = Callable[[], Mapping[str, Any]]
 VIEWER_QUEUE: Final = 2
-# The ticker's share of a core at most: when one document takes longer to build than this share
-# of the tick (a 16k-rank world on a busy machine), the next tick waits longer instead.
+# The ticker's share of a core at most: when one document takes more CPU time to build than this
+# share of the tick (a 16k-rank world on a slow machine), the next tick waits longer instead.
 MAX_CPU_SHARE: Final = 0.05
 # The browser waits this long before reconnecting after a stream ends.
 RETRY_MS: Final = 1000
@@ -116,7 +116,7 @@ class BoardFeed:
             if not self._viewers:
                 self._wake = trio.Event()
                 await self._wake.wait()
-            began = time.perf_counter()
+            began = time.thread_time()
             try:
                 payload = self._build(trio.current_time())
             except Exception:  # a broken board_fn must not take the coordinator down
@@ -128,7 +128,7 @@ class BoardFeed:
                     viewer.send.send_nowait(message)
                 except trio.WouldBlock:
                     self._drop(viewer, f"it did not read its last {VIEWER_QUEUE} messages")
-            spent = time.perf_counter() - began
+            spent = time.thread_time() - began
             await trio.sleep(max(self.tick, spent / MAX_CPU_SHARE))
 
     def _drop(self, viewer: _Viewer, why: str) -> None:
