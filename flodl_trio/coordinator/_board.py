@@ -35,6 +35,8 @@ MAX_METADATA_CHARS: Final = 2048
 MAX_HARDWARE_CHARS: Final = 512
 MAX_LABEL_CHARS: Final = 128
 EPOCHS_KEPT: Final = 32
+# The messages that carry a rank's step count.
+_STEPPING: Final = frozenset({Heartbeat, Batch, SyncAck})
 
 
 def _clip(text: str, limit: int) -> str:
@@ -133,7 +135,6 @@ class Board:
         self.forgotten_pushers = 0
         self._epochs: OrderedDict[int, EpochSummary] = OrderedDict()
         self._on: dict[type, Callable[[Any], None]] = {
-            Heartbeat: self._step, Batch: self._step, SyncAck: self._step,
             DashboardRegister: self._register, DashboardSetSvg: self._svg,
             DashboardSetMetadata: self._metadata, DashboardSetHardware: self._hardware,
             Metrics: self.on_metrics,
@@ -142,7 +143,11 @@ class Board:
     def on_message(self, msg: TimingMsg | Metrics) -> None:
         """A TIMING or METRICS message from a rank its relay carries (checked by the reader);
         one dictionary lookup for the messages the page does not show."""
-        handler = self._on.get(type(msg))
+        kind = type(msg)
+        if kind in _STEPPING:  # most frames: keep this path to one lookup and one store
+            self.steps[msg.rank] = msg.step_count  # type: ignore[union-attr]
+            return
+        handler = self._on.get(kind)
         if handler is not None:
             handler(msg)
 
@@ -175,9 +180,6 @@ class Board:
         return [s.to_dict(self.world_size) for s in self._epochs.values()]
 
     # ------------------------------------------------------------------ handlers
-
-    def _step(self, msg: Heartbeat | Batch | SyncAck) -> None:
-        self.steps[int(msg.rank)] = int(msg.step_count)
 
     def _push(self, rank: int) -> DashboardPush:
         push = self._pushes.get(rank)
