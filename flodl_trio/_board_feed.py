@@ -169,8 +169,9 @@ class BoardFeed:
                     ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
                     ("Connection", "close")])) or b""
                 first = b"retry: %d\n\n" % RETRY_MS
-                if self._latest is not None:  # the newest document at once, not after a tick
-                    first += b"data: " + self._latest[1] + b"\n\n"
+                latest = self._latest
+                if latest is not None and trio.current_time() - latest[0] < self.tick:
+                    first += b"data: " + latest[1] + b"\n\n"  # at once, not after a tick
                 await self._write(stream, viewer, head + (conn.send(h11.Data(data=first)) or b""))
                 async for message in viewer.receive:
                     await self._write(stream, viewer, conn.send(h11.Data(data=message)) or b"")
