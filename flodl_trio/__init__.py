@@ -26,12 +26,20 @@ from ._errors import (
     HandshakeError,
     RankEvicted,
     SendError,
+    SvgRejected,
     WireError,
 )
 from ._reformation import ReformationError
+from ._svg import sanitize_svg
 from ._timeouts import timeout_scale
 from ._version import __version__
-from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
+from .coordinator import (
+    Coordinator,
+    CoordinatorBind,
+    DashboardPush,
+    bind_coordinator,
+    open_coordinator,
+)
 from .rank import RankEndpoint, open_rank
 from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
@@ -66,6 +74,7 @@ __all__ = [
     "CoordinatorBind",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DashboardPush",
     "DeclareDead",
     "EpochPlan",
     "FlodlError",
@@ -93,6 +102,7 @@ __all__ = [
     "Shutdown",
     "ShutdownWithSave",
     "StartEpoch",
+    "SvgRejected",
     "SyncAck",
     "SyncNow",
     "Throttle",
@@ -104,5 +114,6 @@ __all__ = [
     "open_coordinator",
     "open_rank",
     "open_relay",
+    "sanitize_svg",
     "timeout_scale",
 ]

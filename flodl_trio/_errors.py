@@ -115,3 +115,8 @@ class FlodlInternalError(FlodlError):
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2). Raised by the command line
     only, never by the library's API, hence outside the FlodlError hierarchy."""
+
+
+class SvgRejected(FlodlError):
+    """An SVG pushed for the status page (``DashboardSetSvg``) cannot be shown safely: too large,
+    not well-formed, or it declares a DTD; the page shows why instead of the picture."""

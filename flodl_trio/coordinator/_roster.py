@@ -9,7 +9,7 @@ object; it never waits and never reads a clock, so every rule here is testable w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._config import MaxFailure
@@ -112,6 +112,11 @@ class Roster(Generic[M]):
     def live(self) -> frozenset[int]:
         """Covered ranks that are neither dead nor cleanly exited."""
         return frozenset(self._live)
+
+    @property
+    def last_seen(self) -> Mapping[int, float]:
+        """When each covered rank was last heard from (trio clock), read-only."""
+        return self._last_seen
 
     def live_of(self, relay: M) -> list[int]:
         """``relay``'s live ranks, ascending."""

@@ -30,6 +30,7 @@ from ..wire import (
     RankExit,
     TimingMsg,
 )
+from ._board import Board
 from ._relayconn import RelayConn
 from ._roster import Roster
 from .liveness import Liveness
@@ -53,6 +54,7 @@ class Readers:
     _timeline: Timeline
     _timing: trio.MemorySendChannel[TimingMsg]
     _metrics: trio.MemorySendChannel[Metrics]
+    _board: Board
     _active: int = attrs.field(default=0, init=False)
     _idle: trio.Event = attrs.field(factory=_idle_event, init=False)
 
@@ -109,6 +111,7 @@ class Readers:
                 log.debug("rank %d was declared dead (or rejoined on another relay); its late "
                           "%s from %s is dropped", rank, kind.__name__, conn.describe())
                 continue
+            self._board.on_message(event)
             send: trio.MemorySendChannel[Any]
             if kind is Metrics:
                 send = self._metrics
