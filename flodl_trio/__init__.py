@@ -19,9 +19,11 @@ from ._errors import (
     FormationTimeout,
     FrameTooLarge,
     HandshakeError,
+    JoinRefused,
     RankEvicted,
     SendError,
     WireError,
+    WrongSession,
 )
 from ._reformation import ReformationError
 from ._timeouts import timeout_scale
@@ -50,6 +52,7 @@ __all__ = [
     "FormationTimeout",
     "FrameTooLarge",
     "HandshakeError",
+    "JoinRefused",
     "MaxFailure",
     "RankClient",
     "RankConfig",
@@ -65,6 +68,7 @@ __all__ = [
     "SessionSalt",
     "Timeline",
     "WireError",
+    "WrongSession",
     "__version__",
     "bind_coordinator",
     "open_coordinator",

@@ -1,7 +1,8 @@
 """Formation (SPEC §4.2): accept, one handshake task per connection, coverage, rejects.
 
 A connection that fails before authenticating is rejected, recorded and dropped; an
-authenticated Hello that contradicts the world fails formation at once; a relay that lost its
+authenticated Hello that contradicts the world fails formation at once, and the relay is told why
+(``Refused``, so it gives up at once instead of re-dialing); a relay that lost its
 connection mid-handshake and re-dials with the same host and ranks simply replaces it.
 """
 
@@ -21,8 +22,8 @@ from .._ratelimit import JunkReport
 from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import SessionSalt, max_hello_payload
-from ._handshake import Rejected, coordinator_handshake, finish_handshake
+from ..wire import CoordinatorHandshake, SessionSalt, max_hello_payload
+from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -142,7 +143,8 @@ class Formation:
         machine, received = handshake
         hello = received.hello
         if not self._roster.forming:
-            await trio.aclose_forcefully(stream)
+            await self.refuse(stream, machine, f"the cohort of {self._roster.world_size} ranks "
+                              "already formed; a Hello after formation is not accepted")
             self.reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
                         "formation completed")
             return
@@ -160,7 +162,9 @@ class Formation:
                                              model_sigs=hello.model_sigs)
         if problem is not None:
             self.fail(FormationError(self._roster.coverage_text(problem)))
-            await trio.aclose_forcefully(stream)
+            # The relay knows who it is: its reason starts after the roster's "who" prefix.
+            who = f"authenticated Hello from relay {hello.host!r} at {peer}: "
+            await self.refuse(stream, machine, problem.removeprefix(who))
             for old in superseded:
                 await old.close()
             return
@@ -202,6 +206,14 @@ class Formation:
         if complete:
             self.complete()
         await self._readers.read_relay(conn)
+
+    async def refuse(self, stream: trio.abc.Stream, machine: CoordinatorHandshake,
+                     reason: str) -> None:
+        """Tell the relay of an authenticated Hello why it is refused (``Refused{reason}``),
+        then close ``stream``; the write is bounded by ``handshake_timeout``."""
+        log.info("refusing relay %r at %s: %s", machine.hello.host if machine.hello else "?",
+                 machine.peer, reason)
+        await refuse(stream, machine, reason, write_within=self._config.handshake_timeout)
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")

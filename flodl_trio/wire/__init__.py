@@ -43,12 +43,14 @@ from ._frames import (
 )
 from ._handshake import (
     MAX_HANDSHAKE_PAYLOAD,
+    MAX_REFUSAL_REASON,
     NEED_DATA,
     CoordinatorHandshake,
     Established,
     HandshakeEvent,
     HelloReceived,
     NeedData,
+    RefusalReceived,
     RelayHandshake,
 )
 from ._limits import (
@@ -95,6 +97,7 @@ from ._messages import (
     RankDropped,
     RankExit,
     Ready,
+    Refused,
     RelayControlMsg,
     RelayWaiting,
     RequestNewNcclId,
@@ -147,6 +150,7 @@ __all__ = [
     "MAX_MODEL_SIG_DIGEST",
     "MAX_MODEL_SIG_NAME",
     "MAX_RECORD_PAYLOAD",
+    "MAX_REFUSAL_REASON",
     "NEED_DATA",
     "NONCE_LEN",
     "PROTOCOL_VERSION",
@@ -214,6 +218,8 @@ __all__ = [
     "RecordKind",
     "RecordOpener",
     "RecordSealer",
+    "RefusalReceived",
+    "Refused",
     "RelayControlMsg",
     "RelayHandshake",
     "RelayWaiting",

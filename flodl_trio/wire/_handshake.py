@@ -14,6 +14,10 @@ machine is established only once that first record arrived. So each side knows t
 counted the join, and a connection that ends before that is, for both, a failed attempt (the
 coordinator un-covers the relay; the relay re-dials).
 
+A coordinator that authenticated the Hello and will not take the relay answers ``Refused``
+where ``HelloAck`` would go (``refuse()``) and closes; the relay's machine then ends in
+:class:`RefusalReceived`, which no re-dial can change.
+
 The handshake ends in :class:`Established`: the sealer/opener pair, rekeyed to ``conn_key``,
 with the opener still holding whatever arrived past the handshake (``opener.feed(b"")`` opens
 it) and, on the relay, the records already opened (the welcome).
@@ -47,6 +51,7 @@ from ._messages import (
     Hello,
     HelloAck,
     Ready,
+    Refused,
     RelayControlMsg,
     decode_relay,
     encode,
@@ -55,6 +60,8 @@ from ._records import Record, RecordOpener, RecordSealer, encode_fanout
 
 # A Hello is small; a stranger must not make the coordinator buffer megabytes before the MAC.
 MAX_HANDSHAKE_PAYLOAD = 256 * 1024
+# A Refused's reason is clipped to this many characters: it ends up on one line of a console.
+MAX_REFUSAL_REASON = 1024
 
 _OTHER_LEGS = {
     CHANNEL_MAGIC_DATA: "data",
@@ -75,9 +82,17 @@ NEED_DATA: Final = NeedData()
 
 @attrs.frozen
 class HelloReceived:
-    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or hang up."""
+    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or ``refuse()``."""
 
     hello: Hello
+
+
+@attrs.frozen
+class RefusalReceived:
+    """Relay side: the coordinator authenticated our ``Hello`` and refused it with a verified
+    ``Refused`` that echoes our nonce; it closes the connection. Re-dialing cannot help."""
+
+    reason: str
 
 
 @attrs.frozen
@@ -93,7 +108,7 @@ class Established:
     records: tuple[Record, ...] = ()
 
 
-HandshakeEvent = NeedData | HelloReceived | Established
+HandshakeEvent = NeedData | HelloReceived | RefusalReceived | Established
 
 
 class _Machine:
@@ -136,19 +151,19 @@ class _Machine:
             raise self._fail(eof_category, err)
         return rec
 
-    def _control(self, rec: Record, expected: type[RelayControlMsg],
+    def _control(self, rec: Record, expected: tuple[type[RelayControlMsg], ...],
                  what: str) -> RelayControlMsg:
+        names = " or ".join(cls.__name__ for cls in expected)
         if rec.kind != RecordKind.CONTROL:
             raise self._fail("malformed", WireError(
-                f"{what}: expected a CONTROL record with {expected.__name__}, got record kind "
-                f"{rec.kind}"))
+                f"{what}: expected a CONTROL record with {names}, got record kind {rec.kind}"))
         try:
             msg = decode_relay(rec.payload)
         except WireError as exc:
             raise self._fail("malformed", WireError(f"{what}: {exc}")) from None
         if not isinstance(msg, expected):
             raise self._fail("malformed", WireError(
-                f"{what}: expected {expected.__name__}, got {type(msg).__name__}"))
+                f"{what}: expected {names}, got {type(msg).__name__}"))
         return msg
 
 
@@ -156,9 +171,10 @@ class CoordinatorHandshake(_Machine):
     """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
 
     Events: ``HelloReceived`` once the Hello's MAC verified (the caller validates it against the
-    world and calls :meth:`accept`), then ``Established`` once the relay's ``Ready`` verified
-    (the welcome record is then queued). ``failure_category`` groups a failure
-    for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before hello"``, ...).
+    world and calls :meth:`accept`, or :meth:`refuse` and closes), then ``Established`` once
+    the relay's ``Ready`` verified (the welcome record is then queued). ``failure_category``
+    groups a failure for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before
+    hello"``, ...).
 
     Args:
         salt: the run's session salt.
@@ -225,7 +241,7 @@ class CoordinatorHandshake(_Machine):
                                     "eof before hello")
             if rec is None:
                 return NEED_DATA
-            hello = self._control(rec, Hello, f"Hello from {self.peer}")
+            hello = self._control(rec, (Hello,), f"Hello from {self.peer}")
             assert isinstance(hello, Hello)
             self.hello = hello
             self._sealer.rekey(self._hs_key)
@@ -240,7 +256,7 @@ class CoordinatorHandshake(_Machine):
             rec = self._next_record(self._opener, what, "eof before ready")
             if rec is None:
                 return NEED_DATA
-            self._control(rec, Ready, what)
+            self._control(rec, (Ready,), what)
             # The welcome confirms the join to the relay: it is established only once a
             # record arrives after its Ready.
             welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
@@ -263,6 +279,20 @@ class CoordinatorHandshake(_Machine):
         self._opener.rekey(key)
         self._opener.max_payload = self._max_record_payload
         self._state = "acked"
+
+    def refuse(self, reason: str) -> None:
+        """Answer the Hello with ``Refused{nonce, reason}`` instead of ``HelloAck``: same key
+        (``hs_key``), seq and direction, echoing the relay's nonce. The caller writes it and
+        closes the connection; the machine has ended. ``reason`` is clipped to
+        ``MAX_REFUSAL_REASON`` characters."""
+        self._check()
+        if self._state != "decide" or self.hello is None:
+            raise HandshakeError(f"{self.peer}: refuse() before an authenticated Hello")
+        if len(reason) > MAX_REFUSAL_REASON:
+            reason = reason[:MAX_REFUSAL_REASON - 3] + "..."
+        refused = Refused(nonce=self.hello.nonce, reason=reason)
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(refused))
+        self._state = "refused"
 
     def _take_magic(self) -> bool:
         magic = bytes(self._magic)
@@ -338,8 +368,12 @@ class RelayHandshake(_Machine):
     def next_event(self) -> HandshakeEvent:
         """What the bytes so far amount to.
 
+        Events: ``RefusalReceived`` when the coordinator refused our Hello (a verified
+        ``Refused`` that echoes us), else ``Established`` once the welcome arrived.
+
         Raises:
-            AuthError: the coordinator is of another session, or its HelloAck does not echo us.
+            AuthError: the coordinator is of another session (``failure_category`` is then
+                ``"wrong salt"``), or its HelloAck / Refused does not echo us.
             WireError: EOF or a malformed record. The machine is poisoned either way.
         """
         self._check()
@@ -349,12 +383,13 @@ class RelayHandshake(_Machine):
                 rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
                                         "eof before challenge")
             except AuthError as exc:
-                raise self._fail("bad mac", AuthError(
+                # Its own category: the relay gives up after a few of these in a row.
+                raise self._fail("wrong salt", AuthError(
                     f"{who}: the coordinator at {self.coordinator} is not of this session "
                     f"(Challenge did not verify with our salt): {exc}")) from None
             if rec is None:
                 return NEED_DATA
-            challenge = self._control(rec, Challenge, f"{who}: from {self.coordinator}")
+            challenge = self._control(rec, (Challenge,), f"{who}: from {self.coordinator}")
             assert isinstance(challenge, Challenge)
             self._coord_nonce = challenge.nonce
             key = hs_key(self._salt, challenge.nonce)
@@ -370,12 +405,15 @@ class RelayHandshake(_Machine):
                                     "eof before helloack")
             if rec is None:
                 return NEED_DATA
-            ack = self._control(rec, HelloAck, f"{who}: from {self.coordinator}")
-            assert isinstance(ack, HelloAck) and self._sealer is not None
+            ack = self._control(rec, (HelloAck, Refused), f"{who}: from {self.coordinator}")
+            assert isinstance(ack, HelloAck | Refused) and self._sealer is not None
             if not compare_digest(ack.nonce, self.relay_nonce):
                 raise self._fail("bad echo", AuthError(
-                    f"{who}: HelloAck from {self.coordinator} does not echo our nonce "
-                    "(replayed coordinator records?)"))
+                    f"{who}: {type(ack).__name__} from {self.coordinator} does not echo our "
+                    "nonce (replayed coordinator records?)"))
+            if isinstance(ack, Refused):
+                self._state = "refused"
+                return RefusalReceived(ack.reason)
             final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
             self._sealer.rekey(final)
             self._opener.rekey(final)
@@ -398,11 +436,13 @@ class RelayHandshake(_Machine):
 
 __all__ = [
     "MAX_HANDSHAKE_PAYLOAD",
+    "MAX_REFUSAL_REASON",
     "NEED_DATA",
     "CoordinatorHandshake",
     "Established",
     "HandshakeEvent",
     "HelloReceived",
     "NeedData",
+    "RefusalReceived",
     "RelayHandshake",
 ]

@@ -60,6 +60,7 @@ from ._msg_relay import (
     RankDropped,
     RankExit,
     Ready,
+    Refused,
     RelayControlMsg,
 )
 from ._msg_timing import (
@@ -135,6 +136,7 @@ __all__ = [
     "RankDropped",
     "RankExit",
     "Ready",
+    "Refused",
     "RelayControlMsg",
     "RelayWaiting",
     "RequestNewNcclId",
