@@ -40,7 +40,7 @@ def rejected_total(coord_or_timeline: Any) -> int:
 # ------------------------------------------------------------------ pre-auth rejects
 
 
-async def test_relay_with_wrong_salt_is_rejected_and_fails_with_wrong_session_while_good_relay_forms(
+async def test_relay_with_wrong_salt_is_rejected_and_gives_up_as_wrong_session_while_good_forms(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()

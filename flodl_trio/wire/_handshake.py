@@ -401,7 +401,8 @@ class RelayHandshake(_Machine):
             self._opener.rekey(key)
             self._state = "ack"
         if self._state == "ack":
-            rec = self._next_record(self._opener, f"HelloAck from {self.coordinator}",
+            rec = self._next_record(self._opener, f"{who}: HelloAck or Refused from "
+                                    f"{self.coordinator}",
                                     "eof before helloack")
             if rec is None:
                 return NEED_DATA
