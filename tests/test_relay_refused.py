@@ -227,3 +227,47 @@ async def test_a_hello_that_arrives_after_the_cohort_formed_is_refused(
             await stream.aclose()
             await wait_until(lambda: host.all_done)
     assert len(events_of(timeline, FormationComplete)) == 1
+
+
+async def test_a_forged_refused_is_a_failed_attempt_and_the_relay_re_dials_and_joins(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    from flodl_trio._handshake_io import run_handshake
+
+    listener = memory_network.listener(COORD)
+    dials: list[float] = []
+
+    async def dial() -> trio.abc.Stream:
+        dials.append(trio.current_time())
+        return await memory_network.connect(COORD)
+
+    async def fake_coordinator() -> None:
+        # First connection: a Refused in the right place under the right key, but echoing
+        # another nonce (what a replayed one looks like). Second: a genuine HelloAck.
+        for attempt in range(2):
+            stream = await listener.accept()
+            if attempt == 1:
+                await listener.aclose()
+            machine = wire.CoordinatorHandshake(SALT, peer="test")
+            assert isinstance(await run_handshake(stream, machine), wire.HelloReceived)
+            if attempt == 0:
+                forged = wire.Refused(bytes(16), "go away")
+                await stream.send_all(machine.sealer.seal(wire.RecordKind.CONTROL, 0,
+                                                          wire.encode(forged)))
+                await stream.aclose()
+                continue
+            machine.accept()
+            assert isinstance(await run_handshake(stream, machine), wire.Established)
+            await stream.aclose()  # joined; then gone without a Goodbye
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fake_coordinator)
+        async with ft.open_relay(dial, salt=SALT, host="host-a", ranks=[0], world_size=1,
+                                 rank_listen=memory_network.listener("relay:a")) as relay:
+            async with ft.open_rank(lambda: memory_network.connect("relay:a"), salt=SALT,
+                                    rank=0, world_size=1):
+                await relay.wait_connected()
+                exit_ = await relay.wait_closed()
+    assert [round(t - dials[0], 3) for t in dials] == [0.0, 0.5]  # one re-dial, then joined
+    assert not exit_.clean and "without a Goodbye" in exit_.reason
+    memory_network.assert_all_closed()
