@@ -51,7 +51,6 @@ from ._handshake import (
     HelloReceived,
     NeedData,
     RefusalReceived,
-    RelayHandshake,
 )
 from ._limits import (
     MAX_HOST_BYTES,
@@ -132,6 +131,7 @@ from ._rank_handshake import (
     RankHelloReceived,
 )
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
+from ._relay_handshake import RelayHandshake
 from ._schema import WireMessage
 
 __all__ = [
