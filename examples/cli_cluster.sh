@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The tutorial's cluster, step by step (docs/tutorial.rst): a coordinator, two relays ("hosts")
 # and four simulated ranks, each its own process on loopback; then the status page and a plot.
-# Run it from a clone with the venv active, or: FLODL=".venv/bin/python -m flodl_trio" bash ...
+# Run it from a clone: `. .venv/bin/activate` first, or let it find .venv/bin/flodl-trio; or
+# choose the command: FLODL=".venv/bin/python -m flodl_trio" bash examples/cli_cluster.sh
 set -euo pipefail
-FLODL="${FLODL:-flodl-trio}"
+if [ -z "${FLODL:-}" ]; then
+  if command -v flodl-trio > /dev/null; then FLODL=flodl-trio; else FLODL=.venv/bin/flodl-trio; fi
+fi
 work="$(mktemp -d)"
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 

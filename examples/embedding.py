@@ -2,7 +2,9 @@
 
 One relay and its four ranks run in the same Trio run as the coordinator, over loopback TCP, so
 the example forms, trains a few steps and finishes on its own:
-``python examples/embedding.py`` prints the relay's exit and the number of batches.
+``python examples/embedding.py`` prints the relay's exit and the number of batches. The message
+classes it uses (``StartEpoch``, ``EpochPlan``, ``Batch``, ``SetGlobalStep``) are re-exported by
+``flodl_trio``; every other one is in ``flodl_trio.wire``.
 """
 
 from __future__ import annotations
@@ -10,33 +12,29 @@ from __future__ import annotations
 import trio
 
 import flodl_trio as ft
-from flodl_trio.wire import Batch, EpochPlan, SetGlobalStep, StartEpoch
 
 WORLD = 4
 STEPS = 3  # batches each rank trains before the orchestrator is satisfied
 
 
-# --8<-- [start:orchestrate]
 async def orchestrate(bound: ft.CoordinatorBind, salt: ft.SessionSalt) -> int:
     config = ft.CoordinatorConfig(world_size=WORLD, max_failure=ft.MaxFailure.percent(25))
     async with ft.open_coordinator(bound, salt=salt, config=config) as coord:  # formed here
         for rank in range(coord.world_size):
-            plan = EpochPlan(epoch=0, partition_offset=rank * 100, partition_size=100)
-            await coord.send_control(rank, StartEpoch(plan=plan))
+            plan = ft.EpochPlan(epoch=0, partition_offset=rank * 100, partition_size=100)
+            await coord.send_control(rank, ft.StartEpoch(plan=plan))
         batches = 0
         async for msg in coord.timing:  # Batch, SyncAck, Heartbeat, ...
-            if isinstance(msg, Batch):
+            if isinstance(msg, ft.Batch):
                 batches += 1
                 if batches % coord.world_size == 0:
-                    await coord.broadcast_control(SetGlobalStep(global_step=batches))
+                    await coord.broadcast_control(ft.SetGlobalStep(global_step=batches))
                 if batches == STEPS * coord.world_size or not coord.live_ranks:
                     break
     # leaving the block: Shutdown to every rank, connections closed, channels ended
     return batches
-# --8<-- [end:orchestrate]
 
 
-# --8<-- [start:relay-and-ranks]
 async def run_host(coordinator: tuple[str, int], salt: ft.SessionSalt) -> ft.RelayExit:
     async with ft.open_relay(coordinator, salt=salt, host="host-a", ranks=list(range(WORLD)),
                              world_size=WORLD) as relay:
@@ -49,18 +47,20 @@ async def run_host(coordinator: tuple[str, int], salt: ft.SessionSalt) -> ft.Rel
 async def run_rank(relay: tuple[str, int], salt: ft.SessionSalt, rank: int) -> None:
     async with ft.open_rank(relay, salt=salt, rank=rank, world_size=WORLD) as ep:
         async for msg in ep:  # ControlMsg; CoordHeartbeat is absorbed; ends after Shutdown
-            if isinstance(msg, StartEpoch):
+            if isinstance(msg, ft.StartEpoch):
                 for step in range(1, STEPS + 1):
                     ep.step_count = step  # reported by the automatic Heartbeat
-                    await ep.send(Batch(rank=rank, batch_ms=10.0, data_ms=1.0, step_count=step,
-                                        param_norm=None, batch_loss=1.0 / step))
+                    await ep.send(ft.Batch(rank=rank, batch_ms=10.0, data_ms=1.0,
+                                           step_count=step, param_norm=None,
+                                           batch_loss=1.0 / step))
     # leaving the block without an exception sends Exiting
-# --8<-- [end:relay-and-ranks]
 
 
 async def main() -> None:
     salt = ft.SessionSalt.generate()
-    bound = await ft.bind_coordinator(("127.0.0.1", 0))  # publish bound.address to the relays
+    # Loopback here; a real orchestrator binds ("0.0.0.0", port) and publishes
+    # bound.addresses_for_peers() (bound.address would be 0.0.0.0, which no relay can dial).
+    bound = await ft.bind_coordinator(("127.0.0.1", 0))
     exits: list[ft.RelayExit] = []
 
     async def host() -> None:

@@ -1,11 +1,13 @@
 """Writing chaos tests with flodl-trio's pytest plugin (docs/chaos.rst).
 
 Run with ``pytest examples/test_chaos_example.py``: the fixtures come from the plugin that
-installing flodl-trio registers; pytest-trio runs the ``async`` tests.
+installing flodl-trio registers; pytest-trio runs the ``async`` tests, which needs
+``trio_mode = true`` under ``[tool.pytest.ini_options]`` (install the ``testing`` extra).
 """
 
 from __future__ import annotations
 
+# --8<-- [start:imports]
 import trio
 
 import flodl_trio as ft
@@ -13,7 +15,8 @@ from flodl_trio.chaos import FaultPlan
 from flodl_trio.events import HandshakeRejected, RankDeclaredDead
 from flodl_trio.local_cluster import layout
 from flodl_trio.pytest_plugin import ChaosProxyFactory, LocalClusterFactory
-from flodl_trio.wire import DeclareDead, SyncNow
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:proxy]
@@ -55,11 +58,11 @@ async def test_a_killed_relay_is_declared_dead_and_the_survivors_are_told(
         with trio.fail_after(5):
             for survivor in (0, 1):
                 told = [await cluster.ranks[survivor].receive() for _ in range(2)]
-                assert {msg.rank for msg in told if isinstance(msg, DeclareDead)} == {2, 3}
+                assert {msg.rank for msg in told if isinstance(msg, ft.DeclareDead)} == {2, 3}
         assert cluster.coord.dead_ranks == {2, 3}
         deaths = cluster.coord.timeline.events(RankDeclaredDead)
         assert {ev.rank for ev in deaths if isinstance(ev, RankDeclaredDead)} == {2, 3}
-        await cluster.coord.broadcast_control(SyncNow())  # the survivors still get everything
-        assert isinstance(await cluster.ranks[0].receive(), SyncNow)
+        await cluster.coord.broadcast_control(ft.SyncNow())  # the survivors still get everything
+        assert isinstance(await cluster.ranks[0].receive(), ft.SyncNow)
 # --8<-- [end:memory]
 

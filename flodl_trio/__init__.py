@@ -2,6 +2,11 @@
 
 A port of flodl's cluster coordinator: one coordinator, one relay per host, one endpoint per rank,
 all speaking the authenticated FT/2 wire protocol (:mod:`flodl_trio.wire`).
+
+The messages an orchestrator sends and reads most (``StartEpoch``, ``EpochPlan``,
+``SetGlobalStep``, ``SyncNow``, ``DeclareDead``, ``Throttle``, ``Shutdown``, ``ShutdownWithSave``;
+``Batch``, ``SyncAck``, ``Heartbeat``; the unions ``ControlMsg`` and ``TimingMsg``) are re-exported
+here from :mod:`flodl_trio.wire`, which has every other one.
 """
 
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
@@ -33,18 +38,38 @@ from .rank import RankEndpoint, open_rank
 from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
 from .timeline import Timeline
-from .wire import SaveReason, SessionSalt
+from .wire import (
+    Batch,
+    ControlMsg,
+    DeclareDead,
+    EpochPlan,
+    Heartbeat,
+    SaveReason,
+    SessionSalt,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    TimingMsg,
+)
 
 __all__ = [
     "AuthError",
+    "Batch",
     "BroadcastError",
     "BroadcastResult",
     "ClusterFailure",
     "ConfigError",
+    "ControlMsg",
     "Coordinator",
     "CoordinatorBind",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DeclareDead",
+    "EpochPlan",
     "FlodlError",
     "FlodlInternalError",
     "FormationAborted",
@@ -52,6 +77,7 @@ __all__ = [
     "FormationTimeout",
     "FrameTooLarge",
     "HandshakeError",
+    "Heartbeat",
     "JoinRefused",
     "MaxFailure",
     "RankClient",
@@ -66,7 +92,15 @@ __all__ = [
     "SaveReason",
     "SendError",
     "SessionSalt",
+    "SetGlobalStep",
+    "Shutdown",
+    "ShutdownWithSave",
+    "StartEpoch",
+    "SyncAck",
+    "SyncNow",
+    "Throttle",
     "Timeline",
+    "TimingMsg",
     "WireError",
     "WrongSession",
     "__version__",

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failure", type=int, default=None, metavar="N",
                    help="stop with MAX_FAILURE_EXCEEDED once N ranks are dead (None: only when "
                    "every rank is lost)")
+    p.add_argument("--allow-takeover", action="store_true",
+                   help="let a relay of another host (a spare) take over ranks that are all "
+                   "dead (a host that comes back may always rejoin)")
     p.add_argument("--timeline", metavar="FILE", help="append every event to FILE (JSONL)")
     p.add_argument("--epochs", type=int, default=0, metavar="E",
                    help="drive E epochs with the SyncScheduler (0: just hold the cohort until "
@@ -133,13 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random spread of each batch time, as a fraction of --batch-ms")
     _add_salt_args(p)
 
-    p = _command("status", "print a coordinator's /state.json",
+    p = _command("status", "print a coordinator's /state.json (--watch: a live view)",
                  "Query a coordinator's status page (its --listen port). Exits 0 with an "
-                 "answer, 1 without one.")
+                 "answer, 1 without one;\nwith --watch, 0 once the coordinator went away.")
     p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds for the whole exchange")
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p.add_argument("--watch", action="store_true",
+                   help="a one-screen view refreshed in place (hosts, ranks alive/dead, epoch, "
+                   "lost broadcasts) until Ctrl-C or the coordinator goes away (then exit 0)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between --watch refreshes, 0.2 to 60")
 
     p = _command("demo", "a whole local cluster as separate processes on loopback",
                  "Run a coordinator, one relay per host and simulated ranks as separate "
@@ -157,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base batch time; host i runs (1 + i) times slower")
     p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="SIGKILL that relay process SECONDS after formation (repeatable)")
+    p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="start a killed host's relay and ranks again SECONDS after the kill: "
+                   "they rejoin the running cohort (repeatable)")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",

@@ -30,6 +30,8 @@ from ._cli_common import (
     parse_ranks,
     write_text,
 )
+from ._cli_progress import EpochProgress, print_progress
+from ._cli_watch import check_interval, watch
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
 from ._errors import FlodlError, JoinRefused, WrongSession
 from ._transport import format_address
@@ -80,7 +82,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["heartbeat_timeout"] = args.heartbeat_timeout
     if args.max_failure is not None:
         overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
-    return CoordinatorConfig(world_size=args.world_size, **overrides)
+    return CoordinatorConfig(world_size=args.world_size,
+                             allow_rank_takeover=args.allow_takeover, **overrides)
 
 
 async def run_coordinator(args: argparse.Namespace) -> int:
@@ -105,6 +108,8 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                                 f"{os_error_text(exc)}") from None
         text = format_address(bound.address)
         print(f"coordinator listening on {text}", flush=True)
+        peers = ", ".join(format_address(a) for a in bound.addresses_for_peers())
+        print(f"relays can dial: {peers}", flush=True)
         if args.port_file:
             await write_text(args.port_file, text + "\n", what="--port-file")
         async with trio.open_nursery() as nursery:
@@ -114,7 +119,7 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                                             ssl_context=ssl_context) as coord:
                     print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
                           flush=True)
-                    summary, failure = await _drive(args, coord)
+                    summary, failure = await _drive(args, coord, nursery)
             except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
                 crash = exc
                 summary = {"failed": f"{type(exc).__name__}: {exc}"}
@@ -137,16 +142,23 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _drive(args: argparse.Namespace, coord: Coordinator) -> tuple[dict[str, Any], str | None]:
-    """The formed cohort's run: the summary, and what fell short of what was asked (or None)."""
+async def _drive(args: argparse.Namespace, coord: Coordinator,
+                 nursery: trio.Nursery) -> tuple[dict[str, Any], str | None]:
+    """The formed cohort's run: the summary, and what fell short of what was asked (or None).
+
+    A line per completed epoch and per death goes to stdout meanwhile (a task of ``nursery``,
+    cancelled with it)."""
     if args.epochs > 0:
         sched = SyncScheduler(coord, total_samples=args.total_samples,
                               batch_size=args.batch_size, num_epochs=args.epochs)
+        progress = EpochProgress(args.epochs, lambda: sched.coverage)
+        await nursery.start(print_progress, coord.timeline, progress, sys.stdout)
         result = await sched.run()
         if result.epochs_completed != args.epochs:
             return summary_dict(result, coord), (f"the run ended after {result.epochs_completed}"
                                                  f"/{args.epochs} epochs")
         return summary_dict(result, coord), None
+    await nursery.start(print_progress, coord.timeline, EpochProgress(0, tuple), sys.stdout)
     await _hold_until_all_exit(coord)
     summary = {"exited": sorted(coord.exited_ranks), "dead": sorted(coord.dead_ranks)}
     if coord.dead_ranks:
@@ -161,7 +173,8 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
     for field in attrs.fields(type(result)):
         value = getattr(result, field.name)
         if field.name == "epoch_metrics":
-            value = [{"epoch": m.epoch, "avg_loss": m.avg_loss} for m in value]
+            # Numbered from 1, as the progress lines and the demo number them.
+            value = [{"epoch": m.epoch + 1, "avg_loss": m.avg_loss} for m in value]
         elif isinstance(value, dict):
             value = {str(k): v for k, v in value.items()}
         elif isinstance(value, tuple | frozenset | set):
@@ -169,6 +182,7 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
                 else [list(v) for v in value]
         out[field.name] = value
     out["dead_ranks"] = sorted(coord.dead_ranks)
+    out["rejoins"] = {str(rank): n for rank, n in sorted(coord.rejoins.items())}
     out["lost_broadcasts"] = coord.lost_broadcasts
     return out
 
@@ -247,23 +261,35 @@ async def run_rank(args: argparse.Namespace) -> int:
 
 async def run_status(args: argparse.Namespace) -> int:
     address = parse_address(args.address, what="status")
+    interval = check_interval(args.interval) if args.watch else 0.0
+    if args.watch and args.json:
+        raise UsageError("status: --watch shows a view, --json one document: choose one")
     # Like the other commands, a signal stops it with 130 / 143 and one line (SIGTERM used to
     # kill it outright, and SIGINT inherited as ignored by a background job was ignored).
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
         state: dict[str, Any] = {}
+        code = EXIT_OK
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
-            state = await fetch_state(address, timeout=args.timeout)
+            if args.watch:
+                code = await watch(address, args.address, interval=interval,
+                                   timeout=args.timeout)
+            else:
+                state = await fetch_state(address, timeout=args.timeout)
             nursery.cancel_scope.cancel()
+    what = "status --watch" if args.watch else "status"
     if stop.signum is not None:
-        sys.stderr.write(f"flodl-trio: status {args.address} stopped by {stop.describe()}\n")
+        sys.stderr.write(f"flodl-trio: {what} {args.address} stopped by {stop.describe()}\n")
         return stop.exit_code
+    if args.watch:
+        return code
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
         return EXIT_OK
+    epoch = f"  epoch {state['epoch']}" if state.get("epoch") is not None else ""
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
-          f"{state.get('covered')}  uptime {state.get('uptime_s')} s")
+          f"{state.get('covered')}{epoch}  uptime {state.get('uptime_s')} s")
     # .get() throughout: a document from another version (or another server) is printed as far
     # as it goes, never a KeyError traceback.
     for relay in _entries(state.get("relays")):

@@ -187,6 +187,9 @@ class CoordinatorConfig:
             the port could kill it; use ``strict_formation=True`` for flodl's behaviour.
         timing_buffer / metrics_buffer: capacity of ``coord.timing`` / ``coord.metrics``.
         declare_dead_on_relay_loss: a lost relay connection declares its ranks dead at once.
+        allow_rank_takeover: after formation, a relay of a *different* host may take over
+            ranks that are all currently dead (a spare host); off, only the host that
+            announced them may bring them back (a restarted relay always may).
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -204,6 +207,7 @@ class CoordinatorConfig:
     timing_buffer: int = attrs.field(default=4096, validator=_positive_int)
     metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
+    allow_rank_takeover: bool = attrs.field(default=False, converter=bool)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:

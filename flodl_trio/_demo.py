@@ -4,8 +4,10 @@ One coordinator process (driving the SyncScheduler), one relay process per host 
 simulated-rank process per rank. The story comes from the coordinator's timeline file (see
 :mod:`flodl_trio._demo_story`): formation, epochs, each death and its cause, each
 redistribution; ``--kill-relay HOST@SECONDS`` SIGKILLs a relay process that long after formation
-to show the failure path. The temporary directory of process logs is removed at the end unless
-``--keep-logs`` (or the run failed, when the logs are what one wants to read).
+to show the failure path, and ``--restart-relay HOST@SECONDS`` starts that host's relay and rank
+processes again that long after the kill, to show it rejoining the running cohort. The temporary
+directory of process logs is removed at the end unless ``--keep-logs`` (or the run failed, when
+the logs are what one wants to read).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._cli_common import CommandFailed, Terminated, UsageError, check_writable
+from ._cli_errors import MAX_LINE, shorten
 from ._demo_story import Story
 from .wire import SessionSalt
 
@@ -36,7 +39,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flodl_trio", *args]
 
 
-def _parse_kills(specs: list[str], hosts: list[str]) -> dict[str, float]:
+def _parse_kills(specs: list[str], hosts: list[str],
+                 option: str = "--kill-relay") -> dict[str, float]:
     kills: dict[str, float] = {}
     for spec in specs:
         host, sep, seconds = spec.partition("@")
@@ -45,10 +49,20 @@ def _parse_kills(specs: list[str], hosts: list[str]) -> dict[str, float]:
         except ValueError:
             when = -1.0
         if not sep or host not in hosts or when < 0:
-            raise UsageError(f"--kill-relay: expected HOST@SECONDS with HOST one of {hosts}, "
+            raise UsageError(f"{option}: expected HOST@SECONDS with HOST one of {hosts}, "
                              f"got {spec!r}")
         kills[host] = when
     return kills
+
+
+def _parse_restarts(specs: list[str], hosts: list[str],
+                    kills: dict[str, float]) -> dict[str, float]:
+    restarts = _parse_kills(specs, hosts, "--restart-relay")
+    unkilled = sorted(set(restarts) - set(kills))
+    if unkilled:
+        raise UsageError(f"--restart-relay: expected a host that --kill-relay kills, got "
+                         f"{', '.join(unkilled)} (killed: {sorted(kills) or 'none'})")
+    return restarts
 
 
 def _log(folder: Path, name: str) -> IO[str]:
@@ -57,12 +71,17 @@ def _log(folder: Path, name: str) -> IO[str]:
     return (folder / f"{name}.log").open("w", encoding="utf-8")
 
 
+# The kept directory's path is printed on stdout ("process logs kept in ..."): a temporary path
+# would take most of the one error line.
+LOG_HINT = " (see coordinator.log in the process logs kept)"
+
+
 def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the child prints it right after binding
     if not line:
         raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
-                            f"printing its address (its log: {logs / (what + '.log')})")
+                            f"printing its address (see {what}.log in the process logs kept)")
     return line
 
 
@@ -76,6 +95,11 @@ class _Cluster:
         self.coord: subprocess.Popen[str] | None = None
         self.relays: dict[str, subprocess.Popen[str]] = {}
         self.ranks: dict[int, subprocess.Popen[str]] = {}
+        self.replaced: list[subprocess.Popen[str]] = []  # killed hosts' processes, restarted
+        self.restarted: set[str] = set()
+        self.address = ""
+        self.layout: dict[str, list[int]] = {}
+        self.world = 0
         self.files: list[IO[str]] = []
 
     def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
@@ -92,26 +116,38 @@ class _Cluster:
             "--batch-size", str(a.batch_size), "--timeline", str(self.timeline),
             "--summary-file", str(self.summary), "--heartbeat-timeout", "5"),
             "coordinator", stdout=subprocess.PIPE)
-        address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(" ", 1)[-1]
-        for i, (host, ranks) in enumerate(layout.items()):
-            relay = self._start(_cli(
-                "relay", "--coordinator", address, "--host", host, "--ranks",
-                ",".join(map(str, ranks)), "--world-size", str(world)), host,
-                stdout=subprocess.PIPE)
-            self.relays[host] = relay
-            rank_address = _read_line(relay, host, self.logs).split()[-1]
-            for r in ranks:
-                self.ranks[r] = self._start(_cli(
-                    "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
-                    str(world), "--batch-size", str(a.batch_size), "--batch-ms",
-                    str(a.batch_ms * (1 + i))), f"rank-{r}", stdout=subprocess.DEVNULL)
-        return address
+        self.address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(
+            " ", 1)[-1]
+        self.layout, self.world = layout, world
+        for host in layout:
+            self.start_host(host)
+        return self.address
+
+    def start_host(self, host: str, *, again: bool = False) -> None:
+        """Start ``host``'s relay, then its rank processes (``again``: after a kill)."""
+        a, ranks = self.args, self.layout[host]
+        slower = 1 + list(self.layout).index(host)
+        log = f"{host}-restarted" if again else host
+        if again:
+            self.replaced += [self.relays[host], *(self.ranks[r] for r in ranks)]
+        relay = self._start(_cli(
+            "relay", "--coordinator", self.address, "--host", host, "--ranks",
+            ",".join(map(str, ranks)), "--world-size", str(self.world)), log,
+            stdout=subprocess.PIPE)
+        self.relays[host] = relay
+        rank_address = _read_line(relay, log, self.logs).split()[-1]
+        for r in ranks:
+            self.ranks[r] = self._start(_cli(
+                "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
+                str(self.world), "--batch-size", str(a.batch_size), "--batch-ms",
+                str(a.batch_ms * slower)), f"rank-{r}-restarted" if again else f"rank-{r}",
+                stdout=subprocess.DEVNULL)
 
     def children(self) -> list[subprocess.Popen[str]]:
         return [*self.relays.values(), *self.ranks.values()]
 
     def stop(self) -> int:
-        procs = [p for p in [self.coord, *self.children()] if p is not None]
+        procs = [p for p in [self.coord, *self.children(), *self.replaced] if p is not None]
         running = [p for p in procs if p.poll() is None]
         for p in running:
             p.terminate()  # SIGTERM: each stops gracefully and exits 143
@@ -136,6 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
     layout = {h: list(range(i * per, (i + 1) * per)) for i, h in enumerate(hosts)}
     world = args.hosts * per
     kills = _parse_kills(args.kill_relay, hosts)
+    restarts = _parse_restarts(args.restart_relay, hosts, kills)
     if args.timeline:
         check_writable(args.timeline, what="--timeline")
         Path(args.timeline).unlink()
@@ -153,7 +190,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"coordinator on {address} (status: http://{address}/state.json), "
               f"{len(cluster.relays)} relay and {len(cluster.ranks)} rank processes started",
               flush=True)
-        code = _watch(args, cluster, layout, world, kills)
+        code = _watch(args, cluster, layout, world, kills, restarts)
         keep = keep or code != 0
         return code
     except BaseException as exc:
@@ -171,19 +208,21 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[int]],
-           world: int, kills: dict[str, float]) -> int:
+           world: int, kills: dict[str, float], restarts: dict[str, float]) -> int:
     story = Story(cluster.timeline, args.epochs)
     live_ui = not args.no_live and sys.stdout.isatty()
     deadline = time.monotonic() + RUN_DEADLINE_S
     formed_at: float | None = None
     killed: set[str] = set()
+    killed_at: dict[str, float] = {}
     coord = cluster.coord
     assert coord is not None
     live_cm: Any = contextlib.nullcontext()
     if live_ui:
         from rich.live import Live
 
-        live_cm = Live(_table(story, layout, world, killed), refresh_per_second=8)
+        live_cm = Live(_table(story, layout, world, killed - cluster.restarted),
+                       refresh_per_second=8)
     last_status = ""
     with live_cm as live:
         say: Callable[[str], None] = live.console.print if live_ui else _print
@@ -204,10 +243,19 @@ def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[i
                         time.monotonic() - formed_at >= when:
                     cluster.relays[host].kill()  # SIGKILL: no goodbye, the OS closes its sockets
                     killed.add(host)
+                    killed_at[host] = time.monotonic()
                     say(f"{'':>7}  SIGKILLed relay {host} (ranks "
                         f"{layout[host]}) {when:g}s after formation")
+            for host, when in restarts.items():
+                if host in killed_at and time.monotonic() - killed_at[host] >= when:
+                    del killed_at[host], restarts[host]
+                    cluster.restarted.add(host)
+                    cluster.start_host(host, again=True)
+                    say(f"{'':>7}  restarted relay {host} and its ranks {layout[host]} "
+                        f"{when:g}s after the kill")
+                    break  # restarts changed size
             if live_ui:
-                live.update(_table(story, layout, world, killed))
+                live.update(_table(story, layout, world, killed - cluster.restarted))
             else:
                 status = story.status_line(world)
                 if status != last_status and story.formed_ms is None:
@@ -243,6 +291,11 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
               layout: dict[str, list[int]]) -> int:
     assert cluster.coord is not None
     code = cluster.coord.wait()
+    late = {h for h in cluster.restarted if not set(layout[h]) <= story.rejoined}
+    for host in sorted(late):  # restarted, but the run ended before they were back
+        print(f"  {host} was restarted but the run ended before its ranks rejoined")
+        for p in [cluster.relays[host], *(cluster.ranks[r] for r in layout[host])]:
+            p.terminate()
     for p in cluster.children():  # after the final Shutdown they end on their own
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
@@ -253,25 +306,26 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
         print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
         reason = summary.get("failed") or f"the coordinator exited with code {code} and wrote " \
             "no summary"
-        raise CommandFailed(f"demo: the run failed: {reason} (coordinator log: "
-                            f"{cluster.logs / 'coordinator.log'})")
+        room = MAX_LINE - len(f"flodl-trio: demo: the run failed: {LOG_HINT}") - 1
+        raise CommandFailed(f"demo: the run failed: {shorten(reason, room)}{LOG_HINT}")
     done = summary.get("epochs_completed")
     print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch'] + 1}: avg loss {m['avg_loss']:.4f}")
+        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")  # numbered from 1
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
-          + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else ""))
+          + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")
+          + (f"; restarted and rejoined: {', '.join(sorted(cluster.restarted))}, rejoins "
+             f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
     if args.timeline:
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
               f"`flodl-trio plot {args.timeline} -o timeline.png`")
     if code != 0 or done != args.epochs:
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
-                            f"exit code {code} (coordinator log: "
-                            f"{cluster.logs / 'coordinator.log'})")
+                            f"exit code {code}{LOG_HINT}")
     print("run completed")
     return 0
 

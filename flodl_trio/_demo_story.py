@@ -10,15 +10,19 @@ from typing import Any
 
 
 def ranges_text(ranges: list[list[int]]) -> str:
-    """``[[32, 4], [40, 2]]`` → ``"32-35, 40-41"`` (sample indices, inclusive).
+    r"""``[[196, 196], [400, 1]]`` → ``"samples 196-391, 400"`` with an en dash (U+2013): sample
+    indices, inclusive.
 
-    >>> ranges_text([[32, 4], [40, 1]])
-    '32-35, 40'
+    >>> ranges_text([[196, 196], [400, 1]]) == "samples 196\u2013391, 400"
+    True
+    >>> ranges_text([[7, 1]])
+    'sample 7'
     """
     parts = []
     for offset, size in ranges:
-        parts.append(str(offset) if size == 1 else f"{offset}-{offset + size - 1}")
-    return ", ".join(parts)
+        parts.append(str(offset) if size == 1 else f"{offset}\u2013{offset + size - 1}")
+    single = len(ranges) == 1 and ranges[0][1] == 1
+    return ("sample " if single else "samples ") + ", ".join(parts)
 
 
 class Story:
@@ -30,6 +34,7 @@ class Story:
         syncs: ``SyncNow`` rounds so far.
         dead: rank → the reason it was declared dead.
         exited: ranks that left cleanly.
+        rejoined: ranks that came back after their death (issue 26).
         events: timeline lines read.
     """
 
@@ -43,6 +48,7 @@ class Story:
         self.syncs = 0
         self.dead: dict[int, str] = {}
         self.exited: set[int] = set()
+        self.rejoined: set[int] = set()
         self.events = 0
 
     def poll(self) -> list[str]:
@@ -81,6 +87,13 @@ class Story:
         if kind == "RankDeclaredDead":
             self.dead[int(ev["rank"])] = str(ev["reason"])
             return f"{t}  rank {ev['rank']} ({ev['host']}) declared dead: {ev['reason']}"
+        if kind == "RankRejoined":
+            self.dead.pop(int(ev["rank"]), None)
+            self.rejoined.add(int(ev["rank"]))
+            return f"{t}  rank {ev['rank']} ({ev['host']}) rejoined the running cohort"
+        if kind == "RankTakenOver":
+            return (f"{t}  rank {ev['rank']} of host {ev['previous_host']} taken over by host "
+                    f"{ev['host']}")
         if kind == "RankExited":
             self.exited.add(int(ev["rank"]))
             return None  # every rank exits at the end: the summary counts them
@@ -104,11 +117,14 @@ class Story:
             return (f"{t}  epoch {int(fields['epoch']) + 1}/{self.epochs} done: avg loss "
                     f"{float(fields['avg_loss']):.4f}, {self.syncs} syncs so far")
         if what == "redistributed":
-            took = "; ".join(f"rank {r} took {ranges_text(p)}"
+            took = "; ".join(f"rank {r} takes {ranges_text(p)}"
                              for r, p in sorted(fields["to"].items(), key=lambda kv: int(kv[0])))
             left = sum(size for p in fields["to"].values() for _, size in p)
             return (f"{t}  rank {fields['from_rank']}'s {left} unprocessed samples of epoch "
                     f"{int(fields['epoch']) + 1} redistributed: {took}")
+        if what == "ranks_rejoined":
+            return (f"{t}  ranks {fields['ranks']} get work again from epoch "
+                    f"{int(fields['from_epoch']) + 1}")
         if what == "batch_size_mismatch":
             return (f"{t}  rank {fields['rank']} batches disagree with the plan: "
                     f"{fields['samples']} samples in {fields['batches']} batches, batch size "

@@ -122,3 +122,51 @@ async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
     except (trio.EndOfChannel, trio.ClosedResourceError):
         closed.append(True)
     done.cancel()
+
+
+class Members:
+    """Who takes part in the scheduler's current epoch, as the coordinator's view changes.
+
+    ``gone``: ranks that died or exited, whose share is settled. ``joining``: ranks back from
+    the dead (issue 26) that wait for the next epoch to get work. A rank whose rejoin count
+    moved between two looks died and came back unseen: it is gone all the same.
+    """
+
+    def __init__(self) -> None:
+        self.gone: set[int] = set()
+        self.joining: set[int] = set()
+        self._rejoins_seen: dict[int, int] = {}
+
+    def survivors(self, live: frozenset[int]) -> list[int]:
+        """The ranks that take part in the current epoch, ascending."""
+        return sorted(live - self.gone - self.joining)
+
+    def ignores(self, rank: int) -> bool:
+        """``rank`` has no share in the current epoch: its reports are not counted."""
+        return rank in self.gone or rank in self.joining
+
+    def newly_gone(self, dead: frozenset[int], exited: frozenset[int],
+                   rejoins: Mapping[int, int]) -> list[int]:
+        """Ranks that left since the last look (a death and return between two looks
+        included), ascending; the caller settles each and calls :meth:`leave`."""
+        missed = {r for r, n in rejoins.items()
+                  if n != self._rejoins_seen.get(r, 0) and r not in self.gone}
+        self._rejoins_seen = dict(rejoins)
+        return sorted(((dead | exited) - self.gone) | missed)
+
+    def leave(self, rank: int) -> None:
+        self.joining.discard(rank)
+        self.gone.add(rank)
+
+    def returned(self, live: frozenset[int]) -> list[int]:
+        """Gone ranks that are live again; they join at the next epoch."""
+        back = sorted(self.gone & live)
+        self.gone.difference_update(back)
+        self.joining.update(back)
+        return back
+
+    def take_joiners(self, live: frozenset[int]) -> list[int]:
+        """At an epoch boundary: the joining ranks still live take part from now on."""
+        joiners = sorted(self.joining & live)
+        self.joining.clear()
+        return joiners

@@ -107,7 +107,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
     raise HandshakeError(
         f"{what}: expected a connection to {where} within {connect_timeout:g}s, got none after "
         f"{attempts} attempt(s); last error: {last!r}"
-    )
+    ) from last
 
 
 async def dial_and_handshake(

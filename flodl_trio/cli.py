@@ -32,6 +32,7 @@ from ._cli_common import (
     parse_address,
     parse_ranks,
 )
+from ._cli_errors import MAX_LINE, PEERS, error_line, shorten
 from ._cli_parser import build_parser
 from ._errors import ConfigError, FlodlError
 from ._version import __version__
@@ -97,27 +98,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen = _one_exception(group)
             if chosen is None or args.debug:
                 raise
-            raise chosen from None
+            raise chosen from chosen.__cause__  # keeps what the one-line hint reads
     except (UsageError, ConfigError) as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"flodl-trio: error: {exc}\n")
+        sys.stderr.write(shorten(f"flodl-trio: error: {exc}", MAX_LINE) + "\n")
         return EXIT_USAGE
     except CommandFailed as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"flodl-trio: {exc}\n")
+        sys.stderr.write(_failure_line(args, exc, f"flodl-trio: {exc}") + "\n")
         return EXIT_FAILED
     except FlodlError as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"flodl-trio: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(_failure_line(args, exc, None) + "\n")
         return EXIT_FAILED
     except OSError as exc:  # one we did not name more precisely on the way
         if args.debug:
             raise
         where = f" {exc.filename!r}" if exc.filename else ""
-        sys.stderr.write(f"flodl-trio: {args.command}:{where} {os_error_text(exc)}\n")
+        line = f"flodl-trio: {args.command}:{where} {os_error_text(exc)}"
+        sys.stderr.write(_failure_line(args, exc, line) + "\n")
         return EXIT_FAILED
     except KeyboardInterrupt:
         sys.stderr.write(f"flodl-trio: {args.command} interrupted by SIGINT\n")
@@ -129,6 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("demo", "plot"):
             for signum, handler in zip((signal.SIGTERM, signal.SIGINT), previous, strict=True):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _failure_line(args: Any, exc: BaseException, line: str | None) -> str:
+    """The one stderr line of a failed command: a network cause a person can act on first
+    (connection refused, unknown name), else ``line`` (None: the error's type and message)."""
+    who = {"relay": f"relay {getattr(args, 'host', '')}",
+           "rank": f"rank {getattr(args, 'rank', '')}"}.get(args.command, args.command)
+    option = PEERS.get(args.command, (None, None))[1]
+    address = getattr(args, option, None) if option else None
+    return error_line(exc, command=args.command, who=who, address=address, default=line)
 
 
 def _dispatch(args: Any) -> int:

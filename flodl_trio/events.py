@@ -90,6 +90,26 @@ class RankDeclaredDead(Event):
 
 
 @attrs.frozen
+class RankRejoined(Event):
+    """A rank declared dead earlier is alive again: ``host``'s relay dialed back in with the full
+    handshake and was admitted (every rank it named was dead). The survivors are told with a
+    ``DeclareAlive`` control message, as they were told of the death with ``DeclareDead``."""
+
+    rank: int
+    host: str
+
+
+@attrs.frozen
+class RankTakenOver(Event):
+    """A dead rank was taken over by a relay of a different host (a spare), which
+    ``CoordinatorConfig(allow_rank_takeover=True)`` allows; a ``RankRejoined`` follows."""
+
+    rank: int
+    host: str
+    previous_host: str
+
+
+@attrs.frozen
 class RankExited(Event):
     """A rank said ``Exiting``: it left cleanly and is never declared dead."""
 

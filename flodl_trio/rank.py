@@ -34,6 +34,7 @@ from .wire import (
     MAX_LEN_FRAME,
     ControlMsg,
     CoordHeartbeat,
+    DeclareAlive,
     DeclareDead,
     Exiting,
     Fenced,
@@ -253,6 +254,8 @@ class RankEndpoint:
             return
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
+        elif isinstance(msg, DeclareAlive):
+            self.dead_peers = self.dead_peers - {int(msg.rank)}
         if isinstance(msg, Shutdown | ShutdownWithSave):
             self._shutdown_seen = True
         try:

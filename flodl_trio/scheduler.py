@@ -24,6 +24,11 @@ How it decides, in one place:
   (contiguous sub-ranges whose sizes sum to exactly the remainder). Only batches whose ``Batch``
   reached the coordinator count as done: work whose report died with the rank (a lost relay, a
   rank declared stale while it was still working) is processed again, at least once.
+- **Rejoins** (issue 26). A rank that comes back after its death (``coord.rejoins`` moved; a
+  death and return between two looks is a death all the same) gets no work in the current epoch,
+  whose cover was settled when it died; from the next epoch on it is planned like any rank, after
+  it was sent the role and the global step (and, with ``process_group``, after the group was
+  re-formed with it). So every epoch stays covered exactly once.
 - **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
   extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, the
@@ -66,7 +71,7 @@ from ._epoch_math import (
 )
 from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
 from ._reformation import ProcessGroupKeeper, ReformationError
-from ._scheduler_parts import Inbox, InboxClosed, RunSummary
+from ._scheduler_parts import Inbox, InboxClosed, Members, RunSummary
 from .events import Note
 from .wire import (
     Batch,
@@ -149,7 +154,8 @@ class SyncScheduler:
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
-        self._gone: set[int] = set()
+        self._members = Members()
+        self._deferred_epoch: int | None = None  # dispatched once the process group formed
         self._role: int | None = None
         self._callbacks = Callbacks(
             checkpoint_every=check_cadence("checkpoint_every", checkpoint_every),
@@ -185,6 +191,7 @@ class SyncScheduler:
         started = trio.current_time()
         async with coord.timeline.subscribe() as events:
             if self._group is not None:
+                self._deferred_epoch = 0
                 await self._group.begin(self._survivors(), "the first session")
             else:
                 await self._dispatch(0)
@@ -225,7 +232,7 @@ class SyncScheduler:
 
     def _on_timing(self, msg: TimingMsg) -> None:
         rank = int(msg.rank)
-        if rank in self._gone:
+        if self._members.ignores(rank):  # no share in this epoch
             return
         if isinstance(msg, Batch):
             self._ledger.on_batch(rank)
@@ -256,7 +263,20 @@ class SyncScheduler:
     # ------------------------------------------------------------------ deciding
 
     def _survivors(self) -> list[int]:
-        return sorted(self._coord.live_ranks - self._gone)
+        return self._members.survivors(self._coord.live_ranks)
+
+    async def _fold_joiners(self) -> list[int]:
+        """At an epoch boundary: ranks that came back take part from now on; each learns the
+        role and the global step first (a restarted rank knows neither)."""
+        joiners = self._members.take_joiners(self._coord.live_ranks)
+        if self._role is None:  # the first dispatch tells everyone
+            return joiners
+        for rank in joiners:
+            self._awaiting_batch.add(rank)
+            self._steps[rank] = 0
+            await self._send(rank, SetEpochCallbackRole(rank=self._role))
+            await self._send(rank, SetGlobalStep(global_step=self._global_step))
+        return joiners
 
     def _no_rank_left(self) -> ClusterFailure:
         return ClusterFailure(SaveReason.ALL_RANKS_LOST, self._coord.dead_ranks,
@@ -264,6 +284,7 @@ class SyncScheduler:
                               f"{self._num_epochs}")
 
     async def _dispatch(self, epoch: int) -> None:
+        await self._fold_joiners()
         live = self._survivors()
         if not live:
             raise self._no_rank_left()
@@ -282,16 +303,27 @@ class SyncScheduler:
     async def _reconcile(self) -> None:
         """Fold newly dead or exited ranks: redistribute their remainders, move the role."""
         coord = self._coord
-        new = sorted((coord.dead_ranks | coord.exited_ranks) - self._gone)
-        if not new:
-            return
+        # A rank that died and came back between two looks is a death all the same: what it
+        # owed of this epoch died with its old process.
+        new = self._members.newly_gone(coord.dead_ranks, coord.exited_ranks, coord.rejoins)
+        if new:
+            await self._fold_gone(new)
+        back = self._members.returned(coord.live_ranks)
+        if back:
+            log.info("rank(s) %s rejoined; they get work from the next epoch", back)
+            coord.timeline.event(Note(what="ranks_rejoined", fields={
+                "ranks": back, "from_epoch": self._ledger.epoch + 1}))
+
+    async def _fold_gone(self, new: list[int]) -> None:
+        coord = self._coord
         self._drain()  # count every batch the coordinator read from them before the death
         remainders: list[tuple[int, list[Range]]] = []
+        members = [r for r in new if r not in self._members.joining]  # of the current group
         for rank in new:
             rest = self._ledger.settle(rank)
             if rest:
                 remainders.append((rank, rest))
-            self._gone.add(rank)
+            self._members.leave(rank)
             for waiting in (self._awaiting_batch, self._awaiting_ack):
                 waiting.discard(rank)
         survivors = self._survivors()
@@ -311,12 +343,18 @@ class SyncScheduler:
                 for offset, size in part:
                     await self._send(rank, ExtendPartition(partition_offset=offset,
                                                            partition_size=size))
-        if self._group is not None and not self._finishing:
+        if self._group is not None and not self._finishing and members:
             await self._group.after_gone(
-                [(r, coord.dead_reason(r) or "exited cleanly") for r in new], survivors)
-        if self._role in self._gone:
+                [(r, coord.dead_reason(r) or ("exited cleanly" if r in coord.exited_ranks
+                                              else "died and came back"))
+                 for r in members], survivors)
+        if self._role in self._members.gone:
             await self._move_role(survivors[0])
-        await self._callbacks.retarget(self._gone, self._role)
+        await self._callbacks.retarget(self._members.gone, self._role)
+
+    @property
+    def _group_waiting(self) -> bool:
+        return self._group is not None and self._group.waiting
 
     async def _move_role(self, rank: int) -> None:
         log.info("epoch callback role moves from rank %s to rank %d", self._role, rank)
@@ -338,9 +376,10 @@ class SyncScheduler:
         if self._group is not None and self._group.waiting:
             if await self._group.advance(self._survivors()):
                 return  # no collective (SyncNow) and no new epoch before the group exists
-            if self._ledger.epoch < 0:
-                await self._dispatch(0)
-                return
+        if self._deferred_epoch is not None and not self._group_waiting:
+            epoch, self._deferred_epoch = self._deferred_epoch, None
+            await self._dispatch(epoch)
+            return
         if self._callbacks.failed:
             await self._callbacks.fail_over(self._survivors(), self._role)
         if not self._finishing:
@@ -373,6 +412,12 @@ class SyncScheduler:
         completed = epoch + 1
         await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
+            if self._group is not None and self._members.joining & self._coord.live_ranks:
+                # The group is re-formed with the ranks that came back before they get work.
+                joiners = await self._fold_joiners()
+                self._deferred_epoch = completed
+                await self._group.begin(self._survivors(), f"rank(s) {joiners} rejoined")
+                return
             await self._dispatch(completed)
         else:
             self._finishing = True

@@ -308,6 +308,10 @@ async def fetch_state(
     except trio.TooSlowError:
         raise FlodlError(f"status {where}: no complete response within {timeout}s") from None
     except (OSError, trio.BrokenResourceError) as exc:
+        tried = exc.__cause__.exceptions if isinstance(exc.__cause__, BaseExceptionGroup) \
+            else (exc,)
+        if all(isinstance(e, ConnectionRefusedError) for e in tried):
+            raise FlodlError(f"connection refused: is a coordinator running at {where}?") from exc
         raise FlodlError(f"status {where}: connection failed: {exc}") from exc
     except h11.ProtocolError as exc:
         raise FlodlError(f"status {where}: malformed HTTP response: {exc}") from exc

@@ -13,7 +13,7 @@ from typing import IO, Any
 import attrs
 import trio
 
-from .events import Event
+from .events import Event, Note
 
 
 @attrs.frozen
@@ -46,6 +46,7 @@ class Timeline:
         self.dropped = 0
         self._t0 = time.monotonic()
         self._subscribers: list[_Subscriber] = []
+        self._last_notes: dict[str, dict[str, Any]] = {}
         self._file: IO[str] | None = None
         if jsonl_path is not None:
             self._file = open(jsonl_path, "a", encoding="utf-8")
@@ -56,6 +57,8 @@ class Timeline:
         if len(self._events) == self._events.maxlen:
             self.dropped += 1
         self._events.append(stamped)
+        if isinstance(ev, Note):
+            self._last_notes[ev.what] = ev.fields
         if self._file is not None:
             self._file.write(json.dumps(stamped.to_dict(), default=str) + "\n")
             self._file.flush()
@@ -71,6 +74,11 @@ class Timeline:
     def events(self, kind: type[Event] | None = None) -> list[Event]:
         """Events kept so far (optionally only those of one class), oldest first."""
         return [s.event for s in self._events if kind is None or isinstance(s.event, kind)]
+
+    def last_note(self, what: str) -> dict[str, Any] | None:
+        """The fields of the latest :class:`~flodl_trio.events.Note` named ``what`` (None if
+        there was none), kept even after the event itself left the window of ``capacity``."""
+        return self._last_notes.get(what)
 
     def stamped(self) -> list[Stamped]:
         return list(self._events)

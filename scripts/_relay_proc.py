@@ -14,6 +14,10 @@ arrival (``time.time()``: the bench compares it with the moment it killed a sibl
     rank 1 lost t=... reason      (CoordinatorLost)
     relay host-a exit t=... reason
 
+With ``--sim-batch-ms MS`` each rank is a :class:`~flodl_trio.sim.SimulatedRank` instead (batches
+of ``--batch-size`` samples taking MS each), for a coordinator that drives a SyncScheduler; it
+prints each control message it received when it ends, in the same format.
+
 Exit status: 0 when every rank ended cleanly, 1 otherwise.
 
 The parent side lives here too: :class:`RelayProcess` starts one child and collects its lines.
@@ -54,8 +58,10 @@ def parse_ranks(text: str) -> list[int]:
 
 def describe(msg: Any) -> str:
     label = wire.control_label(msg)
-    if isinstance(msg, wire.DeclareDead):
+    if isinstance(msg, wire.DeclareDead | wire.DeclareAlive):
         return f"{label} {msg.rank}"
+    if isinstance(msg, wire.StartEpoch):
+        return f"{label} {msg.plan.epoch}"
     if isinstance(msg, wire.ShutdownWithSave):
         return f"{label} {ft.SaveReason(msg.reason).name}"
     return label
@@ -68,6 +74,9 @@ async def run_rank(address: tuple[str, int], rank: int, args: argparse.Namespace
     async with ft.open_rank(address, salt=ft.SessionSalt.from_hex(args.salt_hex), rank=rank,
                             world_size=args.world_size, config=cfg) as ep:
         say(f"rank {rank} ready")
+        if args.sim_batch_ms is not None:
+            await run_sim(ep, rank, args, outcome)
+            return
         try:
             async for msg in ep:
                 say(f"rank {rank} got {describe(msg)}")
@@ -77,6 +86,24 @@ async def run_rank(address: tuple[str, int], rank: int, args: argparse.Namespace
             return
         say(f"rank {rank} ended")
         outcome[rank] = True
+
+
+async def run_sim(ep: ft.RankEndpoint, rank: int, args: argparse.Namespace,
+                  outcome: dict[int, bool]) -> None:
+    from flodl_trio.sim import SimulatedRank
+
+    sim = SimulatedRank(ep, batch_size=args.batch_size, batch_ms=args.sim_batch_ms)
+    try:
+        await sim.run()
+    except ft.FlodlError as exc:
+        say(f"rank {rank} lost", f"{type(exc).__name__}: {exc}")
+        outcome[rank] = False
+        return
+    finally:
+        for msg in sim.record.received:
+            say(f"rank {rank} got {describe(msg)}")
+    say(f"rank {rank} ended")
+    outcome[rank] = True
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -104,6 +131,9 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--coord-liveness-timeout", type=float, default=30.0)
+    parser.add_argument("--sim-batch-ms", type=float, default=None,
+                        help="run SimulatedRanks with batches of this many ms")
+    parser.add_argument("--batch-size", type=int, default=4, help="with --sim-batch-ms")
     parser.add_argument("--log-level", default="ERROR", help="of the flodl_trio loggers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")

@@ -92,6 +92,7 @@ def one_line(proc: Proc) -> str:
     assert not any("Traceback" in line for line in proc.err), proc.err
     lines = [ln for ln in proc.err if ln.startswith("flodl-trio")]
     assert len(lines) == 1, proc.err
+    assert len(lines[0]) < 200, lines[0]  # the cause to act on, not the whole story
     return lines[0]
 
 
@@ -130,6 +131,10 @@ def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_
     assert [rank.wait() for rank in ranks] == [0, 0], [rank.err for rank in ranks]
     assert relay.wait() == 0, relay.err
     assert '"epochs_completed": 1' in coord.line_with('"summary"')
+    assert '"epoch_metrics": [{"epoch": 1,' in coord.line_with('"summary"')  # as the line below
+    progress = coord.line_with("epoch 1/1: ")
+    assert progress.startswith("epoch 1/1: 16/16 samples covered (exactly once), ")
+    assert progress.endswith(" 0 deaths (0 dead in all)") and "samples/s" in progress
 
 
 @pytest.mark.slow
@@ -331,7 +336,8 @@ def test_a_demo_whose_run_fails_exits_1_with_one_line_and_keeps_its_logs(
                            "ALL_RANKS_LOST; dead ranks [0, 1]"), line
     assert demo.line_with("cluster FAILED: ALL_RANKS_LOST")
     [kept] = scratch.iterdir()  # the logs are what one wants to read after a failure
-    assert f"coordinator log: {kept / 'logs' / 'coordinator.log'})" in line
+    assert line.endswith("(see coordinator.log in the process logs kept)") and len(line) < 200
+    assert demo.line_with(f"process logs kept in {kept / 'logs'}")
     assert (kept / "logs" / "coordinator.log").is_file()
 
 
@@ -347,7 +353,7 @@ def test_a_relay_and_its_rank_whose_coordinator_never_answers_exit_1(
                 "--rank", "0", "--world-size", "1", env=scaled)
     procs.append(rank)
     assert (relay.wait(), rank.wait()) == (1, 1)
-    assert one_line(relay).startswith("flodl-trio: HandshakeError: relay 'h': expected a "
-                                      "connection to 127.0.0.1:1 within 3s")
-    assert one_line(rank).startswith("flodl-trio: CoordinatorLost: rank 0 ")
+    assert one_line(relay) == ("flodl-trio: relay h: connection refused: is a coordinator "
+                               "running at 127.0.0.1:1?")
+    assert one_line(rank).startswith("flodl-trio: CoordinatorLost: rank 0: ")
     assert "the relay said: relay 'h' gave up" in one_line(rank)

@@ -12,6 +12,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import attrs
@@ -53,6 +54,16 @@ def test_the_tutorial_cluster_script_runs_as_written(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # its work directory is removed
 
 
+def test_the_tutorial_says_how_to_get_flodl_trio_on_path_before_its_first_command() -> None:
+    # After ./scripts/demo the command is in .venv/bin, which is not on PATH.
+    text = (DOCS / "tutorial.rst").read_text()
+    first_step = text.index("literalinclude")
+    assert -1 < text.find(". .venv/bin/activate") < first_step
+    assert -1 < text.find(".venv/bin/flodl-trio") < first_step
+    script = (EXAMPLES / "cli_cluster.sh").read_text()
+    assert "FLODL=.venv/bin/flodl-trio" in script  # the script itself works without activating
+
+
 @pytest.mark.slow
 def test_the_chaos_test_example_passes_under_pytest() -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
@@ -74,11 +85,39 @@ def test_the_python_examples_pass_mypy_strict(tmp_path: Path) -> None:
 
 
 def test_every_readme_python_block_is_part_of_an_example_that_runs() -> None:
-    sources = {p.name: p.read_text(encoding="utf-8") for p in EXAMPLES.glob("*.py")}
+    # An example's snippet markers (``# --8<-- [start:proxy]``) are for the Sphinx pages only.
+    sources = {p.name: re.sub(r"\n{4,}", "\n\n\n", re.sub(r"^# --8<-- .*\n", "",
+                                                         p.read_text(encoding="utf-8"), flags=re.M))
+               for p in EXAMPLES.glob("*.py")}
     python_blocks = [body for lang, body in fenced_blocks(README.read_text()) if lang == "python"]
     assert python_blocks
     for body in python_blocks:
         assert any(body in src for src in sources.values()), f"not in examples/:\n{body}"
+    # The embedding section shows the example whole: imports, constants and main() included.
+    assert (EXAMPLES / "embedding.py").read_text(encoding="utf-8") in python_blocks
+
+
+def test_the_messages_sent_most_come_from_flodl_trio_itself() -> None:
+    # `ft.SetGlobalStep` raised AttributeError: the embedding page's first attempt failed on it.
+    wire = importlib.import_module("flodl_trio.wire")
+    for name in ("StartEpoch", "EpochPlan", "SetGlobalStep", "SyncNow", "DeclareDead",
+                 "Throttle", "Shutdown", "ShutdownWithSave", "Batch", "SyncAck", "Heartbeat",
+                 "ControlMsg", "TimingMsg"):
+        assert getattr(flodl_trio, name) is getattr(wire, name), name
+        assert name in flodl_trio.__all__
+    assert "``SetGlobalStep``" in (DOCS / "embedding.rst").read_text()
+
+
+def test_the_testing_extra_brings_what_the_pytest_plugin_needs() -> None:
+    # A user's chaos tests need pytest and pytest-trio (trio_mode); the test extra pins the same.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {re.split(r"[<>=!~ ]", req, maxsplit=1)[0] for req in extras["testing"]}
+    assert {"pytest", "pytest-trio"} <= names
+    assert set(extras["testing"]) <= set(extras["test"])
+    for page in (DOCS / "chaos.rst", README):
+        text = page.read_text()
+        assert "trio_mode = true" in text and "testing" in text, page.name
 
 
 def test_every_readme_shell_command_names_a_script_or_a_documented_install_step() -> None:
@@ -119,7 +158,8 @@ def test_the_doctests_of_the_docs_pass(page: str, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("module", ["flodl_trio._config", "flodl_trio._cli_common",
-                                    "flodl_trio.port_mux", "flodl_trio._demo_story"])
+                                    "flodl_trio.port_mux", "flodl_trio._demo_story",
+                                    "flodl_trio._interfaces", "flodl_trio._cli_errors"])
 def test_the_doctests_in_docstrings_pass(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
@@ -193,7 +233,7 @@ def test_the_docs_build_with_warnings_as_errors_and_name_every_public_name_and_f
               if attrs.has(cls := getattr(wire, name)) and isinstance(cls, type)
               for field in attrs.fields(cls)
               for home in ["flodl_trio" if name in flodl_trio.__all__ else "flodl_trio.wire"]]
-    assert "flodl_trio.wire.Batch.sync_divergence" in fields and len(fields) > 100
+    assert "flodl_trio.Batch.sync_divergence" in fields and len(fields) > 100
     assert [field for field in fields if field not in documented] == []
     # The specification is not in the repository: the pages (docstrings included) cite none.
     cited = [page.name for page in out.glob("*.html") if "SPEC §" in page.read_text()]

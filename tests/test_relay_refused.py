@@ -14,10 +14,9 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio.events import FormationComplete
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, events_of, start_host, wait_until
+from helpers import COORD, start_host, wait_until
 
 SALT = ft.SessionSalt.generate()
 PATIENCE = 20.0  # real seconds; each scenario takes well under one
@@ -190,43 +189,40 @@ async def test_a_refused_relay_dials_once_and_gives_up_without_waiting(
     memory_network.assert_all_closed()
 
 
-async def test_a_hello_that_arrives_after_the_cohort_formed_is_refused(
+async def test_a_relay_refused_after_formation_gives_up_at_once_with_the_rejoin_reason(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    from flodl_trio._handshake_io import run_handshake
-
+    # After formation a Hello goes to the rejoin rules; one naming a live rank is refused, and
+    # the relay hears why instead of re-dialing for connect_timeout.
     cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=60)
-    timeline = ft.Timeline()
+    listener = memory_network.listener(COORD)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             formed = trio.Event()
-            listener = memory_network.listener(COORD)
+            late_done = trio.Event()
 
             async def coordinator() -> None:
-                async with ft.open_coordinator(listener, salt=SALT, config=cfg,
-                                               timeline=timeline):
+                async with ft.open_coordinator(listener, salt=SALT, config=cfg):
                     formed.set()
-                    await trio.sleep(5)
+                    await late_done.wait()
 
             nursery.start_soon(coordinator)
-            # A late relay got its Challenge while formation ran; its Hello only comes after.
-            late = wire.RelayHandshake(SALT, host="host-late", ranks=(0,), world_size=1,
-                                       coordinator=COORD)
-            stream = await memory_network.connect(COORD)
-            await stream.send_all(late.data_to_send())
-            late.receive_data(await stream.receive_some(65536))
-            assert late.next_event() is wire.NEED_DATA
-            hello = late.data_to_send()
             host = await start_host(nursery, memory_network, "host-a", [0], salt=SALT, world=1)
             await formed.wait()
-            await stream.send_all(hello)
-            refusal = await run_handshake(stream, late)
-            assert refusal == wire.RefusalReceived(
-                "the cohort of 1 ranks already formed; a Hello after formation is not accepted")
-            assert await stream.receive_some(65536) == b""  # and the coordinator closed
-            await stream.aclose()
+            started = trio.current_time()
+            with pytest.raises(ft.JoinRefused) as info:
+                async with ft.open_relay(lambda: memory_network.connect(COORD), salt=SALT,
+                                         host="host-late", ranks=[0], world_size=1,
+                                         rank_listen=memory_network.listener("relay:late")
+                                         ) as relay:
+                    async with ft.open_rank(lambda: memory_network.connect("relay:late"),
+                                            salt=SALT, rank=0, world_size=1):
+                        await relay.wait_closed()
+            assert trio.current_time() - started == pytest.approx(0)
+            late_done.set()
             await wait_until(lambda: host.all_done)
-    assert len(events_of(timeline, FormationComplete)) == 1
+    assert info.value.reason.startswith(
+        "expected every rank it names to be dead, but rank 0 is alive on relay 'host-a'")
 
 
 async def test_a_forged_refused_is_a_failed_attempt_and_the_relay_re_dials_and_joins(

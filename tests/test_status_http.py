@@ -315,7 +315,8 @@ async def test_fetch_state_errors_name_the_address_and_the_problem() -> None:
     async with open_port_mux(listeners, peek_timeout=5.0, legs=()):  # nobody serves status
         with pytest.raises(FlodlError, match=rf"127\.0\.0\.1:{port}.*closed before"):
             await fetch_state(("127.0.0.1", port), timeout=5.0)
-    with pytest.raises(FlodlError, match=rf"127\.0\.0\.1:{port}: connection failed"):
+    refused = rf"connection refused: is a coordinator running at 127\.0\.0\.1:{port}\?"
+    with pytest.raises(FlodlError, match=refused):
         await fetch_state(("127.0.0.1", port), timeout=5.0)
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
         await fetch_state("no-port-here", timeout=5.0)

@@ -108,6 +108,7 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (19, wire.StageAdvisory, [seq(U64), seq(pair(U64, seq(pair(U64, U64))))]),
     (20, wire.RelayWaiting, [HOST, TEXT]),
     (21, wire.Fenced, [U64, TEXT]),
+    (22, wire.DeclareAlive, [U64]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -246,7 +247,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [22], ["ControlMsg", "unknown variant index 22"]),
+        (wire.decode_control, [23], ["ControlMsg", "unknown variant index 23"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
         (wire.decode_relay, [9, 0], ["RelayControlMsg", "unknown variant index 9"]),
@@ -255,7 +256,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-22", "ctl-neg", "timing-15", "relay-9", "bool-index", "empty", "int", "map"],
+    ids=["ctl-23", "ctl-neg", "timing-15", "relay-9", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

@@ -7,8 +7,10 @@ What it does with each control message:
 - ``RequestNewNcclId``: serve a fresh ``torch.distributed.TCPStore`` on an ephemeral loopback
   port and answer ``NewNcclIdGenerated`` with its address (the rendezvous of the next group).
 - ``NewNcclSession{uid, new_rank, new_world_size}``: leave the old gloo group (if any) and join
-  the new one at that rendezvous, as ``new_rank`` of ``new_world_size``; the learning rate
-  becomes ``--lr`` times the group's size, halved every 5 epochs (reported with ``LrUpdate``).
+  the new one at that rendezvous, as ``new_rank`` of ``new_world_size``, then take the parameters
+  of the group's rank 0 (a survivor: a rank whose host came back starts from them, not from
+  scratch); the learning rate becomes ``--lr`` times the group's size, halved every 5 epochs
+  (reported with ``LrUpdate``).
 - ``StartEpoch`` / ``ExtendPartition``: queue sample ranges; they are trained in batches of
   ``--batch-size`` (never mixing two ranges), each reported with ``Batch``; when the queue runs
   dry, a cumulative ``Metrics`` for the epoch.
@@ -94,6 +96,13 @@ class Group:
             dist.destroy_process_group()
         self.size, self.rank = 0, -1
 
+    def adopt(self, model: torch.nn.Module) -> None:
+        """Take the parameters of the group's rank 0 (the rank that served the rendezvous, a
+        survivor), so that a rank that rejoined trains on from where the cohort is."""
+        flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        dist.broadcast(flat, src=0)
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
     def average(self, model: torch.nn.Module) -> bool:
         """Average the parameters over the group; False if the group is broken (a peer died)."""
         if self.size == 0:
@@ -156,6 +165,7 @@ class Trainer:
             rc.send(wire.NewNcclIdGenerated(rank=self.rank, uid=self.group.new_id()))
         elif isinstance(msg, wire.NewNcclSession):
             self.group.join(msg.uid, int(msg.new_rank), int(msg.new_world_size))
+            self.group.adopt(self.model)
             self.set_lr()
             log.info("rank %d: joined group %s as %d/%d", self.rank, msg.uid.decode(),
                      msg.new_rank, msg.new_world_size)

@@ -2,13 +2,18 @@
 scheduler), two relay processes (host-a: ranks 0, 1; host-b: ranks 2, 3) and four PyTorch rank
 processes (``rank.py``).
 
-    python run.py --out DIR [--kill] [--epochs 20] [--result FILE]
+    python run.py --out DIR [--kill [--restart]] [--epochs 20] [--result FILE]
 
 With ``--kill``, once epoch ``--kill-epoch`` has run a few syncs, host-b's relay and its two
 ranks are SIGKILLed. The coordinator declares ranks 2 and 3 dead at once, the scheduler hands
 their unprocessed samples to ranks 0 and 1 (``ExtendPartition``) and re-forms the process group
 (``RequestNewNcclId`` to rank 0, ``NewNcclSession`` to ranks 0 and 1), and the survivors finish
 the run with a gloo group of two.
+
+With ``--restart`` too, host-b's relay and ranks are started again ``--restart-after`` seconds
+after the kill: the relay rejoins the running cohort (its ranks were all dead), ranks 2 and 3
+are alive again, and at the next epoch the scheduler re-forms the group of four with them (they
+take rank 0's parameters) and gives them work: the run ends with four ranks, as it began.
 
 Prints the scheduler's accounting (each epoch's samples, who processed them, whether they were
 covered exactly once), the deaths, the held-out accuracy and the wall time; ``--result`` writes
@@ -29,7 +34,7 @@ from typing import Any
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import Note
+from flodl_trio.events import Note, RankRejoined
 from flodl_trio.scheduler import SyncScheduler
 
 HERE = Path(__file__).resolve().parent
@@ -67,10 +72,38 @@ async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Pro
           flush=True)
 
 
+async def start_host(nursery: trio.Nursery, procs: dict[str, trio.Process], host: str,
+                     coordinator: str, salt: ft.SessionSalt, args: argparse.Namespace) -> None:
+    """Start ``host``'s relay and rank processes (again, after a kill: the same command)."""
+    py, port, ranks = sys.executable, free_port(), HOSTS[host]
+    procs[f"relay {host}"] = await nursery.start(child, [
+        py, str(HERE / "relay.py"), "--coordinator", coordinator, "--salt-hex", salt.hex(),
+        "--host", host, "--ranks", ",".join(map(str, ranks)), "--world-size", str(WORLD),
+        "--rank-port", str(port)])
+    for rank in ranks:
+        procs[f"rank {rank}"] = await nursery.start(child, [
+            py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex", salt.hex(),
+            "--rank", str(rank), "--world-size", str(WORLD), "--out", str(args.out),
+            "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--lr",
+            str(args.lr)])
+
+
+async def kill_and_restart(timeline: ft.Timeline, procs: dict[str, trio.Process],
+                           killed: dict[str, Any], coordinator: str, salt: ft.SessionSalt,
+                           args: argparse.Namespace, nursery: trio.Nursery) -> None:
+    await kill_host_b_mid_epoch(timeline, procs, args.kill_epoch, args.kill_after_syncs, killed)
+    if not args.restart:
+        return
+    await trio.sleep(args.restart_after)
+    await start_host(nursery, procs, "host-b", coordinator, salt, args)
+    killed["restarted_at"] = time.monotonic()
+    print(f"restarted relay host-b and ranks 2, 3 {args.restart_after:g}s after the kill",
+          flush=True)
+
+
 async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any], ft.Timeline]:
     out = Path(args.out)
     salt = ft.SessionSalt.generate()
-    py = sys.executable
     timeline = ft.Timeline(jsonl_path=str(out / "timeline.jsonl"))
     procs: dict[str, trio.Process] = {}
     killed: dict[str, Any] = {}
@@ -79,25 +112,15 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
     async with trio.open_nursery() as nursery:
         bound = await ft.bind_coordinator(("127.0.0.1", 0))
         coordinator = f"{bound.address[0]}:{bound.address[1]}"
-        for host, ranks in HOSTS.items():
-            port = free_port()
-            procs[f"relay {host}"] = await nursery.start(child, [
-                py, str(HERE / "relay.py"), "--coordinator", coordinator, "--salt-hex",
-                salt.hex(), "--host", host, "--ranks", ",".join(map(str, ranks)),
-                "--world-size", str(WORLD), "--rank-port", str(port)])
-            for rank in ranks:
-                procs[f"rank {rank}"] = await nursery.start(child, [
-                    py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex",
-                    salt.hex(), "--rank", str(rank), "--world-size", str(WORLD), "--out",
-                    str(out), "--batch-size", str(args.batch_size), "--step-ms",
-                    str(args.step_ms), "--lr", str(args.lr)])
+        for host in HOSTS:
+            await start_host(nursery, procs, host, coordinator, salt, args)
         async with ft.open_coordinator(bound, salt=salt, config=cfg, timeline=timeline) as coord:
             formed = time.monotonic()
             print(f"formed: {WORLD} ranks over {len(coord.relays)} relays in "
                   f"{formed - started:.1f}s", flush=True)
-            if args.kill:
-                nursery.start_soon(kill_host_b_mid_epoch, timeline, procs, args.kill_epoch,
-                                   args.kill_after_syncs, killed)
+            if args.kill or args.restart:
+                nursery.start_soon(kill_and_restart, timeline, procs, killed, coordinator,
+                                   salt, args, nursery)
             scheduler = SyncScheduler(coord, total_samples=TRAIN_SAMPLES,
                                       batch_size=args.batch_size, num_epochs=args.epochs,
                                       checkpoint_every=args.epochs, process_group=True,
@@ -105,7 +128,8 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
             summary = await scheduler.run()
             coverage = scheduler.coverage
         survivors = [proc for name, proc in procs.items() if name.startswith("rank")
-                     and not (killed and name in ("rank 2", "rank 3"))]
+                     and not (killed and "restarted_at" not in killed
+                              and name in ("rank 2", "rank 3"))]
         with trio.fail_after(60):  # the ranks evaluate, write their result and exit
             for proc in survivors:
                 await proc.wait()
@@ -128,6 +152,9 @@ def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall
               if isinstance(e, Note) and e.what == "process_group_formed"]
     for g in groups:
         print(f"  process group {g['generation']}: ranks {g['ranks']}")
+    rejoined = sorted(e.rank for e in timeline.events() if isinstance(e, RankRejoined))
+    if rejoined:
+        print(f"  ranks {rejoined} rejoined the running cohort")
     exact = True
     for cov in coverage:
         exact = exact and cov.exact
@@ -142,6 +169,7 @@ def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall
     return {"accuracy": accuracy, "accuracies": accuracies, "wall_s": wall,
             "epochs": summary.epochs_completed, "deaths": dict(summary.deaths),
             "groups": groups, "covered_exactly_once": exact, "killed": killed,
+            "rejoined": rejoined,
             "coverage": [[c.epoch, c.samples, c.total, c.exact,
                           {str(k): v for k, v in c.per_rank.items()}]
                          for c in coverage]}
@@ -151,6 +179,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description="the torch_cpu example: one run")
     p.add_argument("--out", required=True)
     p.add_argument("--kill", action="store_true", help="SIGKILL host-b mid-epoch")
+    p.add_argument("--restart", action="store_true",
+                   help="SIGKILL host-b mid-epoch, then start it again: it rejoins")
+    p.add_argument("--restart-after", type=float, default=1.0, metavar="S",
+                   help="seconds between the kill and the restart")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--step-ms", type=float, default=10.0)

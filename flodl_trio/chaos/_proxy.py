@@ -1,4 +1,17 @@
-"""The chaos proxy: a real loopback TCP proxy that applies fault plans per connection."""
+"""The chaos proxy: a real loopback TCP proxy that applies fault plans per connection.
+
+Backpressure: per direction the proxy holds at most one read of ``_CHUNK`` bytes in its own
+memory, plus what the kernel queues on its two sockets on that path (unread on the receiving one,
+unsent on the sending one). Both sockets get fixed ``SO_RCVBUF`` / ``SO_SNDBUF`` sizes
+(``_sockets.SOCKET_BUFFER``). Left to autotuning, a socket the proxy reads at full speed grows
+towards ``net.ipv4.tcp_rmem``'s maximum, so how much the proxy swallowed before the writer
+blocked depended on the connection's history, and a writer that had just blocked was woken again
+tens of milliseconds later by late ACKs and retransmissions into the grown window (trio's
+clogged-stream checks saw exactly that). 64 KiB asked (128 KiB granted on Linux, the size a
+socket that is never read keeps by default) is the size at which the clog stays put; measured on
+Linux 6.18, fixed sizes of 128 KiB asked and more un-clogged like autotuning, and 16 KiB asked
+made the kernel drop and retransmit 64 KiB loopback segments.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +28,7 @@ import trio
 from .._errors import ConfigError
 from .._transport import STREAM_GONE
 from ._plan import _CHUNK, FaultPlan, _drip_piece, _Schedule
+from ._sockets import dial, fix_buffers, kernel_buffer, queued
 
 
 def _loopback(address: tuple[str, int], what: str, *, port_zero_ok: bool) -> tuple[str, int]:
@@ -44,6 +58,8 @@ class ProxiedConnection:
         bytes_up: bytes forwarded client→server.
         bytes_down: bytes forwarded server→client.
         plan: the :class:`FaultPlan` in force (changing it applies from the next chunk on).
+            A stall or a delay holds back at most the one chunk the proxy has read; the writer
+            then blocks on the proxy's full socket buffers (see :meth:`buffered`).
         ended_by: why it ended: ``"eof"``, ``"cut"``, ``"reset"``, ``"kill"``, ``"error"``,
             ``"target refused"`` or ``"proxy closed"``; None while live.
     """
@@ -61,6 +77,8 @@ class ProxiedConnection:
         self.ended_by: str | None = None
         self._client = client
         self._server: trio.SocketStream | None = None
+        # Bytes read from one side and not yet written to the other, per direction.
+        self._held: dict[str, int] = {"up": 0, "down": 0}
         self._scope = trio.CancelScope()
         self._done = trio.Event()
 
@@ -68,6 +86,40 @@ class ProxiedConnection:
     def closed(self) -> bool:
         """Whether both sockets of this connection are closed."""
         return self._done.is_set()
+
+    def _path(self, direction: str) -> tuple[trio.SocketStream | None, ...]:
+        if direction not in ("up", "down"):
+            raise ConfigError(f"direction must be 'up' or 'down', got {direction!r}")
+        ends = (self._client, self._server)
+        return ends if direction == "up" else ends[::-1]
+
+    def buffered(self, direction: Literal["up", "down"]) -> int:
+        """Bytes of ``direction`` inside the proxy now: taken from the sender, not yet sent on.
+
+        That is the chunk the proxy has read and not finished writing, plus the bytes its
+        receiving socket holds unread and its sending socket holds unsent (Linux; elsewhere only
+        the chunk and the unread bytes are counted); 0 once the connection is closed. It never
+        exceeds :meth:`buffer_bound`.
+
+        Raises:
+            ConfigError: ``direction`` is not ``"up"`` or ``"down"``.
+        """
+        source, sink = self._path(direction)
+        if self.closed:
+            return 0  # whatever was left in it went with the sockets
+        return self._held[direction] + queued(source, "unread") + queued(sink, "unsent")
+
+    def buffer_bound(self, direction: Literal["up", "down"]) -> int:
+        """The most :meth:`buffered` can reach in ``direction``.
+
+        That is one read of 64 KiB plus the receive buffer of the socket the bytes arrive on and
+        the send buffer of the one they leave by, as the kernel sized them (64 KiB asked for
+        each, 128 KiB granted on Linux: 320 KiB per direction there). Once the proxy holds that
+        much, what the writer sends stays in its own socket until that is full too, and then its
+        ``send_all`` blocks: backpressure.
+        """
+        source, sink = self._path(direction)
+        return _CHUNK + kernel_buffer(source, "receive") + kernel_buffer(sink, "send")
 
     def end(self, how: str) -> None:
         """Start ending the connection (``"kill"``, ``"reset"``, ...) without waiting."""
@@ -103,7 +155,7 @@ class ProxiedConnection:
                     self.end("reset")
                     return
                 try:
-                    self._server = await trio.open_tcp_stream(*target)
+                    self._server = await dial(target)
                 except OSError:
                     self.end("target refused")
                     return
@@ -131,10 +183,13 @@ class ProxiedConnection:
             while True:
                 schedule = await self._obey_due_fault(direction, offset)
                 room = schedule.room(offset)
+                # Nothing more is read until the previous chunk is written: the one chunk is
+                # all the proxy itself holds, so a sink that stops reading stops the source.
                 data = await source.receive_some(_CHUNK if room is None else min(room, _CHUNK))
                 if not data:
                     await sink.send_eof()
                     return
+                self._held[direction] = len(data)
                 if schedule.delay:
                     await trio.sleep(schedule.delay)
                 sent = 0
@@ -149,6 +204,7 @@ class ProxiedConnection:
                     await sink.send_all(schedule.corrupted(data[sent : sent + step], offset))
                     sent += step
                     offset += step
+                    self._held[direction] = len(data) - sent
                     if direction == "up":
                         self.bytes_up += step
                     else:
@@ -304,6 +360,7 @@ async def open_chaos_proxy(
     listener, *extra = await trio.open_tcp_listeners(port, host=host)
     for other in extra:
         await other.aclose()
+    fix_buffers(listener.socket)  # accepted sockets inherit them, from their first SYN on
     body_error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         proxy = ChaosProxy(listener, target, nursery, close_grace)

@@ -13,6 +13,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
+from .._interfaces import dialable_addresses, interface_addresses
 from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
 from .._listen import listen_tcp
@@ -44,7 +45,8 @@ class CoordinatorBind:
 
     Attributes:
         address: ``(host, port)`` actually bound (the real port when 0 was asked for); the
-            first of :attr:`addresses`.
+            first of :attr:`addresses`. After a wildcard bind it is ``("0.0.0.0", port)``,
+            which no peer can dial: publish :meth:`addresses_for_peers` instead.
         addresses: every ``(host, port)`` bound, one per address family or resolved address,
             all on the same port.
         listeners: the ``trio.SocketListener`` objects.
@@ -55,6 +57,15 @@ class CoordinatorBind:
         self.addresses = tuple(addresses)
         self.address = self.addresses[0]
         self._closed = False
+
+    def addresses_for_peers(self) -> tuple[tuple[str, int], ...]:
+        """The ``(host, port)`` pairs to publish to relays: what they can dial.
+
+        A wildcard bind (``0.0.0.0``, ``::``, or a bare port) becomes this machine's interface
+        addresses of that family, the others first and loopback last (found without DNS; IPv6
+        link-local addresses are left out); a specific bind is that address itself.
+        """
+        return dialable_addresses(self.addresses, interface_addresses())
 
     async def aclose(self) -> None:
         if not self._closed:

@@ -168,6 +168,13 @@ class Coordinator:
         return self._roster.exited
 
     @property
+    def rejoins(self) -> dict[int, int]:
+        """How many times each rank was brought back after being declared dead (ranks that
+        never were are absent; a copy). A count that moved means the rank died and came back,
+        even if nobody looked at ``dead_ranks`` in between."""
+        return self._roster.rejoins
+
+    @property
     def phase(self) -> str:
         """``forming``, ``running``, ``shutting_down`` or ``closed``."""
         return self._roster.phase
@@ -204,6 +211,7 @@ class Coordinator:
             "invalid_frames": self._roster.invalid_frames,
             "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
+            "epoch": _epoch_in_progress(self.timeline),
         }
 
     # ------------------------------------------------------------------ control
@@ -312,3 +320,12 @@ class Coordinator:
         self._roster.close()
         self.timeline.event(ShutdownComplete())
         self._shutdown_done.set()
+
+
+def _epoch_in_progress(timeline: Timeline) -> int | None:
+    """The epoch an orchestrator last started, numbered from 1 (its ``epoch_started`` note, as
+    :class:`~flodl_trio.scheduler.SyncScheduler` records it; None before the first or without
+    one)."""
+    fields = timeline.last_note("epoch_started")
+    epoch = None if fields is None else fields.get("epoch")
+    return epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else None

@@ -65,6 +65,7 @@ class Roster(Generic[M]):
         self._relay_of: dict[int, M] = {}
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
+        self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
         # Covered, not dead, not exited: kept as it changes, since the staleness watch and
@@ -114,13 +115,22 @@ class Roster(Generic[M]):
 
     def live_of(self, relay: M) -> list[int]:
         """``relay``'s live ranks, ascending."""
-        live = self._live
-        return [r for r in relay.ranks if r in live]
+        live, relay_of = self._live, self._relay_of
+        return [r for r in relay.ranks if r in live and relay_of[r] is relay]
+
+    def carries(self, relay: M, rank: int) -> bool:
+        """``rank`` is carried by ``relay`` now (not by a relay that rejoined it since)."""
+        return self._relay_of.get(rank) is relay
 
     @property
     def dead(self) -> dict[int, str]:
         """Dead ranks and why (a copy)."""
         return dict(self._dead)
+
+    @property
+    def rejoins(self) -> dict[int, int]:
+        """Times each rank came back after being declared dead (a copy)."""
+        return dict(self._rejoins)
 
     @property
     def exited(self) -> frozenset[int]:
@@ -155,19 +165,22 @@ class Roster(Generic[M]):
 
     def hello_problem(self, host: str, ranks: tuple[int, ...], peer: str, *,
                       world_size: int | None = None,
-                      model_sigs: dict[str, bytes] | None = None) -> str | None:
+                      model_sigs: dict[str, bytes] | None = None,
+                      rejoin: bool = False) -> str | None:
         """Why an authenticated Hello contradicts the world, or None when it fits.
 
         ``world_size`` (FT/2) must equal the coordinator's; ``model_sigs`` must agree, name by
         name, with those of every relay registered so far (a host built from another model
-        never joins).
+        never joins). With ``rejoin`` (after formation) the ranks' owners are not checked
+        here (the rejoin rules are) and the signatures are compared with every relay's, the
+        same host's earlier connection included.
         """
         who = f"authenticated Hello from relay {host!r} at {peer}"
         if world_size is not None and world_size != self.world_size:
             return (f"{who}: world_size mismatch: the coordinator's world_size is "
                     f"{self.world_size}, the relay's is {world_size}")
         if model_sigs:
-            problem = self._sigs_problem(who, host, model_sigs)
+            problem = self._sigs_problem(who, None if rejoin else host, model_sigs)
             if problem is not None:
                 return problem
         if not ranks:
@@ -182,18 +195,18 @@ class Roster(Generic[M]):
             if r >= self.world_size:
                 return f"{who}: rank {r} is out of range for world_size {self.world_size}"
             owner = self._relay_of.get(r)
-            if owner is not None:
+            if owner is not None and not rejoin:
                 return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
                         f"{owner.peer}")
         return None
 
-    def _sigs_problem(self, who: str, host: str, sigs: dict[str, bytes]) -> str | None:
+    def _sigs_problem(self, who: str, host: str | None, sigs: dict[str, bytes]) -> str | None:
         # Every registered relay agrees with the first digest seen for each name, so comparing
         # with those is comparing with all of them.
         owners = {self._sig_owner[name][1] for name in sigs if name in self._sig_owner}
         for other in owners:
             if other.host == host:
-                continue  # a re-dial of the same relay is judged on its own
+                continue  # a re-dial of the same relay (during formation) is judged on its own
             theirs = other.model_sigs
             differ = sorted(name for name, digest in sigs.items()
                             if name in theirs and theirs[name] != digest)
@@ -237,7 +250,7 @@ class Roster(Generic[M]):
                 and not self._unconfirmed)
 
     def unregister(self, relay: M) -> None:
-        """Forget ``relay``: its ranks are uncovered again (formation only)."""
+        """Forget ``relay``: the ranks it still carries are uncovered again."""
         if self._relays.pop(relay, 0) is None:  # it was registered
             same_host = self._by_host[relay.host]
             same_host.remove(relay)
@@ -254,6 +267,32 @@ class Roster(Generic[M]):
                 del self._relay_of[r]
                 self._last_seen.pop(r, None)
                 self._live.discard(r)
+
+    def rejoin(self, relay: M, now: float) -> tuple[dict[int, str | None], list[M]]:
+        """After formation, ``relay`` (its ``Ready`` verified) carries its ranks again: they are
+        live on it from ``now``. Returns each rank's previous host (None: never covered) and
+        the relays that no longer carry any rank, which leave the roster."""
+        self._relays[relay] = None
+        self._by_host.setdefault(relay.host, []).append(relay)
+        for name, digest in relay.model_sigs.items():
+            self._sig_owner.setdefault(name, (digest, relay))
+        previous: dict[int, str | None] = {}
+        before: dict[M, None] = {}
+        for r in relay.ranks:
+            old = self._relay_of.get(r)
+            previous[r] = None if old is None else old.host
+            if old is not None and old is not relay:
+                before[old] = None
+            self._relay_of[r] = relay
+            if self._dead.pop(r, None) is not None:
+                self._rejoins[r] = self._rejoins.get(r, 0) + 1
+            self._last_seen[r] = now
+            self._live.add(r)
+        dropped = [old for old in before if not any(self._relay_of.get(r) is old
+                                                     for r in old.ranks)]
+        for old in dropped:
+            self.unregister(old)
+        return previous, dropped
 
     def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
         """Count one rejected handshake; a report when one is due (rate-limited)."""
@@ -375,4 +414,5 @@ class Roster(Generic[M]):
             "live": sorted(self.live),
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
             "exited": sorted(self._exited),
+            "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
         }

@@ -136,6 +136,13 @@ class Sender:
         for conn, ranks in groups.items():
             conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
 
+    def post_to(self, conn: RelayConn, msg: ControlMsg) -> None:
+        """Queue ``msg`` for ``conn``'s live ranks only and return at once (best effort)."""
+        ranks = self._roster.live_of(conn)
+        if ranks and conn.alive:
+            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, self._codec.encode(msg)),
+                        None)
+
     def fence(self, rank: int, reason: str) -> RelayConn | None:
         """Tell a rank declared dead, through its relay, that it is cut off and why (SPEC §4.5):
         a ``Fenced`` frame to the rank, then ``FenceRank`` to the relay. Returns the relay

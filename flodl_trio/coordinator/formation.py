@@ -1,9 +1,12 @@
 """Formation (SPEC §4.2): accept, one handshake task per connection, coverage, rejects.
 
 A connection that fails before authenticating is rejected, recorded and dropped; an
-authenticated Hello that contradicts the world fails formation at once, and the relay is told why
-(``Refused``, so it gives up at once instead of re-dialing); a relay that lost its
-connection mid-handshake and re-dials with the same host and ranks simply replaces it.
+authenticated Hello that contradicts the world fails formation at once; a relay that lost its
+connection mid-handshake and re-dials with the same host and ranks simply replaces it. After
+formation the accept loop goes on: an authenticated Hello then goes to the rejoin rules
+(:mod:`._rejoin`). Every relay refused after its Hello authenticated is refused through
+:meth:`Formation.refuse`, which tells it why (``Refused``), so it gives up at once instead of
+re-dialing.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from .._ratelimit import JunkReport
 from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import CoordinatorHandshake, SessionSalt, max_hello_payload
+from ..wire import CoordinatorHandshake, Hello, SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
+from ._rejoin import Rejoins
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -67,6 +71,8 @@ class Formation:
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
+        self._rejoins = Rejoins(self, roster=roster, sender=sender, liveness=liveness,
+                                readers=readers, config=config, timeline=timeline)
 
     @property
     def pending_handshakes(self) -> int:
@@ -110,11 +116,30 @@ class Formation:
             self.failure = exc
             self._settled.set()
 
+    async def refuse(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
+                     category: str, detail: str, *, record: bool = True) -> None:
+        """Refuse a relay whose Hello authenticated (every such refusal goes through here):
+        tell it why (``Refused``, the ``detail`` without the "authenticated Hello from ..."
+        prefix; the write bounded by ``handshake_timeout``), close its connection and, with
+        ``record``, count and report the reject with ``detail`` (the reason, naming the relay
+        and the rank). A relay already acknowledged is only closed."""
+        if record:  # before the close: whoever sees the EOF finds the reject recorded
+            self.reject(peer, category, detail)
+        if machine.refusable and machine.hello is not None:
+            # The relay knows who it is: its reason starts after the "who" prefix.
+            who = f"authenticated Hello from relay {machine.hello.host!r} at {peer}: "
+            reason = detail.removeprefix(who)
+            log.info("refusing relay %r at %s: %s", machine.hello.host, peer, reason)
+            await refuse(stream, machine, reason, write_within=self._config.handshake_timeout)
+        else:  # already acknowledged (a rejoin checked again after its Ready): only the close
+            await trio.aclose_forcefully(stream)
+
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)
-        if not self._roster.forming:
+        if self._roster.shutting_down:
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "cohort formed", f"{peer}: connection after formation completed")
+            self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
+                        "shuts down")
             return
         handshake = None
         with self._pending.slot() as shed_scope:
@@ -142,11 +167,8 @@ class Formation:
             return
         machine, received = handshake
         hello = received.hello
-        if not self._roster.forming:
-            await self.refuse(stream, machine, f"the cohort of {self._roster.world_size} ranks "
-                              "already formed; a Hello after formation is not accepted")
-            self.reject(peer, "cohort formed", f"relay {hello.host!r} at {peer}: Hello after "
-                        "formation completed")
+        if not self._roster.forming:  # a host that comes back, or a spare (issue 26)
+            await self._rejoins.admit(stream, machine, peer, hello)
             return
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
@@ -162,18 +184,11 @@ class Formation:
                                              model_sigs=hello.model_sigs)
         if problem is not None:
             self.fail(FormationError(self._roster.coverage_text(problem)))
-            # The relay knows who it is: its reason starts after the roster's "who" prefix.
-            who = f"authenticated Hello from relay {hello.host!r} at {peer}: "
-            await self.refuse(stream, machine, problem.removeprefix(who))
+            await self.refuse(stream, machine, peer, "contradiction", problem, record=False)
             for old in superseded:
                 await old.close()
             return
-        self._conn_counter += 1
-        conn = RelayConn(
-            host=hello.host, ranks=ranks, peer=peer, stream=stream, sealer=machine.sealer,
-            opener=machine.opener, write_stall_timeout=self._config.write_stall_timeout,
-            index=self._conn_counter, model_sigs=dict(hello.model_sigs),
-        )
+        conn = self.new_conn(stream, machine, peer, hello)
         self._roster.register(conn, trio.current_time())
         for old in superseded:  # only now: no other Hello may slip in between the checks
             await old.close()
@@ -207,13 +222,15 @@ class Formation:
             self.complete()
         await self._readers.read_relay(conn)
 
-    async def refuse(self, stream: trio.abc.Stream, machine: CoordinatorHandshake,
-                     reason: str) -> None:
-        """Tell the relay of an authenticated Hello why it is refused (``Refused{reason}``),
-        then close ``stream``; the write is bounded by ``handshake_timeout``."""
-        log.info("refusing relay %r at %s: %s", machine.hello.host if machine.hello else "?",
-                 machine.peer, reason)
-        await refuse(stream, machine, reason, write_within=self._config.handshake_timeout)
+    def new_conn(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
+                 hello: Hello) -> RelayConn:
+        """The connection object of a relay whose Hello was accepted."""
+        self._conn_counter += 1
+        return RelayConn(
+            host=hello.host, ranks=tuple(hello.ranks), peer=peer, stream=stream,
+            sealer=machine.sealer, opener=machine.opener,
+            write_stall_timeout=self._config.write_stall_timeout, index=self._conn_counter,
+            model_sigs=dict(hello.model_sigs))
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")

@@ -139,7 +139,8 @@ class Liveness:
         log.warning("%s", reason)
         if self._config.declare_dead_on_relay_loss:
             for rank in conn.ranks:
-                self.mark_dead(rank, reason)
+                if self._roster.carries(conn, rank):  # not a rank rejoined elsewhere since
+                    self.mark_dead(rank, reason)
 
     async def death_worker(self) -> None:
         """Tell the survivors about each death, then apply the failure policy."""

@@ -184,9 +184,9 @@ class Readers:
                          f"relay {conn.host!r} does not carry {ranks_text(conn.ranks)}",
                          category="foreign rank")
             return None
-        if self._roster.is_dead(rank):
-            log.debug("rank %d was declared dead; its late %s is dropped", rank,
-                      type(msg).__name__)
+        if self._roster.is_dead(rank) or not self._roster.carries(conn, rank):
+            log.debug("rank %d was declared dead (or rejoined on another relay); its late %s "
+                      "from %s is dropped", rank, type(msg).__name__, conn.describe())
             return None
         if frame.kind == _TIMING:
             self._roster.seen(rank, now)
@@ -228,6 +228,10 @@ class Readers:
             return
         if self._roster.has_exited(rank):
             log.info("rank %d disconnected after Exiting", rank)
+            return
+        if not self._roster.carries(conn, rank):
+            log.info("%s for rank %d from %s ignored: the rank rejoined on another relay",
+                     type(msg).__name__, rank, conn.describe())
             return
         if isinstance(msg, RankDropped):
             self._liveness.mark_dead(rank, f"relay {conn.host!r} dropped rank {rank}: "

@@ -279,6 +279,11 @@ class CoordinatorHandshake(UpstreamMachine):
         self._opener.max_payload = self._max_record_payload
         self._state = "acked"
 
+    @property
+    def refusable(self) -> bool:
+        """True while an authenticated Hello awaits ``accept()`` or ``refuse()``."""
+        return self._state == "decide" and self._error is None
+
     def refuse(self, reason: str) -> None:
         """Answer the Hello with ``Refused{nonce, reason}`` instead of ``HelloAck``: same key
         (``hs_key``), seq and direction, echoing the relay's nonce. The caller writes it and

@@ -300,3 +300,16 @@ class Fenced(ControlMsg):
 
     rank: U64
     reason: str
+
+
+@variant(CONTROL_MSG, 22)
+@attrs.frozen
+class DeclareAlive(ControlMsg):
+    """Coordinator → rank (beyond flodl): ``rank``, declared dead earlier, rejoined the run (its
+    host's relay came back, or a spare host took it over); it is a live peer again. The rank
+    endpoint removes it from ``dead_peers`` and delivers the message.
+
+    Attributes:
+        rank: the rank that is alive again.
+    """
+    rank: U64

@@ -1,0 +1,102 @@
+"""The one line a ``flodl-trio`` command prints when it fails: the cause a person can act on
+first, under :data:`MAX_LINE` characters; ``--debug`` shows the whole message and the traceback.
+
+>>> shorten("a: b; c", 200)
+'a: b; c'
+>>> shorten("first part; " + "x" * 300, 60)
+'first part ... (--debug for the full message)'
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Iterator
+
+MAX_LINE = 200
+_MORE = " ... (--debug for the full message)"
+RANK_REJECTED = "expected a handshake ack"  # a rank's HandshakeError: its relay closed each try
+NOBODY_CAME = "hosts joined: none; rejected connections: none"  # a coordinator's FormationTimeout
+RELAY_SAID = "; the relay said: "  # how a rank's CoordinatorLost quotes its relay's last notice
+
+# The peer each network command dials, and the option that names it.
+PEERS = {"status": ("coordinator", "address"), "relay": ("coordinator", "coordinator"),
+         "rank": ("relay", "relay")}
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the leaves of every exception group among them."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending and len(seen) < 64:  # bounded: chains are short, groups are small
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
+
+
+def network_cause(exc: BaseException, *, peer: str, address: str) -> str | None:
+    """What a person can do about a failed dial to ``address``, or None if it was not one."""
+    found = list(causes(exc))
+    if any(isinstance(c, ConnectionRefusedError) for c in found):
+        return f"connection refused: is a {peer} running at {address}?"
+    for cause in found:
+        if isinstance(cause, socket.gaierror):
+            host = address.rpartition(":")[0]
+            return f"cannot resolve {host!r} ({cause.strerror or cause}): check the {peer} address"
+    for cause in found:
+        if isinstance(cause, OSError) and cause.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return f"no route to {address} ({cause.strerror}): check the {peer} address"
+    return None
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` if it fits in ``limit`` characters, else its leading ``;``-separated clauses
+    (or its start) and a pointer to ``--debug``."""
+    text = " ".join(text.split())  # one line, whatever the message held
+    if len(text) <= limit:
+        return text
+    room = limit - len(_MORE)
+    head = text[:room]
+    cut = head.rfind("; ")
+    if cut > room // 3:
+        head = head[:cut]
+    return head.rstrip(" ;,:") + _MORE
+
+
+def error_line(exc: BaseException, *, command: str, who: str, address: str | None,
+               default: str | None = None) -> str:
+    """The whole stderr line for a failed command (without the trailing newline).
+
+    Args:
+        exc: what ended the command.
+        command: the subcommand (``"status"``).
+        who: the process, as its messages name it (``"rank 3"``, ``"relay host-a"``).
+        address: the peer address the command dials (None: it dials none).
+        default: the line when the failure is not a failed dial (None: the error's type and
+            message).
+    """
+    if address is not None and command in PEERS:
+        hint = network_cause(exc, peer=PEERS[command][0], address=address)
+        if hint is not None:
+            return shorten(f"flodl-trio: {who}: {hint}", MAX_LINE)
+    if default is None:
+        text = str(exc)
+        if command == "rank" and address is not None and RANK_REJECTED in text:
+            text = (f"{who}: the relay at {address} closed every handshake: is this rank one of "
+                    "its --ranks, and do --world-size and the salt match its own? (its log says "
+                    "which)")
+        if command == "coordinator" and NOBODY_CAME in text:  # nothing reached it at all
+            text = (f"{text.partition('; ')[0]}: no relay dialed in; start each relay with "
+                    "--coordinator set to an address of 'relays can dial'")
+        _, said_sep, said = text.partition(RELAY_SAID)
+        if said_sep and command == "rank":  # why the relay gave up is the cause to act on
+            text = f"{who}: the relay said: {said}"
+        default = f"flodl-trio: {type(exc).__name__}: {text}"
+    return shorten(default, MAX_LINE)

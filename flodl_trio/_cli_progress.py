@@ -1,0 +1,88 @@
+"""The coordinator command's progress lines: one per completed epoch (its number, the samples it
+covered, throughput, deaths) and one per death, read from the coordinator's timeline as it runs.
+
+Epochs are numbered from 1 here, as in the demo's story and in the run summary the command prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+import trio
+
+from ._epoch_math import EpochCoverage
+from .events import RankDeclaredDead
+from .timeline import Stamped, Timeline
+
+
+class EpochProgress:
+    """Turns timeline events into progress lines.
+
+    Args:
+        epochs: the epochs the run was asked for (``--epochs``).
+        coverage: the scheduler's accounting of the epochs aggregated so far
+            (``SyncScheduler.coverage``), read when an epoch is aggregated.
+    """
+
+    def __init__(self, epochs: int, coverage: Callable[[], Sequence[EpochCoverage]]) -> None:
+        self.epochs = epochs
+        self._coverage = coverage
+        self._epoch_started_ms: dict[int, float] = {}
+        self._deaths_in_epoch = 0
+        self.dead = 0
+
+    def feed(self, stamped: Stamped) -> list[str]:
+        """The lines ``stamped`` is worth (none for most events)."""
+        ev = stamped.event
+        if isinstance(ev, RankDeclaredDead):
+            self.dead += 1
+            self._deaths_in_epoch += 1
+            return [f"rank {ev.rank} ({ev.host}) declared dead: {ev.reason}"]
+        what = getattr(ev, "what", None)
+        fields = getattr(ev, "fields", {})
+        if what == "epoch_started":
+            self._epoch_started_ms[int(fields["epoch"])] = stamped.t_ms
+            self._deaths_in_epoch = 0
+            return []
+        if what == "epoch_aggregated":
+            return [self._epoch_line(int(fields["epoch"]), stamped.t_ms)]
+        return []
+
+    def _epoch_line(self, epoch: int, t_ms: float) -> str:
+        seconds = max(t_ms - self._epoch_started_ms.get(epoch, t_ms), 0.0) / 1000.0
+        done = [c for c in self._coverage() if c.epoch == epoch]
+        if done:
+            cov = done[-1]
+            exact = "exactly once" if cov.exact else (f"{cov.gaps} missed, {cov.overlaps} "
+                                                      "repeated")
+            covered = f"{cov.total - cov.gaps}/{cov.total} samples covered ({exact})"
+            rate = f"{cov.samples / seconds:,.0f} samples/s" if seconds > 0 else "- samples/s"
+        else:  # an orchestrator without the scheduler's accounting
+            covered, rate = "coverage unknown", "- samples/s"
+        deaths = f"{self._deaths_in_epoch} death{'s' if self._deaths_in_epoch != 1 else ''}"
+        return (f"epoch {epoch + 1}/{self.epochs}: {covered}, {rate} over {seconds:.2f} s, "
+                f"{deaths} ({self.dead} dead in all)")
+
+
+async def print_progress(timeline: Timeline, progress: EpochProgress, out: TextIO, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Print ``progress``'s lines for every new event of ``timeline`` until cancelled; then the
+    lines of the events already queued, so that the last epoch's line is never lost."""
+    async with timeline.subscribe(buffer=4096) as events:
+        task_status.started()
+        try:
+            async for stamped in events:
+                _emit(progress.feed(stamped), out)
+        finally:
+            while True:  # bounded by the subscription's buffer
+                try:
+                    stamped = events.channel.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                _emit(progress.feed(stamped), out)
+
+
+def _emit(lines: list[str], out: TextIO) -> None:
+    for line in lines:
+        print(line, file=out, flush=True)

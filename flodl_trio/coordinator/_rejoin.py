@@ -1,0 +1,187 @@
+"""Rejoin after formation (issue 26): a host that comes back, or a spare that takes over.
+
+A relay that dials the running coordinator runs the full FT/2 handshake (fresh nonces, so a
+recorded join replayed is still refused). Its authenticated Hello is admitted when the world size
+and the model signatures agree with the cohort's and every rank it names is currently dead (a
+relay naming a rank that is alive elsewhere, or one that exited cleanly, is refused); a rank of a
+*different* host is taken over only with ``allow_rank_takeover``. Once its ``Ready`` verified, the
+ranks are alive again on the new connection: ``RankRejoined`` events, ``DeclareAlive`` to every
+live rank, and the ranks still dead are told to the newcomers with ``DeclareDead``.
+
+While one rejoin waits for its ``Ready``, its ranks are claimed: a second relay naming them is
+refused, except a re-dial of the same host with the same ranks, which supersedes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+import trio
+
+from .._config import CoordinatorConfig
+from .._errors import FlodlError
+from .._transport import STREAM_GONE
+from ..events import RankRejoined, RankTakenOver, RelayJoined
+from ..timeline import Timeline
+from ..wire import CoordinatorHandshake, DeclareAlive, DeclareDead, Hello
+from ._handshake import finish_handshake
+from ._relayconn import RelayConn
+from ._roster import M, Roster, ranks_text
+from ._sending import Sender
+from .liveness import Liveness
+from .readers import Readers
+
+log = logging.getLogger("flodl_trio.coordinator")
+
+
+class Admitter(Protocol):
+    """What a rejoin needs from formation: the one refusal path and the connection factory."""
+
+    async def refuse(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
+                     category: str, detail: str, *, record: bool = True) -> None: ...
+
+    def new_conn(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
+                 hello: Hello) -> RelayConn: ...
+
+    def warn_cleartext(self, peer: str) -> None: ...
+
+
+def rejoin_problem(roster: Roster[M], host: str, ranks: Iterable[int], peer: str, *,
+                   allow_takeover: bool) -> str | None:
+    """Why a relay may not bring ``ranks`` back into the running cohort, or None.
+
+    Every rank must be dead (or never covered); a rank that exited cleanly never comes back; a
+    rank announced by another host needs ``allow_takeover``. The Hello's shape, world size and
+    model signatures are checked before (``Roster.hello_problem``).
+    """
+    who = f"authenticated Hello from relay {host!r} at {peer}"
+    for rank in ranks:
+        owner = roster.relay_of(rank)
+        if owner is None:
+            continue
+        if roster.has_exited(rank):
+            return (f"{who}: expected every rank it names to be dead, but rank {rank} exited "
+                    "cleanly and does not rejoin")
+        if not roster.is_dead(rank):
+            return (f"{who}: expected every rank it names to be dead, but rank {rank} is alive "
+                    f"on relay {owner.host!r} at {owner.peer}")
+        if owner.host != host and not allow_takeover:
+            return (f"{who}: rank {rank} was announced by host {owner.host!r}; expected that "
+                    "host to bring it back (a different host takes over dead ranks only with "
+                    "CoordinatorConfig(allow_rank_takeover=True), CLI --allow-takeover)")
+    return None
+
+
+class Rejoins:
+    """Admits relays after formation; see the module doc."""
+
+    def __init__(self, admitter: Admitter, *, roster: Roster[RelayConn], sender: Sender,
+                 liveness: Liveness, readers: Readers, config: CoordinatorConfig,
+                 timeline: Timeline) -> None:
+        self._admitter = admitter
+        self._roster = roster
+        self._sender = sender
+        self._liveness = liveness
+        self._readers = readers
+        self._config = config
+        self._timeline = timeline
+        self._claims: dict[int, RelayConn] = {}  # ranks of rejoins still waiting for Ready
+
+    def _claim_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
+        for rank in ranks:
+            other = self._claims.get(rank)
+            if other is not None and (other.host != host or other.ranks != ranks):
+                return (f"authenticated Hello from relay {host!r} at {peer}: rank {rank} is "
+                        f"being rejoined by relay {other.host!r} at {other.peer}")
+        return None
+
+    async def admit(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
+                    hello: Hello) -> None:
+        """Admit or refuse one relay whose Hello authenticated after formation; an admitted
+        relay's connection is then read here until it ends."""
+        ranks = tuple(hello.ranks)
+        roster = self._roster
+        problem = (self._phase_problem(hello.host, peer)
+                   or roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
+                                        model_sigs=hello.model_sigs, rejoin=True)
+                   or rejoin_problem(roster, hello.host, ranks, peer,
+                                     allow_takeover=self._config.allow_rank_takeover)
+                   or self._claim_problem(hello.host, ranks, peer))
+        if problem is not None:
+            log.warning("rejoin refused: %s", problem)
+            await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
+            return
+        conn = self._admitter.new_conn(stream, machine, peer, hello)
+        superseded = {old: None for rank in ranks if (old := self._claims.get(rank))}
+        for rank in ranks:
+            self._claims[rank] = conn
+        try:
+            for old in superseded:  # the same relay re-dialed before its Ready arrived
+                old.abandon("superseded by a new connection")
+                await old.close()  # its wait for a Ready ends now
+            with trio.fail_after(self._config.handshake_timeout):
+                await finish_handshake(stream, machine)
+        except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
+            conn.abandon("no Ready")
+            await conn.close()
+            log.info("relay %r at %s: rejoin abandoned before its Ready (%s)", hello.host, peer,
+                     "handshake_timeout" if isinstance(exc, trio.TooSlowError) else exc)
+            return
+        except BaseException:  # cancelled (the coordinator is going away): nothing may leak
+            await trio.aclose_forcefully(stream)
+            raise
+        finally:
+            self._release(conn)
+        if conn.lost_reason is not None:  # superseded by a re-dial of the same relay
+            await conn.close()
+            return
+        # Checked again: a death, another rejoin or the shutdown may have come since the Hello.
+        problem = self._phase_problem(hello.host, peer) or rejoin_problem(
+            roster, hello.host, ranks, peer, allow_takeover=self._config.allow_rank_takeover)
+        if problem is not None:
+            await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
+            return
+        self._join(conn)
+        await self._readers.read_relay(conn)
+
+    def _phase_problem(self, host: str, peer: str) -> str | None:
+        who = f"authenticated Hello from relay {host!r} at {peer}"
+        if not self._roster.running:
+            return (f"{who}: expected a running cohort to rejoin, but the coordinator is "
+                    f"{self._roster.phase.replace('_', ' ')}")
+        if self._liveness.failure is not None:  # the run is stopping: nothing to rejoin
+            return f"{who}: expected a running cohort to rejoin, but {self._liveness.failure}"
+        return None
+
+    def _release(self, conn: RelayConn) -> None:
+        for rank in conn.ranks:
+            if self._claims.get(rank) is conn:
+                del self._claims[rank]
+
+    def _join(self, conn: RelayConn) -> None:
+        previous, dropped = self._roster.rejoin(conn, trio.current_time())
+        conn.on_lost = self._liveness.relay_lost
+        self._sender.start_writer(conn)
+        self._admitter.warn_cleartext(conn.peer)
+        for old in dropped:  # every rank it carried is back elsewhere
+            if old.alive:
+                old.abandon(f"its ranks rejoined through {conn.describe()}")
+        log.info("relay %r rejoined from %s with ranks %s", conn.host, conn.peer,
+                 ranks_text(conn.ranks))
+        self._timeline.event(RelayJoined(host=conn.host, ranks=conn.ranks, peer=conn.peer))
+        for rank, before in previous.items():
+            if before is not None and before != conn.host:
+                log.warning("rank %d of host %r taken over by host %r (allow_rank_takeover)",
+                            rank, before, conn.host)
+                self._timeline.event(RankTakenOver(rank=rank, host=conn.host,
+                                                   previous_host=before))
+            self._timeline.event(RankRejoined(rank=rank, host=conn.host))
+        # The newcomers learn who is still dead; everyone learns who is back. Both are queued
+        # behind the welcome on the new connection, and never wait on any relay.
+        for dead in sorted(self._roster.dead):
+            self._sender.post_to(conn, DeclareDead(rank=dead))
+        for rank in conn.ranks:
+            self._sender.post(DeclareAlive(rank=rank))
+        self._liveness.wake()

@@ -1,0 +1,152 @@
+"""A host that comes back, with real processes on loopback (issue 26): a relay process SIGKILLed
+mid-run, or right after its join, and started again rejoins the running cohort (its ranks alive
+within 3 s of the restart), every epoch is covered exactly once and every process exits 0; a
+relay process that claims a live rank is refused at once, with the reason recorded.
+
+Each host is ``scripts/_relay_proc.py`` (a relay and its simulated ranks in one process); the
+coordinator and the SyncScheduler run in the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import trio
+
+import flodl_trio as ft
+from flodl_trio.events import HandshakeRejected, Note, RankRejoined
+from flodl_trio.scheduler import SyncScheduler
+from flodl_trio.testing import EventLog
+
+from helpers import wait_until
+
+
+def _load_relay_proc() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "scripts" / "_relay_proc.py"
+    spec = importlib.util.spec_from_file_location("_relay_proc_rejoin", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RelayProcess = _load_relay_proc().RelayProcess
+SIM = ("--sim-batch-ms", "40", "--batch-size", "4")
+EPOCHS = 6
+
+
+def _connected(line: str) -> bool:
+    return line.startswith("relay ") and " connected " in line
+
+
+async def _run_with_a_restart(*, kill_after_join: bool) -> None:
+    """host-b and host-a run simulated ranks; host-a is SIGKILLed (once its join completed, or
+    once epoch 1 started) and started again at once."""
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
+    log = EventLog()
+    children: list[Any] = []
+
+    async def start(nursery: trio.Nursery, host: str, ranks: list[int],
+                    address: tuple[str, int]) -> Any:
+        child = await RelayProcess.start(nursery, coordinator=address, salt=salt, host=host,
+                                         ranks=ranks, world_size=4, extra=SIM)
+        children.append(child)
+        return child
+
+    try:
+        with trio.fail_after(40):
+            async with trio.open_nursery() as nursery:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+                b = await start(nursery, "host-b", [2, 3], bound.address)
+                first = await start(nursery, "host-a", [0, 1], bound.address)
+                async with ft.open_coordinator(bound, salt=salt, config=cfg,
+                                               timeline=log) as coord:
+                    sched = SyncScheduler(coord, total_samples=192, batch_size=4,
+                                          num_epochs=EPOCHS)
+                    restarted: list[tuple[float, Any]] = []
+
+                    async def kill_and_restart() -> None:
+                        if kill_after_join:
+                            await first.wait_lines(_connected)
+                        else:
+                            await wait_until(lambda: any(
+                                ev.what == "epoch_started" and ev.fields["epoch"] == 1
+                                for ev in log.events_of(Note)), limit=30)
+                        first.proc.kill()
+                        await first.proc.wait()
+                        child = await start(nursery, "host-a", [0, 1], bound.address)
+                        restarted.append((trio.current_time(), child))
+
+                    nursery.start_soon(kill_and_restart)
+                    summary = await sched.run()
+                    assert restarted, "the run ended before host-a was restarted"
+                restart_at, again = restarted[0]
+                with trio.fail_after(10):
+                    for child in (b, again):
+                        await child.proc.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()
+
+    assert first.proc.returncode == -9
+    assert b.proc.returncode == 0, b.lines
+    assert again.proc.returncode == 0, again.lines
+    assert summary.epochs_completed == EPOCHS
+    assert all(c.exact for c in sched.coverage), sched.coverage
+    assert summary.deaths == {}
+    rejoined = log.of(RankRejoined)
+    assert [ev for _, ev in rejoined] == [RankRejoined(rank=0, host="host-a"),
+                                          RankRejoined(rank=1, host="host-a")]
+    assert all(t - restart_at < 3 for t, _ in rejoined), (restart_at, rejoined)
+    # The restarted ranks trained again: each got StartEpoch for the epochs after its return.
+    got = again.matching(lambda s: s.startswith("rank 0 got StartEpoch"))
+    assert got, again.lines
+    assert any(" got DeclareAlive 0 " in s for s in b.lines), b.lines
+
+
+async def test_relay_sigkilled_mid_run_and_restarted_rejoins_and_the_run_completes() -> None:
+    await _run_with_a_restart(kill_after_join=False)
+
+
+async def test_relay_sigkilled_right_after_its_join_and_restarted_rejoins() -> None:
+    await _run_with_a_restart(kill_after_join=True)
+
+
+async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_reason() -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
+    log = EventLog()
+    children: list[Any] = []
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
+                    children.append(await RelayProcess.start(
+                        nursery, coordinator=bound.address, salt=salt, host=host, ranks=ranks,
+                        world_size=4))
+                async with ft.open_coordinator(bound, salt=salt, config=cfg,
+                                               timeline=log) as coord:
+                    intruder = await RelayProcess.start(
+                        nursery, coordinator=bound.address, salt=salt, host="host-x",
+                        ranks=[1], world_size=4)
+                    children.append(intruder)
+                    started = trio.current_time()
+                    await wait_until(lambda: log.events_of(HandshakeRejected), limit=10)
+                    (at, rejected), = log.of(HandshakeRejected)
+                    assert at - started < 3  # a process start, then one round trip
+                    assert rejected.reason.startswith("rejoin refused: ")
+                    assert "relay 'host-x'" in rejected.reason
+                    assert "rank 1 is alive on relay 'host-a'" in rejected.reason
+                    assert coord.live_ranks == {0, 1, 2, 3}
+                    assert coord.state()["rejected_handshakes"]["rejoin refused"] >= 1
+                    assert not intruder.matching(_connected)
+                nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()
