@@ -24,10 +24,12 @@ from ._errors import (
     FormationTimeout,
     FrameTooLarge,
     HandshakeError,
+    JoinRefused,
     RankEvicted,
     SendError,
     SvgRejected,
     WireError,
+    WrongSession,
 )
 from ._reformation import ReformationError
 from ._svg import sanitize_svg
@@ -85,6 +87,7 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "Heartbeat",
+    "JoinRefused",
     "MaxFailure",
     "RankClient",
     "RankConfig",
@@ -109,6 +112,7 @@ __all__ = [
     "Timeline",
     "TimingMsg",
     "WireError",
+    "WrongSession",
     "__version__",
     "bind_coordinator",
     "open_coordinator",

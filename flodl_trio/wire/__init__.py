@@ -43,13 +43,14 @@ from ._frames import (
 )
 from ._handshake import (
     MAX_HANDSHAKE_PAYLOAD,
+    MAX_REFUSAL_REASON,
     NEED_DATA,
     CoordinatorHandshake,
     Established,
     HandshakeEvent,
     HelloReceived,
     NeedData,
-    RelayHandshake,
+    RefusalReceived,
 )
 from ._limits import (
     MAX_HOST_BYTES,
@@ -96,6 +97,7 @@ from ._messages import (
     RankDropped,
     RankExit,
     Ready,
+    Refused,
     RelayControlMsg,
     RelayWaiting,
     RequestNewNcclId,
@@ -131,6 +133,7 @@ from ._rank_handshake import (
 )
 from ._rank_session import RankFrame, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
+from ._relay_handshake import RelayHandshake
 from ._schema import WireMessage
 from ._session import (
     READ_SIZE,
@@ -158,6 +161,7 @@ __all__ = [
     "MAX_MODEL_SIG_DIGEST",
     "MAX_MODEL_SIG_NAME",
     "MAX_RECORD_PAYLOAD",
+    "MAX_REFUSAL_REASON",
     "NEED_DATA",
     "NONCE_LEN",
     "PROTOCOL_VERSION",
@@ -234,6 +238,8 @@ __all__ = [
     "RecordKind",
     "RecordOpener",
     "RecordSealer",
+    "RefusalReceived",
+    "Refused",
     "RelayControlMsg",
     "RelayHandshake",
     "RelayWaiting",
