@@ -113,7 +113,11 @@ async def open_lifecycle(
     error: BaseException
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(life.host_tasks)
+            # Shielded: started() does not hand a task over from a cancelled start, so a caller
+            # cancelled before this point would leave host_tasks shielded in start's own nursery
+            # and this await would never return. It returns at once: host_tasks starts at once.
+            with trio.CancelScope(shield=True):
+                await nursery.start(life.host_tasks)
             try:
                 yield life
             finally:

@@ -7,11 +7,13 @@ closed, and a cancelled running coordinator's relays end with a clean ``RelayExi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import trio
+import trio.testing
 
 import flodl_trio as ft
 from flodl_trio.events import RelayLost, ShutdownComplete, ShutdownStarted
@@ -266,3 +268,59 @@ async def test_coordinator_over_tcp_cancelled_while_running_shuts_every_relay_do
     assert exits == dict.fromkeys(HOSTS, CLEAN)
     assert outcomes == dict.fromkeys(range(8), "ended")
     assert last == dict.fromkeys(range(8), Shutdown())
+
+
+# ------------------------------------------------------------------ cancelled before it began
+
+
+@pytest.mark.parametrize("component", ["coordinator", "relay", "rank"])
+def test_open_cancelled_before_its_first_checkpoint_returns_one_cancelled_at_once(
+    component: str,
+) -> None:
+    # A caller that cancels its nursery in the same tick it starts the task (a supervisor
+    # tearing down, a test's cancel) used to leave a shielded task host stranded in
+    # nursery.start: the open_* never returned, and no deadline could reach it. So the run goes
+    # in a thread of its own, and a hang fails the test instead of the suite.
+    seen: list[str] = []
+    outcome: list[object] = []
+
+    async def scenario() -> None:
+        memory_network = MemoryNetwork()
+        salt = ft.SessionSalt.generate()
+
+        async def run() -> None:
+            with what_left(seen):
+                if component == "coordinator":
+                    async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                                   config=ft.CoordinatorConfig(world_size=2)):
+                        await trio.sleep_forever()
+                elif component == "relay":
+                    async with ft.open_relay(lambda: memory_network.connect(COORD), salt=salt,
+                                             host="h", ranks=[0], world_size=1,
+                                             rank_listen=memory_network.listener("relay:h")):
+                        await trio.sleep_forever()
+                else:
+                    async with ft.open_rank(lambda: memory_network.connect("relay:h"),
+                                            salt=salt, rank=0, world_size=1):
+                        await trio.sleep_forever()
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            nursery.cancel_scope.cancel()
+        outcome.append(trio.current_time() - start)
+        memory_network.assert_all_closed()
+
+    def in_thread() -> None:
+        try:
+            trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+        except BaseException as exc:  # reported by the test below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=in_thread, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), f"open_{component} cancelled before it began never returned"
+    assert len(outcome) == 1 and isinstance(outcome[0], float), outcome
+    assert outcome[0] < 1  # seconds of the mock clock: no deadline had to fire
+    assert seen == ["Cancelled"]

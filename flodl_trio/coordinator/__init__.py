@@ -202,7 +202,8 @@ async def open_coordinator(
             try:
                 # Every background task of the run starts here, and only here, in the
                 # lifecycle's nursery: out of the caller's reach until the block ends.
-                await life.nursery.start(coord.host_writers)
+                with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
+                    await life.nursery.start(coord.host_writers)  # strands a shielded host
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)
                 await coord.formed()
