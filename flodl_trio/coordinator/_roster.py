@@ -66,6 +66,7 @@ class Roster(Generic[M]):
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
+        self._announced: dict[int, str] = {}  # rank -> host of the last relay that covered it
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
         # Covered, not dead, not exited: kept as it changes, since the staleness watch and
@@ -152,6 +153,11 @@ class Roster(Generic[M]):
     def is_dead(self, rank: int) -> bool:
         return rank in self._dead
 
+    def announced_by(self, rank: int) -> str | None:
+        """The host of the last relay whose ``Ready`` verified with ``rank`` (its relay may
+        be gone since), or None."""
+        return self._announced.get(rank)
+
     def dead_reason(self, rank: int) -> str | None:
         return self._dead.get(rank)
 
@@ -171,9 +177,10 @@ class Roster(Generic[M]):
 
         ``world_size`` (FT/2) must equal the coordinator's; ``model_sigs`` must agree, name by
         name, with those of every relay registered so far (a host built from another model
-        never joins). With ``rejoin`` (after formation) the ranks' owners are not checked
-        here (the rejoin rules are) and the signatures are compared with every relay's, the
-        same host's earlier connection included.
+        never joins). A rank announced by a relay and declared dead since is not a
+        contradiction: the rejoin rules judge it. With ``rejoin`` the ranks' owners are not
+        checked here (the rejoin rules are) and the signatures are compared with every
+        relay's, the same host's earlier connection included.
         """
         who = f"authenticated Hello from relay {host!r} at {peer}"
         if world_size is not None and world_size != self.world_size:
@@ -195,7 +202,7 @@ class Roster(Generic[M]):
             if r >= self.world_size:
                 return f"{who}: rank {r} is out of range for world_size {self.world_size}"
             owner = self._relay_of.get(r)
-            if owner is not None and not rejoin:
+            if owner is not None and not rejoin and r not in self._dead:
                 return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
                         f"{owner.peer}")
         return None
@@ -239,7 +246,10 @@ class Roster(Generic[M]):
         completes coverage."""
         self._unconfirmed.pop(relay, None)
         for r in relay.ranks:
-            if self._relay_of.get(r) is relay and r not in self._dead and r not in self._exited:
+            if self._relay_of.get(r) is not relay:
+                continue
+            self._announced[r] = relay.host
+            if r not in self._dead and r not in self._exited:
                 self._live.add(r)
         return self.complete
 
@@ -270,7 +280,8 @@ class Roster(Generic[M]):
 
     def rejoin(self, relay: M, now: float) -> tuple[dict[int, str | None], list[M]]:
         """After formation, ``relay`` (its ``Ready`` verified) carries its ranks again: they are
-        live on it from ``now``. Returns each rank's previous host (None: never covered) and
+        live on it from ``now`` (during formation too: a dead rank brought back, an uncovered
+        one covered). Returns each rank's previous host (None: never covered) and
         the relays that no longer carry any rank, which leave the roster."""
         self._relays[relay] = None
         self._by_host.setdefault(relay.host, []).append(relay)
@@ -280,7 +291,7 @@ class Roster(Generic[M]):
         before: dict[M, None] = {}
         for r in relay.ranks:
             old = self._relay_of.get(r)
-            previous[r] = None if old is None else old.host
+            previous[r] = self._announced.get(r) if old is None else old.host
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay
@@ -288,6 +299,7 @@ class Roster(Generic[M]):
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
             self._live.add(r)
+            self._announced[r] = relay.host
         dropped = [old for old in before if not any(self._relay_of.get(r) is old
                                                      for r in old.ranks)]
         for old in dropped:
