@@ -167,6 +167,8 @@ async def test_rank_dropped_during_formation_comes_back_with_its_restarted_relay
         a = await run.join("host-a", [0, 1])
         await run.drop_rank(a, 1)
         await run.kill(a)  # its relay restarts: both ranks are new endpoints
+        await trio.sleep(1)
+        assert run.timeline.events_of(ClusterFailed) == []  # no live rank, but still forming
         await run.join("host-a", [0, 1])
         await run.join("host-b", [2, 3])
         coord = await run.formed()
@@ -389,3 +391,31 @@ async def test_rejoin_still_waiting_for_its_ready_at_shutdown_leaves_nothing_ope
     pending = rejoin_conns[2]
     assert pending.ranks == (1,)
     assert pending.closed and not pending.alive
+
+
+async def test_max_failure_reached_during_formation_stops_the_run_once_it_formed(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_interval=3600,
+                               heartbeat_timeout=3600, max_failure=ft.MaxFailure.absolute(1))
+    log = EventLog()
+    body_ran = False
+    async with trio.open_nursery() as nursery:
+        run = Forming(memory_network, ft.SessionSalt.generate(), nursery, log)
+
+        async def relays() -> None:
+            await run.drop_rank(await run.join("host-a", [0, 1]), 1)
+            await trio.sleep(1)
+            assert log.events_of(ClusterFailed) == []  # not while forming
+            await run.join("host-b", [2, 3])
+
+        nursery.start_soon(relays)
+        with pytest.raises(ft.ClusterFailure, match="MAX_FAILURE_EXCEEDED"):
+            async with ft.open_coordinator(memory_network.listener(COORD), salt=run.salt,
+                                           config=cfg, timeline=log):
+                body_ran = True
+                await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    assert body_ran
+    (failed,) = log.events_of(ClusterFailed)
+    assert failed.dead == (1,)

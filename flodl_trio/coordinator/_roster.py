@@ -404,8 +404,10 @@ class Roster(Generic[M]):
         return overdue, next_due
 
     def failure_reason(self, policy: MaxFailure | None) -> SaveReason | None:
-        """Why the run cannot go on under ``policy``, or None while it can."""
-        if not self._dead:
+        """Why the run cannot go on under ``policy``, or None while it can. Never while
+        forming: an uncovered rank is not lost, and a dead one may still be brought back
+        (the policy is applied once formation completes)."""
+        if not self._dead or self._phase == "forming":
             return None
         if policy is not None and len(self._dead) >= policy.limit(self.world_size):
             return SaveReason.MAX_FAILURE_EXCEEDED

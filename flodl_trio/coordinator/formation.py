@@ -264,6 +264,7 @@ class Formation:
                  elapsed)
         self._settled.set()
         self._liveness.wake()
+        self._liveness.formed()
         self.report_rejects_tail()
 
     def start_clock(self) -> None:
