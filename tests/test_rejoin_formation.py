@@ -419,3 +419,31 @@ async def test_max_failure_reached_during_formation_stops_the_run_once_it_formed
     assert body_ran
     (failed,) = log.events_of(ClusterFailed)
     assert failed.dead == (1,)
+
+
+async def test_relay_joining_during_formation_is_told_the_deaths_declared_before_it(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    from flodl_trio import wire
+
+    from helpers import read_one_record
+
+    async with forming(memory_network) as run:
+        a = await run.join("host-a", [0, 1])
+        await run.drop_rank(a, 1)
+        b = await raw_relay_handshake(await run.net.connect(COORD), run.salt, "host-b", [2, 3],
+                                      world_size=4, model_sigs=SIGS)
+        assert b.acked
+        told: list[tuple[tuple[int, ...], Any]] = []
+        with trio.move_on_after(5):
+            while not told:
+                rec = await read_one_record(b.stream, b.opener)
+                assert rec is not None
+                if rec.kind == wire.RecordKind.FANOUT:
+                    ranks, frame = wire.decode_fanout(rec.payload)
+                    msg = wire.decode_control(wire.decode_frame(run.salt, frame).payload)
+                    if isinstance(msg, wire.DeclareDead):
+                        told.append((ranks, msg))
+        run.nursery.start_soon(drain_and_close, b.stream)
+        assert told == [((2, 3), wire.DeclareDead(rank=1))]
+        await run.formed()
