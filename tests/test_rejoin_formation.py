@@ -447,3 +447,20 @@ async def test_relay_joining_during_formation_is_told_the_deaths_declared_before
         run.nursery.start_soon(drain_and_close, b.stream)
         assert told == [((2, 3), wire.DeclareDead(rank=1))]
         await run.formed()
+
+
+async def test_relay_redialing_before_its_old_connection_ended_brings_its_dropped_rank_back(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # The old connection is still open (its end not seen yet): the re-dial of the same host
+    # with the same ranks replaces it, as any re-dial during formation does.
+    async with forming(memory_network) as run:
+        a = await run.join("host-a", [0, 1])
+        await run.drop_rank(a, 1)
+        await run.join("host-a", [0, 1])
+        await run.join("host-b", [2, 3])
+        coord = await run.formed()
+        assert coord.live_ranks == {0, 1, 2, 3} and coord.dead_ranks == frozenset()
+        assert run.timeline.events_of(RankRejoined) == [RankRejoined(rank=1, host="host-a")]
+        assert run.refusals() == []
+        assert [r["host"] for r in coord.state()["relays"]] == ["host-a", "host-b"]

@@ -160,9 +160,7 @@ class Formation:
         machine, received = handshake
         hello = received.hello
         ranks = tuple(hello.ranks)
-        if not self._roster.forming or any(self._roster.is_dead(r) for r in ranks):
-            # A host that comes back, or a spare (issue 26); during formation, a dead rank is
-            # not "announced" any more: it is brought back by the same rules.
+        if not self._roster.forming:  # a host that comes back, or a spare (issue 26)
             await self._rejoins.admit(stream, machine, peer, hello)
             return
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
@@ -173,6 +171,13 @@ class Formation:
                      peer)
             self._roster.unregister(old)
             old.abandon("superseded by a new connection")
+        if any(self._roster.is_dead(r) for r in ranks):
+            # During formation a dead rank is not "announced" any more: the rejoin rules
+            # bring it back (issue 26).
+            for old in superseded:
+                await old.close()
+            await self._rejoins.admit(stream, machine, peer, hello)
+            return
         problem = self._roster.hello_problem(hello.host, ranks, peer,
                                              world_size=hello.world_size,
                                              model_sigs=hello.model_sigs)
