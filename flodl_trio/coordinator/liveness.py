@@ -117,7 +117,10 @@ class Liveness:
         """Formation completed: the failure policy judges the deaths it saw (it never does
         while forming)."""
         if self._roster.dead:
-            self._death_send.send_nowait(_RECHECK)
+            try:
+                self._death_send.send_nowait(_RECHECK)
+            except trio.ClosedResourceError:  # shut down already: nothing to judge
+                pass
 
     async def wait_told(self) -> None:
         """Return once every death marked so far was told to the survivors (or shutdown)."""
