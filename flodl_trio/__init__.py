@@ -24,14 +24,24 @@ from ._errors import (
     FormationTimeout,
     FrameTooLarge,
     HandshakeError,
+    JoinRefused,
     RankEvicted,
     SendError,
+    SvgRejected,
     WireError,
+    WrongSession,
 )
 from ._reformation import ReformationError
+from ._svg import sanitize_svg
 from ._timeouts import timeout_scale
 from ._version import __version__
-from .coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
+from .coordinator import (
+    Coordinator,
+    CoordinatorBind,
+    DashboardPush,
+    bind_coordinator,
+    open_coordinator,
+)
 from .rank import RankEndpoint, open_rank
 from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
@@ -66,6 +76,7 @@ __all__ = [
     "CoordinatorBind",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DashboardPush",
     "DeclareDead",
     "EpochPlan",
     "FlodlError",
@@ -76,6 +87,7 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "Heartbeat",
+    "JoinRefused",
     "MaxFailure",
     "RankClient",
     "RankConfig",
@@ -93,16 +105,19 @@ __all__ = [
     "Shutdown",
     "ShutdownWithSave",
     "StartEpoch",
+    "SvgRejected",
     "SyncAck",
     "SyncNow",
     "Throttle",
     "Timeline",
     "TimingMsg",
     "WireError",
+    "WrongSession",
     "__version__",
     "bind_coordinator",
     "open_coordinator",
     "open_rank",
     "open_relay",
+    "sanitize_svg",
     "timeout_scale",
 ]

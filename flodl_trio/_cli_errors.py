@@ -57,12 +57,12 @@ def network_cause(exc: BaseException, *, peer: str, address: str) -> str | None:
 
 
 def shorten(text: str, limit: int) -> str:
-    """``text`` if it fits in ``limit`` characters, else its leading ``;``-separated clauses
+    """``text`` if it is under ``limit`` characters, else its leading ``;``-separated clauses
     (or its start) and a pointer to ``--debug``."""
     text = " ".join(text.split())  # one line, whatever the message held
-    if len(text) <= limit:
+    if len(text) < limit:  # under the limit, as the module says (a 200-character line was not)
         return text
-    room = limit - len(_MORE)
+    room = limit - 1 - len(_MORE)
     head = text[:room]
     cut = head.rfind("; ")
     if cut > room // 3:

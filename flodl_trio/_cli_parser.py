@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", metavar="PEM", help="verify the coordinator's TLS certificate")
     p.add_argument("--tls-server-name", metavar="NAME",
                    help="name to check in the coordinator's certificate")
+    # Also after the command (``relay --debug``); SUPPRESS keeps the global flag's value.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="tracebacks and the full detail of a refusal or a salt that differs")
 
     p = _command("rank", "run one simulated rank",
                  "Run one simulated rank (SimulatedRank): it processes the samples it is given "

@@ -33,7 +33,7 @@ from ._cli_common import (
 from ._cli_progress import EpochProgress, print_progress
 from ._cli_watch import check_interval, watch
 from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
-from ._errors import FlodlError
+from ._errors import FlodlError, JoinRefused, WrongSession
 from ._transport import format_address
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
 from .rank import open_rank
@@ -217,6 +217,14 @@ async def run_relay(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"
                                     f"{args.rank_port}: {os_error_text(exc)}") from None
+            except JoinRefused as exc:
+                reason = " ".join(exc.reason.split())  # one line, whatever the coordinator sent
+                raise CommandFailed(f"relay {args.host}: refused by the coordinator at "
+                                    f"{exc.peer}: {reason}") from exc
+            except WrongSession as exc:
+                raise CommandFailed(f"relay {args.host}: the session salt differs from the "
+                                    f"coordinator's at {exc.peer}, or that is not a coordinator "
+                                    "of this session (--debug for detail)") from exc
             nursery.cancel_scope.cancel()
     if stop.signum is not None:
         return _stopped(stop, f"relay {args.host}")

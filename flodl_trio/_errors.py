@@ -37,6 +37,58 @@ class HandshakeError(FlodlError):
     """A rank or relay handshake failed (bad magic, version, MAC, world size, rank set...)."""
 
 
+class JoinRefused(HandshakeError):
+    """The coordinator authenticated this relay's Hello and refused it (a verified
+    ``Refused{reason}``): its world size, model signatures or ranks contradict the cohort.
+    :func:`~flodl_trio.open_relay` raises it at once, without re-dialing: no retry can change
+    the answer.
+
+    Attributes:
+        reason: the coordinator's reason.
+        host: this relay's host name.
+        peer: the coordinator's address.
+    """
+
+    def __init__(self, reason: str, *, host: str, peer: str) -> None:
+        super().__init__(f"relay {host!r}: refused by the coordinator at {peer}: {reason}")
+        self.reason = reason
+        self.host = host
+        self.peer = peer
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), (self.reason,), {"host": self.host, "peer": self.peer}))
+
+
+class WrongSession(HandshakeError):
+    """The coordinator's ``Challenge`` did not verify with this relay's salt on ``attempts``
+    consecutive connections: the salt differs, or that address is not a coordinator of this
+    session. :func:`~flodl_trio.open_relay` raises it after a few attempts (about a second),
+    not at ``connect_timeout``; the last failure is its ``__cause__``.
+
+    Attributes:
+        host: this relay's host name.
+        peer: the address dialed.
+        attempts: how many Challenges in a row did not verify.
+    """
+
+    def __init__(self, *, host: str, peer: str, attempts: int) -> None:
+        super().__init__(
+            f"relay {host!r}: the session salt differs from the coordinator's at {peer} (or that "
+            f"is not a coordinator of this session): {attempts} Challenges in a row did not "
+            "verify")
+        self.host = host
+        self.peer = peer
+        self.attempts = attempts
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), (), {"host": self.host, "peer": self.peer,
+                                            "attempts": self.attempts}))
+
+
+def _rebuild(cls: type[FlodlError], args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlodlError:
+    return cls(*args, **kwargs)
+
+
 class FormationError(FlodlError):
     """Cohort formation failed: an authenticated relay contradicted the world, or similar."""
 
@@ -115,3 +167,8 @@ class FlodlInternalError(FlodlError):
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2). Raised by the command line
     only, never by the library's API, hence outside the FlodlError hierarchy."""
+
+
+class SvgRejected(FlodlError):
+    """An SVG pushed for the status page (``DashboardSetSvg``) cannot be shown safely: too large,
+    not well-formed, or it declares a DTD; the page shows why instead of the picture."""

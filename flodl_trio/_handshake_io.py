@@ -1,23 +1,24 @@
-"""The one IO loop every handshake runs: feed the sans-IO machine, write what it wants sent.
+"""The IO loops of the sans-IO machines: feed the machine, write what it wants sent.
 
-The protocol lives in ``wire`` (``CoordinatorHandshake``, ``RelayHandshake``,
-``RankDialHandshake``, ``RankAcceptHandshake``); this loop only moves bytes. The caller bounds
-it with its deadline.
+The protocol lives in ``wire``: the handshakes (``CoordinatorHandshake``, ``RelayHandshake``,
+``RankDialHandshake``, ``RankAcceptHandshake``) and the sessions after the join
+(``CoordinatorSession``, ``UpstreamSession``, ``RankLinkSession``, ``RankSession``); these
+loops only move bytes. The caller bounds them with its deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 from ._errors import FlodlError
 from ._transport import STREAM_GONE
-from .wire import NeedData
+from .wire import NEED_DATA, READ_SIZE, NeedData
 
 # A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
-HANDSHAKE_READ = 65536
+HANDSHAKE_READ = READ_SIZE
 
 Event = TypeVar("Event", covariant=True)
 
@@ -56,3 +57,21 @@ async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event
         if not isinstance(event, NeedData):
             return event
         machine.receive_data(bytes(await stream.receive_some(HANDSHAKE_READ)))
+
+
+class Session(Protocol):
+    def receive_data(self, data: bytes | bytearray) -> None: ...
+
+    def next_event(self) -> Any: ...
+
+
+async def receive_event(stream: trio.abc.ReceiveStream, session: Session) -> Any:
+    """``session``'s next event, reading from ``stream`` only when it needs more bytes (an
+    end of stream is its ``EndOfStream``).
+
+    Raises:
+        trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
+    """
+    while (event := session.next_event()) is NEED_DATA:
+        session.receive_data(await stream.receive_some(READ_SIZE))
+    return event

@@ -25,35 +25,32 @@ from ._errors import (
     SendError,
     WireError,
 )
-from ._handshake_io import run_handshake
+from ._handshake_io import receive_event, run_handshake
 from ._keepalive import KeepAlive
 from ._lifecycle import open_lifecycle
 from ._ratelimit import JunkCounter
 from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial_and_handshake, format_address
 from .wire import (
-    MAX_LEN_FRAME,
     ControlMsg,
     CoordHeartbeat,
     DeclareAlive,
     DeclareDead,
+    EndOfStream,
     Exiting,
     Fenced,
     FrameCodec,
     Heartbeat,
-    LenFrameDecoder,
+    Invalid,
     Metrics,
-    MsgKind,
     RankConfirmed,
     RankDialHandshake,
+    RankSession,
     RelayWaiting,
     SessionSalt,
     Shutdown,
     ShutdownWithSave,
     TimingMsg,
     control_label,
-    decode_control,
-    frames_before,
-    len_frame,
 )
 
 log = logging.getLogger("flodl_trio.rank")
@@ -80,11 +77,10 @@ class RankEndpoint:
         self.config = config
         self.dead_peers: frozenset[int] = frozenset()
         self._relay = relay
-        self._codec = FrameCodec(salt)
+        self._session = RankSession(FrameCodec(salt), rank=rank, relay=relay)
         self._stream = stream
         self._writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self._inbox_send, self._inbox = trio.open_memory_channel[ControlMsg](INBOX_SIZE)
-        self._shutdown_seen = False
         self._ended = False
         self._lost: str | None = None
         self._evicted: str | None = None  # the coordinator's reason, once it fenced us
@@ -151,7 +147,7 @@ class RankEndpoint:
         if self._lost is not None:
             raise SendError(f"rank {self.rank}: cannot send {control_label(msg)}: coordinator "
                             f"lost ({self._lost})")
-        blob = len_frame(self._codec.encode(msg))
+        blob = self._session.send(msg)
         try:
             await self._writer.send(blob)
         except trio.TooSlowError:
@@ -164,14 +160,14 @@ class RankEndpoint:
 
     def _evict(self, reason: str) -> None:
         """The coordinator declared us dead (SPEC §4.5 fencing): end with ``RankEvicted``."""
-        if self._lost is None and not self._shutdown_seen:
+        if self._lost is None and not self._session.shutdown_seen:
             self._evicted = reason
             log.warning("rank %d: declared dead by the coordinator: %s", self.rank, reason)
         self._set_lost(f"the coordinator declared rank {self.rank} dead ({reason}) and cut it "
                        "off")
 
     def _set_lost(self, reason: str) -> None:
-        if self._lost is None and not self._shutdown_seen and not self._leaving:
+        if self._lost is None and not self._session.shutdown_seen and not self._leaving:
             self._lost = reason
             self.dead_peers = frozenset(r for r in range(self.world_size) if r != self.rank)
             log.warning("rank %d: coordinator lost: %s", self.rank, reason)
@@ -184,34 +180,29 @@ class RankEndpoint:
             self._reader_done.set()
 
     async def _read_until_end(self) -> None:
-        decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
-        data: bytes | bytearray = self._leftover
-        self._leftover = b""
+        session = self._session
+        if self._leftover:
+            session.receive_data(self._leftover)
+            self._leftover = b""
         try:
-            while True:
-                if not data:
-                    data = await self._stream.receive_some(65536)
-                    if not data:
-                        break
-                try:
-                    blobs = decoder.feed(data)
-                except WireError as exc:
-                    for blob in frames_before(exc):  # whole frames before the bad length
-                        await self._on_blob(blob)
-                    raise
-                for blob in blobs:
-                    await self._on_blob(blob)
-                data = b""
-        except WireError as exc:
-            self._set_lost(f"protocol error on the link: {exc}")
-            return
+            while not isinstance(event := await receive_event(self._stream, session),
+                                 EndOfStream):
+                if type(event) is Invalid and event.category == "invalid frame":
+                    self._drop(event.category, event.detail)  # it did not verify
+                    continue
+                self._last_inbound = trio.current_time()  # it verified: a sign of life
+                if type(event) is Invalid:
+                    self._drop(event.category, event.detail)
+                else:
+                    await self._on_message(event)
         except STREAM_GONE as exc:
-            self._set_lost(f"link to relay {self._relay} lost ({type(exc).__name__})")
+            self._set_lost(session.close(f"link to relay {self._relay} lost "
+                                         f"({type(exc).__name__})"))
             return
-        if self._shutdown_seen:
+        if event.clean:
             self._inbox_send.close()
         else:
-            self._set_lost(f"link to relay {self._relay} ended without Shutdown")
+            self._set_lost(event.reason)
 
     def _drop(self, category: str, detail: str) -> None:
         # Counted, and only a rate-limited few logged: one WARNING per forged frame let any
@@ -225,21 +216,7 @@ class RankEndpoint:
         """Inbound frames dropped (failed MAC, undecodable, wrong kind), by reason."""
         return self._dropped.by_reason()
 
-    async def _on_blob(self, blob: bytes) -> None:
-        try:
-            frame = self._codec.open(blob)
-        except WireError as exc:
-            self._drop("invalid frame", str(exc))
-            return
-        self._last_inbound = trio.current_time()
-        if frame.kind != MsgKind.CONTROL:
-            self._drop("wrong direction", f"frame of kind {frame.kind} is not for ranks")
-            return
-        try:
-            msg = decode_control(frame.payload)
-        except WireError as exc:
-            self._drop("undecodable", str(exc))
-            return
+    async def _on_message(self, msg: ControlMsg) -> None:
         if isinstance(msg, CoordHeartbeat):
             self._relay_said = None
             return
@@ -256,8 +233,6 @@ class RankEndpoint:
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         elif isinstance(msg, DeclareAlive):
             self.dead_peers = self.dead_peers - {int(msg.rank)}
-        if isinstance(msg, Shutdown | ShutdownWithSave):
-            self._shutdown_seen = True
         try:
             self._inbox_send.send_nowait(msg)
             return
@@ -278,7 +253,7 @@ class RankEndpoint:
 
     async def run_watchdog(self) -> None:
         timeout = self.config.coord_liveness_timeout
-        while self._lost is None and not self._shutdown_seen:
+        while self._lost is None and not self._session.shutdown_seen:
             due = self._last_inbound + timeout
             if trio.current_time() >= due and not self._paused:
                 self._set_lost(f"no frame from the coordinator within coord_liveness_timeout="

@@ -1,7 +1,11 @@
 """The HTTP/1.1 status responder of the coordinator port, and a client for it.
 
 Routes: ``GET /state.json`` (the status document as JSON), ``GET /healthz`` (200 ``ok`` while the
-phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition); ``HEAD`` answers
+phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition); with a
+``board_fn``, also the live status page: ``GET /`` (one self-contained HTML page),
+``GET /board.json`` (its document) and ``GET /events`` (that document as Server-Sent Events, see
+:mod:`flodl_trio._board_feed`, the one route whose connection outlives ``request_timeout``, and
+only after its request head arrived within it); ``HEAD`` answers
 like ``GET`` without the body, every other method gets 405 with ``Allow: GET, HEAD``, an unknown
 path 404. Every connection
 gets exactly one response, then closes; the whole exchange is bounded by ``request_timeout`` and
@@ -26,6 +30,7 @@ from typing import Any, Final
 import h11
 import trio
 
+from ._board_feed import BoardFeed, BoardFn
 from ._errors import ConfigError, FlodlError
 from ._keepalive import KeepAlive, enable_keepalive
 from ._listen import serve_each
@@ -39,6 +44,7 @@ StateFn = Callable[[], Mapping[str, Any]]
 
 PHASES: Final = ("forming", "running", "shutting_down", "closed")
 ROUTES: Final = ("/state.json", "/healthz", "/metrics")
+BOARD_ROUTES: Final = ("/", "/board.json", "/events")
 PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _RECEIVE_CHUNK: Final = 4096
 # After the response, read and discard what the client still sends for at most this long (or
@@ -53,6 +59,10 @@ async def serve_status(
     *,
     request_timeout: float,
     max_request_bytes: int = 16384,
+    board_fn: BoardFn | None = None,
+    board_tick: float = 1.0,
+    max_viewers: int = 8,
+    stream_seconds: float = 300.0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer status requests on ``listener`` until it is closed.
@@ -62,23 +72,43 @@ async def serve_status(
         state_fn: returns the status document (``Coordinator.state()``); called once per request.
         request_timeout: seconds one connection may take, from accept to close.
         max_request_bytes: the largest request head accepted; a bigger one gets 431.
+        board_fn: returns the status page's document (``Coordinator.board``); without it,
+            ``/``, ``/board.json`` and ``/events`` are 404.
+        board_tick: seconds between two ``/events`` messages (one document built per tick for
+            every viewer, none while nobody watches).
+        max_viewers: concurrent ``/events`` streams; the next gets 503 (the page then polls).
+        stream_seconds: how long one ``/events`` stream lasts; the browser then reconnects.
         task_status: ``started()`` is called once the accept loop runs.
 
     Returns:
         Once the listener is closed and the connections in flight are done (each is bounded by
         ``request_timeout``).
     """
-    await serve_each(
-        listener, partial(_serve_connection, state_fn=state_fn, request_timeout=request_timeout,
-                          max_request_bytes=max_request_bytes),
-        what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
-    )
+    feed = None if board_fn is None else BoardFeed(
+        board_fn, tick=board_tick, max_viewers=max_viewers, stream_seconds=stream_seconds,
+        write_timeout=request_timeout)
+    async with trio.open_nursery() as nursery:
+        if feed is not None:
+            nursery.start_soon(feed.run_ticker)
+        await serve_each(
+            listener, partial(_serve_connection, state_fn=state_fn, feed=feed,
+                              request_timeout=request_timeout,
+                              max_request_bytes=max_request_bytes),
+            what="status", task_status=task_status, keepalive=KeepAlive.within(request_timeout),
+            handler_nursery=nursery,
+        )
+        # The listener is closed: one-shot answers finish (each within request_timeout), the
+        # /events streams end now, each with a clean end of its body.
+        if feed is not None:
+            feed.close()
 
 
 async def _serve_connection(
-    stream: trio.abc.Stream, state_fn: StateFn, request_timeout: float, max_request_bytes: int
+    stream: trio.abc.Stream, state_fn: StateFn, feed: BoardFeed | None, request_timeout: float,
+    max_request_bytes: int
 ) -> None:
     peer = getattr(stream, "remote_address", None)
+    events = False
     try:
         with trio.move_on_after(request_timeout) as scope:
             conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_request_bytes)
@@ -90,12 +120,24 @@ async def _serve_connection(
             else:
                 if request is None:  # the client closed without sending a request
                     return
-                status, body, headers = _answer(request, state_fn)
-                await _send_response(stream, conn, status, body, headers,
-                                     head_only=request.method == b"HEAD")
-            with trio.move_on_after(_LINGER_SECONDS):
-                await _linger(stream)
-        if scope.cancelled_caught:
+                refusal = None
+                if feed is not None and request.method == b"GET" and _path(request) == "/events":
+                    refusal = feed.refuse()
+                    events = refusal is None
+                if events:
+                    pass  # streamed below, outside request_timeout
+                elif refusal is not None:
+                    await _send_response(stream, conn, 503, refusal + "\n", [("Retry-After", "5")])
+                else:
+                    status, body, headers = _answer(request, state_fn, feed)
+                    await _send_response(stream, conn, status, body, headers,
+                                         head_only=request.method == b"HEAD")
+            if not events:
+                with trio.move_on_after(_LINGER_SECONDS):
+                    await _linger(stream)
+        if events and feed is not None:
+            await feed.stream(stream, conn, str(peer))
+        elif scope.cancelled_caught:
             logger.debug("status: dropped %s after request_timeout=%ss", peer, request_timeout)
     except STREAM_GONE as exc:
         logger.debug("status: connection from %s broke: %s", peer, exc)
@@ -121,16 +163,22 @@ async def _linger(stream: trio.abc.Stream) -> None:
         pass
 
 
+def _path(request: h11.Request) -> str:
+    return request.target.decode("ascii", errors="replace").split("?", 1)[0]
+
+
 def _answer(
-    request: h11.Request, state_fn: StateFn
+    request: h11.Request, state_fn: StateFn, feed: BoardFeed | None
 ) -> tuple[int, bytes | str, list[tuple[str, str]]]:
-    path = request.target.decode("ascii", errors="replace").split("?", 1)[0]
-    if path not in ROUTES:
+    path = _path(request)
+    if path not in ROUTES and (feed is None or path not in BOARD_ROUTES):
         return 404, "not found\n", []
     if request.method not in (b"GET", b"HEAD"):
         method = request.method.decode("ascii", errors="replace")
         return 405, f"method {method} not allowed: GET or HEAD\n", [("Allow", "GET, HEAD")]
     try:
+        if feed is not None and path in BOARD_ROUTES:
+            return feed.answer(path)
         state = state_fn()
         if path == "/state.json":
             body = json.dumps(state, sort_keys=True, default=_json_default) + "\n"

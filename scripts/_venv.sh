@@ -13,3 +13,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet -e ".[$1]"
   touch "$stamp"
 fi
+# The status page tests drive a real headless Chromium (Debian's package); as root, install it once.
+if [ "$1" = test ] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "installing Debian's chromium for the status page tests" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+      >/dev/null; } || echo "warning: chromium not installed; its tests will be skipped" >&2
+fi

@@ -10,14 +10,22 @@ in one write, as a relay forwards ranks that started together) and reads the Coo
     per-connection handshake work (the library's sans-IO ``CoordinatorHandshake`` driven to
     ``Established``), without any coordinator state.
 
-    .venv/bin/python scripts/bench_scale.py [--quick] [--json]
+  - with ``--viewer``: one status page viewer (scripts/_sse_viewer.py, a process of its own)
+    reads ``/events`` through the idle window, so idle CPU includes building and sending the
+    page's document once a second; the time to build one document is measured too.
+
+    .venv/bin/python scripts/bench_scale.py [--quick] [--json] [--viewer]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import _report as rep
@@ -71,7 +79,19 @@ async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
     return done_t - min(a["go_t"] for a in answers)
 
 
-async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dict[str, Any]:
+def document_build_ms(coord: ft.Coordinator, rounds: int = 5) -> tuple[float, int]:
+    """Median CPU ms to build and encode the page's document once (CPU, not wall: the load
+    processes share the cores), and its size in bytes."""
+    times, size = [], 0
+    for _ in range(rounds):
+        t0 = time.process_time()
+        size = len(json.dumps(coord.board(), separators=(",", ":")))
+        times.append((time.process_time() - t0) * 1000)
+    return sorted(times)[rounds // 2], size
+
+
+async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
+                   viewer: bool = False) -> dict[str, Any]:
     relays = ranks // per_relay
     floor_s = await floor_formation(relays, per_relay, procs)
     cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
@@ -100,6 +120,13 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dic
         await cluster.command(f"seal {per_relay * int(idle_s + 5)}")
         await cluster.command(f"rate {per_relay} {per_relay}")  # 1 Heartbeat/s per rank
         await trio.sleep(1.5)  # settle: every relay has sent a round
+        watcher: trio.Process | None = None
+        if viewer:
+            host, port = coord.address
+            watcher = await trio.lowlevel.open_process(
+                [sys.executable, str(Path(__file__).with_name("_sse_viewer.py")),
+                 f"{host}:{port}", str(idle_s + 1.0)], stdout=subprocess.PIPE)
+            await trio.sleep(0.5)  # connected, first document sent
         w0, c0 = time.monotonic(), time.process_time()
         if PROFILE is not None:
             PROFILE.enable()
@@ -109,12 +136,23 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int) -> dic
         cpu = (time.process_time() - c0) / (time.monotonic() - w0)
         rss, peak = rep.rss_mb()
         dead = len(coord.dead_ranks)
+        seen: dict[str, Any] = {}
+        if watcher is not None:
+            assert watcher.stdout is not None
+            out = b""
+            with trio.fail_after(10):
+                while chunk := await watcher.stdout.receive_some():
+                    out += chunk
+                await watcher.wait()
+            seen = json.loads(out)
+        build_ms, doc_bytes = document_build_ms(coord)
         await cluster.command("rate 0")
         nursery.cancel_scope.cancel()
     return {"ranks": ranks, "relays": relays, "formation_ms": formation_s * 1000,
             "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
             "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead,
-            "redials": redials}
+            "redials": redials, "viewer_msgs": seen.get("messages", 0),
+            "doc_kb": doc_bytes / 1024, "doc_ms": build_ms}
 
 
 PROFILE: cProfile.Profile | None = None  # --profile: the idle windows only
@@ -123,6 +161,8 @@ COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
     ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
+    ("viewer msgs", "viewer_msgs", "d"), ("doc KB", "doc_kb", ".0f"),
+    ("doc CPU ms", "doc_ms", ".1f"),
 ]
 
 
@@ -132,10 +172,11 @@ async def main(args: argparse.Namespace) -> None:
     idle_s = 3.0 if args.quick else 6.0
     worlds = [int(w) for w in args.world] if args.world else [1024, 4096, 16384]
     print(f"{rep.machine_note()}\nscale: 8 ranks per relay, idle window {idle_s:g} s, {reps} runs "
-          f"per case, {args.procs} load processes")
+          f"per case, {args.procs} load processes"
+          + (", one /events viewer" if args.viewer else ""))
     rows, medians = [], []
     for world in worlds:
-        runs = [await run_case(world, 8, idle_s, args.procs) for _ in range(reps)]
+        runs = [await run_case(world, 8, idle_s, args.procs, args.viewer) for _ in range(reps)]
         rows += runs
         medians.append(rep.medians(runs))
     print(rep.table(COLUMNS, medians))
@@ -163,6 +204,8 @@ if __name__ == "__main__":
     p.add_argument("--world", action="append", help="only this world size (repeatable)")
     p.add_argument("--procs", type=int, default=2, help="load processes")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    p.add_argument("--viewer", action="store_true",
+                   help="one status page viewer reads /events through the idle window")
     p.add_argument("--profile", default=None,
                    help="write a cProfile of the coordinator's idle windows here")
     ns = p.parse_args()

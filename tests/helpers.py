@@ -279,6 +279,7 @@ class RawRelay:
     sealer: Any
     opener: Any
     acked: bool
+    refused: str | None = None
 
 
 async def raw_relay_handshake(
@@ -287,7 +288,8 @@ async def raw_relay_handshake(
 ) -> RawRelay:
     """Run the relay's end with Hello{host, world_size, model_sigs, ranks} exactly as given
     (duplicates, unsorted and empty lists included); ``acked`` says whether the join was
-    confirmed (HelloAck, Ready, welcome), else the coordinator closed it (EOF)."""
+    confirmed (HelloAck, Ready, welcome), else the coordinator refused it (``refused``, its
+    reason) or closed it (EOF)."""
     from flodl_trio import wire
     from flodl_trio._handshake_io import run_handshake
 
@@ -298,6 +300,9 @@ async def raw_relay_handshake(
     except ft.WireError as exc:
         assert "closed" in str(exc), exc  # an EOF, never anything else
         return RawRelay(stream, machine.sealer, machine.opener, acked=False)
+    if isinstance(done, wire.RefusalReceived):
+        return RawRelay(stream, machine.sealer, machine.opener, acked=False,
+                        refused=done.reason)
     assert isinstance(done, wire.Established)
     return RawRelay(stream, done.sealer, done.opener, acked=True)
 

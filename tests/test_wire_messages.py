@@ -136,6 +136,7 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (5, wire.Goodbye, [TEXT]),
     (6, wire.FenceRank, [U32, TEXT]),
     (7, wire.RankDropped, [U32, TEXT]),
+    (8, wire.Refused, [NONCE, TEXT]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),
@@ -249,13 +250,13 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, [23], ["ControlMsg", "unknown variant index 23"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [8, 0], ["RelayControlMsg", "unknown variant index 8"]),
+        (wire.decode_relay, [9, 0], ["RelayControlMsg", "unknown variant index 9"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-23", "ctl-neg", "timing-15", "relay-8", "bool-index", "empty", "int", "map"],
+    ids=["ctl-23", "ctl-neg", "timing-15", "relay-9", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

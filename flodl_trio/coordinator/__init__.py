@@ -23,9 +23,11 @@ from ..port_mux import open_port_mux
 from ..status import serve_status
 from ..timeline import Timeline
 from ..wire import SessionSalt
+from ._board import DashboardPush
 from ._core import Coordinator
 
-__all__ = ["Coordinator", "CoordinatorBind", "bind_coordinator", "open_coordinator"]
+__all__ = ["Coordinator", "CoordinatorBind", "DashboardPush", "bind_coordinator",
+           "open_coordinator"]
 
 log = logging.getLogger("flodl_trio.coordinator")
 
@@ -189,7 +191,8 @@ async def open_coordinator(
                                       write_stall=config.write_stall_timeout))
                 )
                 life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
-                                                request_timeout=config.peek_timeout))
+                                                request_timeout=config.peek_timeout,
+                                                board_fn=coord.board))
                 control: list[trio.abc.Listener[Any]] = [mux.control]
             else:
                 for listener in direct:

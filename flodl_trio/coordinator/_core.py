@@ -24,6 +24,8 @@ from ..wire import (
     Shutdown,
     TimingMsg,
 )
+from ._board import Board, DashboardPush
+from ._boardview import board_document
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -79,14 +81,17 @@ class Coordinator:
         self._roster = Roster[RelayConn](config.world_size)
         self._sender = Sender(self._roster, codec, self.timeline, config.world_size)
         self._liveness = Liveness(self._roster, self._sender, config, self.timeline)
+        self._board = Board(config.world_size)
         self._readers = Readers(roster=self._roster, liveness=self._liveness, codec=codec,
                                 timeline=self.timeline, timing=self._timing_send,
-                                metrics=self._metrics_send)
+                                metrics=self._metrics_send, board=self._board)
         self._formation = Formation(
             roster=self._roster, sender=self._sender, liveness=self._liveness,
             readers=self._readers, config=config, salt=salt, timeline=self.timeline, tls=tls)
         self._shutdown_done = trio.Event()
         self._shutdown_begun = False
+        self._formation_began: float | None = None
+        self._formed_at: float | None = None
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
@@ -105,6 +110,7 @@ class Coordinator:
         """The tasks a running coordinator needs, for ``open_coordinator`` to start (after
         :meth:`host_writers`); formation's deadline counts from this call."""
         self._formation.start_clock()
+        self._formation_began = trio.current_time()
         tasks: list[Callable[[], Awaitable[None]]] = [
             partial(self._formation.accept_loop, listener) for listener in control
         ]
@@ -125,6 +131,8 @@ class Coordinator:
             FormationTimeout / FormationAborted / FormationError: the c/W text says why.
         """
         await self._formation.wait()
+        if self._formed_at is None:
+            self._formed_at = trio.current_time()
 
     def cancel_on_failure(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the user's block) when the failure policy stops the run."""
@@ -213,6 +221,28 @@ class Coordinator:
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
             "epoch": _epoch_in_progress(self.timeline),
         }
+
+    @property
+    def dashboard(self) -> tuple[DashboardPush, ...]:
+        """What ranks pushed through the dashboard messages (``DashboardRegister``,
+        ``DashboardSetSvg``, ``DashboardSetMetadata``, ``DashboardSetHardware``): the latest of
+        each per rank, for at most 256 ranks (those that pushed most recently), SVGs
+        sanitised, text clipped."""
+        return tuple(self._board.pushes())
+
+    def board(self) -> dict[str, Any]:
+        """The status page's document (``/board.json``, every ``/events`` message): phase,
+        formation time, ranks by relay with their state, step count and last heartbeat age
+        (counts per relay above 1,024 ranks), deaths, epochs, throughput, dashboard pushes."""
+        now = trio.current_time()
+        began, formed = self._formation_began, self._formed_at
+        formation_s = None if began is None else round((formed or now) - began, 3)
+        failed = self.failure is not None or self.formation_failure is not None
+        return board_document(self._roster, self._board, now=now, failed=failed, extras={
+            "formation_s": formation_s, "formed": formed is not None,
+            "lost_broadcasts": self.lost_broadcasts,
+            "uptime_s": round(time.monotonic() - self._started_wall, 3),
+        })
 
     # ------------------------------------------------------------------ control
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 
 from .._errors import FlodlError
@@ -54,3 +56,19 @@ async def finish_handshake(stream: trio.abc.Stream,
     event = await run_handshake(stream, machine)
     assert isinstance(event, Established)
     return event
+
+
+async def refuse(stream: trio.abc.Stream, machine: CoordinatorHandshake, reason: str, *,
+                 write_within: float) -> None:
+    """Refuse an authenticated Hello: write ``Refused{nonce, reason}`` where ``HelloAck`` would
+    go, then close the stream. The relay gives up at once with ``JoinRefused(reason)``.
+
+    The one place a refusal is sent (formation, and any later Hello the coordinator turns
+    down). The write is shielded, so a coordinator that is shutting down still says why, and
+    bounded by ``write_within`` seconds; a stream that is already gone is simply closed.
+    """
+    machine.refuse(reason)
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + write_within):
+        with contextlib.suppress(*STREAM_GONE):
+            await stream.send_all(machine.data_to_send())
+    await trio.aclose_forcefully(stream)

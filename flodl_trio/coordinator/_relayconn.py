@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import trio
 
@@ -17,6 +17,18 @@ _EOF = -1  # queue marker: half-close after everything queued before it
 _RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
 _RAW = -3  # queue marker: bytes sealed already (the rest of a direct write), written as they are
 _BATCH = 64
+# Records queued for one relay's writer, at most: far beyond any burst a healthy relay sees
+# (the writer takes 64 at a time), so a queue this full is a relay that does not read.
+QUEUE_LIMIT = 65536
+
+
+class CloseReason(NamedTuple):
+    """Why a relay connection ended, the first time it did: ``lost`` (its stream broke or
+    ended, or it was superseded), ``stalled`` (the writer made no progress for
+    ``write_stall_timeout``) or ``retired`` (the coordinator closed it on purpose)."""
+
+    kind: Literal["lost", "stalled", "retired"]
+    text: str
 
 
 class Delivery:
@@ -57,10 +69,17 @@ def direct_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
 class RelayConn:
     """An authenticated upstream connection: its ranks, its sealed directions, its writer.
 
-    Every record goes through one writer task (``run_writer``) fed by an unbounded queue, so a
-    broadcast costs one ``send_nowait`` per relay, a burst is coalesced into one write, records
-    are sealed in the order they are written, and a stalled relay delays nobody but itself (its
-    writer gives up after ``write_stall_timeout`` and the connection is lost).
+    Every record goes through one writer task (``run_writer``) fed by a queue of at most
+    ``queue_limit`` records, so a broadcast costs one ``send_nowait`` per relay, a burst is
+    coalesced into one write, records are sealed in the order they are written, and a stalled
+    relay delays nobody but itself: its writer gives up after ``write_stall_timeout`` and the
+    connection is lost. A queue that fills up is a stall too (its relay is not reading at the
+    pace it is sent to): the record that does not fit is settled as lost and the connection is
+    lost with ``queue full``, as after a write stall.
+
+    Its end is one :class:`CloseReason` (``close_reason``, the first wins); ``alive``,
+    ``lost_reason``, ``retired`` and ``stalled`` are read from it. ``closed`` says whether the
+    stream itself is closed yet (``/state.json``'s ``closed``; ``connected`` turns false first).
 
     Fast path: when the writer is idle with nothing queued and the stream is plain TCP, the
     record is sealed and handed to the kernel at once with one non-blocking ``write``; whatever
@@ -82,6 +101,7 @@ class RelayConn:
         write_stall_timeout: float,
         index: int,
         model_sigs: dict[str, bytes] | None = None,
+        queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         self.host = host
         self.model_sigs: dict[str, bytes] = dict(model_sigs or {})
@@ -93,27 +113,47 @@ class RelayConn:
         self.opener = opener
         self.write_stall_timeout = write_stall_timeout
         self.index = index
-        self.on_lost: Callable[[RelayConn, str], None] = lambda conn, cause: None
+        # Told once the connection is lost (liveness.relay_lost); ``stalled`` for a write stall.
+        self.on_lost: Callable[[RelayConn, str, bool], None] = lambda conn, cause, stalled: None
+        self.queue_limit = queue_limit
         self._queue_send, self._queue_recv = trio.open_memory_channel[
-            tuple[int, int, bytes, Delivery | None]](math.inf)
-        self.lost_reason: str | None = None
+            tuple[int, int, bytes, Delivery | None]](queue_limit)
+        self.close_reason: CloseReason | None = None
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
         self.paused_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
         self._write_scope: trio.CancelScope | None = None
-        self.closed = False
-        self.stalled = False  # the writer gave up: no progress for write_stall_timeout
-        self.retired: str | None = None  # why the coordinator is closing it on purpose
+        self.closed = False  # the stream is closed (after the end, at the writer's exit)
         self._retire_grace = 0.0
-        self.reader_done = trio.Event()  # set by the connection's reader when it ends
+        # Set once the connection is abandoned (lost, or its reader ended): nothing more is
+        # written, whatever its close reason (a retired connection is abandoned at its end).
+        self._ended = trio.Event()
         self._socket = direct_socket(stream)
         self._queued = 0  # items in the queue the writer has not taken yet
         self._writing = False  # the writer holds a batch
 
     @property
     def alive(self) -> bool:
-        return self.lost_reason is None and not self.closed and self.retired is None
+        return self.close_reason is None and not self.closed
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the connection was lost (a stall included), or None."""
+        end = self.close_reason
+        return None if end is None or end.kind == "retired" else end.text
+
+    @property
+    def retired(self) -> str | None:
+        """Why the coordinator closed it on purpose, or None."""
+        end = self.close_reason
+        return end.text if end is not None and end.kind == "retired" else None
+
+    @property
+    def stalled(self) -> bool:
+        """The writer gave up: no progress for ``write_stall_timeout`` (or its queue filled)."""
+        end = self.close_reason
+        return end is not None and end.kind == "stalled"
 
     @property
     def idle(self) -> bool:
@@ -125,7 +165,7 @@ class RelayConn:
         """Queue one record for the writer; ``delivery`` is settled once it is written or lost."""
         if not self.alive:
             if delivery is not None:
-                delivery.settle(self, f"connection lost ({self.lost_reason or 'closed'})")
+                delivery.settle(self, f"connection lost ({self._end_text()})")
             return
         if self._socket is not None and not self._queued and not self._writing and kind >= 0:
             self._write_now(self._socket, self.sealer.seal(kind, rank, payload), delivery)
@@ -135,6 +175,14 @@ class RelayConn:
     def _enqueue(self, kind: int, rank: int, payload: bytes, delivery: Delivery | None) -> None:
         try:
             self._queue_send.send_nowait((kind, rank, payload, delivery))
+        except trio.WouldBlock:
+            # Never wait on one relay: a queue this full is a relay that does not read.
+            failure = (f"queue full: {self.queue_limit} records not yet written (the relay "
+                       "reads slower than it is sent to)")
+            if delivery is not None:
+                delivery.settle(self, failure)
+            self.on_lost(self, failure, True)
+            return
         except STREAM_GONE:
             if delivery is not None:
                 delivery.settle(self, "connection closed")
@@ -174,7 +222,8 @@ class RelayConn:
         (FT/2), so the relay ends knowing it was closed on purpose."""
         self._submit_goodbye(reason)
         self.submit(_RETIRE, 0, b"", None)
-        self.retired = reason
+        if self.close_reason is None:
+            self.close_reason = CloseReason("retired", reason)
         self._retire_grace = grace
 
     async def run_writer(self) -> None:
@@ -188,23 +237,28 @@ class RelayConn:
                     break
             self._queued -= len(batch)
             self._writing = True
-            failure = self.lost_reason and f"connection lost ({self.lost_reason})"
-            if failure is None:
-                failure = await self._write(batch)
+            abandoned = self._ended.is_set()
+            stalled = False
+            if abandoned:
+                failure: str | None = f"connection lost ({self._end_text()})"
+            else:
+                failure, stalled = await self._write(batch)
             self._writing = False
             for _, _, _, delivery in batch:
                 if delivery is not None:
                     delivery.settle(self, failure)
-            if failure is not None and self.lost_reason is None:
-                self.on_lost(self, failure)
+            if failure is not None and not abandoned:
+                self.on_lost(self, failure, stalled)
             elif failure is None and any(kind == _RETIRE for kind, _, _, _ in batch):
                 with trio.move_on_after(self._retire_grace):
-                    await self.reader_done.wait()
+                    await self._ended.wait()  # the relay closed its side: the reader ended
                 break
         # Lost (or shut down): nothing more will be written, and the reader must stop too.
         await self.close()
 
-    async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]) -> str | None:
+    async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]
+                     ) -> tuple[str | None, bool]:
+        """Write one batch: (None, False), or the failure and whether it was a stall."""
         seal = self.sealer.seal
         data = b"".join([payload if kind == _RAW else seal(kind, rank, payload)
                          for kind, rank, payload, _ in batch if kind >= 0 or kind == _RAW])
@@ -220,24 +274,31 @@ class RelayConn:
                     else:
                         await self.close()
         except STREAM_GONE as exc:
-            return f"connection closed while writing ({type(exc).__name__})"
+            return f"connection closed while writing ({type(exc).__name__})", False
         finally:
             self._write_scope = None
-        if self.lost_reason is not None:
-            return f"connection lost ({self.lost_reason})"
+        if self._ended.is_set():  # abandoned while writing: the write was cancelled
+            return f"connection lost ({self._end_text()})", False
         if cs.cancelled_caught:
-            self.stalled = True
-            return f"write stall: no progress for {self.write_stall_timeout:g}s"
-        return None
+            return f"write stall: no progress for {self.write_stall_timeout:g}s", True
+        return None, False
 
-    def abandon(self, reason: str) -> None:
+    def _end_text(self) -> str:
+        return "closed" if self.close_reason is None else self.close_reason.text
+
+    def abandon(self, reason: str, *, stalled: bool = False) -> bool:
         """The connection is lost: the writer stops writing at once, settles what is queued as
-        lost and closes the stream (which ends the reader too)."""
-        if self.lost_reason is None:
-            self.lost_reason = reason
+        lost and closes the stream (which ends the reader too). True when this call ended it
+        (its ``close_reason`` is ``reason``); False when it had ended already (lost, or
+        retired: then this is the end of its retirement)."""
+        first = self.close_reason is None
+        if first:
+            self.close_reason = CloseReason("stalled" if stalled else "lost", reason)
+        self._ended.set()
         self._queue_send.close()
         if self._write_scope is not None:
             self._write_scope.cancel()
+        return first
 
     async def close(self) -> None:
         if not self.closed:

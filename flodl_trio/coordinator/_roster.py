@@ -9,6 +9,7 @@ The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .._ratelimit import JunkCounter, JunkReport
@@ -79,6 +80,11 @@ class Roster(LivenessRules[M]):
     def live(self) -> frozenset[int]:
         """Covered ranks that are neither dead nor cleanly exited."""
         return frozenset(self._live)
+
+    @property
+    def last_seen(self) -> Mapping[int, float]:
+        """When each covered rank was last heard from (trio clock), read-only."""
+        return self._last_seen
 
     def live_of(self, relay: M) -> list[int]:
         """``relay``'s live ranks, ascending."""

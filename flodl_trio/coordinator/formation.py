@@ -6,7 +6,8 @@ connection mid-handshake and re-dials with the same host and ranks simply replac
 naming a rank declared dead during formation, and every Hello after formation, goes to the
 rejoin rules (:mod:`._rejoin`); so does the takeover rule for ranks whose relay was lost during
 formation. Every relay refused after its Hello authenticated is refused through
-:meth:`Formation.refuse`.
+:meth:`Formation.refuse`, which tells it why (``Refused``), so it gives up at once instead of
+re-dialing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareDead, Hello, SessionSalt, max_hello_payload
-from ._handshake import Rejected, coordinator_handshake, finish_handshake
+from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
 from ._rejoin import Rejoins, announce_takeovers, rejoin_problem
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
@@ -119,12 +120,20 @@ class Formation:
     async def refuse(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
                      category: str, detail: str, *, record: bool = True) -> None:
         """Refuse a relay whose Hello authenticated (every such refusal goes through here):
-        close its connection and, with ``record``, count and report the reject with
-        ``detail`` (the reason, naming the relay and the rank)."""
-        del machine  # the sealed state a refusal record will be written with
+        tell it why (``Refused``, the ``detail`` without the "authenticated Hello from ..."
+        prefix; the write bounded by ``handshake_timeout``), close its connection and, with
+        ``record``, count and report the reject with ``detail`` (the reason, naming the relay
+        and the rank). A relay already acknowledged is only closed."""
         if record:  # before the close: whoever sees the EOF finds the reject recorded
             self.reject(peer, category, detail)
-        await trio.aclose_forcefully(stream)
+        if machine.refusable and machine.hello is not None:
+            # The relay knows who it is: its reason starts after the "who" prefix.
+            who = f"authenticated Hello from relay {machine.hello.host!r} at {peer}: "
+            reason = detail.removeprefix(who)
+            log.info("refusing relay %r at %s: %s", machine.hello.host, peer, reason)
+            await refuse(stream, machine, reason, write_within=self._config.handshake_timeout)
+        else:  # already acknowledged (a rejoin checked again after its Ready): only the close
+            await trio.aclose_forcefully(stream)
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)

@@ -17,7 +17,6 @@ relay that stopped reading delays nobody else; its writer gives up after
 from __future__ import annotations
 
 import logging
-import math
 
 import trio
 
@@ -57,7 +56,12 @@ class Liveness:
         self._sender = sender
         self._config = config
         self._timeline = timeline
-        self._death_send, self._death_recv = trio.open_memory_channel[int](math.inf)
+        # Deaths not yet told to the survivors. Never full: a rank is in it at most once
+        # (``_queued``), so world_size bounds it even when a rank rejoins and dies again before
+        # its first death was told; the later death is then told by the same DeclareDead.
+        self._death_send, self._death_recv = trio.open_memory_channel[int](
+            max(1, config.world_size))
+        self._queued: set[int] = set()
         self._deaths_marked = 0
         self._deaths_handled = 0
         self._deaths_progress = trio.Event()
@@ -92,11 +96,13 @@ class Liveness:
             return False
         conn = self._roster.relay_of(rank)
         host = conn.host if conn is not None else "?"
-        self._deaths_marked += 1
         log.warning("rank %d (host %s) declared dead: %s", rank, host, reason)
         self._timeline.event(RankDeclaredDead(rank=rank, host=host, reason=reason))
         self.fence(rank, reason)
-        self._death_send.send_nowait(rank)
+        if rank not in self._queued:
+            self._queued.add(rank)
+            self._deaths_marked += 1
+            self._death_send.send_nowait(rank)
         return True
 
     def fence(self, rank: int, reason: str) -> None:
@@ -119,8 +125,8 @@ class Liveness:
         if self._roster.dead:
             try:
                 self._death_send.send_nowait(_RECHECK)
-            except trio.ClosedResourceError:  # shut down already: nothing to judge
-                pass
+            except (trio.ClosedResourceError, trio.WouldBlock):
+                pass  # shut down already, or deaths queued: the worker judges them anyway
 
     async def wait_told(self) -> None:
         """Return once every death marked so far was told to the survivors (or shutdown)."""
@@ -128,15 +134,15 @@ class Liveness:
         while self._deaths_handled < target and not self._roster.shutting_down:
             await self._deaths_progress.wait()
 
-    def relay_lost(self, conn: RelayConn, cause: str) -> None:
+    def relay_lost(self, conn: RelayConn, cause: str, stalled: bool = False) -> None:
         """An upstream connection ended: during formation its ranks are uncovered again (the
-        relay may re-dial); afterwards its live ranks are declared dead at once."""
-        if conn.lost_reason is not None:
+        relay may re-dial); afterwards its live ranks are declared dead at once. Only its
+        first end counts (a retired connection's end is no loss)."""
+        if not conn.abandon(cause, stalled=stalled):
             return
-        conn.abandon(cause)
-        if self._roster.shutting_down or conn.retired is not None:
+        if self._roster.shutting_down:
             return  # closed on purpose: nothing is lost
-        if conn.stalled:
+        if stalled:
             self.write_stalls += 1
             self._timeline.event(RelayStalled(host=conn.host, ranks=conn.ranks,
                                               stalled_s=conn.write_stall_timeout))
@@ -161,6 +167,7 @@ class Liveness:
                     batch.append(self._death_recv.receive_nowait())
                 except trio.WouldBlock:
                     break
+            self._queued.difference_update(batch)
             deaths = [dead for dead in batch if dead != _RECHECK]
             for dead in deaths:
                 if self._roster.shutting_down:

@@ -17,7 +17,14 @@ from typing import Any
 import trio
 
 from .._config import RelayConfig
-from .._errors import ConfigError, FlodlError, HandshakeError, WireError
+from .._errors import (
+    ConfigError,
+    FlodlError,
+    HandshakeError,
+    JoinRefused,
+    WireError,
+    WrongSession,
+)
 from .._handshake_io import run_handshake
 from .._keepalive import KeepAlive
 from .._lifecycle import open_lifecycle
@@ -28,6 +35,7 @@ from ..wire import (
     MAX_MODEL_SIG_NAME,
     MAX_MODEL_SIGS,
     Established,
+    RefusalReceived,
     RelayHandshake,
     SessionSalt,
 )
@@ -42,7 +50,10 @@ log = logging.getLogger("flodl_trio.relay")
 
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 
-
+# Challenges in a row that do not verify with our salt before the relay gives up with
+# WrongSession: one could be a corrupted byte, three (about a second of re-dials at
+# CONNECT_RETRY_INTERVAL) are a salt that differs.
+WRONG_SALT_ATTEMPTS = 3
 
 
 class Relay:
@@ -131,17 +142,29 @@ class Relay:
         coordinator = _target_text(self._target)
         self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
 
+        wrong_salt = 0  # Challenges in a row that did not verify with our salt
+
         async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, Established]:
-            with trio.fail_after(self.config.handshake_timeout):
-                if self._ssl_context is not None:
-                    stream = trio.SSLStream(stream, self._ssl_context,
-                                            server_hostname=self._server_hostname,
-                                            https_compatible=False)
-                    await stream.do_handshake()
-                machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
-                                         world_size=self.world_size,
-                                         model_sigs=self.model_sigs, coordinator=coordinator)
-                done = await run_handshake(stream, machine)
+            nonlocal wrong_salt
+            machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
+                                     world_size=self.world_size,
+                                     model_sigs=self.model_sigs, coordinator=coordinator)
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    if self._ssl_context is not None:
+                        stream = trio.SSLStream(stream, self._ssl_context,
+                                                server_hostname=self._server_hostname,
+                                                https_compatible=False)
+                        await stream.do_handshake()
+                    done = await run_handshake(stream, machine)
+            except BaseException as exc:
+                wrong_salt = wrong_salt + 1 if machine.failure_category == "wrong salt" else 0
+                if wrong_salt >= WRONG_SALT_ATTEMPTS:
+                    raise WrongSession(host=self.host, peer=coordinator,
+                                       attempts=wrong_salt) from exc
+                raise
+            if isinstance(done, RefusalReceived):
+                raise JoinRefused(done.reason, host=self.host, peer=coordinator)
             assert isinstance(done, Established)
             return stream, done
 
@@ -158,12 +181,13 @@ class Relay:
 
         # FT/2: any failure before the coordinator confirmed our Ready (EOF, a bad MAC, a
         # HelloAck that does not echo us, a forged or replayed record) is a failed attempt:
-        # re-dial until connect_timeout, and name the last failure if none succeeds. Only an
-        # untrusted TLS certificate ends the attempts at once (on_retry).
+        # re-dial until connect_timeout, and name the last failure if none succeeds. A verified
+        # Refused (JoinRefused) and an untrusted TLS certificate (on_retry) end the attempts at
+        # once, a salt that differs (WrongSession) after WRONG_SALT_ATTEMPTS in a row.
         return await dial_and_handshake(
             self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
             peer=coordinator, expected="a confirmed upstream handshake (HelloAck, Ready, "
-            "welcome)", on_retry=on_retry,
+            "welcome)", on_retry=on_retry, final=(JoinRefused, WrongSession),
             retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
             keepalive=KeepAlive.within(self.config.write_stall_timeout,
                                        write_stall=self.config.write_stall_timeout),
@@ -310,6 +334,11 @@ async def open_relay(
     Raises:
         ConfigError: invalid arguments.
         FormationTimeout: not every local rank connected within ``rank_accept_timeout``.
+        JoinRefused: the coordinator authenticated our Hello and refused it (world size, model
+            signatures, ranks); at once, without re-dialing. ``reason`` says why.
+        WrongSession: the coordinator's Challenge did not verify with our salt on
+            ``WRONG_SALT_ATTEMPTS`` (3) connections in a row (about a second): the salt
+            differs, or the address is not a coordinator of this session.
         HandshakeError: no confirmed upstream handshake within ``connect_timeout`` (the
             message names the last failure: a coordinator of another session, a HelloAck that
             did not echo us, EOF before the welcome, ...).

@@ -9,6 +9,7 @@ import trio
 
 from .._config import RelayConfig
 from .._transport import StreamWriter
+from ..wire import RankLinkSession
 
 # Bytes a rank may send before the pump starts that the relay reads ahead (SPEC §5 phase 1).
 EARLY_LIMIT = 1 << 20
@@ -30,8 +31,12 @@ class RankLink:
     long) is dropped, so its siblings never wait on it.
     """
 
-    def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig) -> None:
+    def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig, *,
+                 host: str = "") -> None:
         self.rank = rank
+        # The rank's frames in (the pump's rank reader feeds it): where they are cut, and
+        # whether they are still forwarded (not once the coordinator fenced the rank).
+        self.session = RankLinkSession(rank, host=host)
         self.stream = stream
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self.queue_size = config.queue_size
@@ -45,12 +50,16 @@ class RankLink:
         self.reader_done = trio.Event()
         # Why the relay dropped this rank itself (RankDropped upstream instead of RankExit).
         self.dropped: str | None = None
-        # The coordinator's reason when it fenced this rank: its frames are no longer forwarded.
-        self.fenced: str | None = None
         # What the rank sent while the relay was still accepting ranks, and whether its link
         # already ended then; the pump starts from these.
         self.early = bytearray()
         self.early_eof = False
+
+    @property
+    def fenced(self) -> str | None:
+        """The coordinator's reason when it fenced this rank: its frames are no longer
+        forwarded."""
+        return self.session.fenced
 
     def offer(self, blob: bytes, now: float) -> bool:
         """Queue ``blob`` for the rank without waiting; False when the queue has been over

@@ -8,38 +8,43 @@ Every end is graceful: what was verified and queued is delivered before a link c
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
+from .._handshake_io import receive_event
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE
 from ..events import RelayDroppedRank
 from ..timeline import Timeline
 from ..wire import (
-    MAX_LEN_FRAME,
+    NEED_DATA,
+    READ_SIZE,
+    Deliver,
+    EndOfStream,
     FenceRank,
     Goodbye,
-    LenFrameDecoder,
+    Invalid,
     RankDropped,
     RankExit,
+    RankFrame,
     Record,
     RecordKind,
     RecordOpener,
     RecordSealer,
-    decode_fanout,
-    decode_relay,
-    encode,
-    frames_before,
-    len_frame,
+    UpstreamSession,
 )
 from ._link import RankLink, RelayExit
 from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
+_DATA = int(RecordKind.DATA)
+# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
+# notice that its link ended. The queue holds queue_size items; a rank reader waits when it
+# is full, so a slow upstream slows the ranks' sends down (TCP backpressure, end to end).
+Upstream = tuple[int, bytes] | RankExit | RankDropped
 
 
 class Pump:
@@ -56,12 +61,10 @@ class Pump:
         self.host = local.host
         self.config: RelayConfig = local.config
         self.stream = stream
-        self.sealer = sealer
-        self.opener = opener
+        self.session = UpstreamSession(opener, sealer, host=local.host, ranks=local.ranks)
+        self.session.feed_opened(first)  # opened with the handshake (the welcome)
         self.error: WireError | None = None
         self.timeline = timeline
-        self.goodbye: str | None = None  # the coordinator's Goodbye reason (FT/2), once sent
-        self._first = first  # records opened with the handshake (the welcome)
         self.dropped = 0  # local ranks dropped for not draining their queue
         self._nursery: trio.Nursery | None = None
         self._outcome: list[RelayExit] = []
@@ -78,8 +81,7 @@ class Pump:
             self._scope.cancel()
 
     async def run(self) -> RelayExit:
-        up_send, up_recv = trio.open_memory_channel[tuple[int, int, bytes]](
-            self.config.queue_size)
+        up_send, up_recv = trio.open_memory_channel[Upstream](self.config.queue_size)
         with self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -93,8 +95,13 @@ class Pump:
                         nursery.start_soon(self.rank_writer, link)
         return self._outcome[0] if self._outcome else RelayExit("stopped", True)
 
-    async def upstream_writer(
-            self, up_recv: trio.MemoryReceiveChannel[tuple[int, int, bytes]]) -> None:
+    @property
+    def goodbye(self) -> str | None:
+        """The coordinator's Goodbye reason (FT/2), once it came."""
+        return self.session.goodbye
+
+    async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
+        seal, send = self.session.seal, self.session.send
         async for item in up_recv:
             batch = [item]
             while len(batch) < 64:  # coalesce a burst into one write; each record stays whole
@@ -102,18 +109,18 @@ class Pump:
                     batch.append(up_recv.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            data = b"".join(self.sealer.seal(kind, rank, payload)
-                            for kind, rank, payload in batch)
+            data = b"".join(seal(_DATA, *item) if isinstance(item, tuple) else send(item)
+                            for item in batch)
             try:
                 with trio.fail_after(self.config.write_stall_timeout):
                     await self.stream.send_all(data)
             except trio.TooSlowError:
-                self.finish(f"upstream write stall: no progress for "
-                            f"{self.config.write_stall_timeout:g}s", False)
+                await self.upstream_lost(f"upstream write stall: no progress for "
+                                         f"{self.config.write_stall_timeout:g}s")
                 return
             except STREAM_GONE as exc:
-                self.finish(f"upstream connection lost while writing ({type(exc).__name__})",
-                            False)
+                await self.upstream_lost(f"upstream connection lost while writing "
+                                         f"({type(exc).__name__})")
                 return
         # Every rank reader closed its queue clone: the last local rank is gone, and what the
         # ranks queued before leaving (Exiting, RankExit) is written. Ending before this point
@@ -137,42 +144,49 @@ class Pump:
         finally:
             self._upstream_done.set()
 
+    async def upstream_lost(self, reason: str) -> None:
+        """The upstream write failed: what was already read from the coordinator (a Shutdown
+        just before it closed) still reaches the ranks, then the pump ends."""
+        self.finish(self.session.close(reason), False, now=False)
+        await self.flush_ranks()
+        self._scope.cancel()
+
     async def read_upstream(self) -> None:
+        session = self.session
         try:
-            for rec in self._first:  # opened by the handshake (the coordinator's welcome)
-                await self.route(rec)
-            data: bytes | bytearray = b""  # the first feed opens what came with the welcome
             while True:
-                try:
-                    records = self.opener.feed(data)
-                except WireError as exc:
-                    # Records authenticated before the bad one are delivered; then it ends.
-                    for rec in frames_before(exc):
-                        await self.route(rec)
-                    raise
-                for rec in records:
-                    await self.route(rec)
-                data = await self.stream.receive_some(65536)
-                if not data:
+                event = session.next_event()
+                if event is NEED_DATA:
+                    session.receive_data(await self.stream.receive_some(READ_SIZE))
+                elif type(event) is Deliver:
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    self.deliver(event)
+                elif type(event) is Invalid:
+                    self.drop(event.category, event.detail)
+                elif type(event) is FenceRank:
+                    self.fence(event)
+                elif type(event) is Goodbye:
+                    log.info("relay %r: the coordinator is shutting down: %s", self.host,
+                             event.reason)
+                else:
                     break
-        except WireError as exc:
-            self.error = exc
-            await self.flush_ranks()
-            self.finish(f"upstream protocol error: {exc}", False)
-            return
         except STREAM_GONE as exc:
             await self.flush_ranks()
-            self.finish(f"upstream connection lost ({type(exc).__name__})", False)
+            self.finish(session.close(f"upstream connection lost ({type(exc).__name__})"),
+                        False)
+            return
+        assert isinstance(event, EndOfStream)
+        if event.error is not None:
+            # Events before the bad record were delivered; then it ends.
+            self.error = event.error
+            await self.flush_ranks()
+            self.finish(event.reason, False)
             return
         # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
         # (their Exiting still flows upstream), then end. Only a Goodbye before the EOF makes
-        # it a clean end (FT/2); a bare EOF is a coordinator that died or dropped us. The
-        # outcome is decided now: the ranks leaving because of it is not "all ranks exited".
-        if self.goodbye is not None:
-            self.finish(f"coordinator said Goodbye: {self.goodbye}", now=False)
-        else:
-            self.finish("coordinator closed the connection without a Goodbye (it died, or "
-                        "dropped this relay)", False, now=False)
+        # it a clean end (FT/2). The outcome is decided now: the ranks leaving because of it is
+        # not "all ranks exited".
+        self.finish(event.reason, event.clean, now=False)
         for link in self.local.links():
             link.end_queue()
         with trio.move_on_after(self.config.shutdown_grace):
@@ -194,29 +208,17 @@ class Pump:
         if report is not None:
             log.warning("relay %r: dropped: %s", self.host, report.text())
 
-    async def route(self, rec: Any) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if rec.kind == RecordKind.DATA:
-            self.to_rank(rec.rank, len_frame(rec.payload))
-        elif rec.kind == RecordKind.FANOUT:
-            ranks, frame = decode_fanout(rec.payload)
-            blob = len_frame(frame)
-            for rank in ranks:
-                self.to_rank(rank, blob)
-        elif rec.kind == RecordKind.CONTROL:
-            self.on_control(rec.payload)
-        else:
-            self.drop("wrong direction", f"record of kind {rec.kind} from the coordinator")
-
-    def to_rank(self, rank: int, blob: bytes) -> None:
-        link = self.local.link(rank)
-        if link is None:
-            self.drop("not local", f"frame for rank {rank}, which is not local")
-            return
-        # Never waits: a rank that is behind delays nobody; one that stays behind is dropped.
-        if not link.offer(blob, trio.current_time()):
-            self.drop_rank(link, f"it did not drain its queue of {link.queue_size} frames within "
-                            f"write_stall_timeout={self.config.write_stall_timeout:g}s")
+    def deliver(self, event: Deliver) -> None:
+        now = trio.current_time()
+        for rank in event.ranks:
+            link = self.local.link(rank)
+            if link is None:
+                self.drop("not connected", f"frame for rank {rank}, which is not connected")
+                continue
+            # Never waits: a rank that is behind delays nobody; one that stays behind is dropped.
+            if not link.offer(event.blob, now):
+                self.drop_rank(link, f"it did not drain its queue of {link.queue_size} frames "
+                               f"within write_stall_timeout={self.config.write_stall_timeout:g}s")
 
     def drop_rank(self, link: RankLink, reason: str) -> None:
         """Cut a local rank off (its reader then reports ``RankDropped`` upstream)."""
@@ -232,25 +234,13 @@ class Pump:
         assert self._nursery is not None
         self._nursery.start_soon(trio.aclose_forcefully, link.stream)
 
-    def on_control(self, payload: bytes) -> None:
-        try:
-            msg = decode_relay(payload)
-        except WireError as exc:
-            self.drop("undecodable", f"control record from the coordinator: {exc}")
-            return
-        if isinstance(msg, Goodbye):
-            self.goodbye = msg.reason
-            log.info("relay %r: the coordinator is shutting down: %s", self.host, msg.reason)
-            return
-        if not isinstance(msg, FenceRank):
-            self.drop("unexpected control", f"{type(msg).__name__} from the coordinator")
-            return
+    def fence(self, msg: FenceRank) -> None:
         link = self.local.link(int(msg.rank))
         if link is None or link.gone or link.fenced is not None:
             return
         # Everything queued before (the Fenced frame last) is delivered, then the link is
         # half-closed and, after shutdown_grace at the latest, closed.
-        link.fenced = msg.reason
+        link.session.fence(msg.reason)
         link.end_queue()
         log.warning("relay %r: the coordinator fenced rank %d: %s", self.host, link.rank,
                     msg.reason)
@@ -278,31 +268,21 @@ class Pump:
             await trio.aclose_forcefully(link.stream)
 
     async def rank_reader(self, link: RankLink,
-                          up_send: trio.MemorySendChannel[tuple[int, int, bytes]]) -> None:
-        decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+                          up_send: trio.MemorySendChannel[Upstream]) -> None:
+        session = link.session
+        event = None
         try:
-            data: bytes | bytearray = bytes(link.early)  # read while accepting ranks
-            link.early.clear()
-            while True:
-                try:
-                    blobs = decoder.feed(data)
-                except WireError as exc:
-                    for blob in frames_before(exc):  # whole frames before the bad length
-                        await up_send.send((int(RecordKind.DATA), link.rank, blob))
-                    raise
-                if link.fenced is None:  # a fenced rank's frames are no longer forwarded
-                    for blob in blobs:
-                        await up_send.send((int(RecordKind.DATA), link.rank, blob))
-                if link.early_eof:
-                    break
-                data = await link.stream.receive_some(65536)
-                if not data:
-                    break
-        except WireError as exc:
-            log.warning("relay %r: rank %d sent a bad length frame (%s); closing it",
-                        self.host, link.rank, exc)
+            if link.early:  # read while accepting ranks
+                session.receive_data(bytes(link.early))
+                link.early.clear()
+            if link.early_eof:
+                session.receive_data(b"")
+            while type(event := await receive_event(link.stream, session)) is RankFrame:
+                await up_send.send((event.rank, event.blob))
         except STREAM_GONE:
             pass
+        if isinstance(event, EndOfStream) and event.error is not None:
+            log.warning("relay %r: %s; closing it", self.host, event.reason)
         link.gone = True
         link.reader_done.set()
         link.end_queue()
@@ -312,6 +292,6 @@ class Pump:
             gone = RankDropped(rank=link.rank, reason=link.dropped)
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
-                await up_send.send((int(RecordKind.CONTROL), 0, encode(gone)))
+                await up_send.send(gone)
             except STREAM_GONE:
                 pass

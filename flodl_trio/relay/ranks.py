@@ -22,7 +22,7 @@ from .._keepalive import KeepAlive
 from .._listen import serve_each
 from .._ratelimit import JunkCounter
 from .._transport import STREAM_GONE, close_all, peer_of
-from ..wire import RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
+from ..wire import READ_SIZE, RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
 
 log = logging.getLogger("flodl_trio.relay")
@@ -202,7 +202,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
             local.release(reserved, attempt)
         await trio.aclose_forcefully(stream)
         return
-    link = RankLink(rank, stream, local.config)
+    link = RankLink(rank, stream, local.config, host=local.host)
     link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):
@@ -219,7 +219,7 @@ async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
     """
     try:
         while len(link.early) < EARLY_LIMIT:
-            data = await link.stream.receive_some(65536)
+            data = await link.stream.receive_some(READ_SIZE)
             if not data:
                 break
             link.early += data

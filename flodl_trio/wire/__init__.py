@@ -43,13 +43,14 @@ from ._frames import (
 )
 from ._handshake import (
     MAX_HANDSHAKE_PAYLOAD,
+    MAX_REFUSAL_REASON,
     NEED_DATA,
     CoordinatorHandshake,
     Established,
     HandshakeEvent,
     HelloReceived,
     NeedData,
-    RelayHandshake,
+    RefusalReceived,
 )
 from ._limits import (
     MAX_HOST_BYTES,
@@ -96,6 +97,7 @@ from ._messages import (
     RankDropped,
     RankExit,
     Ready,
+    Refused,
     RelayControlMsg,
     RelayWaiting,
     RequestNewNcclId,
@@ -129,8 +131,19 @@ from ._rank_handshake import (
     RankHandshakeEvent,
     RankHelloReceived,
 )
+from ._rank_session import RankFrame, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
+from ._relay_handshake import RelayHandshake
 from ._schema import WireMessage
+from ._session import (
+    READ_SIZE,
+    CoordinatorSession,
+    Deliver,
+    EndOfStream,
+    Invalid,
+    UpstreamSession,
+    ranks_text,
+)
 
 __all__ = [
     "CHANNEL_MAGIC_CONTROL",
@@ -148,6 +161,7 @@ __all__ = [
     "MAX_MODEL_SIG_DIGEST",
     "MAX_MODEL_SIG_NAME",
     "MAX_RECORD_PAYLOAD",
+    "MAX_REFUSAL_REASON",
     "NEED_DATA",
     "NONCE_LEN",
     "PROTOCOL_VERSION",
@@ -155,6 +169,7 @@ __all__ = [
     "RANK_ACK_MAGIC",
     "RANK_HELLO_LEN",
     "RANK_HELLO_MAGIC",
+    "READ_SIZE",
     "RECORD_HEADER_LEN",
     "RECORD_MAGIC",
     "RELAY_TO_COORD",
@@ -166,12 +181,15 @@ __all__ = [
     "ControlMsg",
     "CoordHeartbeat",
     "CoordinatorHandshake",
+    "CoordinatorSession",
     "DashboardRegister",
     "DashboardSetHardware",
     "DashboardSetMetadata",
     "DashboardSetSvg",
     "DeclareAlive",
     "DeclareDead",
+    "Deliver",
+    "EndOfStream",
     "EpochAggregated",
     "EpochFnElapsed",
     "EpochMetrics",
@@ -196,6 +214,7 @@ __all__ = [
     "HelloReceived",
     "Intent",
     "IntentKind",
+    "Invalid",
     "LenFrameDecoder",
     "LrUpdate",
     "Mac64",
@@ -209,13 +228,18 @@ __all__ = [
     "RankDialHandshake",
     "RankDropped",
     "RankExit",
+    "RankFrame",
     "RankHandshakeEvent",
     "RankHelloReceived",
+    "RankLinkSession",
+    "RankSession",
     "Ready",
     "Record",
     "RecordKind",
     "RecordOpener",
     "RecordSealer",
+    "RefusalReceived",
+    "Refused",
     "RelayControlMsg",
     "RelayHandshake",
     "RelayWaiting",
@@ -237,6 +261,7 @@ __all__ = [
     "Throttle",
     "TimingMsg",
     "Update",
+    "UpstreamSession",
     "WireMessage",
     "conn_key",
     "control_label",
@@ -260,5 +285,6 @@ __all__ = [
     "len_frame",
     "mac64",
     "max_hello_payload",
+    "ranks_text",
     "verify_rank_ack",
 ]

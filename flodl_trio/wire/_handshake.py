@@ -14,6 +14,10 @@ machine is established only once that first record arrived. So each side knows t
 counted the join, and a connection that ends before that is, for both, a failed attempt (the
 coordinator un-covers the relay; the relay re-dials).
 
+A coordinator that authenticated the Hello and will not take the relay answers ``Refused``
+where ``HelloAck`` would go (``refuse()``) and closes; the relay's machine then ends in
+:class:`RefusalReceived`, which no re-dial can change.
+
 The handshake ends in :class:`Established`: the sealer/opener pair, rekeyed to ``conn_key``,
 with the opener still holding whatever arrived past the handshake (``opener.feed(b"")`` opens
 it) and, on the relay, the records already opened (the welcome).
@@ -22,7 +26,6 @@ it) and, on the relay, the records already opened (the welcome).
 from __future__ import annotations
 
 import secrets
-from hmac import compare_digest
 from typing import Final
 
 import attrs
@@ -47,6 +50,7 @@ from ._messages import (
     Hello,
     HelloAck,
     Ready,
+    Refused,
     RelayControlMsg,
     decode_relay,
     encode,
@@ -55,6 +59,8 @@ from ._records import Record, RecordOpener, RecordSealer, encode_fanout
 
 # A Hello is small; a stranger must not make the coordinator buffer megabytes before the MAC.
 MAX_HANDSHAKE_PAYLOAD = 256 * 1024
+# A Refused's reason is clipped to this many characters: it ends up on one line of a console.
+MAX_REFUSAL_REASON = 1024
 
 _OTHER_LEGS = {
     CHANNEL_MAGIC_DATA: "data",
@@ -75,9 +81,17 @@ NEED_DATA: Final = NeedData()
 
 @attrs.frozen
 class HelloReceived:
-    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or hang up."""
+    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or ``refuse()``."""
 
     hello: Hello
+
+
+@attrs.frozen
+class RefusalReceived:
+    """Relay side: the coordinator authenticated our ``Hello`` and refused it with a verified
+    ``Refused`` that echoes our nonce; it closes the connection. Re-dialing cannot help."""
+
+    reason: str
 
 
 @attrs.frozen
@@ -93,10 +107,10 @@ class Established:
     records: tuple[Record, ...] = ()
 
 
-HandshakeEvent = NeedData | HelloReceived | Established
+HandshakeEvent = NeedData | HelloReceived | RefusalReceived | Established
 
 
-class _Machine:
+class UpstreamMachine:
     """What both ends share: buffered output, EOF, and poisoning."""
 
     def __init__(self) -> None:
@@ -136,29 +150,30 @@ class _Machine:
             raise self._fail(eof_category, err)
         return rec
 
-    def _control(self, rec: Record, expected: type[RelayControlMsg],
+    def _control(self, rec: Record, expected: tuple[type[RelayControlMsg], ...],
                  what: str) -> RelayControlMsg:
+        names = " or ".join(cls.__name__ for cls in expected)
         if rec.kind != RecordKind.CONTROL:
             raise self._fail("malformed", WireError(
-                f"{what}: expected a CONTROL record with {expected.__name__}, got record kind "
-                f"{rec.kind}"))
+                f"{what}: expected a CONTROL record with {names}, got record kind {rec.kind}"))
         try:
             msg = decode_relay(rec.payload)
         except WireError as exc:
             raise self._fail("malformed", WireError(f"{what}: {exc}")) from None
         if not isinstance(msg, expected):
             raise self._fail("malformed", WireError(
-                f"{what}: expected {expected.__name__}, got {type(msg).__name__}"))
+                f"{what}: expected {names}, got {type(msg).__name__}"))
         return msg
 
 
-class CoordinatorHandshake(_Machine):
+class CoordinatorHandshake(UpstreamMachine):
     """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
 
     Events: ``HelloReceived`` once the Hello's MAC verified (the caller validates it against the
-    world and calls :meth:`accept`), then ``Established`` once the relay's ``Ready`` verified
-    (the welcome record is then queued). ``failure_category`` groups a failure
-    for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before hello"``, ...).
+    world and calls :meth:`accept`, or :meth:`refuse` and closes), then ``Established`` once
+    the relay's ``Ready`` verified (the welcome record is then queued). ``failure_category``
+    groups a failure for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before
+    hello"``, ...).
 
     Args:
         salt: the run's session salt.
@@ -225,7 +240,7 @@ class CoordinatorHandshake(_Machine):
                                     "eof before hello")
             if rec is None:
                 return NEED_DATA
-            hello = self._control(rec, Hello, f"Hello from {self.peer}")
+            hello = self._control(rec, (Hello,), f"Hello from {self.peer}")
             assert isinstance(hello, Hello)
             self.hello = hello
             self._sealer.rekey(self._hs_key)
@@ -240,7 +255,7 @@ class CoordinatorHandshake(_Machine):
             rec = self._next_record(self._opener, what, "eof before ready")
             if rec is None:
                 return NEED_DATA
-            self._control(rec, Ready, what)
+            self._control(rec, (Ready,), what)
             # The welcome confirms the join to the relay: it is established only once a
             # record arrives after its Ready.
             welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
@@ -264,6 +279,25 @@ class CoordinatorHandshake(_Machine):
         self._opener.max_payload = self._max_record_payload
         self._state = "acked"
 
+    @property
+    def refusable(self) -> bool:
+        """True while an authenticated Hello awaits ``accept()`` or ``refuse()``."""
+        return self._state == "decide" and self._error is None
+
+    def refuse(self, reason: str) -> None:
+        """Answer the Hello with ``Refused{nonce, reason}`` instead of ``HelloAck``: same key
+        (``hs_key``), seq and direction, echoing the relay's nonce. The caller writes it and
+        closes the connection; the machine has ended. ``reason`` is clipped to
+        ``MAX_REFUSAL_REASON`` characters."""
+        self._check()
+        if self._state != "decide" or self.hello is None:
+            raise HandshakeError(f"{self.peer}: refuse() before an authenticated Hello")
+        if len(reason) > MAX_REFUSAL_REASON:
+            reason = reason[:MAX_REFUSAL_REASON - 3] + "..."
+        refused = Refused(nonce=self.hello.nonce, reason=reason)
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(refused))
+        self._state = "refused"
+
     def _take_magic(self) -> bool:
         magic = bytes(self._magic)
         if len(magic) < len(CHANNEL_MAGIC_CONTROL):
@@ -285,124 +319,14 @@ class CoordinatorHandshake(_Machine):
         return True
 
 
-class RelayHandshake(_Machine):
-    """The relay's end: magic, verify ``Challenge``, ``Hello``, verify ``HelloAck``, ``Ready``,
-    then wait for the coordinator's first record (its welcome) before ``Established``.
-
-    The Hello is sent exactly as given (tests send unsorted or empty rank lists on purpose).
-
-    Args:
-        salt: the run's session salt.
-        host / ranks / world_size / model_sigs: the Hello's fields.
-        coordinator: the coordinator's address, named in every error.
-        max_record_payload: the ceiling once acknowledged.
-    """
-
-    def __init__(self, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
-                 world_size: int, coordinator: str,
-                 model_sigs: dict[str, bytes] | None = None,
-                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
-        super().__init__()
-        self.host = host
-        self.coordinator = coordinator
-        self._salt = salt
-        self._ranks = ranks
-        self._world_size = world_size
-        self._model_sigs = dict(model_sigs or {})
-        self._max_record_payload = max_record_payload
-        self.relay_nonce = secrets.token_bytes(NONCE_LEN)
-        self._coord_nonce = b""
-        self._opener = RecordOpener(bytes(salt), COORD_TO_RELAY, max_payload=MAX_HANDSHAKE_PAYLOAD)
-        self._sealer: RecordSealer | None = None
-        self._state = "challenge"
-        self._out += CHANNEL_MAGIC_CONTROL
-
-    @property
-    def sealer(self) -> RecordSealer | None:
-        """This end's sealer once the Challenge verified (rekeyed in place), else None."""
-        return self._sealer
-
-    @property
-    def opener(self) -> RecordOpener:
-        """This end's opener (rekeyed in place; holds what arrived past the handshake)."""
-        return self._opener
-
-    def receive_data(self, data: bytes) -> None:
-        """Feed received bytes; ``b""`` means the coordinator closed its side."""
-        self._check()
-        if not data:
-            self._eof = True
-        else:
-            self._opener.push(data)
-
-    def next_event(self) -> HandshakeEvent:
-        """What the bytes so far amount to.
-
-        Raises:
-            AuthError: the coordinator is of another session, or its HelloAck does not echo us.
-            WireError: EOF or a malformed record. The machine is poisoned either way.
-        """
-        self._check()
-        who = f"relay {self.host!r}"
-        if self._state == "challenge":
-            try:
-                rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
-                                        "eof before challenge")
-            except AuthError as exc:
-                raise self._fail("bad mac", AuthError(
-                    f"{who}: the coordinator at {self.coordinator} is not of this session "
-                    f"(Challenge did not verify with our salt): {exc}")) from None
-            if rec is None:
-                return NEED_DATA
-            challenge = self._control(rec, Challenge, f"{who}: from {self.coordinator}")
-            assert isinstance(challenge, Challenge)
-            self._coord_nonce = challenge.nonce
-            key = hs_key(self._salt, challenge.nonce)
-            self._sealer = RecordSealer(key, RELAY_TO_COORD)
-            hello = Hello(host=self.host, world_size=self._world_size,
-                          model_sigs=self._model_sigs, ranks=self._ranks,
-                          nonce=self.relay_nonce)
-            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
-            self._opener.rekey(key)
-            self._state = "ack"
-        if self._state == "ack":
-            rec = self._next_record(self._opener, f"HelloAck from {self.coordinator}",
-                                    "eof before helloack")
-            if rec is None:
-                return NEED_DATA
-            ack = self._control(rec, HelloAck, f"{who}: from {self.coordinator}")
-            assert isinstance(ack, HelloAck) and self._sealer is not None
-            if not compare_digest(ack.nonce, self.relay_nonce):
-                raise self._fail("bad echo", AuthError(
-                    f"{who}: HelloAck from {self.coordinator} does not echo our nonce "
-                    "(replayed coordinator records?)"))
-            final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
-            self._sealer.rekey(final)
-            self._opener.rekey(final)
-            self._opener.max_payload = self._max_record_payload
-            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
-            self._state = "welcome"
-        if self._state == "welcome":
-            # The coordinator counts us only once it verified Ready; its first record after
-            # that says it did. A connection that ends before it is a failed attempt.
-            assert self._sealer is not None
-            rec = self._next_record(self._opener, f"{who}: the welcome from {self.coordinator} "
-                                    "after Ready", "eof before welcome")
-            if rec is None:
-                return NEED_DATA
-            self._state = "done"
-            self._done = True
-            return Established(self._sealer, self._opener, (rec,))
-        raise HandshakeError(f"{who}: the upstream handshake already ended")
-
-
 __all__ = [
     "MAX_HANDSHAKE_PAYLOAD",
+    "MAX_REFUSAL_REASON",
     "NEED_DATA",
     "CoordinatorHandshake",
     "Established",
     "HandshakeEvent",
     "HelloReceived",
     "NeedData",
-    "RelayHandshake",
+    "RefusalReceived",
 ]

@@ -61,6 +61,7 @@ from ._msg_relay import (
     RankDropped,
     RankExit,
     Ready,
+    Refused,
     RelayControlMsg,
 )
 from ._msg_timing import (
@@ -137,6 +138,7 @@ __all__ = [
     "RankDropped",
     "RankExit",
     "Ready",
+    "Refused",
     "RelayControlMsg",
     "RelayWaiting",
     "RequestNewNcclId",

@@ -114,3 +114,23 @@ class RankDropped(RelayControlMsg):
 
     rank: U32
     reason: str
+
+
+@variant(RELAY_CONTROL_MSG, 8)
+@attrs.frozen
+class Refused(RelayControlMsg):
+    """Coordinator → relay (beyond flodl): the coordinator authenticated the relay's ``Hello``
+    and refuses it (world size, model signatures, ranks overlapping or out of range, ...).
+
+    Sent instead of ``HelloAck``, where it would go (``hs_key``, seq 1, direction 0x02), then
+    the coordinator closes. Like ``HelloAck`` it echoes the relay's nonce, so a recorded
+    ``Refused`` replayed on another connection fails. The relay gives up at once
+    (:class:`~flodl_trio.JoinRefused`): re-dialing cannot change the answer.
+
+    Attributes:
+        nonce: the relay's nonce.
+        reason: why, as the coordinator words it.
+    """
+
+    nonce: Nonce
+    reason: str

@@ -1,0 +1,139 @@
+"""The status page's document (``/board.json``, each ``/events`` message), built from the roster
+and the board: computed once per tick for every viewer, so its cost is per tick, not per viewer.
+
+Up to :data:`RANK_DETAIL_LIMIT` ranks every rank is listed with its state, step count and last
+heartbeat age; above it each relay is one row of counts (:data:`RELAY_COLUMNS`): a 16,384-rank
+world is 2,048 relay rows, not 16,384 rank lines, and only the deaths are listed rank by rank
+(the last :data:`DEATHS_LISTED`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from ._board import Board
+from ._relayconn import RelayConn
+from ._roster import Roster
+
+RANK_DETAIL_LIMIT: Final = 1024
+DEATHS_LISTED: Final = 200
+STATES: Final = ("alive", "dead", "exited", "waiting")
+
+
+def page_phase(phase: str, failed: bool) -> str:
+    """The page's phase: ``forming``, ``running``, ``shutting-down`` or ``failed``."""
+    if failed:
+        return "failed"
+    if phase in ("shutting_down", "closed"):
+        return "shutting-down"
+    return phase
+
+
+class _States:
+    """Each rank's state, from the roster's sets taken once per document."""
+
+    def __init__(self, roster: Roster[RelayConn]) -> None:
+        self.dead = roster.dead
+        self.dead_set = frozenset(self.dead)
+        self.exited = roster.exited
+        self.covered = roster.covered
+        self.live = roster.live
+
+    def of(self, rank: int) -> str:
+        if rank in self.dead:
+            return "dead"
+        if rank in self.exited:
+            return "exited"
+        return "alive" if rank in self.covered else "waiting"
+
+
+def _age(seen: Mapping[int, float], rank: int, now: float) -> float | None:
+    at = seen.get(rank)
+    return None if at is None else round(max(0.0, now - at), 1)
+
+
+def _rank_rows(ranks: Iterable[int], states: _States, board: Board,
+               seen: Mapping[int, float], now: float) -> list[list[Any]]:
+    steps = board.steps
+    return [[r, states.of(r), steps.get(r), _age(seen, r, now)] for r in ranks]
+
+
+RELAY_COLUMNS: Final = ("host", "peer", "connected", "n", "alive", "dead", "exited", "waiting",
+                        "steps_min", "steps_max", "age_max")
+
+
+def _relay_row(conn: RelayConn, states: _States, board: Board,
+               seen: Mapping[int, float], now: float) -> list[Any]:
+    """One relay's line in a large world, as a row of :data:`RELAY_COLUMNS` (a list, not an
+    object: 2,048 of them go to every viewer every tick). Set intersections and ``map`` (C
+    loops), since this runs for every relay of the world per document."""
+    ranks, rank_set = conn.ranks, conn.rank_set
+    dead = len(rank_set & states.dead_set) if states.dead_set else 0
+    exited = len(rank_set & states.exited) if states.exited else 0
+    live = rank_set & states.live
+    steps = [v for v in map(board.steps.get, ranks) if v is not None]
+    heard = [t for t in map(seen.get, ranks if len(live) == len(ranks) else live)
+             if t is not None]
+    return [conn.host, conn.peer, conn.alive, len(ranks), len(live), dead, exited,
+            len(ranks) - len(live) - dead - exited, min(steps, default=None),
+            max(steps, default=None), round(max(0.0, now - min(heard)), 1) if heard else None]
+
+
+def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
+                   failed: bool, extras: Mapping[str, Any]) -> dict[str, Any]:
+    """The page's document at trio time ``now``.
+
+    Args:
+        roster: membership, deaths and last-heard clocks.
+        board: steps, dashboard pushes and epoch summaries.
+        now: the trio clock, which the roster's clocks are on.
+        failed: the run failed (formation or the failure policy).
+        extras: scalars copied as they are (lost broadcasts, formation time, uptime, ...).
+    """
+    states = _States(roster)
+    seen = roster.last_seen
+    detailed = roster.world_size <= RANK_DETAIL_LIMIT
+    relays: list[Any] = []
+    carried: set[int] = set()
+    for conn in roster.relays:
+        if detailed:
+            relays.append({"host": conn.host, "peer": conn.peer, "connected": conn.alive,
+                           "n": len(conn.ranks),
+                           "ranks": _rank_rows(conn.ranks, states, board, seen, now)})
+            carried.update(conn.ranks)
+        else:
+            relays.append(_relay_row(conn, states, board, seen, now))
+    if detailed and len(carried) < roster.world_size:
+        waiting = [r for r in range(roster.world_size) if r not in carried]
+        relays.append({"host": None, "peer": None, "connected": False, "n": len(waiting),
+                       "ranks": _rank_rows(waiting, states, board, seen, now)})
+    dead = roster.dead
+    deaths = [{"rank": r, "host": _host(roster, r), "reason": why}
+              for r, why in list(dead.items())[-DEATHS_LISTED:]]
+    epochs = board.epochs()
+    counts = dict.fromkeys(STATES, 0)
+    counts["dead"], counts["exited"] = len(dead), len(states.exited)
+    counts["alive"] = len(states.live)
+    counts["waiting"] = roster.world_size - counts["alive"] - counts["dead"] - counts["exited"]
+    return {
+        "phase": page_phase(roster.phase, failed),
+        "coordinator_phase": roster.phase,
+        "world_size": roster.world_size,
+        "detail": "ranks" if detailed else "relays",
+        "relay_columns": None if detailed else RELAY_COLUMNS,
+        "counts": counts,
+        "relays": relays,
+        "deaths": deaths,
+        "deaths_total": len(dead),
+        "epochs": epochs,
+        "throughput": epochs[-1]["samples_per_s"] if epochs else None,
+        "dashboard": [p.to_dict() for p in board.pushes()],
+        "dashboard_forgotten": board.forgotten_pushers,
+        **extras,
+    }
+
+
+def _host(roster: Roster[RelayConn], rank: int) -> str | None:
+    conn = roster.relay_of(rank)
+    return None if conn is None else conn.host

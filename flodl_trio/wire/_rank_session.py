@@ -1,0 +1,121 @@
+"""The relay ↔ rank leg after the handshake, sans-IO (SPEC §5, §6): length-prefixed frames.
+
+The relay does not open a rank's frames (the coordinator verifies them); it only cuts the
+stream into frames and stops forwarding those of a fenced rank. The rank opens what the relay
+forwards: ``ControlMsg`` frames, verified with the session salt. See :mod:`._session` for the
+event loop every session shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .._errors import WireError
+from ._constants import MAX_LEN_FRAME, MsgKind
+from ._frames import FrameCodec, LenFrameDecoder, len_frame
+from ._messages import Metrics, Shutdown, ShutdownWithSave, TimingMsg, decode_control
+from ._session import Invalid, _Session
+
+_CONTROL_KIND = int(MsgKind.CONTROL)
+
+
+class RankFrame(NamedTuple):
+    """Rank → relay: one frame of ``rank``, forwarded upstream as it is (a DATA record)."""
+
+    rank: int
+    blob: bytes
+
+
+class RankLinkSession(_Session):
+    """The relay's side of one local rank: the rank's frames in, length-framed blobs out.
+
+    Events: :class:`RankFrame` (none once the rank is fenced), :class:`EndOfStream` (clean at
+    a frame boundary; a declared length over ``max_len`` ends it with the error).
+    """
+
+    def __init__(self, rank: int, *, host: str, max_len: int = MAX_LEN_FRAME) -> None:
+        super().__init__(f"rank {rank} (relay {host!r})")
+        self.rank = rank
+        self.host = host
+        self.fenced: str | None = None  # the coordinator's reason, once it fenced the rank
+        self._decoder = LenFrameDecoder(max_len=max_len)
+
+    def fence(self, reason: str) -> None:
+        """The coordinator fenced the rank: its frames are no longer forwarded."""
+        if self.fenced is None:
+            self.fenced = reason
+
+    def send(self, frame: bytes) -> bytes:
+        """The length-prefixed blob of one frame for the rank."""
+        return len_frame(frame)
+
+    def _decode(self, data: bytes | bytearray) -> list[bytes]:
+        return self._decoder.feed(data)
+
+    def _event(self, blob: bytes) -> Any:
+        if self.fenced is not None:
+            return None
+        return RankFrame(self.rank, blob)
+
+    def _fatal_reason(self, exc: WireError) -> str:
+        return f"rank {self.rank} sent a bad length frame ({exc})"
+
+    def _eof_end(self) -> tuple[str, bool, WireError | None]:
+        err = self._decoder.eof_error(self.peer)
+        if err is not None:
+            return str(err), False, err
+        return f"rank {self.rank} closed its link", True, None
+
+
+class RankSession(_Session):
+    """The rank's side of its relay (SPEC §6): the coordinator's ``ControlMsg`` frames in,
+    ``TimingMsg`` / ``Metrics`` frames out.
+
+    Events: each ``ControlMsg`` (``CoordHeartbeat`` and the relay's ``RelayWaiting`` too: the
+    loop absorbs them), :class:`Invalid` ("invalid frame": it did not verify, so it is not a
+    sign of life; "wrong direction" and "undecodable": it verified), :class:`EndOfStream`
+    (clean only after ``Shutdown`` or ``ShutdownWithSave``).
+    """
+
+    def __init__(self, codec: FrameCodec, *, rank: int, relay: str) -> None:
+        super().__init__(f"relay {relay}")
+        self.codec = codec
+        self.rank = rank
+        self.relay = relay
+        self.shutdown_seen = False
+        self._decoder = LenFrameDecoder(max_len=MAX_LEN_FRAME)
+
+    def send(self, msg: TimingMsg | Metrics) -> bytes:
+        """The length-prefixed frame of ``msg`` (rank → coordinator: TimingMsg, Metrics)."""
+        if not isinstance(msg, TimingMsg | Metrics):
+            raise WireError(f"rank {self.rank} → coordinator frame: expected a TimingMsg or "
+                            f"Metrics, got {type(msg).__name__}")
+        return len_frame(self.codec.encode(msg))
+
+    def _decode(self, data: bytes | bytearray) -> list[bytes]:
+        return self._decoder.feed(data)
+
+    def _event(self, blob: bytes) -> Any:
+        try:
+            frame = self.codec.open(blob)
+        except WireError as exc:
+            return Invalid("invalid frame", str(exc), self.rank)
+        if frame.kind != _CONTROL_KIND:
+            return Invalid("wrong direction", f"frame of kind {frame.kind} is not for ranks",
+                           self.rank)
+        try:
+            msg = decode_control(frame.payload)
+        except WireError as exc:
+            return Invalid("undecodable", str(exc), self.rank)
+        if isinstance(msg, Shutdown | ShutdownWithSave):
+            self.shutdown_seen = True
+        return msg
+
+    def _fatal_reason(self, exc: WireError) -> str:
+        return f"protocol error on the link: {exc}"
+
+    def _eof_end(self) -> tuple[str, bool, WireError | None]:
+        if self.shutdown_seen:
+            return f"link to {self.peer} ended after Shutdown", True, None
+        return f"link to {self.peer} ended without Shutdown", False, None
+

@@ -1,0 +1,152 @@
+"""The relay's end of the upstream handshake (SPEC §2.6, FT/2), sans-IO like the coordinator's
+(:mod:`._handshake`, which describes both): verify ``Challenge``, send ``Hello``, verify
+``HelloAck`` (or ``Refused``), send ``Ready``, wait for the welcome."""
+
+from __future__ import annotations
+
+import secrets
+from hmac import compare_digest
+
+from .._errors import AuthError, HandshakeError
+from ._constants import (
+    CHANNEL_MAGIC_CONTROL,
+    COORD_TO_RELAY,
+    MAX_RECORD_PAYLOAD,
+    NONCE_LEN,
+    RELAY_TO_COORD,
+    RecordKind,
+)
+from ._crypto import SessionSalt, conn_key, hs_key
+from ._handshake import (
+    MAX_HANDSHAKE_PAYLOAD,
+    NEED_DATA,
+    Established,
+    HandshakeEvent,
+    RefusalReceived,
+    UpstreamMachine,
+)
+from ._messages import Challenge, Hello, HelloAck, Ready, Refused, encode
+from ._records import RecordOpener, RecordSealer
+
+
+class RelayHandshake(UpstreamMachine):
+    """The relay's end: magic, verify ``Challenge``, ``Hello``, verify ``HelloAck``, ``Ready``,
+    then wait for the coordinator's first record (its welcome) before ``Established``.
+
+    The Hello is sent exactly as given (tests send unsorted or empty rank lists on purpose).
+
+    Args:
+        salt: the run's session salt.
+        host / ranks / world_size / model_sigs: the Hello's fields.
+        coordinator: the coordinator's address, named in every error.
+        max_record_payload: the ceiling once acknowledged.
+    """
+
+    def __init__(self, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
+                 world_size: int, coordinator: str,
+                 model_sigs: dict[str, bytes] | None = None,
+                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+        super().__init__()
+        self.host = host
+        self.coordinator = coordinator
+        self._salt = salt
+        self._ranks = ranks
+        self._world_size = world_size
+        self._model_sigs = dict(model_sigs or {})
+        self._max_record_payload = max_record_payload
+        self.relay_nonce = secrets.token_bytes(NONCE_LEN)
+        self._coord_nonce = b""
+        self._opener = RecordOpener(bytes(salt), COORD_TO_RELAY, max_payload=MAX_HANDSHAKE_PAYLOAD)
+        self._sealer: RecordSealer | None = None
+        self._state = "challenge"
+        self._out += CHANNEL_MAGIC_CONTROL
+
+    @property
+    def sealer(self) -> RecordSealer | None:
+        """This end's sealer once the Challenge verified (rekeyed in place), else None."""
+        return self._sealer
+
+    @property
+    def opener(self) -> RecordOpener:
+        """This end's opener (rekeyed in place; holds what arrived past the handshake)."""
+        return self._opener
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed received bytes; ``b""`` means the coordinator closed its side."""
+        self._check()
+        if not data:
+            self._eof = True
+        else:
+            self._opener.push(data)
+
+    def next_event(self) -> HandshakeEvent:
+        """What the bytes so far amount to.
+
+        Events: ``RefusalReceived`` when the coordinator refused our Hello (a verified
+        ``Refused`` that echoes us), else ``Established`` once the welcome arrived.
+
+        Raises:
+            AuthError: the coordinator is of another session (``failure_category`` is then
+                ``"wrong salt"``), or its HelloAck / Refused does not echo us.
+            WireError: EOF or a malformed record. The machine is poisoned either way.
+        """
+        self._check()
+        who = f"relay {self.host!r}"
+        if self._state == "challenge":
+            try:
+                rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
+                                        "eof before challenge")
+            except AuthError as exc:
+                # Its own category: the relay gives up after a few of these in a row.
+                raise self._fail("wrong salt", AuthError(
+                    f"{who}: the coordinator at {self.coordinator} is not of this session "
+                    f"(Challenge did not verify with our salt): {exc}")) from None
+            if rec is None:
+                return NEED_DATA
+            challenge = self._control(rec, (Challenge,), f"{who}: from {self.coordinator}")
+            assert isinstance(challenge, Challenge)
+            self._coord_nonce = challenge.nonce
+            key = hs_key(self._salt, challenge.nonce)
+            self._sealer = RecordSealer(key, RELAY_TO_COORD)
+            hello = Hello(host=self.host, world_size=self._world_size,
+                          model_sigs=self._model_sigs, ranks=self._ranks,
+                          nonce=self.relay_nonce)
+            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
+            self._opener.rekey(key)
+            self._state = "ack"
+        if self._state == "ack":
+            rec = self._next_record(self._opener, f"{who}: HelloAck or Refused from "
+                                    f"{self.coordinator}",
+                                    "eof before helloack")
+            if rec is None:
+                return NEED_DATA
+            ack = self._control(rec, (HelloAck, Refused), f"{who}: from {self.coordinator}")
+            assert isinstance(ack, HelloAck | Refused) and self._sealer is not None
+            if not compare_digest(ack.nonce, self.relay_nonce):
+                raise self._fail("bad echo", AuthError(
+                    f"{who}: {type(ack).__name__} from {self.coordinator} does not echo our "
+                    "nonce (replayed coordinator records?)"))
+            if isinstance(ack, Refused):
+                self._state = "refused"
+                return RefusalReceived(ack.reason)
+            final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
+            self._sealer.rekey(final)
+            self._opener.rekey(final)
+            self._opener.max_payload = self._max_record_payload
+            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
+            self._state = "welcome"
+        if self._state == "welcome":
+            # The coordinator counts us only once it verified Ready; its first record after
+            # that says it did. A connection that ends before it is a failed attempt.
+            assert self._sealer is not None
+            rec = self._next_record(self._opener, f"{who}: the welcome from {self.coordinator} "
+                                    "after Ready", "eof before welcome")
+            if rec is None:
+                return NEED_DATA
+            self._state = "done"
+            self._done = True
+            return Established(self._sealer, self._opener, (rec,))
+        raise HandshakeError(f"{who}: the upstream handshake already ended")
+
+
+__all__ = ["RelayHandshake"]

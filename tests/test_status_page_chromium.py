@@ -1,0 +1,166 @@
+"""The status page as a real browser renders it: a headless Chromium (Debian's ``chromium``)
+watches a 4-rank cluster of real processes (the ``flodl-trio coordinator`` CLI and two relay
+processes on loopback); one relay is SIGKILLed and the page shows its ranks dead within 3 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import trio
+from test_board import big_world
+
+import flodl_trio as ft
+from flodl_trio.coordinator._boardview import board_document
+from flodl_trio.status import serve_status
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_chromium = _load("_chromium")
+_relay_proc = _load("_relay_proc")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _chromium.available(),
+                       reason="needs /usr/bin/chromium (scripts/test installs it as root)"),
+]
+
+RANKS_JS = """JSON.stringify({
+  phase: document.getElementById('board')?.dataset.phase ?? null,
+  ranks: [...document.querySelectorAll('[data-rank]')].map(e => [
+    Number(e.dataset.rank), e.dataset.state, e.closest('[data-host]').dataset.host]),
+  deaths: [...document.querySelectorAll('[data-dead-rank]')].map(e => e.textContent),
+})"""
+
+
+async def _coordinator_process(tmp: Path, salt: ft.SessionSalt) -> tuple[trio.Process, int]:
+    port_file = tmp / "port"
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "flodl_trio", "coordinator", "--listen", "127.0.0.1:0",
+         "--world-size", "4", "--formation-timeout", "20", "--port-file", str(port_file)],
+        env={**os.environ, "FLODL_SALT_HEX": salt.hex()},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):  # bounded by the caller's deadline too
+        text = port_file.read_text() if port_file.exists() else ""
+        if text.endswith("\n"):  # HOST:PORT, complete
+            return proc, int(text.strip().rpartition(":")[2])
+        await trio.sleep(0.05)
+    raise AssertionError("the coordinator never wrote its port file")
+
+
+async def _read(page: object) -> dict[str, object]:
+    return json.loads(await page.evaluate(RANKS_JS))  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_chromium_shows_the_ranks_of_a_sigkilled_relay_dead_within_3s(
+    tmp_path: Path,
+) -> None:
+    salt = ft.SessionSalt.generate()
+    coordinator, port = await _coordinator_process(tmp_path, salt)
+    children = []
+    try:
+        with trio.fail_after(40):
+            async with trio.open_nursery() as nursery:
+                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
+                    children.append(await _relay_proc.RelayProcess.start(
+                        nursery, coordinator=("127.0.0.1", port), salt=salt, host=host,
+                        ranks=ranks, world_size=4))
+                for child in children:
+                    await child.wait_lines(lambda s: s.startswith("relay ") and
+                                           " connected " in s)
+                async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
+                    seen: dict[str, object] = {}
+                    for _ in range(300):  # until the first live document is rendered
+                        seen = await _read(page)
+                        if seen["phase"] == "running" and len(seen["ranks"]) == 4:  # type: ignore[arg-type]
+                            break
+                        await trio.sleep(0.05)
+                    assert sorted(seen["ranks"]) == [  # type: ignore[type-var]
+                        [0, "alive", "host-a"], [1, "alive", "host-a"],
+                        [2, "alive", "host-b"], [3, "alive", "host-b"]]
+
+                    killed_at = time.monotonic()
+                    children[0].proc.kill()
+                    for _ in range(100):  # 100 x 50 ms: the 3 s budget, and then some
+                        seen = await _read(page)
+                        if [r for r, state, _ in seen["ranks"] if state == "dead"]:  # type: ignore[attr-defined]
+                            break
+                        await trio.sleep(0.05)
+                    elapsed = time.monotonic() - killed_at
+                    print(f"page showed the deaths {elapsed:.3f}s after SIGKILL")
+                    assert sorted(seen["ranks"]) == [  # type: ignore[type-var]
+                        [0, "dead", "host-a"], [1, "dead", "host-a"],
+                        [2, "alive", "host-b"], [3, "alive", "host-b"]], seen
+                    assert elapsed < 3.0, f"the page showed the deaths after {elapsed:.2f}s"
+                    assert seen["phase"] == "running"
+                    deaths = seen["deaths"]
+                    assert len(deaths) == 2 and all("(host-a)" in d for d in deaths)  # type: ignore[arg-type,attr-defined]
+                coordinator.send_signal(signal.SIGTERM)
+                await coordinator.wait()
+                await children[1].proc.wait()
+    finally:
+        for proc in [coordinator, *(c.proc for c in children)]:
+            if proc.returncode is None:
+                proc.kill()
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+
+
+async def test_chromium_renders_16384_ranks_as_2048_relay_lines_and_pushes_as_inert_text(
+) -> None:
+    roster, board = big_world()
+    board.on_message(ft.wire.DashboardSetSvg(
+        rank=5, label="<i>loss</i>", svg='<svg xmlns="http://www.w3.org/2000/svg" width="40" '
+        'height="20" onload="document.title=1"><rect width="40" height="20" fill="red"/></svg>'))
+    board.on_message(ft.wire.DashboardSetMetadata(rank=5, json='{"note": "<b>bold</b>"}'))
+    board.on_message(ft.wire.DashboardSetHardware(rank=5, summary="<img src=x onerror=alert(1)>"))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with listeners[0], trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve_status(
+                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
+                board_fn=lambda: board_document(roster, board, now=3.0, failed=False,
+                                                extras={"uptime_s": 3.0, "formation_s": 1.5,
+                                                        "formed": True, "lost_broadcasts": 0})))
+            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
+                for _ in range(400):  # until the first document is rendered
+                    if await page.evaluate("document.querySelectorAll('.relay').length"):
+                        break
+                    await trio.sleep(0.05)
+                seen = json.loads(await page.evaluate("""JSON.stringify({
+                  relays: document.querySelectorAll('section.relay').length,
+                  ranks: document.querySelectorAll('[data-rank]').length,
+                  dead: document.querySelectorAll('section.relay[data-state=dead]').length,
+                  img: document.querySelector('figure[data-push-rank="5"] img')?.naturalWidth,
+                  caption: document.querySelector('figure figcaption').textContent,
+                  metadata: document.querySelector('figure pre.metadata').textContent,
+                  injected: document.querySelectorAll(
+                    'figure b, figure i, img:not([src^="data:image/svg+xml"])').length,
+                  title: document.title,
+                })"""))
+            nursery.cancel_scope.cancel()
+    assert seen["relays"] == 2048 and seen["ranks"] == 0
+    assert seen["dead"] == 39  # host-1 (ranks 9, 10) and the 38 relays of ranks 1000..1299
+    assert seen["img"] == 40  # the sanitised SVG rendered, as an image
+    assert seen["caption"] == "rank 5 · <i>loss</i>"  # text, not markup
+    assert seen["metadata"] == '{"note": "<b>bold</b>"}'
+    assert seen["injected"] == 0 and seen["title"] == "flodl-trio status"
