@@ -17,7 +17,14 @@ from typing import Any
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import HandshakeRejected, Note, RankRejoined
+from flodl_trio.events import (
+    HandshakeRejected,
+    Note,
+    RankDeclaredDead,
+    RankRejoined,
+    RelayJoined,
+    RelayLost,
+)
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog
 
@@ -150,3 +157,60 @@ async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_re
     finally:
         for child in children:
             await child.stop()
+
+
+async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_joins_the_cohort(
+) -> None:
+    # host-a joins (its Ready verified: it prints "connected") and is SIGKILLed while formation
+    # still waits for host-b; then host-a is started again with the same host and ranks, and
+    # host-b starts (at the same time: formation waits for host-a's ranks either way). The
+    # cohort forms with every rank alive: no failure, no death, no refusal.
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
+    log = EventLog()
+    children: list[Any] = []
+
+    async def start(nursery: trio.Nursery, host: str, ranks: list[int],
+                    address: tuple[str, int]) -> Any:
+        child = await RelayProcess.start(nursery, coordinator=address, salt=salt, host=host,
+                                         ranks=ranks, world_size=4)
+        children.append(child)
+        return child
+
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+
+                async def hosts() -> None:
+                    first = await start(nursery, "host-a", [0, 1], bound.address)
+                    await first.wait_lines(_connected)
+                    first.proc.kill()
+                    await first.proc.wait()
+                    await wait_until(lambda: log.events_of(RelayLost), limit=5)
+                    async with trio.open_nursery() as both:
+                        both.start_soon(start, nursery, "host-a", [0, 1], bound.address)
+                        both.start_soon(start, nursery, "host-b", [2, 3], bound.address)
+
+                nursery.start_soon(hosts)
+                async with ft.open_coordinator(bound, salt=salt, config=cfg,
+                                               timeline=log) as coord:
+                    assert coord.live_ranks == {0, 1, 2, 3}
+                    assert coord.dead_ranks == frozenset()
+                    joined = [ev.host for ev in log.events_of(RelayJoined)]
+                    assert joined[0] == "host-a" and sorted(joined[1:]) == ["host-a", "host-b"]
+                    assert log.events_of(HandshakeRejected) == []
+                    assert log.events_of(RankDeclaredDead) == []
+                first, *rest = children
+                (again,) = [child for child in rest if child.host == "host-a"]
+                (b,) = [child for child in rest if child.host == "host-b"]
+                with trio.fail_after(10):
+                    for child in (again, b):
+                        await child.proc.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()
+    assert first.proc.returncode == -9
+    assert again.proc.returncode == 0, again.lines
+    assert b.proc.returncode == 0, b.lines

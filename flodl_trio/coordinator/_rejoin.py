@@ -1,4 +1,4 @@
-"""Rejoin after formation (issue 26): a host that comes back, or a spare that takes over.
+"""Rejoin (issue 26): a host that comes back, or a spare that takes over.
 
 A relay that dials the running coordinator runs the full FT/2 handshake (fresh nonces, so a
 recorded join replayed is still refused). Its authenticated Hello is admitted when the world size
@@ -10,6 +10,10 @@ live rank, and the ranks still dead are told to the newcomers with ``DeclareDead
 
 While one rejoin waits for its ``Ready``, its ranks are claimed: a second relay naming them is
 refused, except a re-dial of the same host with the same ranks, which supersedes it.
+
+During formation the same rules judge a Hello naming a rank declared dead (its relay dropped it,
+or the relay was lost after the death): the rank is not "already announced", it is brought back
+here, and formation completes once every rank is covered again.
 """
 
 from __future__ import annotations
@@ -47,19 +51,28 @@ class Admitter(Protocol):
 
     def warn_cleartext(self, peer: str) -> None: ...
 
+    def complete(self) -> None: ...
+
 
 def rejoin_problem(roster: Roster[M], host: str, ranks: Iterable[int], peer: str, *,
                    allow_takeover: bool) -> str | None:
     """Why a relay may not bring ``ranks`` back into the running cohort, or None.
 
-    Every rank must be dead (or never covered); a rank that exited cleanly never comes back; a
-    rank announced by another host needs ``allow_takeover``. The Hello's shape, world size and
-    model signatures are checked before (``Roster.hello_problem``).
+    Every rank must be dead (or not covered); a rank that exited cleanly never comes back; a
+    rank announced by another host needs ``allow_takeover`` (during formation too, once the
+    relay that announced it was lost). The Hello's shape, world size and model signatures are
+    checked before (``Roster.hello_problem``).
     """
     who = f"authenticated Hello from relay {host!r} at {peer}"
     for rank in ranks:
         owner = roster.relay_of(rank)
         if owner is None:
+            announced = roster.announced_by(rank)
+            if announced is not None and announced != host and not allow_takeover:
+                return (f"{who}: rank {rank} was announced by host {announced!r}, whose relay "
+                        "was lost; expected that host to bring it back (a different host "
+                        "takes over ranks only with CoordinatorConfig(allow_rank_takeover="
+                        "True), CLI --allow-takeover)")
             continue
         if roster.has_exited(rank):
             return (f"{who}: expected every rank it names to be dead, but rank {rank} exited "
@@ -89,7 +102,9 @@ class Rejoins:
         self._timeline = timeline
         self._claims: dict[int, RelayConn] = {}  # ranks of rejoins still waiting for Ready
 
-    def _claim_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
+    def claim_problem(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
+        """Why ``ranks`` may not be named now: another relay's rejoin of them waits for its
+        ``Ready`` (a re-dial of that same relay may)."""
         for rank in ranks:
             other = self._claims.get(rank)
             if other is not None and (other.host != host or other.ranks != ranks):
@@ -108,7 +123,7 @@ class Rejoins:
                                         model_sigs=hello.model_sigs, rejoin=True)
                    or rejoin_problem(roster, hello.host, ranks, peer,
                                      allow_takeover=self._config.allow_rank_takeover)
-                   or self._claim_problem(hello.host, ranks, peer))
+                   or self.claim_problem(hello.host, ranks, peer))
         if problem is not None:
             log.warning("rejoin refused: %s", problem)
             await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
@@ -117,6 +132,7 @@ class Rejoins:
         superseded = {old: None for rank in ranks if (old := self._claims.get(rank))}
         for rank in ranks:
             self._claims[rank] = conn
+        joined = False
         try:
             for old in superseded:  # the same relay re-dialed before its Ready arrived
                 old.abandon("superseded by a new connection")
@@ -125,29 +141,33 @@ class Rejoins:
                 await finish_handshake(stream, machine)
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
             conn.abandon("no Ready")
-            await conn.close()
             log.info("relay %r at %s: rejoin abandoned before its Ready (%s)", hello.host, peer,
                      "handshake_timeout" if isinstance(exc, trio.TooSlowError) else exc)
             return
-        except BaseException:  # cancelled (the coordinator is going away): nothing may leak
-            await trio.aclose_forcefully(stream)
-            raise
+        else:
+            if conn.lost_reason is not None:  # superseded by a re-dial of the same relay
+                return
+            # Checked again: a death, another rejoin or the shutdown may have come since.
+            problem = self._phase_problem(hello.host, peer) or rejoin_problem(
+                roster, hello.host, ranks, peer,
+                allow_takeover=self._config.allow_rank_takeover)
+            if problem is not None:
+                log.warning("rejoin refused after its Ready: %s", problem)
+                conn.abandon(f"rejoin refused: {problem}")
+                await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
+                return
+            self._join(conn)
+            joined = True
         finally:
             self._release(conn)
-        if conn.lost_reason is not None:  # superseded by a re-dial of the same relay
-            await conn.close()
-            return
-        # Checked again: a death, another rejoin or the shutdown may have come since the Hello.
-        problem = self._phase_problem(hello.host, peer) or rejoin_problem(
-            roster, hello.host, ranks, peer, allow_takeover=self._config.allow_rank_takeover)
-        if problem is not None:
-            await self._admitter.refuse(stream, machine, peer, "rejoin refused", problem)
-            return
-        self._join(conn)
+            if not joined:  # refused, superseded, no Ready or cancelled: nothing may leak
+                await conn.close()  # aclose_forcefully inside: it never waits
         await self._readers.read_relay(conn)
 
     def _phase_problem(self, host: str, peer: str) -> str | None:
         who = f"authenticated Hello from relay {host!r} at {peer}"
+        if self._roster.forming:
+            return None
         if not self._roster.running:
             return (f"{who}: expected a running cohort to rejoin, but the coordinator is "
                     f"{self._roster.phase.replace('_', ' ')}")
@@ -161,6 +181,7 @@ class Rejoins:
                 del self._claims[rank]
 
     def _join(self, conn: RelayConn) -> None:
+        was_dead = self._roster.dead
         previous, dropped = self._roster.rejoin(conn, trio.current_time())
         conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
@@ -171,17 +192,26 @@ class Rejoins:
         log.info("relay %r rejoined from %s with ranks %s", conn.host, conn.peer,
                  ranks_text(conn.ranks))
         self._timeline.event(RelayJoined(host=conn.host, ranks=conn.ranks, peer=conn.peer))
-        for rank, before in previous.items():
-            if before is not None and before != conn.host:
-                log.warning("rank %d of host %r taken over by host %r (allow_rank_takeover)",
-                            rank, before, conn.host)
-                self._timeline.event(RankTakenOver(rank=rank, host=conn.host,
-                                                   previous_host=before))
+        announce_takeovers(self._timeline, conn.host, previous)
+        back = [rank for rank in conn.ranks if rank in was_dead]
+        for rank in back:
             self._timeline.event(RankRejoined(rank=rank, host=conn.host))
         # The newcomers learn who is still dead; everyone learns who is back. Both are queued
         # behind the welcome on the new connection, and never wait on any relay.
         for dead in sorted(self._roster.dead):
             self._sender.post_to(conn, DeclareDead(rank=dead))
-        for rank in conn.ranks:
+        for rank in back:
             self._sender.post(DeclareAlive(rank=rank))
         self._liveness.wake()
+        if self._roster.complete:  # a rejoin during formation covered the last ranks
+            self._admitter.complete()
+
+
+def announce_takeovers(timeline: Timeline, host: str,
+                       previous: dict[int, str | None]) -> None:
+    """Log and record each rank that ``host`` took over from another host."""
+    for rank, before in previous.items():
+        if before is not None and before != host:
+            log.warning("rank %d of host %r taken over by host %r (allow_rank_takeover)",
+                        rank, before, host)
+            timeline.event(RankTakenOver(rank=rank, host=host, previous_host=before))

@@ -4,54 +4,21 @@ Which relays joined and which ranks each carries, who is dead (and why), who exi
 when each rank was last heard from, how many handshakes were rejected and in which phase the
 run is. The coordinator's IO modules (formation, readers, liveness, sending) ask and tell this
 object; it never waits and never reads a clock, so every rule here is testable without trio.
+The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster_liveness`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-from .._config import MaxFailure
 from .._ratelimit import JunkCounter, JunkReport
-from ..wire import SaveReason
+from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member, ranks_text
 
-PHASES = ("forming", "running", "shutting_down", "closed")
-# How soon the staleness watch looks again at a relay whose reader waits on a full channel.
-PAUSED_RECHECK = 1.0
+__all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]
 
 
-class Member(Protocol):
-    """What the roster needs to know about a relay connection."""
-
-    @property
-    def host(self) -> str: ...
-
-    @property
-    def ranks(self) -> tuple[int, ...]: ...
-
-    @property
-    def peer(self) -> str: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    @property
-    def model_sigs(self) -> dict[str, bytes]: ...
-
-
-M = TypeVar("M", bound=Member)
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """A rank list for messages: all of it when short, else first..last and a count."""
-    ranks = tuple(ranks)
-    if len(ranks) <= 8:
-        return str(list(ranks))
-    return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
-
-
-class Roster(Generic[M]):
+class Roster(LivenessRules[M]):
     """Relays, rank → relay, dead ranks (with reasons), exited ranks, last-seen clocks, reject
     counters and the run's phase (``forming``, ``running``, ``shutting_down``, ``closed``)."""
 
@@ -66,6 +33,7 @@ class Roster(Generic[M]):
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
+        self._announced: dict[int, str] = {}  # rank -> host of the last relay that covered it
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
         # Covered, not dead, not exited: kept as it changes, since the staleness watch and
@@ -157,6 +125,11 @@ class Roster(Generic[M]):
     def is_dead(self, rank: int) -> bool:
         return rank in self._dead
 
+    def announced_by(self, rank: int) -> str | None:
+        """The host of the last relay whose ``Ready`` verified with ``rank`` (its relay may
+        be gone since), or None."""
+        return self._announced.get(rank)
+
     def dead_reason(self, rank: int) -> str | None:
         return self._dead.get(rank)
 
@@ -176,9 +149,10 @@ class Roster(Generic[M]):
 
         ``world_size`` (FT/2) must equal the coordinator's; ``model_sigs`` must agree, name by
         name, with those of every relay registered so far (a host built from another model
-        never joins). With ``rejoin`` (after formation) the ranks' owners are not checked
-        here (the rejoin rules are) and the signatures are compared with every relay's, the
-        same host's earlier connection included.
+        never joins). A rank announced by a relay and declared dead since is not a
+        contradiction: the rejoin rules judge it. With ``rejoin`` the ranks' owners are not
+        checked here (the rejoin rules are) and the signatures are compared with every
+        relay's, the same host's earlier connection included.
         """
         who = f"authenticated Hello from relay {host!r} at {peer}"
         if world_size is not None and world_size != self.world_size:
@@ -200,7 +174,7 @@ class Roster(Generic[M]):
             if r >= self.world_size:
                 return f"{who}: rank {r} is out of range for world_size {self.world_size}"
             owner = self._relay_of.get(r)
-            if owner is not None and not rejoin:
+            if owner is not None and not rejoin and r not in self._dead:
                 return (f"{who}: rank {r} was already announced by relay {owner.host!r} at "
                         f"{owner.peer}")
         return None
@@ -244,7 +218,10 @@ class Roster(Generic[M]):
         completes coverage."""
         self._unconfirmed.pop(relay, None)
         for r in relay.ranks:
-            if self._relay_of.get(r) is relay and r not in self._dead and r not in self._exited:
+            if self._relay_of.get(r) is not relay:
+                continue
+            self._announced[r] = relay.host
+            if r not in self._dead and r not in self._exited:
                 self._live.add(r)
         return self.complete
 
@@ -275,7 +252,8 @@ class Roster(Generic[M]):
 
     def rejoin(self, relay: M, now: float) -> tuple[dict[int, str | None], list[M]]:
         """After formation, ``relay`` (its ``Ready`` verified) carries its ranks again: they are
-        live on it from ``now``. Returns each rank's previous host (None: never covered) and
+        live on it from ``now`` (during formation too: a dead rank brought back, an uncovered
+        one covered). Returns each rank's previous host (None: never covered) and
         the relays that no longer carry any rank, which leave the roster."""
         self._relays[relay] = None
         self._by_host.setdefault(relay.host, []).append(relay)
@@ -285,7 +263,7 @@ class Roster(Generic[M]):
         before: dict[M, None] = {}
         for r in relay.ranks:
             old = self._relay_of.get(r)
-            previous[r] = None if old is None else old.host
+            previous[r] = self._announced.get(r) if old is None else old.host
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay
@@ -293,6 +271,7 @@ class Roster(Generic[M]):
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
             self._live.add(r)
+            self._announced[r] = relay.host
         dropped = [old for old in before if not any(self._relay_of.get(r) is old
                                                      for r in old.ranks)]
         for old in dropped:
@@ -337,74 +316,6 @@ class Roster(Generic[M]):
 
     def close(self) -> None:
         self._phase = "closed"
-
-    # ------------------------------------------------------------------ liveness
-
-    def mark_dead(self, rank: int, reason: str) -> bool:
-        """Declare ``rank`` dead; False if it is not live (or shutdown has begun)."""
-        if (self.shutting_down or rank in self._dead or rank in self._exited
-                or rank not in self._relay_of):
-            return False
-        self._dead[rank] = reason
-        self._live.discard(rank)
-        return True
-
-    def mark_exited(self, rank: int) -> bool:
-        """``rank`` said Exiting; False if it had already."""
-        if rank in self._exited:
-            return False
-        self._exited.add(rank)
-        self._live.discard(rank)
-        return True
-
-    def seen(self, rank: int, now: float) -> None:
-        """A TIMING frame from ``rank`` arrived at ``now``."""
-        self._last_seen[rank] = now
-
-    def credit_pause(self, relay: M, seconds: float) -> None:
-        """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence."""
-        for r in relay.ranks:
-            if r in self._last_seen:
-                self._last_seen[r] += seconds
-
-    def stale(self, now: float, timeout: float,
-              paused: Callable[[M], bool] = lambda relay: False) -> tuple[list[int], float]:
-        """Live ranks silent for ``timeout`` at ``now`` (ranks on ``paused`` relays excepted),
-        ascending, and when to look again (``inf`` when none is watched). Only while running:
-        formation has its own deadline.
-
-        A paused relay's wait is credited to its ranks when it ends (:meth:`credit_pause`), so
-        their deadlines only move later: they are looked at again at their uncredited
-        deadline, or within ``PAUSED_RECHECK`` seconds when that has passed. Nobody has to
-        wake the watch when a pause ends (one wake per full channel cost a scan of the world
-        per delivered frame).
-        """
-        if self._phase != "running":
-            return [], math.inf
-        overdue: list[int] = []
-        next_due = math.inf
-        recheck = now + min(timeout, PAUSED_RECHECK)
-        last_seen, relay_of = self._last_seen, self._relay_of
-        for rank in self._live:
-            due = last_seen[rank] + timeout
-            if paused(relay_of[rank]):
-                next_due = min(next_due, max(due, recheck))
-            elif due <= now:
-                overdue.append(rank)
-            elif due < next_due:
-                next_due = due
-        overdue.sort()
-        return overdue, next_due
-
-    def failure_reason(self, policy: MaxFailure | None) -> SaveReason | None:
-        """Why the run cannot go on under ``policy``, or None while it can."""
-        if not self._dead:
-            return None
-        if policy is not None and len(self._dead) >= policy.limit(self.world_size):
-            return SaveReason.MAX_FAILURE_EXCEEDED
-        if not self.live:
-            return SaveReason.ALL_RANKS_LOST
-        return None
 
     def state_fields(self) -> dict[str, Any]:
         """The membership part of the status document (SPEC §7)."""

@@ -2,9 +2,10 @@
 
 A connection that fails before authenticating is rejected, recorded and dropped; an
 authenticated Hello that contradicts the world fails formation at once; a relay that lost its
-connection mid-handshake and re-dials with the same host and ranks simply replaces it. After
-formation the accept loop goes on: an authenticated Hello then goes to the rejoin rules
-(:mod:`._rejoin`). Every relay refused after its Hello authenticated is refused through
+connection mid-handshake and re-dials with the same host and ranks simply replaces it. A Hello
+naming a rank declared dead during formation, and every Hello after formation, goes to the
+rejoin rules (:mod:`._rejoin`); so does the takeover rule for ranks whose relay was lost during
+formation. Every relay refused after its Hello authenticated is refused through
 :meth:`Formation.refuse`, which tells it why (``Refused``), so it gives up at once instead of
 re-dialing.
 """
@@ -25,9 +26,9 @@ from .._ratelimit import JunkReport
 from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..timeline import Timeline
-from ..wire import CoordinatorHandshake, Hello, SessionSalt, max_hello_payload
+from ..wire import CoordinatorHandshake, DeclareDead, Hello, SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
-from ._rejoin import Rejoins
+from ._rejoin import Rejoins, announce_takeovers, rejoin_problem
 from ._relayconn import RelayConn
 from ._roster import Roster, ranks_text
 from ._sending import Sender
@@ -167,24 +168,43 @@ class Formation:
             return
         machine, received = handshake
         hello = received.hello
+        ranks = tuple(hello.ranks)
         if not self._roster.forming:  # a host that comes back, or a spare (issue 26)
             await self._rejoins.admit(stream, machine, peer, hello)
             return
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
-        ranks = tuple(hello.ranks)
         superseded = self._roster.same_relay(hello.host, ranks)
         for old in superseded:
             log.info("relay %r re-joined from %s; dropping its old connection", hello.host,
                      peer)
             self._roster.unregister(old)
             old.abandon("superseded by a new connection")
+        if any(self._roster.is_dead(r) for r in ranks):
+            # During formation a dead rank is not "announced" any more: the rejoin rules
+            # bring it back (issue 26).
+            for old in superseded:
+                await old.close()
+            await self._rejoins.admit(stream, machine, peer, hello)
+            return
         problem = self._roster.hello_problem(hello.host, ranks, peer,
                                              world_size=hello.world_size,
                                              model_sigs=hello.model_sigs)
         if problem is not None:
             self.fail(FormationError(self._roster.coverage_text(problem)))
             await self.refuse(stream, machine, peer, "contradiction", problem, record=False)
+            for old in superseded:
+                await old.close()
+            return
+        # Ranks whose relay was lost are free to their host; to another host only with
+        # takeover (a refusal, not a failure: the host may still come back).
+        allow = self._config.allow_rank_takeover
+        taken = {r: self._roster.announced_by(r) for r in ranks}
+        refusal = (rejoin_problem(self._roster, hello.host, ranks, peer, allow_takeover=allow)
+                   or self._rejoins.claim_problem(hello.host, ranks, peer))
+        if refusal is not None:
+            log.warning("relay refused during formation: %s", refusal)
+            await self.refuse(stream, machine, peer, "rejoin refused", refusal)
             for old in superseded:
                 await old.close()
             return
@@ -218,6 +238,9 @@ class Formation:
         self.warn_cleartext(peer)
         log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
         self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
+        announce_takeovers(self._timeline, hello.host, taken)
+        for dead in sorted(self._roster.dead):  # deaths told before it joined
+            self._sender.post_to(conn, DeclareDead(rank=dead))
         if complete:
             self.complete()
         await self._readers.read_relay(conn)
@@ -255,6 +278,7 @@ class Formation:
                  elapsed)
         self._settled.set()
         self._liveness.wake()
+        self._liveness.formed()
         self.report_rejects_tail()
 
     def start_clock(self) -> None:

@@ -37,6 +37,7 @@ from ._roster import Roster
 from ._sending import Sender
 
 log = logging.getLogger("flodl_trio.coordinator.liveness")
+_RECHECK = -1  # on the death channel: apply the failure policy again, nobody died
 
 
 class Liveness:
@@ -118,6 +119,15 @@ class Liveness:
                         conn.describe())
             self._timeline.event(RelayRetired(host=conn.host, ranks=conn.ranks))
 
+    def formed(self) -> None:
+        """Formation completed: the failure policy judges the deaths it saw (it never does
+        while forming)."""
+        if self._roster.dead:
+            try:
+                self._death_send.send_nowait(_RECHECK)
+            except (trio.ClosedResourceError, trio.WouldBlock):
+                pass  # shut down already, or deaths queued: the worker judges them anyway
+
     async def wait_told(self) -> None:
         """Return once every death marked so far was told to the survivors (or shutdown)."""
         target = self._deaths_marked
@@ -158,12 +168,13 @@ class Liveness:
                 except trio.WouldBlock:
                     break
             self._queued.difference_update(batch)
-            for dead in batch:
+            deaths = [dead for dead in batch if dead != _RECHECK]
+            for dead in deaths:
                 if self._roster.shutting_down:
                     break
                 self._sender.post(DeclareDead(rank=dead))  # failures: counted as lost
             await self.apply_failure_policy()
-            self._deaths_handled += len(batch)
+            self._deaths_handled += len(deaths)
             self._deaths_progress.set()
             self._deaths_progress = trio.Event()
 
