@@ -1,0 +1,80 @@
+"""A host that comes back (issue 26), at the edges a user meets: a restart that reaches the
+coordinator after the run's final ``Shutdown`` went out (the embedder still inside its
+``open_coordinator`` block, saving a checkpoint, say). In-memory transport, MockClock."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import flodl_trio as ft
+from flodl_trio.events import HandshakeRejected, RankRejoined
+from flodl_trio.testing import EventLog, MemoryNetwork
+
+from helpers import COORD, start_host, wait_until
+
+
+async def test_host_restarted_after_the_final_shutdown_is_not_left_waiting_for_a_run_that_ended(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=30)
+    async with trio.open_nursery() as nursery:
+        a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+        b = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt, world=4)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
+                                       timeline=log) as coord:
+            b.kill()
+            await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
+            await wait_until(lambda: b.all_done, limit=5)
+            # The run is over: the scheduler's last word went out to every live rank.
+            await coord.broadcast_control(ft.wire.Shutdown())
+            await wait_until(lambda: all(r.done.is_set() for r in a.ranks.values()), limit=5)
+            back = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt,
+                                    world=4)
+            # The embedder saves a checkpoint before leaving the block.
+            await wait_until(lambda: log.events_of(RankRejoined)
+                             or log.events_of(HandshakeRejected), limit=5)
+            await trio.sleep(5)
+        with trio.fail_after(30):
+            await back.done.wait()
+            for run in back.ranks.values():
+                await run.done.wait()
+        # Either refused (the run is over) or admitted and then told Shutdown like everyone:
+        # never left with ranks that fail for want of a Shutdown.
+        for rank, run in back.ranks.items():
+            assert run.outcome == "ended", (rank, run.outcome, run.labels())
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 26 asks that a relay naming a live rank be refused 'in an authenticated record, and "
+    "exits at once saying so'; today the coordinator only closes the connection, so the relay "
+    "re-dials for connect_timeout (30 s, ~20 refusals measured with `flodl-trio relay`) and ends "
+    "with HandshakeError 'expected a confirmed upstream handshake ... peer closed the connection "
+    "before the record arrived', never naming the live rank. The Refused{reason} record and "
+    "JoinRefused are wt-25r's work (issue 25, 'refused relay')."))
+async def test_relay_claiming_a_live_rank_ends_at_once_naming_the_rank_and_its_owner(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=30)
+    async with trio.open_nursery() as nursery:
+        for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
+            await start_host(nursery, memory_network, host, ranks, salt=salt, world=4)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
+                                       timeline=log) as coord:
+            started = trio.current_time()
+            intruder = await start_host(nursery, memory_network, "host-x", [1], salt=salt,
+                                        world=4)
+            with trio.move_on_after(40):
+                await intruder.done.wait()
+            took = trio.current_time() - started
+            assert coord.live_ranks == {0, 1, 2, 3}
+            assert len(log.events_of(HandshakeRejected)) == 1, log.events_of(HandshakeRejected)
+            assert intruder.done.is_set() and took < 3, took
+            assert isinstance(intruder.exit, ft.FlodlError), intruder.exit
+            assert "rank 1 is alive on relay 'host-a'" in str(intruder.exit), intruder.exit
+        nursery.cancel_scope.cancel()
