@@ -320,12 +320,15 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
           + (f"; {story.restarts_text(layout, cluster.restarted)}, rejoins "
              f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
+    coverage = summary.get("coverage", {})
+    print("  every epoch covered exactly once" if coverage.get("exact") else
+          f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
               f"`flodl-trio plot {args.timeline} -o timeline.png`")
-    if code != 0 or done != args.epochs:
+    if code != 0 or done != args.epochs or not coverage.get("exact"):
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
-                            f"exit code {code} (coordinator log: "
+                            f"exit code {code}, coverage {coverage} (coordinator log: "
                             f"{cluster.logs / 'coordinator.log'})")
     print("run completed")
     return 0

@@ -80,7 +80,7 @@ def test_demo_summary_says_rejoined_only_of_restarted_hosts_whose_ranks_came_bac
         "restarted but not back before the run ended: host-b")
 
 
-def test_demo_restart_not_due_before_the_run_ended_is_said_not_dropped_silently() -> None:
+def test_demo_restart_not_due_before_the_run_ended_is_said_and_coverage_is_told() -> None:
     # The restart is due 60 s after the kill; the one-epoch run ends long before.
     proc = subprocess.run(
         [sys.executable, "-m", "flodl_trio", "demo", "--no-live", "--hosts", "2",
@@ -91,3 +91,5 @@ def test_demo_restart_not_due_before_the_run_ended_is_said_not_dropped_silently(
     assert "host-b was not restarted: the run ended before its restart was due (60s after " \
         "the kill)" in proc.stdout, proc.stdout
     assert "rejoined" not in proc.stdout, proc.stdout
+    # The coordinator's summary carries the scheduler's coverage, and the demo says it.
+    assert "  every epoch covered exactly once\n" in proc.stdout, proc.stdout
