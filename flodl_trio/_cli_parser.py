@@ -164,10 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-ms", type=float, default=25.0, metavar="MS",
                    help="base batch time; host i runs (1 + i) times slower")
     p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
-                   help="SIGKILL that relay process SECONDS after formation (repeatable)")
+                   help="SIGKILL that relay process SECONDS after formation (repeatable, one "
+                   "per host)")
     p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="start a killed host's relay and ranks again SECONDS after the kill: "
-                   "they rejoin the running cohort (repeatable)")
+                   "they rejoin the running cohort (repeatable, one per host)")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",

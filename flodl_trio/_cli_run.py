@@ -154,10 +154,16 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
         progress = EpochProgress(args.epochs, lambda: sched.coverage)
         await nursery.start(print_progress, coord.timeline, progress, sys.stdout)
         result = await sched.run()
+        summary = summary_dict(result, coord)
+        # Each epoch's samples counted exactly once (deaths, redistributions and rejoins
+        # included): the one check of the scheduler a user of the command line can read.
+        summary["coverage"] = {"exact": all(c.exact for c in sched.coverage), "inexact": [
+            {"epoch": c.epoch, "samples": c.samples, "total": c.total, "overlaps": c.overlaps,
+             "gaps": c.gaps} for c in sched.coverage if not c.exact]}
         if result.epochs_completed != args.epochs:
-            return summary_dict(result, coord), (f"the run ended after {result.epochs_completed}"
-                                                 f"/{args.epochs} epochs")
-        return summary_dict(result, coord), None
+            return summary, (f"the run ended after {result.epochs_completed}/{args.epochs} "
+                             "epochs")
+        return summary, None
     await nursery.start(print_progress, coord.timeline, EpochProgress(0, tuple), sys.stdout)
     await _hold_until_all_exit(coord)
     summary = {"exited": sorted(coord.exited_ranks), "dead": sorted(coord.dead_ranks)}

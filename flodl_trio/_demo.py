@@ -51,6 +51,9 @@ def _parse_kills(specs: list[str], hosts: list[str],
         if not sep or host not in hosts or when < 0:
             raise UsageError(f"{option}: expected HOST@SECONDS with HOST one of {hosts}, "
                              f"got {spec!r}")
+        if host in kills:  # the demo kills (and restarts) a host once
+            raise UsageError(f"{option}: expected each host at most once, got {host} twice "
+                             f"({host}@{kills[host]:g} and {spec})")
         kills[host] = when
     return kills
 
@@ -264,6 +267,9 @@ def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[i
             time.sleep(POLL_S)
         for line in story.poll():
             say(line)
+        for host, when in restarts.items():  # not yet started when the coordinator ended
+            say(f"  {host} was not restarted: the run ended before its restart was due "
+                f"({when:g}s after the kill)")
     return _conclude(args, cluster, story, killed, layout)
 
 
@@ -317,15 +323,20 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")
-          + (f"; restarted and rejoined: {', '.join(sorted(cluster.restarted))}, rejoins "
+          + (f"; {story.restarts_text(layout, cluster.restarted)}, rejoins "
              f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
+    coverage = summary.get("coverage", {})
+    print("  every epoch covered exactly once" if coverage.get("exact") else
+          f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
               f"`flodl-trio plot {args.timeline} -o timeline.png`")
-    if code != 0 or done != args.epochs:
+    inexact = ", an epoch not covered exactly once"
+    if code != 0 or done != args.epochs or not coverage.get("exact"):
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
-                            f"exit code {code}{LOG_HINT}")
+                            f"exit code {code}{'' if coverage.get('exact') else inexact}"
+                            f"{LOG_HINT}")
     print("run completed")
     return 0
 

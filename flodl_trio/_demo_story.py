@@ -5,6 +5,7 @@ dead rank's samples, lost broadcasts, and the live/dead/exited state of every ra
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,16 @@ class Story:
         epoch = max(self.epoch, 0) + 1
         return (f"epoch {epoch}/{self.epochs}, {self.syncs} syncs, {len(self.dead)} dead, "
                 f"{len(self.exited)} exited")
+
+    def restarts_text(self, layout: Mapping[str, Sequence[int]], restarted: Iterable[str]) -> str:
+        """The summary's words on restarted hosts: those whose ranks all rejoined, and those
+        the run ended before they were back."""
+        back = sorted(h for h in restarted if set(layout[h]) <= self.rejoined)
+        late = sorted(set(restarted) - set(back))
+        parts = [f"restarted and rejoined: {', '.join(back)}"] if back else []
+        if late:
+            parts.append(f"restarted but not back before the run ended: {', '.join(late)}")
+        return "; ".join(parts)
 
     def rank_state(self, rank: int) -> str:
         if rank in self.dead:
