@@ -98,7 +98,7 @@ async def test_the_coordinator_cannot_send_a_relay_what_only_flows_from_it() -> 
 
 
 async def test_nothing_is_written_to_a_relay_before_its_join_is_confirmed() -> None:
-    send, recv = trio.testing.memory_stream_pair()
+    send, _recv = trio.testing.memory_stream_pair()
     conn = make_conn(send, joined=False)
     frame, eof = Delivery(1), Delivery(1)
     conn.submit_frame(0, CODEC.encode(wire.Shutdown()), frame)

@@ -318,7 +318,8 @@ def test_relay_forwards_a_ranks_frames_until_it_is_fenced() -> None:
     assert session.fenced == "declared dead"
     assert events_of(session, [wire.len_frame(b"two")[3:], b""]) == [
         EndOfStream("rank 4 closed its link", True)]
-    assert session.send(b"x") == wire.len_frame(b"x")
+    fenced = CODEC.encode(wire.Fenced(rank=4, reason="declared dead"))
+    assert session.send(fenced) == wire.len_frame(fenced)  # the rank still hears why
 
 
 def test_a_rank_declaring_a_frame_over_the_ceiling_is_cut_after_its_good_frames() -> None:
@@ -417,6 +418,18 @@ def test_what_one_side_sends_is_what_the_other_side_gets_in_both_directions() ->
     assert wire.frame_message(CODEC.open(frame.blob)) == beat
     rank.receive_data(link.send(CODEC.encode(wire.Shutdown())))
     assert drain(rank) == [wire.Shutdown()]
+
+
+def test_a_relay_sends_its_ranks_only_controlmsg_frames() -> None:
+    link = RankLinkSession(2, host="h1")
+    with pytest.raises(WireError, match=r"relay→rank 2 frame: expected a ControlMsg frame "
+                       r"\(kind 1\), got \d+ bytes of kind 2"):
+        link.send(CODEC.encode(wire.Heartbeat(rank=2, step_count=1)))
+    with pytest.raises(WireError, match="got 3 bytes of kind None"):
+        link.send(b"abc")
+    rank = rank_side()
+    rank.receive_data(link.send(CODEC.encode(wire.RelayWaiting(host="h1", detail="waiting"))))
+    assert drain(rank) == [wire.RelayWaiting(host="h1", detail="waiting")]
 
 
 def test_a_tampered_stream_ends_the_same_way_however_it_was_cut() -> None:

@@ -14,7 +14,7 @@ from .._errors import WireError
 from ._constants import MAX_LEN_FRAME, MsgKind
 from ._frames import FrameCodec, LenFrameDecoder, len_frame
 from ._messages import Metrics, Shutdown, ShutdownWithSave, TimingMsg, decode_control
-from ._session import Invalid, _Session
+from ._session import Invalid, _frame_kind, _Session
 
 _CONTROL_KIND = int(MsgKind.CONTROL)
 
@@ -46,7 +46,16 @@ class RankLinkSession(_Session):
             self.fenced = reason
 
     def send(self, frame: bytes) -> bytes:
-        """The length-prefixed blob of one frame for the rank."""
+        """The length-prefixed blob of one ``ControlMsg`` frame for the rank (the relay's own
+        notices; what the coordinator sends comes length-prefixed in a ``Deliver`` already).
+
+        Raises:
+            WireError: a frame of another kind (ranks send those, they never receive them).
+        """
+        if _frame_kind(frame) != _CONTROL_KIND:
+            raise WireError(f"relay→rank {self.rank} frame: expected a ControlMsg frame (kind "
+                            f"{_CONTROL_KIND}), got {len(frame)} bytes of kind "
+                            f"{_frame_kind(frame)} (relay {self.host!r})")
         return len_frame(frame)
 
     def _decode(self, data: bytes | bytearray) -> list[bytes]:
