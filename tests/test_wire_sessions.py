@@ -282,12 +282,12 @@ def test_coordinator_sends_only_control_frames_goodbye_and_fencerank_of_its_rank
          "coordinator→relay CONTROL record: expected one of Goodbye, FenceRank, got RankExit"),
         (lambda: session.send(wire.FenceRank(rank=9, reason="x")),
          r"FenceRank: expected ranks of relay 'h1' \[2, 3\], got \[9\]"),
-        (lambda: session.send_frame(2, beat), r"expected a ControlMsg frame \(kind 1\), got a "
-         r"frame of kind 2"),
-        (lambda: session.send_frame(2, b"short"), "got 5 bytes"),
+        (lambda: session.send_frame(2, beat), r"coordinator→relay 'h1' frame: expected a "
+         r"ControlMsg frame \(kind 1\), got \d+ bytes of kind 2"),
+        (lambda: session.send_frame(2, b"short"), "got 5 bytes of kind None"),
         (lambda: session.send_frame(5, CODEC.encode(wire.Shutdown())),
          r"DATA record: expected ranks of relay 'h1' \[2, 3\], got \[5\]"),
-        (lambda: session.send_fanout([2, 3], beat), "got a frame of kind 2"),
+        (lambda: session.send_fanout([2, 3], beat), "bytes of kind 2"),
         (lambda: session.send_fanout([2, 4], CODEC.encode(wire.Shutdown())), r"got \[2, 4\]"),
         (lambda: session.send_fanout([], CODEC.encode(wire.Shutdown())), r"got \[\]"),
     ]
@@ -422,7 +422,7 @@ def test_what_one_side_sends_is_what_the_other_side_gets_in_both_directions() ->
 
 def test_a_relay_sends_its_ranks_only_controlmsg_frames() -> None:
     link = RankLinkSession(2, host="h1")
-    with pytest.raises(WireError, match=r"relay→rank 2 frame: expected a ControlMsg frame "
+    with pytest.raises(WireError, match=r"relay 'h1'→rank 2 frame: expected a ControlMsg frame "
                        r"\(kind 1\), got \d+ bytes of kind 2"):
         link.send(CODEC.encode(wire.Heartbeat(rank=2, step_count=1)))
     with pytest.raises(WireError, match="got 3 bytes of kind None"):

@@ -14,7 +14,7 @@ from .._errors import WireError
 from ._constants import MAX_LEN_FRAME, MsgKind
 from ._frames import FrameCodec, LenFrameDecoder, len_frame
 from ._messages import Metrics, Shutdown, ShutdownWithSave, TimingMsg, decode_control
-from ._session import Invalid, _frame_kind, _Session
+from ._session import Invalid, _check_control_frame, _Session
 
 _CONTROL_KIND = int(MsgKind.CONTROL)
 
@@ -52,10 +52,7 @@ class RankLinkSession(_Session):
         Raises:
             WireError: a frame of another kind (ranks send those, they never receive them).
         """
-        if _frame_kind(frame) != _CONTROL_KIND:
-            raise WireError(f"relay→rank {self.rank} frame: expected a ControlMsg frame (kind "
-                            f"{_CONTROL_KIND}), got {len(frame)} bytes of kind "
-                            f"{_frame_kind(frame)} (relay {self.host!r})")
+        _check_control_frame(frame, f"relay {self.host!r}→rank {self.rank}")
         return len_frame(frame)
 
     def _decode(self, data: bytes | bytearray) -> list[bytes]:

@@ -53,11 +53,13 @@ _CONTROL_FRAME = int(MsgKind.CONTROL)
 _FRAME_KIND = struct.Struct("<I")  # a frame header's kind field, at offset 16 (SPEC §2.3)
 
 
-def _frame_kind(frame: bytes) -> int | None:
-    """The kind a frame's header names (read, not verified), or None if it has no header."""
-    if len(frame) < FRAME_HEADER_LEN:
-        return None
-    return int(_FRAME_KIND.unpack_from(frame, 16)[0])
+def _check_control_frame(frame: bytes, direction: str) -> None:
+    """Frames to ranks are ``ControlMsg`` frames (the kind their header names, not verified:
+    the rank verifies them); raise the WireError for any other."""
+    kind = _FRAME_KIND.unpack_from(frame, 16)[0] if len(frame) >= FRAME_HEADER_LEN else None
+    if kind != _CONTROL_FRAME:
+        raise WireError(f"{direction} frame: expected a ControlMsg frame (kind {_CONTROL_FRAME}"
+                        f"), got {len(frame)} bytes of kind {kind}")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -246,48 +248,27 @@ class CoordinatorSession(_RecordSession):
         self.rank_set = frozenset(self.ranks)
 
     def send(self, msg: Goodbye | FenceRank) -> bytes:
-        """The sealed CONTROL record of ``msg`` (coordinator → relay: Goodbye, or FenceRank of
-        a rank the relay carries).
-
-        Raises:
-            WireError: any other message, or a rank the relay does not carry; nothing is sealed.
-        """
+        """The sealed CONTROL record of ``msg``: a Goodbye, or a FenceRank of a rank the relay
+        carries (WireError for anything else; nothing is sealed)."""
         if type(msg) is FenceRank and int(msg.rank) not in self.rank_set:
             raise self._not_carried("coordinator→relay", "FenceRank", (int(msg.rank),))
         return self._send_control(msg, (Goodbye, FenceRank), "coordinator→relay")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
-        """The sealed DATA record of one ``ControlMsg`` frame for ``rank`` (one the relay
-        carries).
-
-        Raises:
-            WireError: a frame of another kind (ranks send those, they never receive them), or
-                a rank the relay does not carry; nothing is sealed.
-        """
+        """The sealed DATA record of one ``ControlMsg`` frame for ``rank``, which the relay
+        carries (WireError otherwise, or for a frame of another kind; nothing is sealed)."""
         if rank not in self.rank_set:
             raise self._not_carried("coordinator→relay", "DATA record", (rank,))
-        if _frame_kind(frame) != _CONTROL_FRAME:
-            raise self._wrong_frame(frame)
+        _check_control_frame(frame, f"coordinator→{self.peer}")
         return self.sealer.seal(_DATA, rank, frame)
 
     def send_fanout(self, ranks: Sequence[int], frame: bytes) -> bytes:
-        """The sealed FANOUT record of one ``ControlMsg`` frame for each of ``ranks`` (at
-        least one, all carried by the relay).
-
-        Raises:
-            WireError: as :meth:`send_frame`, or an empty rank list; nothing is sealed.
-        """
+        """The sealed FANOUT record of one ``ControlMsg`` frame for ``ranks`` (at least one;
+        otherwise as :meth:`send_frame`)."""
         if not ranks or not self.rank_set.issuperset(ranks):
             raise self._not_carried("coordinator→relay", "FANOUT record", ranks)
-        if _frame_kind(frame) != _CONTROL_FRAME:
-            raise self._wrong_frame(frame)
+        _check_control_frame(frame, f"coordinator→{self.peer}")
         return self.sealer.seal(_FANOUT, 0, encode_fanout(ranks, frame))
-
-    def _wrong_frame(self, frame: bytes) -> WireError:
-        kind = _frame_kind(frame)
-        got = f"a frame of kind {kind}" if kind is not None else f"{len(frame)} bytes"
-        return WireError(f"coordinator→relay frame for ranks: expected a ControlMsg frame "
-                         f"(kind {_CONTROL_FRAME}), got {got} (to {self.peer})")
 
     def _event(self, rec: Record) -> Any:
         # The ingest hot path (SPEC §13): one call per record, no helper below it.
@@ -370,12 +351,8 @@ class UpstreamSession(_RecordSession):
         return self._send_control(msg, (RankExit, RankDropped), "relay→coordinator")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
-        """The sealed DATA record of one frame of local ``rank``, forwarded unopened (the
-        coordinator verifies it, and drops one of the wrong kind).
-
-        Raises:
-            WireError: ``rank`` is not local; nothing is sealed.
-        """
+        """The sealed DATA record of a frame of local ``rank`` (WireError for another rank),
+        forwarded unopened: the coordinator verifies it and drops one of the wrong kind."""
         if rank not in self.rank_set:
             raise self._not_carried("relay→coordinator", "DATA record", (rank,))
         return self.sealer.seal(_DATA, rank, frame)
