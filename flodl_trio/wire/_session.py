@@ -53,13 +53,16 @@ _CONTROL_FRAME = int(MsgKind.CONTROL)
 _FRAME_KIND = struct.Struct("<I")  # a frame header's kind field, at offset 16 (SPEC §2.3)
 
 
-def _check_control_frame(frame: bytes, direction: str) -> None:
-    """Frames to ranks are ``ControlMsg`` frames (the kind their header names, not verified:
-    the rank verifies them); raise the WireError for any other."""
+_CONTROL_FRAME_KIND = _FRAME_KIND.pack(_CONTROL_FRAME)
+
+
+def _wrong_frame(frame: bytes, direction: str) -> WireError:
+    """The error for a frame to ranks whose header does not name a ``ControlMsg`` (the only
+    kind ranks receive; not verified here, the rank verifies it). Callers test
+    ``frame[16:20] != _CONTROL_FRAME_KIND`` (a frame shorter than a header never matches)."""
     kind = _FRAME_KIND.unpack_from(frame, 16)[0] if len(frame) >= FRAME_HEADER_LEN else None
-    if kind != _CONTROL_FRAME:
-        raise WireError(f"{direction} frame: expected a ControlMsg frame (kind {_CONTROL_FRAME}"
-                        f"), got {len(frame)} bytes of kind {kind}")
+    return WireError(f"{direction} frame: expected a ControlMsg frame (kind {_CONTROL_FRAME}), "
+                     f"got {len(frame)} bytes of kind {kind}")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -259,7 +262,8 @@ class CoordinatorSession(_RecordSession):
         carries (WireError otherwise, or for a frame of another kind; nothing is sealed)."""
         if rank not in self.rank_set:
             raise self._not_carried("coordinator→relay", "DATA record", (rank,))
-        _check_control_frame(frame, f"coordinator→{self.peer}")
+        if frame[16:20] != _CONTROL_FRAME_KIND:
+            raise _wrong_frame(frame, f"coordinator→{self.peer}")
         return self.sealer.seal(_DATA, rank, frame)
 
     def send_fanout(self, ranks: Sequence[int], frame: bytes) -> bytes:
@@ -267,7 +271,8 @@ class CoordinatorSession(_RecordSession):
         otherwise as :meth:`send_frame`)."""
         if not ranks or not self.rank_set.issuperset(ranks):
             raise self._not_carried("coordinator→relay", "FANOUT record", ranks)
-        _check_control_frame(frame, f"coordinator→{self.peer}")
+        if frame[16:20] != _CONTROL_FRAME_KIND:
+            raise _wrong_frame(frame, f"coordinator→{self.peer}")
         return self.sealer.seal(_FANOUT, 0, encode_fanout(ranks, frame))
 
     def _event(self, rec: Record) -> Any:
