@@ -1,21 +1,27 @@
-"""A relay connection's one close reason, and its bounded writer queue."""
+"""A relay connection's one close reason, its bounded writer queue, and its one session."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
-from flodl_trio import wire
+from flodl_trio import WireError, wire
 from flodl_trio.coordinator._relayconn import CloseReason, Delivery, RelayConn
 
 KEY = b"k" * 32
+CODEC = wire.FrameCodec(wire.SessionSalt(bytes(range(16))))
 
 
-def make_conn(stream: trio.abc.Stream, *, queue_limit: int = 65536) -> RelayConn:
-    return RelayConn(host="h1", ranks=(0, 1), peer="mem:1", stream=stream,
+def make_conn(stream: trio.abc.Stream, *, queue_limit: int = 65536,
+              joined: bool = True) -> RelayConn:
+    conn = RelayConn(host="h1", ranks=(0, 1), peer="mem:1", stream=stream,
                      sealer=wire.RecordSealer(KEY, wire.COORD_TO_RELAY),
                      opener=wire.RecordOpener(KEY, wire.RELAY_TO_COORD),
                      write_stall_timeout=5.0, index=1, queue_limit=queue_limit)
+    if joined:
+        conn.open_session(CODEC)
+    return conn
 
 
 async def test_a_relay_whose_queue_fills_is_lost_as_a_stall_and_its_records_fail(
@@ -32,7 +38,7 @@ async def test_a_relay_whose_queue_fills_is_lost_as_a_stall_and_its_records_fail
     conn.on_lost = on_lost
     deliveries = [Delivery(1) for _ in range(6)]
     for i, delivery in enumerate(deliveries):
-        conn.submit(int(wire.RecordKind.DATA), 0, b"frame %d" % i, delivery)
+        conn.submit_frame(0, CODEC.encode(wire.DeclareDead(rank=i)), delivery)
     # The fifth did not fit: it fails at once, and the connection ends as a stall.
     assert deliveries[4].failures[conn].startswith("queue full: 4 records not yet written")
     assert lost == [(deliveries[4].failures[conn], True)]
@@ -59,3 +65,47 @@ async def test_the_first_end_is_the_close_reason(autojump_clock: trio.abc.Clock)
     assert other.abandon("connection reset") is True
     assert other.lost_reason == "connection reset" and other.retired is None
     assert other.abandon("later") is False and other.lost_reason == "connection reset"
+
+
+async def test_the_coordinator_cannot_send_a_relay_what_only_flows_from_it() -> None:
+    send, recv = trio.testing.memory_stream_pair()
+    conn = make_conn(send)
+    beat = CODEC.encode(wire.Heartbeat(rank=0, step_count=1))
+    with pytest.raises(WireError, match="expected one of Goodbye, FenceRank, got RankExit"):
+        conn.submit_control(wire.RankExit(rank=0), None)  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="expected a ControlMsg frame"):
+        conn.submit_frame(0, beat, None)
+    with pytest.raises(WireError, match="expected a ControlMsg frame"):
+        conn.submit_fanout([0, 1], beat, None)
+    with pytest.raises(WireError, match=r"FANOUT record: expected ranks of relay 'h1' "
+                       r"\[0, 1\], got \[0, 2\]"):
+        conn.submit_fanout([0, 2], CODEC.encode(wire.Shutdown()), None)
+    # Nothing was queued or sealed: the relay opens the next record as the first one.
+    delivery = Delivery(1)
+    conn.submit_fanout([0, 1], CODEC.encode(wire.Shutdown()), delivery)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run_writer)
+        relay = wire.UpstreamSession(wire.RecordOpener(KEY, wire.COORD_TO_RELAY),
+                                     wire.RecordSealer(KEY, wire.RELAY_TO_COORD), host="h1",
+                                     ranks=(0, 1))
+        await delivery.done.wait()
+        relay.receive_data(await recv.receive_some(65536))
+        assert relay.next_event() == wire.Deliver((0, 1), wire.len_frame(
+            CODEC.encode(wire.Shutdown())))
+        assert relay.next_event() is wire.NEED_DATA
+        conn.abandon("test over")
+    assert delivery.failures == {}
+
+
+async def test_nothing_is_written_to_a_relay_before_its_join_is_confirmed() -> None:
+    send, _recv = trio.testing.memory_stream_pair()
+    conn = make_conn(send, joined=False)
+    frame, eof = Delivery(1), Delivery(1)
+    conn.submit_frame(0, CODEC.encode(wire.Shutdown()), frame)
+    conn.submit_eof(eof, goodbye="shutting down")
+    # Settled at once (a shutdown does not wait on it); the handshake still owns the stream.
+    assert frame.failures[conn] == "not joined yet (its Ready has not verified)"
+    assert eof.failures[conn] == "not joined yet (its Ready has not verified)"
+    assert conn.idle and conn.alive
+    session = conn.open_session(CODEC)
+    assert conn.open_session(CODEC) is session  # one session per connection

@@ -255,9 +255,48 @@ def test_relay_sends_only_rankexit_and_rankdropped_upstream() -> None:
     opener = wire.RecordOpener(KEY, wire.RELAY_TO_COORD)
     assert opener.feed(session.send(wire.RankDropped(rank=2, reason="slow"))) == [
         wire.Record(CONTROL, 0, wire.encode(wire.RankDropped(rank=2, reason="slow")))]
-    assert opener.feed(session.seal(DATA, 3, b"f")) == [wire.Record(DATA, 3, b"f")]
+    assert opener.feed(session.send_frame(3, b"f")) == [wire.Record(DATA, 3, b"f")]
     with pytest.raises(WireError, match="relay→coordinator CONTROL record"):
         session.send(wire.Goodbye(reason="x"))  # type: ignore[arg-type]
+
+
+def test_relay_refuses_to_send_what_only_flows_to_it_and_seals_nothing() -> None:
+    session = relay_side()
+    opener = wire.RecordOpener(KEY, wire.RELAY_TO_COORD)
+    with pytest.raises(WireError, match=r"CONTROL record: expected one of RankExit, "
+                       r"RankDropped, got FenceRank"):
+        session.send(wire.FenceRank(rank=2, reason="x"))  # type: ignore[arg-type]
+    with pytest.raises(WireError, match=r"DATA record: expected ranks of the coordinator "
+                       r"\(relay 'h1'\) \[2, 3\], got \[7\]"):
+        session.send_frame(7, CODEC.encode(wire.Heartbeat(rank=7, step_count=1)))
+    # Nothing was sealed: the next record is the first the coordinator opens.
+    assert opener.feed(session.send(wire.RankExit(rank=2))) == [
+        wire.Record(CONTROL, 0, wire.encode(wire.RankExit(rank=2)))]
+
+
+def test_coordinator_sends_only_control_frames_goodbye_and_fencerank_of_its_ranks() -> None:
+    session = coordinator_side()
+    beat = CODEC.encode(wire.Heartbeat(rank=2, step_count=1))
+    refused = [
+        (lambda: session.send(wire.RankExit(rank=2)),  # type: ignore[arg-type]
+         "coordinator→relay CONTROL record: expected one of Goodbye, FenceRank, got RankExit"),
+        (lambda: session.send(wire.FenceRank(rank=9, reason="x")),
+         r"FenceRank: expected ranks of relay 'h1' \[2, 3\], got \[9\]"),
+        (lambda: session.send_frame(2, beat), r"coordinator→relay 'h1' frame: expected a "
+         r"ControlMsg frame \(kind 1\), got \d+ bytes of kind 2"),
+        (lambda: session.send_frame(2, b"short"), "got 5 bytes of kind None"),
+        (lambda: session.send_frame(5, CODEC.encode(wire.Shutdown())),
+         r"DATA record: expected ranks of relay 'h1' \[2, 3\], got \[5\]"),
+        (lambda: session.send_fanout([2, 3], beat), "bytes of kind 2"),
+        (lambda: session.send_fanout([2, 4], CODEC.encode(wire.Shutdown())), r"got \[2, 4\]"),
+        (lambda: session.send_fanout([], CODEC.encode(wire.Shutdown())), r"got \[\]"),
+    ]
+    for send, message in refused:
+        with pytest.raises(WireError, match=message):
+            send()
+    relay = relay_side()
+    relay.receive_data(session.send_frame(3, CODEC.encode(wire.Shutdown())))
+    assert drain(relay) == [Deliver((3,), wire.len_frame(CODEC.encode(wire.Shutdown())))]
 
 
 def test_relay_upstream_events_do_not_depend_on_how_reads_were_cut() -> None:
@@ -279,7 +318,8 @@ def test_relay_forwards_a_ranks_frames_until_it_is_fenced() -> None:
     assert session.fenced == "declared dead"
     assert events_of(session, [wire.len_frame(b"two")[3:], b""]) == [
         EndOfStream("rank 4 closed its link", True)]
-    assert session.send(b"x") == wire.len_frame(b"x")
+    fenced = CODEC.encode(wire.Fenced(rank=4, reason="declared dead"))
+    assert session.send(fenced) == wire.len_frame(fenced)  # the rank still hears why
 
 
 def test_a_rank_declaring_a_frame_over_the_ceiling_is_cut_after_its_good_frames() -> None:
@@ -362,13 +402,14 @@ def test_records_buffered_by_the_handshake_are_the_first_events() -> None:
 
 def test_what_one_side_sends_is_what_the_other_side_gets_in_both_directions() -> None:
     coordinator, relay = coordinator_side(), relay_side()
+    shutdown = CODEC.encode(wire.Shutdown())
     relay.receive_data(coordinator.send(wire.FenceRank(rank=3, reason="dead"))
-                       + coordinator.seal(FANOUT, 0, wire.encode_fanout([2, 3], b"f"))
+                       + coordinator.send_fanout([2, 3], shutdown)
                        + coordinator.send(wire.Goodbye(reason="done")))
     assert drain(relay) == [wire.FenceRank(rank=3, reason="dead"),
-                            Deliver((2, 3), wire.len_frame(b"f")), wire.Goodbye(reason="done")]
+                            Deliver((2, 3), wire.len_frame(shutdown)), wire.Goodbye(reason="done")]
     beat = wire.Heartbeat(rank=2, step_count=9)
-    coordinator.receive_data(relay.seal(DATA, 2, CODEC.encode(beat))
+    coordinator.receive_data(relay.send_frame(2, CODEC.encode(beat))
                              + relay.send(wire.RankExit(rank=3)))
     assert drain(coordinator) == [beat, wire.RankExit(rank=3)]
     rank, link = rank_side(), RankLinkSession(2, host="h1")
@@ -377,6 +418,18 @@ def test_what_one_side_sends_is_what_the_other_side_gets_in_both_directions() ->
     assert wire.frame_message(CODEC.open(frame.blob)) == beat
     rank.receive_data(link.send(CODEC.encode(wire.Shutdown())))
     assert drain(rank) == [wire.Shutdown()]
+
+
+def test_a_relay_sends_its_ranks_only_controlmsg_frames() -> None:
+    link = RankLinkSession(2, host="h1")
+    with pytest.raises(WireError, match=r"relay 'h1'→rank 2 frame: expected a ControlMsg frame "
+                       r"\(kind 1\), got \d+ bytes of kind 2"):
+        link.send(CODEC.encode(wire.Heartbeat(rank=2, step_count=1)))
+    with pytest.raises(WireError, match="got 3 bytes of kind None"):
+        link.send(b"abc")
+    rank = rank_side()
+    rank.receive_data(link.send(CODEC.encode(wire.RelayWaiting(host="h1", detail="waiting"))))
+    assert drain(rank) == [wire.RelayWaiting(host="h1", detail="waiting")]
 
 
 def test_a_tampered_stream_ends_the_same_way_however_it_was_cut() -> None:

@@ -10,12 +10,19 @@ import trio
 
 from .._transport import STREAM_GONE
 from ..port_mux import PrefixedStream
-from ..wire import Goodbye, RecordKind, RecordOpener, RecordSealer, encode
+from ..wire import (
+    CoordinatorSession,
+    FenceRank,
+    FrameCodec,
+    Goodbye,
+    RecordOpener,
+    RecordSealer,
+)
 from ._roster import ranks_text
 
+_RECORD = 0  # queue item: sealed bytes (a whole record, or the rest of a direct write)
 _EOF = -1  # queue marker: half-close after everything queued before it
 _RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
-_RAW = -3  # queue marker: bytes sealed already (the rest of a direct write), written as they are
 _BATCH = 64
 # Records queued for one relay's writer, at most: far beyond any burst a healthy relay sees
 # (the writer takes 64 at a time), so a queue this full is a relay that does not read.
@@ -69,9 +76,12 @@ def direct_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
 class RelayConn:
     """An authenticated upstream connection: its ranks, its sealed directions, its writer.
 
-    Every record goes through one writer task (``run_writer``) fed by a queue of at most
-    ``queue_limit`` records, so a broadcast costs one ``send_nowait`` per relay, a burst is
-    coalesced into one write, records are sealed in the order they are written, and a stalled
+    Every record is sealed by the connection's :class:`~flodl_trio.wire.CoordinatorSession`
+    (``session``, opened once the join is confirmed and before the writer starts; the reader
+    reads through the same object), which alone decides what may go to a relay. Records go
+    through one writer task (``run_writer``) fed by a queue of at most ``queue_limit``
+    records, so a broadcast costs one ``send_nowait`` per relay, a burst is coalesced into one
+    write, records are sealed when submitted, in the order they are written, and a stalled
     relay delays nobody but itself: its writer gives up after ``write_stall_timeout`` and the
     connection is lost. A queue that fills up is a stall too (its relay is not reading at the
     pace it is sent to): the record that does not fit is settled as lost and the connection is
@@ -111,13 +121,14 @@ class RelayConn:
         self.stream = stream
         self.sealer = sealer
         self.opener = opener
+        self.session: CoordinatorSession | None = None  # once joined: see open_session
         self.write_stall_timeout = write_stall_timeout
         self.index = index
         # Told once the connection is lost (liveness.relay_lost); ``stalled`` for a write stall.
         self.on_lost: Callable[[RelayConn, str, bool], None] = lambda conn, cause, stalled: None
         self.queue_limit = queue_limit
         self._queue_send, self._queue_recv = trio.open_memory_channel[
-            tuple[int, int, bytes, Delivery | None]](queue_limit)
+            tuple[bytes, int, Delivery | None]](queue_limit)
         self.close_reason: CloseReason | None = None
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
@@ -161,20 +172,66 @@ class RelayConn:
         return (self._write_scope is None
                 and self._queue_send.statistics().current_buffer_used == 0)
 
-    def submit(self, kind: int, rank: int, payload: bytes, delivery: Delivery | None) -> None:
-        """Queue one record for the writer; ``delivery`` is settled once it is written or lost."""
-        if not self.alive:
-            if delivery is not None:
-                delivery.settle(self, f"connection lost ({self._end_text()})")
-            return
-        if self._socket is not None and not self._queued and not self._writing and kind >= 0:
-            self._write_now(self._socket, self.sealer.seal(kind, rank, payload), delivery)
-            return
-        self._enqueue(kind, rank, payload, delivery)
+    def open_session(self, codec: FrameCodec) -> CoordinatorSession:
+        """The connection's one session, opened once its join is confirmed (its ``Ready``
+        verified) and before its writer starts; later calls return the same object."""
+        if self.session is None:
+            # Records that came in the same read as the relay's Ready are in the opener already.
+            self.session = CoordinatorSession(self.opener, self.sealer, codec, host=self.host,
+                                              ranks=self.ranks)
+        return self.session
 
-    def _enqueue(self, kind: int, rank: int, payload: bytes, delivery: Delivery | None) -> None:
+    def submit_frame(self, rank: int, frame: bytes, delivery: Delivery | None) -> None:
+        """Queue the DATA record of a ``ControlMsg`` frame for ``rank``; ``delivery`` is settled
+        once it is written or lost.
+
+        Raises:
+            WireError: the session refused it (a frame that only flows towards the
+                coordinator, or a rank this relay does not carry); nothing was queued.
+        """
+        session = self._writable(delivery)
+        if session is not None:
+            self._put(session.send_frame(rank, frame), delivery)
+
+    def submit_fanout(self, ranks: list[int], frame: bytes, delivery: Delivery | None) -> None:
+        """Queue the FANOUT record of a ``ControlMsg`` frame for ``ranks`` (see
+        :meth:`submit_frame`)."""
+        session = self._writable(delivery)
+        if session is not None:
+            self._put(session.send_fanout(ranks, frame), delivery)
+
+    def submit_control(self, msg: Goodbye | FenceRank, delivery: Delivery | None) -> None:
+        """Queue the CONTROL record of ``msg`` for the relay itself (see :meth:`submit_frame`;
+        only ``Goodbye`` and ``FenceRank`` go this way)."""
+        session = self._writable(delivery)
+        if session is not None:
+            self._put(session.send(msg), delivery)
+
+    def _writable(self, delivery: Delivery | None) -> CoordinatorSession | None:
+        """The session to seal with, or None (``delivery`` settled as failed): the connection
+        ended, or it has not joined yet (the handshake still owns the stream)."""
+        session = self.session
+        if session is not None and self.alive:
+            return session
+        if delivery is not None:
+            delivery.settle(self, f"connection lost ({self._end_text()})" if session is not None
+                            else "not joined yet (its Ready has not verified)")
+        return None
+
+    def _put(self, record: bytes, delivery: Delivery | None) -> None:
+        if self._socket is not None and not self._queued and not self._writing:
+            self._write_now(self._socket, record, delivery)
+            return
+        self._enqueue(record, _RECORD, delivery)
+
+    def _mark(self, mark: int, delivery: Delivery | None) -> None:
+        """Queue a half-close marker behind everything queued so far."""
+        if self._writable(delivery) is not None:
+            self._enqueue(b"", mark, delivery)
+
+    def _enqueue(self, data: bytes, mark: int, delivery: Delivery | None) -> None:
         try:
-            self._queue_send.send_nowait((kind, rank, payload, delivery))
+            self._queue_send.send_nowait((data, mark, delivery))
         except trio.WouldBlock:
             # Never wait on one relay: a queue this full is a relay that does not read.
             failure = (f"queue full: {self.queue_limit} records not yet written (the relay "
@@ -204,24 +261,21 @@ class RelayConn:
             if delivery is not None:
                 delivery.settle(self, None)
             return
-        self._enqueue(_RAW, 0, record[written:], delivery)
+        self._enqueue(record[written:], _RECORD, delivery)
 
     def submit_eof(self, delivery: Delivery | None, *, goodbye: str) -> None:
         """Say ``Goodbye{goodbye}`` (FT/2: the relay tells a clean end from a coordinator that
         died), then half-close, once everything queued so far is written."""
-        self._submit_goodbye(goodbye)
-        self.submit(_EOF, 0, b"", delivery)
-
-    def _submit_goodbye(self, reason: str) -> None:
-        self.submit(int(RecordKind.CONTROL), 0, encode(Goodbye(reason=reason)), None)
+        self.submit_control(Goodbye(reason=goodbye), None)
+        self._mark(_EOF, delivery)
 
     def retire(self, reason: str, grace: float) -> None:
         """Close on purpose once everything queued so far is written: half-close, wait up to
         ``grace`` for the relay to close its side (so nothing in flight turns into a reset),
         then close. Nothing more can be submitted. A ``Goodbye`` with the reason goes first
         (FT/2), so the relay ends knowing it was closed on purpose."""
-        self._submit_goodbye(reason)
-        self.submit(_RETIRE, 0, b"", None)
+        self.submit_control(Goodbye(reason=reason), None)
+        self._mark(_RETIRE, None)
         if self.close_reason is None:
             self.close_reason = CloseReason("retired", reason)
         self._retire_grace = grace
@@ -244,25 +298,23 @@ class RelayConn:
             else:
                 failure, stalled = await self._write(batch)
             self._writing = False
-            for _, _, _, delivery in batch:
+            for _, _, delivery in batch:
                 if delivery is not None:
                     delivery.settle(self, failure)
             if failure is not None and not abandoned:
                 self.on_lost(self, failure, stalled)
-            elif failure is None and any(kind == _RETIRE for kind, _, _, _ in batch):
+            elif failure is None and any(mark == _RETIRE for _, mark, _ in batch):
                 with trio.move_on_after(self._retire_grace):
                     await self._ended.wait()  # the relay closed its side: the reader ended
                 break
         # Lost (or shut down): nothing more will be written, and the reader must stop too.
         await self.close()
 
-    async def _write(self, batch: list[tuple[int, int, bytes, Delivery | None]]
+    async def _write(self, batch: list[tuple[bytes, int, Delivery | None]]
                      ) -> tuple[str | None, bool]:
         """Write one batch: (None, False), or the failure and whether it was a stall."""
-        seal = self.sealer.seal
-        data = b"".join([payload if kind == _RAW else seal(kind, rank, payload)
-                         for kind, rank, payload, _ in batch if kind >= 0 or kind == _RAW])
-        half_close = any(kind in (_EOF, _RETIRE) for kind, _, _, _ in batch)
+        data = b"".join([record for record, _, _ in batch])
+        half_close = any(mark != _RECORD for _, mark, _ in batch)
         try:
             with trio.CancelScope(deadline=trio.current_time() + self.write_stall_timeout) as cs:
                 self._write_scope = cs

@@ -13,18 +13,15 @@ from ..wire import (
     Fenced,
     FenceRank,
     FrameCodec,
-    RecordKind,
     Shutdown,
     control_label,
-    encode,
-    encode_fanout,
 )
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster, ranks_text
 
 
 class Sender:
-    """Encodes control messages once and hands each relay's writer its records.
+    """Encodes control messages once and hands each relay's session and writer the frame.
 
     The writer tasks live in a shielded nursery (:meth:`host_writers`) so that the graceful
     shutdown can still write ``Shutdown`` and the half-closes after an outside cancellation.
@@ -51,8 +48,10 @@ class Sender:
                 await trio.sleep_forever()
 
     def start_writer(self, conn: RelayConn) -> None:
-        """Start ``conn``'s writer (``host_writers`` must be running)."""
+        """Open ``conn``'s session, then start its writer (``host_writers`` must be
+        running)."""
         assert self._writers is not None, "host_writers is not running"
+        conn.open_session(self._codec)
         self._writers.start_soon(conn.run_writer)
 
     def stop_writers(self) -> None:
@@ -79,7 +78,7 @@ class Sender:
         if not conn.alive:
             raise SendError(f"{what}: {conn.describe()} is gone ({conn.lost_reason})")
         delivery = Delivery(1)
-        conn.submit(RecordKind.DATA, rank, self._codec.encode(msg), delivery)
+        conn.submit_frame(rank, self._codec.encode(msg), delivery)
         await delivery.done.wait()
         failure = delivery.failures.get(conn)
         if failure is not None:
@@ -134,14 +133,13 @@ class Sender:
 
         delivery = Delivery(len(groups), on_done=settled)
         for conn, ranks in groups.items():
-            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+            conn.submit_fanout(ranks, frame, delivery)
 
     def post_to(self, conn: RelayConn, msg: ControlMsg) -> None:
         """Queue ``msg`` for ``conn``'s live ranks only and return at once (best effort)."""
         ranks = self._roster.live_of(conn)
         if ranks and conn.alive:
-            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, self._codec.encode(msg)),
-                        None)
+            conn.submit_fanout(ranks, self._codec.encode(msg), None)
 
     def fence(self, rank: int, reason: str) -> RelayConn | None:
         """Tell a rank declared dead, through its relay, that it is cut off and why (SPEC §4.5):
@@ -150,9 +148,8 @@ class Sender:
         conn = self._roster.relay_of(rank)
         if conn is None or not conn.alive:
             return None
-        conn.submit(RecordKind.DATA, rank, self._codec.encode(Fenced(rank=rank, reason=reason)),
-                    None)
-        conn.submit(RecordKind.CONTROL, 0, encode(FenceRank(rank=rank, reason=reason)), None)
+        conn.submit_frame(rank, self._codec.encode(Fenced(rank=rank, reason=reason)), None)
+        conn.submit_control(FenceRank(rank=rank, reason=reason), None)
         return conn
 
     async def broadcast_control(self, msg: ControlMsg) -> BroadcastResult:
@@ -166,7 +163,7 @@ class Sender:
         # Every relay's writer task gets its record now; they write concurrently.
         delivery = Delivery(len(groups))
         for conn, ranks in groups.items():
-            conn.submit(RecordKind.FANOUT, 0, encode_fanout(ranks, frame), delivery)
+            conn.submit_fanout(ranks, frame, delivery)
         await delivery.done.wait()
         result = self._outcome(msg, groups, failed, delivery)
         if result.failed:

@@ -65,9 +65,8 @@ class Readers:
     async def read_relay(self, conn: RelayConn) -> None:
         self._active += 1
         self._idle = trio.Event() if self._active == 1 else self._idle
-        # Records that came in the same read as the relay's Ready are in the opener already.
-        session = CoordinatorSession(conn.opener, conn.sealer, self._codec, host=conn.host,
-                                     ranks=conn.ranks)
+        # The session the writer seals with (opened when it started): one per connection.
+        session = conn.open_session(self._codec)
         cause: str | None = None
         try:
             while not isinstance(end := await self.act_on(conn, session), EndOfStream):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import trio
 
 from .._transport import STREAM_GONE
-from ..wire import FrameCodec, RelayWaiting, SessionSalt, len_frame
+from ..wire import FrameCodec, RelayWaiting, SessionSalt
 from .ranks import LocalRanks
 
 # Cadence of the notices (not scaled: a rate, not patience), and the bound on one write.
@@ -50,10 +50,11 @@ class RankNotices:
 
     async def tell(self, detail: str) -> None:
         """Send one notice to every connected rank."""
-        blob = len_frame(self._codec.encode(RelayWaiting(host=self._local.host, detail=detail)))
+        frame = self._codec.encode(RelayWaiting(host=self._local.host, detail=detail))
         for link in self._local.links():
             if link.gone:
                 continue
+            blob = link.session.send(frame)
             # Shielded so a cancellation never leaves half a frame on a rank's stream; bounded,
             # because a rank that does not read must not hold the relay.
             with trio.CancelScope(shield=True,

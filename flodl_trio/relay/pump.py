@@ -30,7 +30,6 @@ from ..wire import (
     RankExit,
     RankFrame,
     Record,
-    RecordKind,
     RecordOpener,
     RecordSealer,
     UpstreamSession,
@@ -40,7 +39,6 @@ from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
-_DATA = int(RecordKind.DATA)
 # What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
 # notice that its link ended. The queue holds queue_size items; a rank reader waits when it
 # is full, so a slow upstream slows the ranks' sends down (TCP backpressure, end to end).
@@ -101,7 +99,7 @@ class Pump:
         return self.session.goodbye
 
     async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
-        seal, send = self.session.seal, self.session.send
+        send_frame, send = self.session.send_frame, self.session.send
         async for item in up_recv:
             batch = [item]
             while len(batch) < 64:  # coalesce a burst into one write; each record stays whole
@@ -109,7 +107,7 @@ class Pump:
                     batch.append(up_recv.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            data = b"".join(seal(_DATA, *item) if isinstance(item, tuple) else send(item)
+            data = b"".join(send_frame(*item) if isinstance(item, tuple) else send(item)
                             for item in batch)
             try:
                 with trio.fail_after(self.config.write_stall_timeout):

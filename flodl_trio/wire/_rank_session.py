@@ -14,7 +14,7 @@ from .._errors import WireError
 from ._constants import MAX_LEN_FRAME, MsgKind
 from ._frames import FrameCodec, LenFrameDecoder, len_frame
 from ._messages import Metrics, Shutdown, ShutdownWithSave, TimingMsg, decode_control
-from ._session import Invalid, _Session
+from ._session import _CONTROL_FRAME_KIND, Invalid, _Session, _wrong_frame
 
 _CONTROL_KIND = int(MsgKind.CONTROL)
 
@@ -46,7 +46,14 @@ class RankLinkSession(_Session):
             self.fenced = reason
 
     def send(self, frame: bytes) -> bytes:
-        """The length-prefixed blob of one frame for the rank."""
+        """The length-prefixed blob of one ``ControlMsg`` frame for the rank (the relay's own
+        notices; what the coordinator sends comes length-prefixed in a ``Deliver`` already).
+
+        Raises:
+            WireError: a frame of another kind (ranks send those, they never receive them).
+        """
+        if frame[16:20] != _CONTROL_FRAME_KIND:
+            raise _wrong_frame(frame, f"relay {self.host!r}→rank {self.rank}")
         return len_frame(frame)
 
     def _decode(self, data: bytes | bytearray) -> list[bytes]:

@@ -16,11 +16,12 @@ the first of the peer's end (EOF, a protocol error) and what the loop reports wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from .._errors import AuthError, WireError
-from ._constants import MsgKind, RecordKind
+from ._constants import FRAME_HEADER_LEN, MsgKind, RecordKind
 from ._frames import FrameCodec, frames_before, len_frame
 from ._handshake import NEED_DATA
 from ._messages import (
@@ -35,7 +36,7 @@ from ._messages import (
     decode_timing,
     encode,
 )
-from ._records import Record, RecordOpener, RecordSealer, decode_fanout
+from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._schema import WireMessage
 
 # One read takes what the peer sent since the last one, up to this many bytes; every event in
@@ -48,6 +49,20 @@ _FANOUT = int(RecordKind.FANOUT)
 _TIMING = int(MsgKind.TIMING)
 _METRICS = int(MsgKind.METRICS)
 _RESERVED = (int(MsgKind.RESERVED_4), int(MsgKind.RESERVED_5))
+_CONTROL_FRAME = int(MsgKind.CONTROL)
+_FRAME_KIND = struct.Struct("<I")  # a frame header's kind field, at offset 16 (SPEC §2.3)
+
+
+_CONTROL_FRAME_KIND = _FRAME_KIND.pack(_CONTROL_FRAME)
+
+
+def _wrong_frame(frame: bytes, direction: str) -> WireError:
+    """The error for a frame to ranks whose header does not name a ``ControlMsg`` (the only
+    kind ranks receive; not verified here, the rank verifies it). Callers test
+    ``frame[16:20] != _CONTROL_FRAME_KIND`` (a frame shorter than a header never matches)."""
+    kind = _FRAME_KIND.unpack_from(frame, 16)[0] if len(frame) >= FRAME_HEADER_LEN else None
+    return WireError(f"{direction} frame: expected a ControlMsg frame (kind {_CONTROL_FRAME}), "
+                     f"got {len(frame)} bytes of kind {kind}")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -184,6 +199,8 @@ class _Session:
 class _RecordSession(_Session):
     """A leg of sealed records (relay ↔ coordinator, SPEC §2.5)."""
 
+    rank_set: frozenset[int]  # the ranks the relay carries
+
     def __init__(self, opener: RecordOpener, sealer: RecordSealer, peer: str) -> None:
         super().__init__(peer)
         self.opener = opener
@@ -194,10 +211,6 @@ class _RecordSession(_Session):
     def _decode(self, data: bytes | bytearray) -> list[Record]:
         return self.opener.feed(data)
 
-    def seal(self, kind: int, rank: int, payload: bytes | bytearray | memoryview) -> bytes:
-        """One record in this side's direction (sealing order must be writing order)."""
-        return self.sealer.seal(kind, rank, payload)
-
     def _send_control(self, msg: object, allowed: tuple[type[WireMessage], ...],
                       direction: str) -> bytes:
         if not isinstance(msg, allowed):
@@ -205,6 +218,10 @@ class _RecordSession(_Session):
                             f"{', '.join(t.__name__ for t in allowed)}, got "
                             f"{type(msg).__name__} (to {self.peer})")
         return self.sealer.seal(_CONTROL, 0, encode(msg))
+
+    def _not_carried(self, direction: str, what: str, ranks: Iterable[int]) -> WireError:
+        return WireError(f"{direction} {what}: expected ranks of {self.peer} "
+                         f"{ranks_text(sorted(self.rank_set))}, got {ranks_text(ranks)}")
 
     def _eof_end(self) -> tuple[str, bool, WireError | None]:
         err = self.opener.eof_error(self.peer)
@@ -234,8 +251,29 @@ class CoordinatorSession(_RecordSession):
         self.rank_set = frozenset(self.ranks)
 
     def send(self, msg: Goodbye | FenceRank) -> bytes:
-        """The sealed CONTROL record of ``msg`` (coordinator → relay: Goodbye, FenceRank)."""
+        """The sealed CONTROL record of ``msg``: a Goodbye, or a FenceRank of a rank the relay
+        carries (WireError for anything else; nothing is sealed)."""
+        if type(msg) is FenceRank and int(msg.rank) not in self.rank_set:
+            raise self._not_carried("coordinator→relay", "FenceRank", (int(msg.rank),))
         return self._send_control(msg, (Goodbye, FenceRank), "coordinator→relay")
+
+    def send_frame(self, rank: int, frame: bytes) -> bytes:
+        """The sealed DATA record of one ``ControlMsg`` frame for ``rank``, which the relay
+        carries (WireError otherwise, or for a frame of another kind; nothing is sealed)."""
+        if rank not in self.rank_set:
+            raise self._not_carried("coordinator→relay", "DATA record", (rank,))
+        if frame[16:20] != _CONTROL_FRAME_KIND:
+            raise _wrong_frame(frame, f"coordinator→{self.peer}")
+        return self.sealer.seal(_DATA, rank, frame)
+
+    def send_fanout(self, ranks: Sequence[int], frame: bytes) -> bytes:
+        """The sealed FANOUT record of one ``ControlMsg`` frame for ``ranks`` (at least one;
+        otherwise as :meth:`send_frame`)."""
+        if not ranks or not self.rank_set.issuperset(ranks):
+            raise self._not_carried("coordinator→relay", "FANOUT record", ranks)
+        if frame[16:20] != _CONTROL_FRAME_KIND:
+            raise _wrong_frame(frame, f"coordinator→{self.peer}")
+        return self.sealer.seal(_FANOUT, 0, encode_fanout(ranks, frame))
 
     def _event(self, rec: Record) -> Any:
         # The ingest hot path (SPEC §13): one call per record, no helper below it.
@@ -316,6 +354,13 @@ class UpstreamSession(_RecordSession):
     def send(self, msg: RankExit | RankDropped) -> bytes:
         """The sealed CONTROL record of ``msg`` (relay → coordinator: RankExit, RankDropped)."""
         return self._send_control(msg, (RankExit, RankDropped), "relay→coordinator")
+
+    def send_frame(self, rank: int, frame: bytes) -> bytes:
+        """The sealed DATA record of a frame of local ``rank`` (WireError for another rank),
+        forwarded unopened: the coordinator verifies it and drops one of the wrong kind."""
+        if rank not in self.rank_set:
+            raise self._not_carried("relay→coordinator", "DATA record", (rank,))
+        return self.sealer.seal(_DATA, rank, frame)
 
     def _event(self, rec: Record) -> Any:
         if rec.kind == _DATA:
