@@ -31,8 +31,6 @@ from ._errors import (
     WireError,
     WrongSession,
 )
-from ._reformation import ReformationError
-from ._svg import sanitize_svg
 from ._timeouts import timeout_scale
 from ._version import __version__
 from .coordinator import (
@@ -45,6 +43,8 @@ from .coordinator import (
 from .rank import RankEndpoint, open_rank
 from .rank_client import RankClient
 from .relay import Relay, RelayExit, open_relay
+from .scheduler._reformation import ReformationError
+from .status._svg import sanitize_svg
 from .timeline import Timeline
 from .wire import (
     Batch,

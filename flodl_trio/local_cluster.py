@@ -24,9 +24,9 @@ import trio
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
 from ._errors import ConfigError, FlodlError
 from ._lifecycle import choose_one_exception
-from ._memory_network import MemoryNetwork
-from ._transport import Dialer
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
+from .net._memory_network import MemoryNetwork
+from .net._transport import Dialer
 from .rank import RankEndpoint, open_rank
 from .relay import Relay, RelayExit, open_relay
 from .timeline import Timeline

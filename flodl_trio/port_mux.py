@@ -21,11 +21,11 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._errors import ConfigError
-from ._keepalive import KeepAlive
-from ._listen import serve_each
-from ._pending import PendingHandshakes
-from ._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
-from ._transport import STREAM_GONE
+from .net._keepalive import KeepAlive
+from .net._listen import serve_each
+from .net._pending import PendingHandshakes
+from .net._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
+from .net._transport import STREAM_GONE
 
 __all__ = [
     "CHANNEL_MAGIC_CONTROL",

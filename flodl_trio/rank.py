@@ -25,11 +25,17 @@ from ._errors import (
     SendError,
     WireError,
 )
-from ._handshake_io import receive_event, run_handshake
-from ._keepalive import KeepAlive
 from ._lifecycle import open_lifecycle
-from ._ratelimit import JunkCounter
-from ._transport import STREAM_GONE, DialTarget, StreamWriter, dial_and_handshake, format_address
+from .net._handshake_io import receive_event, run_handshake
+from .net._keepalive import KeepAlive
+from .net._ratelimit import JunkCounter
+from .net._transport import (
+    STREAM_GONE,
+    DialTarget,
+    StreamWriter,
+    dial_and_handshake,
+    format_address,
+)
 from .wire import (
     ControlMsg,
     CoordHeartbeat,

@@ -29,7 +29,7 @@ import trio
 from . import _timeouts as T
 from ._config import RankConfig
 from ._errors import ConfigError, FlodlError
-from ._transport import DialTarget
+from .net._transport import DialTarget
 from .rank import RankEndpoint, open_rank
 from .wire import ControlMsg, Exiting, Metrics, SessionSalt, TimingMsg, control_label
 

@@ -33,11 +33,11 @@ from typing import TypeVar
 
 import trio
 
-from ._memory_network import MemoryListener, MemoryNetwork
-from ._memory_stream import MemoryConnection, MemoryStream
 from ._waiting import wait_until
 from .events import Event
 from .local_cluster import LocalCluster, RawRankMain, RawRankSlot, open_local_cluster
+from .net._memory_network import MemoryListener, MemoryNetwork
+from .net._memory_stream import MemoryConnection, MemoryStream
 from .timeline import Stamped, Timeline
 
 __all__ = [

@@ -36,7 +36,7 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio._handshake_io import run_handshake
+from flodl_trio.net._handshake_io import run_handshake
 from flodl_trio.status import fetch_state
 
 CHILD = str(Path(__file__).resolve().parent / "_flood_coordinator.py")

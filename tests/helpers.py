@@ -26,8 +26,8 @@ from flodl_trio.testing import (
     RawRankMain,
     RawRankSlot,
     open_local_cluster,
+    wait_until as wait_until,  # the tests import it from here
 )
-from flodl_trio.testing import wait_until as wait_until  # the tests import it from here
 
 COORD = "coordinator"
 
@@ -291,7 +291,7 @@ async def raw_relay_handshake(
     confirmed (HelloAck, Ready, welcome), else the coordinator refused it (``refused``, its
     reason) or closed it (EOF)."""
     from flodl_trio import wire
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     machine = wire.RelayHandshake(salt, host=host, ranks=tuple(ranks), world_size=world_size,
                                   model_sigs=model_sigs, coordinator=COORD)
@@ -324,7 +324,7 @@ async def raw_rank_accept(stream: trio.abc.Stream, salt: ft.SessionSalt, *, worl
     """Run the relay's end of one rank handshake (SPEC §2.3, FT/2: through the rank's first
     frame and the relay's notice) with the library's own machine; returns the rank."""
     from flodl_trio import wire
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     machine = wire.RankAcceptHandshake(salt, world_size=world_size, host=host,
                                        ranks=frozenset(ranks), peer="test")
@@ -351,7 +351,7 @@ async def raw_coordinator_accept(
 ) -> RawCoordinatorSide:
     """Accept one relay and complete the coordinator side of the upstream handshake."""
     from flodl_trio import wire
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     stream = await listener.accept()
     machine = wire.CoordinatorHandshake(salt, peer="test")
@@ -399,7 +399,7 @@ class RawRank:
     @classmethod
     async def connect(cls, dialer: Any, *, salt: ft.SessionSalt, rank: int, world_size: int,
                       interval: float | None = 1.0) -> RawRank:
-        from flodl_trio._handshake_io import run_handshake
+        from flodl_trio.net._handshake_io import run_handshake
 
         stream = await dialer()
         machine = ft.wire.RankDialHandshake(salt, rank=rank, world_size=world_size, relay="test")

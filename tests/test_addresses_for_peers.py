@@ -10,8 +10,8 @@ import pytest
 import trio
 
 import flodl_trio as ft
-from flodl_trio._interfaces import dialable_addresses, interface_addresses
 from flodl_trio.cli import main
+from flodl_trio.net._interfaces import dialable_addresses, interface_addresses
 
 
 async def test_a_specific_bind_publishes_exactly_that_address_and_it_answers() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from flodl_trio import FlodlError, FormationTimeout, HandshakeError
-from flodl_trio._cli_errors import MAX_LINE, error_line, network_cause
 from flodl_trio.cli import main
+from flodl_trio.cli._errors import MAX_LINE, error_line, network_cause
 
 CLI = [sys.executable, "-m", "flodl_trio"]
 

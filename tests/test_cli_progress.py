@@ -8,9 +8,9 @@ import io
 import trio
 import trio.testing
 
-from flodl_trio._cli_progress import EpochProgress, print_progress
-from flodl_trio._epoch_math import EpochCoverage
+from flodl_trio.cli._progress import EpochProgress, print_progress
 from flodl_trio.events import Note, RankDeclaredDead
+from flodl_trio.scheduler._epoch_math import EpochCoverage
 from flodl_trio.timeline import Stamped, Timeline
 
 

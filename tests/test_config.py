@@ -8,8 +8,7 @@ from fractions import Fraction
 
 import attrs
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from flodl_trio._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
 from flodl_trio._errors import ConfigError

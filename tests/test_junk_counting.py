@@ -10,8 +10,8 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-from flodl_trio._ratelimit import JunkCounter
 from flodl_trio.events import InvalidFrame
+from flodl_trio.net._ratelimit import JunkCounter
 from flodl_trio.status import render_prometheus
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown

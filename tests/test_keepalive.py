@@ -10,8 +10,8 @@ import socket
 import pytest
 
 import flodl_trio as ft
-from flodl_trio._keepalive import KeepAlive
 from flodl_trio.local_cluster import open_local_cluster
+from flodl_trio.net._keepalive import KeepAlive
 
 linux_keepalive = pytest.mark.skipif(
     not (hasattr(socket, "TCP_KEEPIDLE") and os.path.isdir("/proc/self/fd")),

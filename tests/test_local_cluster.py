@@ -109,7 +109,7 @@ async def test_raw_ranks_speak_the_wire_by_hand_and_the_cluster_waits_for_their_
     autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
 ) -> None:
     from flodl_trio import wire
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     confirmed: list[float] = []
 

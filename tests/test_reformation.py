@@ -12,10 +12,10 @@ import pytest
 import trio
 
 import flodl_trio as ft
-from flodl_trio._epoch_math import coverage, processed_ranges, unprocessed_ranges
-from flodl_trio._reformation import Reformation
 from flodl_trio.local_cluster import layout
 from flodl_trio.scheduler import ReformationError, RunSummary, SyncScheduler
+from flodl_trio.scheduler._epoch_math import coverage, processed_ranges, unprocessed_ranges
+from flodl_trio.scheduler._reformation import Reformation
 from flodl_trio.sim import SimRecord, SimulatedCrash
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import NewNcclSession, RequestNewNcclId, StartEpoch

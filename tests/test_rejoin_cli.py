@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from flodl_trio._cli_parser import build_parser
-from flodl_trio._cli_run import _coordinator_config
-from flodl_trio._demo_story import Story
 from flodl_trio.cli import main
+from flodl_trio.cli._parser import build_parser
+from flodl_trio.cli._run import _coordinator_config
+from flodl_trio.demo._story import Story
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -228,7 +228,7 @@ async def test_a_relay_refused_after_formation_gives_up_at_once_with_the_rejoin_
 async def test_a_forged_refused_is_a_failed_attempt_and_the_relay_re_dials_and_joins(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     listener = memory_network.listener(COORD)
     dials: list[float] = []

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import attrs
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import flodl_trio as ft
 from flodl_trio.coordinator._roster import Roster, ranks_text

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import trio
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import flodl_trio as ft
 from flodl_trio.local_cluster import layout, open_local_cluster

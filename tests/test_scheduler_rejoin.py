@@ -12,9 +12,9 @@ import attrs
 import trio
 
 import flodl_trio as ft
-from flodl_trio._scheduler_parts import Members
 from flodl_trio.events import Note, RankRejoined
 from flodl_trio.scheduler import SyncScheduler
+from flodl_trio.scheduler._parts import Members
 from flodl_trio.sim import SimRecord, SimulatedRank
 from flodl_trio.testing import EventLog, MemoryNetwork
 

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flodl_trio as ft
 from flodl_trio.local_cluster import layout, open_local_cluster

@@ -30,8 +30,8 @@ from helpers import (
     raw_relay_handshake,
     start_host,
     upstream_of,
+    wait_until as poll_until,
 )
-from helpers import wait_until as poll_until
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 

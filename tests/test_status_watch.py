@@ -19,8 +19,8 @@ import pytest
 import trio
 from rich.console import Console
 
-from flodl_trio._cli_watch import render
 from flodl_trio.cli import main
+from flodl_trio.cli._watch import render
 from flodl_trio.events import Note
 from flodl_trio.local_cluster import layout
 from flodl_trio.pytest_plugin import LocalClusterFactory

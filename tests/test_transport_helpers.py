@@ -10,8 +10,8 @@ import pytest
 import trio
 
 import flodl_trio as ft
-from flodl_trio._listen import serve_each
-from flodl_trio._transport import dial_and_handshake
+from flodl_trio.net._listen import serve_each
+from flodl_trio.net._transport import dial_and_handshake
 from flodl_trio.testing import MemoryNetwork, MemoryStream
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import cbor2
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flodl_trio import wire
 from flodl_trio._errors import WireError

@@ -12,8 +12,7 @@ import itertools
 import struct
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from flodl_trio import wire
 from flodl_trio._errors import AuthError, ConfigError, FrameTooLarge, HandshakeError, WireError

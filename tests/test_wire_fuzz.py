@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cbor2
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flodl_trio import wire
 from flodl_trio._errors import HandshakeError, WireError

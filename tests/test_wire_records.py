@@ -13,8 +13,7 @@ import struct
 
 import cbor2
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from flodl_trio import wire
 from flodl_trio._errors import AuthError, FrameTooLarge, WireError

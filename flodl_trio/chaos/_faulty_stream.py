@@ -7,7 +7,7 @@ from typing import Literal
 import trio
 
 from .._errors import ConfigError
-from .._memory_stream import ConflictGuard
+from ..net._memory_stream import ConflictGuard
 from ._plan import FaultPlan, _drip_piece, _Schedule
 
 

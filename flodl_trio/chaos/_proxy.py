@@ -26,7 +26,7 @@ from typing import Literal
 import trio
 
 from .._errors import ConfigError
-from .._transport import STREAM_GONE
+from ..net._transport import STREAM_GONE
 from ._plan import _CHUNK, FaultPlan, _drip_piece, _Schedule
 from ._sockets import dial, fix_buffers, kernel_buffer, queued
 

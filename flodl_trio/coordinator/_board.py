@@ -15,7 +15,7 @@ from typing import Any, Final
 import attrs
 
 from .._errors import SvgRejected
-from .._svg import MAX_SVG_BYTES, sanitize_svg
+from ..status._svg import MAX_SVG_BYTES, sanitize_svg
 from ..wire import (
     Batch,
     DashboardRegister,

@@ -8,8 +8,8 @@ import contextlib
 import trio
 
 from .._errors import FlodlError
-from .._handshake_io import run_handshake
-from .._transport import STREAM_GONE
+from ..net._handshake_io import run_handshake
+from ..net._transport import STREAM_GONE
 from ..wire import CoordinatorHandshake, Established, HelloReceived, SessionSalt
 
 

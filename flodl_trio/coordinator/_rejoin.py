@@ -26,8 +26,8 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FlodlError
-from .._transport import STREAM_GONE
 from ..events import RankRejoined, RankTakenOver, RelayJoined
+from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareAlive, DeclareDead, Hello
 from ._handshake import finish_handshake

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 import trio
 
-from .._transport import STREAM_GONE
+from ..net._transport import STREAM_GONE
 from ..port_mux import PrefixedStream
 from ..wire import (
     CoordinatorSession,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._ratelimit import JunkCounter, JunkReport
+from ..net._ratelimit import JunkCounter, JunkReport
 from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member, ranks_text
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]

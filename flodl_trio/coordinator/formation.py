@@ -19,12 +19,12 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FlodlError, FormationAborted, FormationError, FormationTimeout
-from .._keepalive import KeepAlive
-from .._listen import serve_each
-from .._pending import PendingHandshakes
-from .._ratelimit import JunkReport
-from .._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
+from ..net._keepalive import KeepAlive
+from ..net._listen import serve_each
+from ..net._pending import PendingHandshakes
+from ..net._ratelimit import JunkReport
+from ..net._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareDead, Hello, SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse

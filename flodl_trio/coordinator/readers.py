@@ -13,8 +13,8 @@ from typing import Any, cast
 import attrs
 import trio
 
-from .._transport import STREAM_GONE
 from ..events import InvalidFrame, RankExited
+from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
     NEED_DATA,

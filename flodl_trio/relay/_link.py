@@ -8,7 +8,7 @@ import attrs
 import trio
 
 from .._config import RelayConfig
-from .._transport import StreamWriter
+from ..net._transport import StreamWriter
 from ..wire import RankLinkSession
 
 # Bytes a rank may send before the pump starts that the relay reads ahead (SPEC §5 phase 1).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import trio
 
-from .._transport import STREAM_GONE
+from ..net._transport import STREAM_GONE
 from ..wire import FrameCodec, RelayWaiting, SessionSalt
 from .ranks import LocalRanks
 

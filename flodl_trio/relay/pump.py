@@ -13,10 +13,10 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import WireError
-from .._handshake_io import receive_event
-from .._ratelimit import JunkCounter
-from .._transport import STREAM_GONE
 from ..events import RelayDroppedRank
+from ..net._handshake_io import receive_event
+from ..net._ratelimit import JunkCounter
+from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
     NEED_DATA,

@@ -17,11 +17,11 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
-from .._handshake_io import run_handshake
-from .._keepalive import KeepAlive
-from .._listen import serve_each
-from .._ratelimit import JunkCounter
-from .._transport import STREAM_GONE, close_all, peer_of
+from ..net._handshake_io import run_handshake
+from ..net._keepalive import KeepAlive
+from ..net._listen import serve_each
+from ..net._ratelimit import JunkCounter
+from ..net._transport import STREAM_GONE, close_all, peer_of
 from ..wire import READ_SIZE, RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
 from ._link import EARLY_LIMIT, RankLink
 

@@ -95,7 +95,7 @@ async def test_relay_that_only_meets_forged_challenges_gives_up_after_three_nami
 
 async def _serve_wrong_challenges(listener: trio.abc.Listener[trio.abc.Stream],
                                   salt: ft.SessionSalt) -> None:
-    from flodl_trio._handshake_io import run_handshake
+    from flodl_trio.net._handshake_io import run_handshake
 
     async with listener:
         for _ in range(100):

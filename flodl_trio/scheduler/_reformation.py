@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import attrs
 import trio
 
-from ._errors import FlodlError
-from .events import Note
-from .timeline import Timeline
-from .wire import ControlMsg, NewNcclSession, RequestNewNcclId
+from .._errors import FlodlError
+from ..events import Note
+from ..timeline import Timeline
+from ..wire import ControlMsg, NewNcclSession, RequestNewNcclId
 
 log = logging.getLogger("flodl_trio.scheduler")
 

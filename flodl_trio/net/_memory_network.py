@@ -10,7 +10,7 @@ from collections import deque
 
 import trio
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 from ._memory_stream import MemoryConnection, MemoryStream
 
 __all__ = ["MemoryListener", "MemoryNetwork"]

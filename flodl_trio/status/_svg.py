@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from html import escape
 from typing import Final
 
-from ._errors import SvgRejected
+from .._errors import SvgRejected
 
 __all__ = ["MAX_SVG_BYTES", "sanitize_svg"]
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 _COLORS = {"alive": "#3a9d5d", "dead": "#d64545", "exited": "#4a78c2"}
 _SYNC_COLOR, _LOST_COLOR, _FORMED_COLOR, _EPOCH_COLOR = "#8a5cc2", "#d68a00", "#1f6f3f", "#555555"

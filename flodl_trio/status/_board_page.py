@@ -25,7 +25,7 @@ def _hash_source(text: str) -> str:
 @cache
 def page() -> tuple[bytes, list[tuple[str, str]]]:
     """The page's bytes and the response headers that go with them."""
-    html = resources.files("flodl_trio").joinpath("board.html").read_text(encoding="utf-8")
+    html = resources.files("flodl_trio.status").joinpath("board.html").read_text(encoding="utf-8")
     scripts = re.findall(r"<script>(.*?)</script>", html, re.DOTALL)
     styles = re.findall(r"<style>(.*?)</style>", html, re.DOTALL)
     policy = "; ".join([

@@ -11,9 +11,9 @@ from typing import TextIO
 
 import trio
 
-from ._epoch_math import EpochCoverage
-from .events import RankDeclaredDead
-from .timeline import Stamped, Timeline
+from ..events import RankDeclaredDead
+from ..scheduler._epoch_math import EpochCoverage
+from ..timeline import Stamped, Timeline
 
 
 class EpochProgress:

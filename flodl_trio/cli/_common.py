@@ -16,8 +16,8 @@ from pathlib import Path
 
 import trio
 
-from ._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
-from .wire import SessionSalt
+from .._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
+from ..wire import SessionSalt
 
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

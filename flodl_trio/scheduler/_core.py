@@ -36,8 +36,8 @@ How it decides, in one place:
   dispatches the next epoch; after the last one it broadcasts ``Shutdown``.
 - **Process group** (opt-in, ``process_group=True``): before the first epoch and after every
   death the ranks' collective group is (re-)formed with ``RequestNewNcclId`` /
-  ``NewNcclIdGenerated`` / ``NewNcclSession`` (:mod:`flodl_trio._reformation`); meanwhile no
-  ``SyncNow`` and no new epoch go out.
+  ``NewNcclIdGenerated`` / ``NewNcclSession`` (:mod:`flodl_trio.scheduler._reformation`);
+  meanwhile no ``SyncNow`` and no new epoch go out.
 - **Reading.** The scheduler is the consumer of ``coord.timing`` and ``coord.metrics``. The
   coordinator delivers each relay's frames in order but into two channels, so the scheduler always
   drains timing before it takes a ``Metrics``: a rank's last ``Batch`` is counted before its
@@ -54,26 +54,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from . import _timeouts as T
-from ._callbacks import Callbacks
-from ._epoch_ledger import EpochLedger
-from ._epoch_math import (
-    EpochCoverage,
-    Range,
-    aggregate_metrics,
-    check_cadence,
-    check_count,
-    check_ratios,
-    partition_sizes,
-    plan_epoch,
-    split_remainder,
-    unprocessed_ranges,
-)
-from ._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
-from ._reformation import ProcessGroupKeeper, ReformationError
-from ._scheduler_parts import Inbox, InboxClosed, Members, RunSummary
-from .events import Note
-from .wire import (
+from .. import _timeouts as T
+from .._callbacks import Callbacks
+from .._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
+from ..events import Note
+from ..wire import (
     Batch,
     CheckpointResult,
     ControlMsg,
@@ -90,21 +75,19 @@ from .wire import (
     SyncNow,
     TimingMsg,
 )
-
-__all__ = [
-    "EpochCoverage",
-    "ReformationError",
-    "RunSummary",
-    "SyncScheduler",
-    "aggregate_metrics",
-    "partition_sizes",
-    "plan_epoch",
-    "split_remainder",
-    "unprocessed_ranges",
-]
+from ._epoch_ledger import EpochLedger
+from ._epoch_math import (
+    EpochCoverage,
+    Range,
+    check_cadence,
+    check_count,
+    check_ratios,
+)
+from ._parts import Inbox, InboxClosed, Members, RunSummary
+from ._reformation import ProcessGroupKeeper
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
 
 log = logging.getLogger("flodl_trio.scheduler")
 

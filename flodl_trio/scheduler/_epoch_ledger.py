@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from ..events import Note
+from ..timeline import Timeline
+from ..wire import EpochMetrics, EpochPlan, Metrics
 from ._epoch_math import (
     EpochCoverage,
     Range,
@@ -19,10 +22,7 @@ from ._epoch_math import (
     split_remainder,
     unprocessed_ranges,
 )
-from ._scheduler_parts import Share
-from .events import Note
-from .timeline import Timeline
-from .wire import EpochMetrics, EpochPlan, Metrics
+from ._parts import Share
 
 # The scheduler's records, whichever of its modules logs them.
 log = logging.getLogger("flodl_trio.scheduler")

@@ -16,7 +16,18 @@ from typing import Any
 import attrs
 import trio
 
-from ._cli_common import (
+from .._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
+from .._errors import FlodlError, JoinRefused, WrongSession
+from ..coordinator import Coordinator, bind_coordinator, open_coordinator
+from ..net._transport import format_address
+from ..rank import open_rank
+from ..relay import open_relay
+from ..scheduler import RunSummary, SyncScheduler
+from ..sim import SimulatedRank
+from ..status import fetch_state
+from ..timeline import Timeline
+from ..wire import SaveReason, Shutdown, ShutdownWithSave
+from ._common import (
     EXIT_OK,
     STOP_SIGNALS,
     CommandFailed,
@@ -30,19 +41,8 @@ from ._cli_common import (
     parse_ranks,
     write_text,
 )
-from ._cli_progress import EpochProgress, print_progress
-from ._cli_watch import check_interval, watch
-from ._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
-from ._errors import FlodlError, JoinRefused, WrongSession
-from ._transport import format_address
-from .coordinator import Coordinator, bind_coordinator, open_coordinator
-from .rank import open_rank
-from .relay import open_relay
-from .scheduler import RunSummary, SyncScheduler
-from .sim import SimulatedRank
-from .status import fetch_state
-from .timeline import Timeline
-from .wire import SaveReason, Shutdown, ShutdownWithSave
+from ._progress import EpochProgress, print_progress
+from ._watch import check_interval, watch
 
 
 def _stopped(stop: SignalStop, what: str) -> int:

@@ -13,9 +13,9 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from ._errors import FlodlError
+from .._errors import FlodlError
+from ..wire import NEED_DATA, READ_SIZE, NeedData
 from ._transport import STREAM_GONE
-from .wire import NEED_DATA, READ_SIZE, NeedData
 
 # A Hello is read in pieces this big at most; the machine's ceiling bounds what it buffers.
 HANDSHAKE_READ = READ_SIZE

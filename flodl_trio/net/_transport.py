@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._errors import HandshakeError, WireError
+from .._errors import HandshakeError, WireError
+from .._timeouts import CONNECT_RETRY_INTERVAL
 from ._keepalive import KeepAlive, enable_keepalive
-from ._timeouts import CONNECT_RETRY_INTERVAL
 
 log = logging.getLogger("flodl_trio.transport")
 

@@ -2,7 +2,7 @@
 
 One coordinator process (driving the SyncScheduler), one relay process per host and one
 simulated-rank process per rank. The story comes from the coordinator's timeline file (see
-:mod:`flodl_trio._demo_story`): formation, epochs, each death and its cause, each
+:mod:`flodl_trio.demo._story`): formation, epochs, each death and its cause, each
 redistribution; ``--kill-relay HOST@SECONDS`` SIGKILLs a relay process that long after formation
 to show the failure path, and ``--restart-relay HOST@SECONDS`` starts that host's relay and rank
 processes again that long after the kill, to show it rejoining the running cohort. The temporary
@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ._cli_common import CommandFailed, Terminated, UsageError, check_writable
-from ._cli_errors import MAX_LINE, shorten
-from ._demo_story import Story
-from .wire import SessionSalt
+from ..cli._common import CommandFailed, Terminated, UsageError, check_writable
+from ..cli._errors import MAX_LINE, shorten
+from ..wire import SessionSalt
+from ._story import Story
 
 START_DEADLINE_S = 30.0
 RUN_DEADLINE_S = 120.0

@@ -10,8 +10,8 @@ from typing import TypeVar
 import attrs
 import trio
 
+from ..wire import EpochMetrics, Metrics, TimingMsg
 from ._epoch_math import Range
-from .wire import EpochMetrics, Metrics, TimingMsg
 
 _T = TypeVar("_T")
 

@@ -17,32 +17,22 @@ from typing import Any
 
 import trio
 
-from ._cli_common import (
+from .._errors import ConfigError, FlodlError
+from .._version import __version__
+from ..wire import SessionSalt
+from ._common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
     EXIT_USAGE,
-    SALT_ENV,
     CommandFailed,
     Terminated,
     UsageError,
-    load_salt,
     os_error_text,
-    parse_address,
-    parse_ranks,
 )
-from ._cli_errors import MAX_LINE, PEERS, error_line, shorten
-from ._cli_parser import build_parser
-from ._errors import ConfigError, FlodlError
-from ._version import __version__
-from .wire import SessionSalt
-
-__all__ = [
-    "EXIT_FAILED", "EXIT_OK", "EXIT_SIGINT", "EXIT_SIGTERM", "EXIT_USAGE", "SALT_ENV",
-    "CommandFailed", "UsageError", "build_parser", "load_salt", "main", "parse_address",
-    "parse_ranks",
-]
+from ._errors import MAX_LINE, PEERS, error_line, shorten
+from ._parser import build_parser
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
@@ -148,13 +138,13 @@ def _dispatch(args: Any) -> int:
         print(SessionSalt.generate().hex())
         return EXIT_OK
     if args.command in ("status", "coordinator", "relay", "rank"):
-        from . import _cli_run
+        from . import _run as _cli_run
 
         run = {"status": _cli_run.run_status, "coordinator": _cli_run.run_coordinator,
                "relay": _cli_run.run_relay, "rank": _cli_run.run_rank}[args.command]
         return trio.run(run, args)
     if args.command == "demo":
-        from ._demo import run_demo
+        from ..demo._run import run_demo
 
         return run_demo(args)
     if args.command == "plot":

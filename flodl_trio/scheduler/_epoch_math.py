@@ -13,8 +13,8 @@ from fractions import Fraction
 
 import attrs
 
-from ._errors import ConfigError
-from .wire import EpochMetrics, EpochPlan, Metrics
+from .._errors import ConfigError
+from ..wire import EpochMetrics, EpochPlan, Metrics
 
 Range = tuple[int, int]
 """``(offset, size)`` of a contiguous run of sample indices."""

@@ -22,8 +22,8 @@ from typing import Any, Final
 import h11
 import trio
 
+from ..net._transport import STREAM_GONE
 from ._board_page import page
-from ._transport import STREAM_GONE
 
 log = logging.getLogger("flodl_trio.status")
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import NoReturn
 
-from ._cli_common import EXIT_USAGE, SALT_ENV
-from ._version import __version__
+from .._version import __version__
+from ._common import EXIT_USAGE, SALT_ENV
 
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_TOTAL_SAMPLES = 240

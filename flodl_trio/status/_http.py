@@ -4,8 +4,8 @@ Routes: ``GET /state.json`` (the status document as JSON), ``GET /healthz`` (200
 phase is ``running``, else 503) and ``GET /metrics`` (Prometheus text exposition); with a
 ``board_fn``, also the live status page: ``GET /`` (one self-contained HTML page),
 ``GET /board.json`` (its document) and ``GET /events`` (that document as Server-Sent Events, see
-:mod:`flodl_trio._board_feed`, the one route whose connection outlives ``request_timeout``, and
-only after its request head arrived within it); ``HEAD`` answers
+:mod:`flodl_trio.status._board_feed`, the one route whose connection outlives
+``request_timeout``, and only after its request head arrived within it); ``HEAD`` answers
 like ``GET`` without the body, every other method gets 405 with ``Allow: GET, HEAD``, an unknown
 path 404. Every connection
 gets exactly one response, then closes; the whole exchange is bounded by ``request_timeout`` and
@@ -30,15 +30,13 @@ from typing import Any, Final
 import h11
 import trio
 
+from .._errors import ConfigError, FlodlError
+from ..net._keepalive import KeepAlive, enable_keepalive
+from ..net._listen import serve_each
+from ..net._transport import STREAM_GONE
 from ._board_feed import BoardFeed, BoardFn
-from ._errors import ConfigError, FlodlError
-from ._keepalive import KeepAlive, enable_keepalive
-from ._listen import serve_each
-from ._transport import STREAM_GONE
 
-__all__ = ["fetch_state", "render_prometheus", "serve_status"]
-
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("flodl_trio.status")
 
 StateFn = Callable[[], Mapping[str, Any]]
 

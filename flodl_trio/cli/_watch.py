@@ -20,10 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ._cli_common import UsageError
-from ._cli_errors import causes, shorten
-from ._errors import FlodlError
-from .status import fetch_state
+from .._errors import FlodlError
+from ..status import fetch_state
+from ._common import UsageError
+from ._errors import causes, shorten
 
 MIN_INTERVAL: Final = 0.2
 MAX_INTERVAL: Final = 60.0

@@ -1,0 +1,229 @@
+"""The coordinator: formation, readers, sending, liveness and shutdown (SPEC §4)."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
+from typing import Any
+
+import trio
+
+from .._config import CoordinatorConfig
+from .._errors import ConfigError
+from .._lifecycle import open_lifecycle
+from ..events import Listening
+from ..net._interfaces import dialable_addresses, interface_addresses
+from ..net._keepalive import KeepAlive
+from ..net._listen import listen_tcp
+from ..net._transport import close_all, format_address
+from ..port_mux import open_port_mux
+from ..status import serve_status
+from ..timeline import Timeline
+from ..wire import SessionSalt
+from ._core import Coordinator
+
+log = logging.getLogger("flodl_trio.coordinator")
+
+# Connections routed to a leg but not yet accepted. The accept loop spawns a handshake task per
+# connection at once, but a burst of hundreds of relays can route faster than one scheduler pass
+# lets it run; a dropped relay would only re-dial 0.5 s later.
+MUX_QUEUE = 4096
+
+ListenSpec = int | tuple[str, int] | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
+
+
+class CoordinatorBind:
+    """TCP listeners bound ahead of :func:`open_coordinator`, so the port can be published first.
+
+    Use it as an async context manager, or pass it as ``listen=`` (the coordinator then owns and
+    closes it).
+
+    Attributes:
+        address: ``(host, port)`` actually bound (the real port when 0 was asked for); the
+            first of :attr:`addresses`. After a wildcard bind it is ``("0.0.0.0", port)``,
+            which no peer can dial: publish :meth:`addresses_for_peers` instead.
+        addresses: every ``(host, port)`` bound, one per address family or resolved address,
+            all on the same port.
+        listeners: the ``trio.SocketListener`` objects.
+    """
+
+    def __init__(self, listeners: list[Any], addresses: Sequence[tuple[str, int]]) -> None:
+        self.listeners = listeners
+        self.addresses = tuple(addresses)
+        self.address = self.addresses[0]
+        self._closed = False
+
+    def addresses_for_peers(self) -> tuple[tuple[str, int], ...]:
+        """The ``(host, port)`` pairs to publish to relays: what they can dial.
+
+        A wildcard bind (``0.0.0.0``, ``::``, or a bare port) becomes this machine's interface
+        addresses of that family, the others first and loopback last (found without DNS; IPv6
+        link-local addresses are left out); a specific bind is that address itself.
+        """
+        return dialable_addresses(self.addresses, interface_addresses())
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await close_all(self.listeners)
+
+    async def __aenter__(self) -> CoordinatorBind:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def bind_coordinator(
+    listen: int | tuple[str, int] = ("0.0.0.0", 0), *, timeline: Timeline | None = None
+) -> CoordinatorBind:
+    """Bind the coordinator's TCP port now (port 0 picks a free one).
+
+    A bare port (``bind_coordinator(0)``) binds every interface, IPv4 and IPv6, on one port, so
+    a relay reaches it whichever family its resolver picks; ``("0.0.0.0", 0)`` binds IPv4 only.
+
+    Raises:
+        ConfigError: ``listen`` is not a port or a ``(host, port)`` pair.
+        OSError: the OS refused the bind (port in use, ...).
+    """
+    if isinstance(listen, bool):
+        raise ConfigError(f"bind_coordinator: expected a port or (host, port), got {listen!r}")
+    if isinstance(listen, int):
+        host: str | None = None
+        port = listen
+    elif (isinstance(listen, tuple) and len(listen) == 2 and isinstance(listen[0], str)
+          and isinstance(listen[1], int)):
+        host, port = listen
+    else:
+        raise ConfigError(f"bind_coordinator: expected a port or (host, port), got {listen!r}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"bind_coordinator: expected a port in [0, 65535], got {port}")
+    listeners = await listen_tcp(port, host=host)
+    addresses = [(str(name[0]), int(name[1]))
+                 for name in (lst.socket.getsockname() for lst in listeners)]
+    if timeline is not None:
+        for address in addresses:
+            timeline.event(Listening(address=format_address(address)))
+    log.info("coordinator listening on %s", ", ".join(format_address(a) for a in addresses))
+    return CoordinatorBind(listeners, addresses)
+
+
+@asynccontextmanager
+async def open_coordinator(
+    listen: ListenSpec | CoordinatorBind,
+    *,
+    salt: SessionSalt,
+    config: CoordinatorConfig,
+    abort: trio.Event | None = None,
+    timeline: Timeline | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> AsyncIterator[Coordinator]:
+    """Run a coordinator; the block is entered once every rank is covered.
+
+    Args:
+        listen: a port or ``(host, port)`` to bind TCP (served through the port mux, so the status
+            page answers on the same port), a :class:`CoordinatorBind`, or any
+            ``trio.abc.Listener`` (or several) that yields relay connections directly.
+        salt: the run's :class:`SessionSalt`.
+        config: a :class:`CoordinatorConfig`.
+        abort: set it to stop formation early (``FormationAborted``).
+        timeline: where events are recorded (a fresh one by default, as ``coord.timeline``).
+        ssl_context: serve TLS (a server context): every connection to the port, the channel
+            magic included, runs inside TLS. Without it the control plane is authenticated and
+            replay-protected but not encrypted.
+
+    Raises:
+        FormationTimeout / FormationAborted / FormationError: formation did not complete.
+        ClusterFailure: the failure policy stopped the run (the body was cancelled).
+        FlodlInternalError: an unexpected internal failure (``from`` the original group).
+    """
+    bind: CoordinatorBind | None = None
+    direct: list[trio.abc.Listener[Any]] = []
+    if isinstance(listen, CoordinatorBind):
+        bind = listen
+    elif isinstance(listen, int | tuple):
+        bind = await bind_coordinator(listen, timeline=timeline)
+    elif isinstance(listen, trio.abc.Listener):
+        direct = [listen]
+    elif isinstance(listen, Sequence) and listen and all(
+        isinstance(item, trio.abc.Listener) for item in listen
+    ):
+        direct = [item for item in listen if isinstance(item, trio.abc.Listener)]
+    else:
+        raise ConfigError(
+            "open_coordinator: expected listen to be a port, (host, port), CoordinatorBind or "
+            f"trio.abc.Listener(s), got {listen!r}"
+        )
+    try:
+        coord = Coordinator(salt=salt, config=config, timeline=timeline,
+                            address=bind.address if bind else None, tls=ssl_context is not None)
+    except BaseException:
+        if bind is not None:
+            await bind.aclose()
+        raise
+    if bind is not None and timeline is None:
+        for address in bind.addresses:
+            coord.timeline.event(Listening(address=format_address(address)))
+    mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
+    if ssl_context is not None:
+        # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or
+        # the handshake deadline), so a client that never finishes it cannot wedge anything.
+        mux_listeners = [trio.SSLListener(lst, ssl_context, https_compatible=False)
+                         for lst in mux_listeners]
+        direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
+    async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
+        async with AsyncExitStack() as stack:
+            if bind is not None:
+                stack.push_async_callback(bind.aclose)
+                mux = await stack.enter_async_context(
+                    open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
+                                  legs=("control", "status"), queue_size=MUX_QUEUE,
+                                  max_peeking=config.max_pending_handshakes,
+                                  keepalive=KeepAlive.within(
+                                      config.heartbeat_timeout,
+                                      write_stall=config.write_stall_timeout))
+                )
+                life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
+                                                request_timeout=config.peek_timeout,
+                                                board_fn=coord.board))
+                control: list[trio.abc.Listener[Any]] = [mux.control]
+            else:
+                for listener in direct:
+                    stack.push_async_callback(listener.aclose)
+                control = direct
+            setup_exc: BaseException | None = None
+            try:
+                # Every background task of the run starts here, and only here, in the
+                # lifecycle's nursery: out of the caller's reach until the block ends.
+                with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
+                    await life.nursery.start(coord.host_writers)  # strands a shielded host
+                for task in coord.background_tasks(control, abort):
+                    life.nursery.start_soon(task)
+                await coord.formed()
+                with life.body() as body_scope:
+                    coord.cancel_on_failure(body_scope)
+                    yield coord
+            except BaseException as exc:
+                setup_exc = exc  # for the shutdown reason only
+                raise
+            finally:
+                reason = _shutdown_reason(coord, life.body_exc or setup_exc)
+                # Shielded, and the readers and writers it needs are out of the caller's reach:
+                # an outside cancellation still ends with Shutdown, half-close and drain.
+                with trio.CancelScope(shield=True):
+                    await coord.shutdown(reason)
+
+
+def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:
+    if coord.failure is not None:
+        return f"cluster failure: {coord.failure}"
+    if coord.formation_failure is not None:
+        return f"formation failed: {type(coord.formation_failure).__name__}"
+    if body_exc is not None and not isinstance(body_exc, trio.Cancelled):
+        return f"the block raised {type(body_exc).__name__}"
+    if body_exc is not None:
+        return "cancelled"
+    return "the block exited"

@@ -1,0 +1,1 @@
+"""The local cluster demo (internal: ``scripts/demo``, ``flodl-trio demo``)."""
