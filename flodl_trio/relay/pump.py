@@ -253,7 +253,9 @@ class Pump:
         try:
             # One write for a burst of frames (each stays whole).
             while (batch := await link.next_batch()) is not None:
+                link.writing = True
                 await link.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
+                link.writing = False
             await link.writer.send_eof()
             if link.fenced is not None:
                 with trio.move_on_after(self.config.shutdown_grace):
