@@ -9,10 +9,11 @@ from typing import Literal
 import attrs
 
 from .._errors import ConfigError
+from ..wire import READ_SIZE
 
 Direction = Literal["up", "down", "both"]
 _DIRECTIONS = ("up", "down", "both")
-_CHUNK = 65536
+_CHUNK = READ_SIZE  # the proxy reads like the library's own loops
 
 
 def _drip_piece(rate: float) -> int:
