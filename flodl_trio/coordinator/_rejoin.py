@@ -148,12 +148,19 @@ class Rejoins:
             for old in superseded:  # the same relay re-dialed before its Ready arrived
                 old.abandon("superseded by a new connection")
                 await old.close()  # its wait for a Ready ends now
-            for old in doubles:
-                await old.close()
             with trio.fail_after(self._config.handshake_timeout):
+                if doubles:  # the policy judges the momentary deaths before they come back
+                    for old in doubles:
+                        await old.close()
+                    await self._liveness.wait_told()
+                    problem = self._phase_problem(hello.host, peer)
+                    if problem is not None:
+                        log.warning("rejoin refused: %s", problem)
+                        conn.abandon(f"rejoin refused: {problem}")
+                        await self._admitter.refuse(stream, machine, peer, "rejoin refused",
+                                                    problem)
+                        return
                 await finish_handshake(stream, machine)
-                # The failure policy judges the momentary deaths before the ranks come back.
-                await self._liveness.wait_told()
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
             conn.abandon("no Ready")
             log.info("relay %r at %s: rejoin abandoned before its Ready (%s)", hello.host, peer,
@@ -180,19 +187,18 @@ class Rejoins:
         await self._readers.read_relay(conn)
 
     def _live_doubles(self, host: str, ranks: tuple[int, ...]) -> list[RelayConn]:
-        """The live connections of ``host`` that an authenticated Hello from ``host`` naming
-        ``ranks`` supersedes (the host restarted before its death was noticed), or [] when
-        any rank it names is alive on another host's connection (then it is refused)."""
+        """The live connections of ``host`` carrying a live rank among ``ranks``: an
+        authenticated Hello from ``host`` naming them supersedes them (the host restarted
+        before its death was noticed) -- only if nothing else refuses it (a rank alive on
+        another host's connection, say), which ``admit`` checks first."""
         if not self._roster.running:
             return []
         doubles: dict[RelayConn, None] = {}
         for rank in ranks:
             owner = self._roster.relay_of(rank)
-            if owner is None or self._roster.is_dead(rank) or self._roster.has_exited(rank):
-                continue
-            if owner.host != host:
-                return []
-            doubles[owner] = None
+            if (owner is not None and owner.host == host and not self._roster.is_dead(rank)
+                    and not self._roster.has_exited(rank)):
+                doubles[owner] = None
         return list(doubles)
 
     def _supersede(self, doubles: list[RelayConn], host: str, peer: str) -> None:
