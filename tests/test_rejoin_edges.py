@@ -4,7 +4,6 @@ coordinator after the run's final ``Shutdown`` went out (the embedder still insi
 
 from __future__ import annotations
 
-import pytest
 import trio
 
 import flodl_trio as ft

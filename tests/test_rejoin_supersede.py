@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from test_rejoin_admission import SIGS, NoReady, running
 
 import flodl_trio as ft
 from flodl_trio.events import (
@@ -19,7 +20,6 @@ from flodl_trio.events import (
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, drain_and_close, raw_relay_handshake, wait_until
-from test_rejoin_admission import SIGS, NoReady, running
 
 
 def superseded(log: EventLog) -> list[tuple[str, tuple[int, ...]]]:
