@@ -1,7 +1,8 @@
 """Who may rejoin a running cohort (issue 26), on the in-memory transport under MockClock: a relay
-whose named ranks are all dead is admitted and they are alive again; one naming a live rank, a
-rank of another host (takeover off), another world size or another model is refused at once,
-with the reason recorded, and the run goes on untouched."""
+whose named ranks are all dead is admitted and they are alive again; one naming a rank alive on
+another host, a rank of another host (takeover off), another world size or another model is
+refused at once, with the reason recorded, and the run goes on untouched. (The same host naming
+its own live ranks supersedes its old connection: tests/test_rejoin_supersede.py.)"""
 
 from __future__ import annotations
 
@@ -125,38 +126,40 @@ async def test_relay_whose_ranks_are_all_dead_is_admitted_and_they_are_alive_aga
         await run.coord.send_control(0, ft.wire.SyncNow())
 
 
-async def test_relay_naming_a_live_rank_is_refused_at_once_with_the_reason(
+async def test_relay_of_another_host_naming_a_live_rank_is_refused_at_once_with_the_reason(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with running(memory_network) as run:
-        # host-a is alive: neither its own double nor a stranger may claim its ranks.
+        # host-a is alive: a stranger may not claim its ranks (its own double supersedes it
+        # since issue 26b: tests/test_rejoin_supersede.py).
         started = trio.current_time()
-        double = await run.dial("host-a", [0, 1])
         stranger = await run.dial("host-c", [1])
-        assert (double.acked, stranger.acked) == (False, False)
+        assert not stranger.acked
         assert trio.current_time() - started == pytest.approx(0)
         reasons = run.refusals()
-        assert len(reasons) == 2
-        assert all(r.startswith("rejoin refused: ") for r in reasons), reasons
-        assert "relay 'host-a'" in reasons[0]
-        assert "expected every rank it names to be dead, but rank 0 is alive on relay " \
+        assert len(reasons) == 1
+        assert reasons[0].startswith("rejoin refused: "), reasons
+        assert "relay 'host-c'" in reasons[0]
+        assert "expected every rank it names to be dead, but rank 1 is alive on relay " \
                "'host-a'" in reasons[0]
-        assert "relay 'host-c'" in reasons[1] and "rank 1 is alive" in reasons[1]
         assert run.coord.live_ranks == {0, 1, 2, 3}
-        assert run.coord.state()["rejected_handshakes"] == {"rejoin refused": 2}
+        assert run.coord.state()["rejected_handshakes"] == {"rejoin refused": 1}
 
 
-async def test_relay_naming_one_dead_and_one_live_rank_is_refused(
+async def test_same_host_naming_one_dead_and_one_live_rank_supersedes_its_connection(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with running(memory_network) as run:
         await run.coord.declare_dead(0, "gpu fell off the bus")
-        assert not (await run.dial("host-a", [0, 1])).acked
-        assert "rank 1 is alive on relay 'host-a'" in run.refusals()[0]
-        # The same host bringing back only the dead rank is a rejoin.
-        assert (await run.dial("host-a", [0])).acked
+        # Another host naming them is refused (rank 1 is alive on host-a; no takeover).
+        assert not (await run.dial("host-c", [0, 1])).acked
+        assert "rank 0 was announced by host 'host-a'" in run.refusals()[0]
+        # host-a itself restarted: its old connection (rank 1 alive on it) is superseded.
+        assert (await run.dial("host-a", [0, 1])).acked
         await wait_until(lambda: run.coord.live_ranks == {0, 1, 2, 3}, limit=1)
-        assert run.timeline.events_of(RankRejoined) == [RankRejoined(rank=0, host="host-a")]
+        assert run.timeline.events_of(RankRejoined) == [RankRejoined(rank=0, host="host-a"),
+                                                        RankRejoined(rank=1, host="host-a")]
+        assert len(run.refusals()) == 1
 
 
 async def test_takeover_by_another_host_is_refused_by_default(

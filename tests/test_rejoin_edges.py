@@ -4,11 +4,15 @@ coordinator after the run's final ``Shutdown`` went out (the embedder still insi
 
 from __future__ import annotations
 
-import pytest
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import HandshakeRejected, RankRejoined
+from flodl_trio.events import (
+    HandshakeRejected,
+    RankDeclaredDead,
+    RankRejoined,
+    RelayLost,
+)
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, drain_and_close, raw_relay_handshake, start_host, wait_until
@@ -73,15 +77,6 @@ async def test_relay_claiming_a_live_rank_ends_at_once_naming_the_rank_and_its_o
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a host restarted before the coordinator noticed its death (a frozen or partitioned host; "
-    "measured with SIGSTOP and `flodl-trio relay`) is refused as 'rank 2 is alive on relay "
-    "host-b' until heartbeat_timeout declares the old connection dead; the relay gives up after "
-    "its connect_timeout (30 s), so with heartbeat_timeout >= 30 s the host stays dead for the "
-    "rest of the run (at the default 30 s it is a race: it got in 0.8 s before giving up). "
-    "Needs a design decision: the coordinator superseding a live connection of the same host "
-    "and ranks on an authenticated Hello, or the relay retrying an 'alive' refusal until "
-    "heartbeat_timeout; an immediate exit on refusal (wt-25r's Refused) makes it certain."))
 async def test_host_restarted_before_its_death_was_noticed_rejoins_once_it_is(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
@@ -91,11 +86,14 @@ async def test_host_restarted_before_its_death_was_noticed_rejoins_once_it_is(
     async with trio.open_nursery() as nursery:
         await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
 
+        frozen_closed = trio.Event()
+
         async def frozen_host_b() -> None:  # joins, then never says a word again
             raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
                                             "host-b", [2, 3], world_size=4)
             assert raw.acked
             await drain_and_close(raw.stream, limit=3600)
+            frozen_closed.set()  # the coordinator closed it (the drain ended before its limit)
 
         nursery.start_soon(frozen_host_b)
         async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
@@ -107,8 +105,16 @@ async def test_host_restarted_before_its_death_was_noticed_rejoins_once_it_is(
             with trio.move_on_after(cfg.heartbeat_timeout + 10):
                 await wait_until(lambda: len(log.events_of(RankRejoined)) == 2,
                                  limit=cfg.heartbeat_timeout + 10)
+            took = trio.current_time() - restarted_at
             assert log.events_of(RankRejoined) == [RankRejoined(rank=2, host="host-b"),
                                                    RankRejoined(rank=3, host="host-b")], (
-                trio.current_time() - restarted_at, back.exit)
+                took, back.exit)
+            assert took < 3, took  # well before heartbeat_timeout (45 s)
             assert coord.live_ranks == {0, 1, 2, 3}
+            # The frozen connection was lost as superseded and its ranks declared dead first.
+            lost = log.events_of(RelayLost)
+            assert [(e.host, e.ranks) for e in lost] == [("host-b", (2, 3))], lost
+            assert lost[0].reason.startswith("superseded: host 'host-b' re-joined from "), lost
+            assert [e.rank for e in log.events_of(RankDeclaredDead)] == [2, 3]
+            await wait_until(lambda: frozen_closed.is_set(), limit=5)
         nursery.cancel_scope.cancel()

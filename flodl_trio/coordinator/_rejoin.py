@@ -8,6 +8,13 @@ relay naming a rank that is alive elsewhere, or one that exited cleanly, is refu
 ranks are alive again on the new connection: ``RankRejoined`` events, ``DeclareAlive`` to every
 live rank, and the ranks still dead are told to the newcomers with ``DeclareDead``.
 
+A host restarted before its death was noticed (frozen, partitioned, or a crash whose connection
+has not reset yet) names ranks still alive on its old connection: an authenticated Hello whose
+host is the host of the live connection(s) carrying every rank it names supersedes them. They
+are lost at once ("superseded: ..."), their live ranks declared dead the usual way (the failure
+policy counts these deaths), and the new connection rejoins in the same handshake. A rank alive
+on another host's connection is still refused.
+
 While one rejoin waits for its ``Ready``, its ranks are claimed: a second relay naming them is
 refused, except a re-dial of the same host with the same ranks, which supersedes it.
 
@@ -19,7 +26,7 @@ here, and formation completes once every rank is covered again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 import trio
@@ -55,13 +62,14 @@ class Admitter(Protocol):
 
 
 def rejoin_problem(roster: Roster[M], host: str, ranks: Iterable[int], peer: str, *,
-                   allow_takeover: bool) -> str | None:
+                   allow_takeover: bool, superseding: Collection[M] = ()) -> str | None:
     """Why a relay may not bring ``ranks`` back into the running cohort, or None.
 
     Every rank must be dead (or not covered); a rank that exited cleanly never comes back; a
     rank announced by another host needs ``allow_takeover`` (during formation too, once the
     relay that announced it was lost). The Hello's shape, world size and model signatures are
-    checked before (``Roster.hello_problem``).
+    checked before (``Roster.hello_problem``). A rank alive on one of ``superseding`` (the
+    same host's live connections, about to be superseded) counts as dead.
     """
     who = f"authenticated Hello from relay {host!r} at {peer}"
     for rank in ranks:
@@ -77,7 +85,7 @@ def rejoin_problem(roster: Roster[M], host: str, ranks: Iterable[int], peer: str
         if roster.has_exited(rank):
             return (f"{who}: expected every rank it names to be dead, but rank {rank} exited "
                     "cleanly and does not rejoin")
-        if not roster.is_dead(rank):
+        if not roster.is_dead(rank) and owner not in superseding:
             return (f"{who}: expected every rank it names to be dead, but rank {rank} is alive "
                     f"on relay {owner.host!r} at {owner.peer}")
         if owner.host != host and not allow_takeover:
@@ -118,11 +126,13 @@ class Rejoins:
         relay's connection is then read here until it ends."""
         ranks = tuple(hello.ranks)
         roster = self._roster
+        doubles = self._live_doubles(hello.host, ranks)
         problem = (self._phase_problem(hello.host, peer)
                    or roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
                                         model_sigs=hello.model_sigs, rejoin=True)
                    or rejoin_problem(roster, hello.host, ranks, peer,
-                                     allow_takeover=self._config.allow_rank_takeover)
+                                     allow_takeover=self._config.allow_rank_takeover,
+                                     superseding=doubles)
                    or self.claim_problem(hello.host, ranks, peer))
         if problem is not None:
             log.warning("rejoin refused: %s", problem)
@@ -132,12 +142,24 @@ class Rejoins:
         superseded = {old: None for rank in ranks if (old := self._claims.get(rank))}
         for rank in ranks:
             self._claims[rank] = conn
+        self._supersede(doubles, hello.host, peer)  # synchronous: nothing came in between
         joined = False
         try:
             for old in superseded:  # the same relay re-dialed before its Ready arrived
                 old.abandon("superseded by a new connection")
                 await old.close()  # its wait for a Ready ends now
             with trio.fail_after(self._config.handshake_timeout):
+                if doubles:  # the policy judges the momentary deaths before they come back
+                    for old in doubles:
+                        await old.close()
+                    await self._liveness.wait_told()
+                    problem = self._phase_problem(hello.host, peer)
+                    if problem is not None:
+                        log.warning("rejoin refused: %s", problem)
+                        conn.abandon(f"rejoin refused: {problem}")
+                        await self._admitter.refuse(stream, machine, peer, "rejoin refused",
+                                                    problem)
+                        return
                 await finish_handshake(stream, machine)
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
             conn.abandon("no Ready")
@@ -163,6 +185,33 @@ class Rejoins:
             if not joined:  # refused, superseded, no Ready or cancelled: nothing may leak
                 await conn.close()  # aclose_forcefully inside: it never waits
         await self._readers.read_relay(conn)
+
+    def _live_doubles(self, host: str, ranks: tuple[int, ...]) -> list[RelayConn]:
+        """The live connections of ``host`` carrying a live rank among ``ranks``: an
+        authenticated Hello from ``host`` naming them supersedes them (the host restarted
+        before its death was noticed) -- only if nothing else refuses it (a rank alive on
+        another host's connection, say), which ``admit`` checks first."""
+        if not self._roster.running:
+            return []
+        doubles: dict[RelayConn, None] = {}
+        for rank in ranks:
+            owner = self._roster.relay_of(rank)
+            if (owner is not None and owner.host == host and not self._roster.is_dead(rank)
+                    and not self._roster.has_exited(rank)):
+                doubles[owner] = None
+        return list(doubles)
+
+    def _supersede(self, doubles: list[RelayConn], host: str, peer: str) -> None:
+        """Lose each of ``doubles`` now: its live ranks are declared dead the usual way
+        (survivors told, failure policy applied) before the new connection brings them back."""
+        cause = f"superseded: host {host!r} re-joined from {peer}"
+        for old in doubles:
+            log.warning("%s: %s", old.describe(), cause)
+            self._liveness.relay_lost(old, cause)
+            for rank in old.ranks:  # declared even without declare_dead_on_relay_loss
+                if self._roster.carries(old, rank):
+                    self._liveness.mark_dead(rank, f"relay {old.host!r} at {old.peer} lost: "
+                                             f"{cause}")
 
     def _phase_problem(self, host: str, peer: str) -> str | None:
         who = f"authenticated Hello from relay {host!r} at {peer}"
