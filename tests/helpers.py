@@ -9,8 +9,11 @@ it by hand; the raw peers drive the library's sans-IO handshakes, then only what
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
@@ -510,3 +513,35 @@ async def sim_cluster(
             for rank, sim in sims.items():
                 if sim.record.failed and rank not in cluster.outcomes:
                     cluster.kill_rank(rank)
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TWO_HOSTS = (("host-a", [0, 1]), ("host-b", [2, 3]))
+
+
+@functools.cache
+def load_script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` as a module: the child programs and their parent-side handles."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def start_relay_processes(
+    nursery: trio.Nursery, coordinator: tuple[str, int], salt: ft.SessionSalt,
+    children: list[Any], *, hosts: Sequence[tuple[str, list[int]]] = TWO_HOSTS,
+    world_size: int = 4, extra: Sequence[str] = (),
+) -> list[Any]:
+    """One ``scripts/_relay_proc.py`` process (a relay and its ranks) per host, in order; each
+    joins ``children`` as soon as it started, so the caller's cleanup stops it whatever fails
+    next. Returns the new ones."""
+    relay_process = load_script("_relay_proc").RelayProcess
+    started = []
+    for host, ranks in hosts:
+        child = await relay_process.start(nursery, coordinator=coordinator, salt=salt, host=host,
+                                          ranks=ranks, world_size=world_size, extra=tuple(extra))
+        children.append(child)
+        started.append(child)
+    return started

@@ -9,9 +9,6 @@ coordinator and the SyncScheduler run in the test.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import trio
@@ -28,19 +25,9 @@ from flodl_trio.events import (
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog
 
-from helpers import wait_until
+from helpers import load_script, start_relay_processes, wait_until
 
-
-def _load_relay_proc() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "_relay_proc.py"
-    spec = importlib.util.spec_from_file_location("_relay_proc_rejoin", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-RelayProcess = _load_relay_proc().RelayProcess
+RelayProcess = load_script("_relay_proc").RelayProcess
 SIM = ("--sim-batch-ms", "40", "--batch-size", "4")
 EPOCHS = 6
 
@@ -133,10 +120,7 @@ async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_re
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
                 bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-                    children.append(await RelayProcess.start(
-                        nursery, coordinator=bound.address, salt=salt, host=host, ranks=ranks,
-                        world_size=4))
+                await start_relay_processes(nursery, bound.address, salt, children)
                 async with ft.open_coordinator(bound, salt=salt, config=cfg,
                                                timeline=log) as coord:
                     intruder = await RelayProcess.start(

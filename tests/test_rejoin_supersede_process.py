@@ -10,13 +10,14 @@ import signal
 from typing import Any
 
 import trio
-from test_rejoin_process import RelayProcess
 
 import flodl_trio as ft
 from flodl_trio.events import ClusterFailed, RankRejoined, RelayLost
 from flodl_trio.testing import EventLog
 
-from helpers import wait_until
+from helpers import load_script, start_relay_processes, wait_until
+
+RelayProcess = load_script("_relay_proc").RelayProcess
 
 
 async def test_frozen_relay_process_is_superseded_by_its_restart_and_exits_once_resumed() -> None:
@@ -28,11 +29,7 @@ async def test_frozen_relay_process_is_superseded_by_its_restart_and_exits_once_
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-                    children.append(await RelayProcess.start(
-                        nursery, coordinator=bound.address, salt=salt, host=host, ranks=ranks,
-                        world_size=4))
-                frozen = children[1]
+                _, frozen = await start_relay_processes(nursery, bound.address, salt, children)
                 async with ft.open_coordinator(bound, salt=salt, config=cfg,
                                                timeline=log) as coord:
                     frozen.proc.send_signal(signal.SIGSTOP)

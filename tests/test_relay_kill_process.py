@@ -5,30 +5,16 @@ close of its socket is what the coordinator sees, and its ranks are declared dea
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
-from types import ModuleType
 
 import trio
 
 import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayLost
 
-from helpers import EventLog
+from helpers import EventLog, load_script, start_relay_processes
 
-
-def _load_relay_proc() -> ModuleType:
-    """scripts/_relay_proc.py, the child program and its parent-side handle."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "_relay_proc.py"
-    spec = importlib.util.spec_from_file_location("_relay_proc", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_relay_proc = _load_relay_proc()
+_relay_proc = load_script("_relay_proc")
 RelayProcess = _relay_proc.RelayProcess
 arrival_time = _relay_proc.arrival_time
 
@@ -42,10 +28,7 @@ async def test_sigkilled_relay_process_ranks_are_declared_dead_at_once_and_survi
         with trio.fail_after(9):
             async with trio.open_nursery() as nursery:
                 bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-                    children.append(await RelayProcess.start(
-                        nursery, coordinator=bound.address, salt=salt, host=host, ranks=ranks,
-                        world_size=4))
+                await start_relay_processes(nursery, bound.address, salt, children)
                 victim, survivor = children
                 async with ft.open_coordinator(bound, salt=salt, config=cfg,
                                                timeline=timeline) as coord:

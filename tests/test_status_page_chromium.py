@@ -5,7 +5,6 @@ processes on loopback); one relay is SIGKILLed and the page shows its ranks dead
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import trio
@@ -23,19 +21,9 @@ import flodl_trio as ft
 from flodl_trio.coordinator._boardview import board_document
 from flodl_trio.status import serve_status
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from helpers import load_script, start_relay_processes
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_chromium = _load("_chromium")
-_relay_proc = _load("_relay_proc")
+_chromium = load_script("_chromium")
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,10 +67,7 @@ async def test_chromium_shows_the_ranks_of_a_sigkilled_relay_dead_within_3s(
     try:
         with trio.fail_after(40):
             async with trio.open_nursery() as nursery:
-                for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-                    children.append(await _relay_proc.RelayProcess.start(
-                        nursery, coordinator=("127.0.0.1", port), salt=salt, host=host,
-                        ranks=ranks, world_size=4))
+                await start_relay_processes(nursery, ("127.0.0.1", port), salt, children)
                 for child in children:
                     await child.wait_lines(lambda s: s.startswith("relay ") and
                                            " connected " in s)
