@@ -22,18 +22,18 @@ def coverage(epoch: int, *, gaps: int = 0, overlaps: int = 0) -> EpochCoverage:
 def test_each_epoch_gets_one_line_with_coverage_throughput_and_its_deaths() -> None:
     done: list[EpochCoverage] = []
     progress = EpochProgress(2, lambda: done)
-    assert progress.feed(Stamped(0.0, Note(what="epoch_started", fields={"epoch": 0}))) == []
+    assert progress.lines_for(Stamped(0.0, Note(what="epoch_started", fields={"epoch": 0}))) == []
     done.append(coverage(0))
-    assert progress.feed(Stamped(500.0, Note(what="epoch_aggregated",
+    assert progress.lines_for(Stamped(500.0, Note(what="epoch_aggregated",
                                              fields={"epoch": 0, "avg_loss": 1.0}))) == [
         "epoch 1/2: 240/240 samples covered (exactly once), 480 samples/s over 0.50 s, "
         "0 deaths (0 dead in all)"]
-    progress.feed(Stamped(600.0, Note(what="epoch_started", fields={"epoch": 1})))
-    assert progress.feed(Stamped(700.0, RankDeclaredDead(rank=3, host="host-b",
+    progress.lines_for(Stamped(600.0, Note(what="epoch_started", fields={"epoch": 1})))
+    assert progress.lines_for(Stamped(700.0, RankDeclaredDead(rank=3, host="host-b",
                                                          reason="relay link lost"))) == [
         "rank 3 (host-b) declared dead: relay link lost"]
     done.append(coverage(1, gaps=4, overlaps=2))
-    [line] = progress.feed(Stamped(1600.0, Note(what="epoch_aggregated",
+    [line] = progress.lines_for(Stamped(1600.0, Note(what="epoch_aggregated",
                                                 fields={"epoch": 1, "avg_loss": 0.5})))
     assert line == ("epoch 2/2: 236/240 samples covered (4 missed, 2 repeated), 238 samples/s "
                     "over 1.00 s, 1 death (1 dead in all)")
@@ -41,9 +41,9 @@ def test_each_epoch_gets_one_line_with_coverage_throughput_and_its_deaths() -> N
 
 def test_without_the_schedulers_accounting_deaths_are_still_told() -> None:
     progress = EpochProgress(0, tuple)
-    assert progress.feed(Stamped(1.0, Note(what="sync", fields={}))) == []
-    assert progress.feed(Stamped(2.0, RankDeclaredDead(rank=0, host="h", reason="silent"))) == [
-        "rank 0 (h) declared dead: silent"]
+    assert progress.lines_for(Stamped(1.0, Note(what="sync", fields={}))) == []
+    death = RankDeclaredDead(rank=0, host="h", reason="silent")
+    assert progress.lines_for(Stamped(2.0, death)) == ["rank 0 (h) declared dead: silent"]
 
 
 async def test_lines_are_printed_as_events_arrive_and_none_is_lost_at_the_end() -> None:

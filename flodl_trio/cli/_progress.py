@@ -32,7 +32,7 @@ class EpochProgress:
         self._deaths_in_epoch = 0
         self.dead = 0
 
-    def feed(self, stamped: Stamped) -> list[str]:
+    def lines_for(self, stamped: Stamped) -> list[str]:
         """The lines ``stamped`` is worth (none for most events)."""
         ev = stamped.event
         if isinstance(ev, RankDeclaredDead):
@@ -73,14 +73,14 @@ async def print_progress(timeline: Timeline, progress: EpochProgress, out: TextI
         task_status.started()
         try:
             async for stamped in events:
-                _emit(progress.feed(stamped), out)
+                _emit(progress.lines_for(stamped), out)
         finally:
             while True:  # bounded by the subscription's buffer
                 try:
                     stamped = events.channel.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
-                _emit(progress.feed(stamped), out)
+                _emit(progress.lines_for(stamped), out)
 
 
 def _emit(lines: list[str], out: TextIO) -> None:
