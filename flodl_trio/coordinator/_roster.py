@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..net._ratelimit import JunkCounter, JunkReport
-from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member, ranks_text
+from ..wire import ranks_text
+from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]
 

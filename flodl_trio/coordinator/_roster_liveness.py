@@ -1,11 +1,11 @@
 """The roster's liveness rules (a mixin of :class:`._roster.Roster`): deaths, clean exits,
 last-seen clocks, staleness and the failure policy. Plain data, no trio, no IO; time is passed
-in. Also the :class:`Member` protocol the roster is generic over, and :func:`ranks_text`."""
+in. Also the :class:`Member` protocol the roster is generic over."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from .._config import MaxFailure
@@ -36,14 +36,6 @@ class Member(Protocol):
 
 
 M = TypeVar("M", bound=Member)
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """A rank list for messages: all of it when short, else first..last and a count."""
-    ranks = tuple(ranks)
-    if len(ranks) <= 8:
-        return str(list(ranks))
-    return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
 
 
 class LivenessRules(Generic[M]):
