@@ -164,6 +164,27 @@ class FlodlInternalError(FlodlError):
     """An unexpected internal failure; raised ``from`` the original exception (group)."""
 
 
+class StoreError(FlodlError):
+    """The coordinator's session store (SPEC §4.7) failed: unreachable, unhealthy, corrupt,
+    foreign, or this coordinator is no longer its leader. The message names the store (path or
+    endpoint) and why."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached or is unhealthy (an etcd endpoint that refuses, times out or
+    reports no leader; a file that cannot be opened)."""
+
+
+class StoreCorrupt(StoreError):
+    """The stored session state is not a flodl-trio state, is damaged, or belongs to another
+    session (salt, world size); it is refused whole, never half-loaded."""
+
+
+class LeadershipLost(StoreError):
+    """This coordinator is no longer the store's leader (its lease expired or a newer
+    generation took over): it must step down without broadcasting or shutting anyone down."""
+
+
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2). Raised by the command line
     only, never by the library's API, hence outside the FlodlError hierarchy."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -92,6 +92,7 @@ class Coordinator:
         self._shutdown_begun = False
         self._formation_began: float | None = None
         self._formed_at: float | None = None
+        self._checkpoint: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
@@ -243,6 +244,21 @@ class Coordinator:
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         })
+
+    # ------------------------------------------------------------------ scheduler checkpoint
+
+    @property
+    def checkpoint(self) -> Mapping[str, Any] | None:
+        """The scheduler's last checkpoint (:meth:`save_checkpoint`): on a coordinator that
+        adopted a running session from its store, the one the previous coordinator saved;
+        None on a fresh run until the first save."""
+        return self._checkpoint
+
+    async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
+        str, bytes, lists, maps). With a session store it is written durably, with the rest of
+        the session, before this returns; without one it is kept in memory."""
+        self._checkpoint = dict(checkpoint)
 
     # ------------------------------------------------------------------ control
 

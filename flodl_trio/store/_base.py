@@ -1,0 +1,188 @@
+"""The session-store interface (SPEC §4.7) and :class:`MemoryStore`, its in-process
+implementation for tests and for one process that restarts its coordinator.
+
+A store does four things for a coordinator: it makes it the one leader (``acquire``, which
+returns a new, strictly greater generation: the fencing token), keeps that leadership alive and
+says when it is lost (``keep_leadership``), persists the :class:`SessionState` fenced by
+generation (``save`` fails once a newer generation took over), and publishes the leader's
+address for relays to re-resolve (``publish_address`` / ``resolve_address``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from .._errors import LeadershipLost, StoreCorrupt
+from ._state import SessionState
+
+
+class SessionStore(abc.ABC):
+    """Where a coordinator keeps its session so that another coordinator can adopt it.
+
+    Attributes:
+        description: how the store is named on the command line and in errors
+            (``"sqlite:/var/run/flodl.db"``, ``"etcd://127.0.0.1:2379/flodl/run1"``).
+    """
+
+    description: str
+
+    @abc.abstractmethod
+    async def acquire(self, *, owner: str) -> int:
+        """Become the store's one leader; return this leader's generation, strictly greater
+        than every generation before it (it is recorded before this returns).
+
+        Blocks while another live leader holds the store (a standby waits here), with no
+        deadline of its own: run it under the caller's ``move_on_after`` / ``fail_after``.
+
+        Args:
+            owner: who is asking (host and pid), recorded for operators and errors.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached at all (names the endpoint or path).
+        """
+
+    @abc.abstractmethod
+    async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
+                              = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the leadership acquired by :meth:`acquire` alive (lease renewals) for as long
+        as it runs; start it in the coordinator's nursery.
+
+        Raises:
+            LeadershipLost: the leadership ended (lease expired, store unreachable for longer
+                than the lease, a newer generation). Never returns otherwise.
+        """
+
+    @abc.abstractmethod
+    async def load(self) -> SessionState | None:
+        """The last saved state, or None for a store that never held one.
+
+        Raises:
+            StoreCorrupt: what is stored is damaged or not a flodl-trio state.
+            StoreUnavailable: the store cannot be read.
+        """
+
+    @abc.abstractmethod
+    async def save(self, state: SessionState) -> None:
+        """Persist ``state`` (durably: after this returns, a new leader loads it), fenced on
+        ``state.generation``: the write is refused if a newer generation exists.
+
+        Raises:
+            LeadershipLost: a newer generation took over; nothing was written.
+            StoreUnavailable: the store cannot be written.
+        """
+
+    @abc.abstractmethod
+    async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
+        """Record where relays can dial this leader (fenced like :meth:`save`)."""
+
+    @abc.abstractmethod
+    async def resolve_address(self) -> tuple[tuple[str, int], ...]:
+        """Where the current leader said relays can dial it (empty while there is none)."""
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Give the leadership up at once (a graceful end), so a standby need not wait for a
+        lease to expire. Idempotent; never raises for an unreachable store."""
+
+    async def aclose(self) -> None:
+        """Release and free any resource (connections, files). Idempotent."""
+        await self.release()
+
+
+@attrs.define
+class _Shared:
+    """What a :class:`MemoryStore` and its clones share: one simulated store."""
+
+    generation: int = 0
+    leader: int | None = None  # the generation holding the leadership, if any
+    state: bytes | None = None
+    addresses: tuple[tuple[str, int], ...] = ()
+    changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class MemoryStore(SessionStore):
+    """A store that lives in this process's memory: a coordinator restarted in the same Trio
+    run adopts the session, as with a file store. :meth:`clone` gives a second handle on the
+    same store (a standby). States are stored encoded, so loading checks them like a file.
+    """
+
+    def __init__(self, *, name: str = "memory", shared: _Shared | None = None) -> None:
+        self.description = f"memory:{name}"
+        self._name = name
+        self._shared = shared if shared is not None else _Shared()
+        self._generation: int | None = None
+
+    def clone(self) -> MemoryStore:
+        """Another handle on the same store (another coordinator's view of it)."""
+        return MemoryStore(name=self._name, shared=self._shared)
+
+    def expire(self) -> None:
+        """Drop the current leadership, as a lease that expired would (for tests)."""
+        self._shared.leader = None
+        self._shared.poke()
+
+    async def acquire(self, *, owner: str) -> int:
+        shared = self._shared
+        while shared.leader is not None:
+            await shared.changed.wait()
+        shared.generation += 1
+        shared.leader = self._generation = shared.generation
+        shared.poke()
+        return shared.generation
+
+    async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
+                              = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while self._shared.leader == self._generation and self._generation is not None:
+            await self._shared.changed.wait()
+        raise LeadershipLost(f"store {self.description}: expected to lead as generation "
+                             f"{self._generation}, but the leadership is now "
+                             f"{self._shared.leader} (latest {self._shared.generation})")
+
+    def _fence(self, generation: int, what: str) -> None:
+        if generation != self._shared.generation or self._shared.leader != generation:
+            raise LeadershipLost(f"store {self.description}: {what} as generation "
+                                 f"{generation} refused: the latest generation is "
+                                 f"{self._shared.generation}, leader "
+                                 f"{self._shared.leader}")
+
+    async def load(self) -> SessionState | None:
+        await trio.lowlevel.checkpoint()
+        data = self._shared.state
+        return None if data is None else SessionState.decode(data, source=self.description)
+
+    async def save(self, state: SessionState) -> None:
+        await trio.lowlevel.checkpoint()
+        self._fence(state.generation, "save")
+        self._shared.state = state.encode()
+
+    def corrupt(self, data: bytes) -> None:
+        """Store raw bytes as the state (for tests of :class:`StoreCorrupt`)."""
+        self._shared.state = data
+
+    async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._generation is None:
+            raise StoreCorrupt(f"store {self.description}: publish_address before acquire")
+        self._fence(self._generation, "publish_address")
+        self._shared.addresses = tuple(addresses)
+        self._shared.poke()
+
+    async def resolve_address(self) -> tuple[tuple[str, int], ...]:
+        await trio.lowlevel.checkpoint()
+        return self._shared.addresses if self._shared.leader is not None else ()
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._generation is not None and self._shared.leader == self._generation:
+            self._shared.leader = None
+            self._shared.poke()
+        self._generation = None
