@@ -90,7 +90,11 @@ class SqliteStore(SessionStore):
             await trio.sleep(self.check_interval)
 
     async def load(self) -> SessionState | None:
-        data = await self._run(lambda db: _get(db, "state"))
+        def read(db: sqlite3.Connection) -> object:
+            _stored_generation(db, self.description)  # a damaged counter is a damaged store
+            return _get(db, "state")
+
+        data = await self._run(read)
         if data is None:
             return None
         if not isinstance(data, bytes):
