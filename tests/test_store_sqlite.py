@@ -14,21 +14,10 @@ from pathlib import Path
 
 import pytest
 import trio
+from store_helpers import Flag, state
 
 from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
-from flodl_trio.store import SessionState, SqliteStore, salt_id
-from flodl_trio.wire import SessionSalt
-
-SALT = SessionSalt(bytes(range(16)))
-
-
-def state(generation: int, **kw: object) -> SessionState:
-    fields: dict[str, object] = dict(
-        salt_id=salt_id(SALT), world_size=4, model_sigs={"m": b"\x01"},
-        roster=(("a", (0, 1)), ("b", (2, 3))), dead={2: "relay lost"}, failures=1,
-        generation=generation, formed=True, checkpoint={"epoch": 2})
-    fields.update(kw)
-    return SessionState(**fields)  # type: ignore[arg-type]
+from flodl_trio.store import SessionState, SqliteStore
 
 
 async def test_a_restarted_coordinator_loads_what_the_last_one_saved(tmp_path: Path) -> None:
@@ -51,22 +40,20 @@ async def test_a_second_handle_waits_as_standby_until_the_leader_releases(
         tmp_path: Path) -> None:
     leader, standby = SqliteStore(tmp_path / "s.db"), SqliteStore(tmp_path / "s.db")
     gen1 = await leader.acquire(owner="a")
-    won: list[tuple[int, float]] = []
+    won = Flag()
 
     async def wait_as_standby() -> None:
-        won.append((await standby.acquire(owner="b"), trio.current_time()))
+        won.set(await standby.acquire(owner="b"))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_as_standby)
         await trio.sleep(0.3)
-        assert won == []  # the leader still holds it
+        assert not won  # the leader still holds it
         released = trio.current_time()
         await leader.release()
-        with trio.fail_after(2):
-            while not won:
-                await trio.sleep(0.01)
-    assert won[0][0] == gen1 + 1
-    assert won[0][1] - released < 0.5
+        await won.wait(2)
+    assert won.value == gen1 + 1
+    assert won.at - released < 0.5
     await leader.aclose()
     await standby.aclose()
 
@@ -118,7 +105,7 @@ async def test_a_leader_whose_lock_file_was_deleted_is_deposed_and_fenced(
     with pytest.raises(LeadershipLost, match=f"generation {gen1} refused: the stored "
                        f"generation is {gen2}"):
         await old.save(state(gen1, failures=7))
-    with trio.fail_after(1), pytest.raises(LeadershipLost, match="lock file .* deleted"):
+    with trio.fail_after(1), pytest.raises(LeadershipLost, match=r"lock file .* deleted"):
         await old.keep_leadership()
     with pytest.raises(LeadershipLost):
         await old.publish_address([("127.0.0.1", 9)])
@@ -253,42 +240,47 @@ trio.run(main)
 async def test_a_standby_takes_over_within_half_a_second_of_the_leaders_sigkill(
         tmp_path: Path) -> None:
     path = tmp_path / "s.db"
-    proc = subprocess.Popen([sys.executable, "-c", LEADER, str(path)], stdout=subprocess.PIPE)
+    proc = await trio.lowlevel.open_process([sys.executable, "-c", LEADER, str(path)],
+                                            stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
+        line = b""
         with trio.fail_after(20):
-            line = await trio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(64)
+                assert chunk, "the leader process ended before it led"
+                line += chunk
         gen1 = int(line)
         standby = SqliteStore(path)
         assert await standby.resolve_address() == (("127.0.0.1", 4000 + gen1),)
-        won: list[tuple[int, float]] = []
+        won = Flag()
 
         async def wait_as_standby() -> None:
-            won.append((await standby.acquire(owner="standby"), trio.current_time()))
+            won.set(await standby.acquire(owner="standby"))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait_as_standby)
             await trio.sleep(0.3)
-            assert won == []  # a live leader process holds the lock
+            assert not won  # a live leader process holds the lock
             killed = trio.current_time()
             os.kill(proc.pid, signal.SIGKILL)
-            with trio.fail_after(5):
-                while not won:
-                    await trio.sleep(0.005)
-        gen2, at = won[0]
-        print(f"sqlite standby takeover after SIGKILL: {at - killed:.3f} s")
-        assert gen2 == gen1 + 1
-        assert at - killed < 0.5
+            await won.wait(5)
+        takeover = won.at - killed
+        print(f"sqlite standby takeover after SIGKILL: {takeover:.3f} s")
+        assert won.value == gen1 + 1
+        assert takeover < 0.5
         loaded = await standby.load()
         assert loaded is not None and loaded.failures == gen1  # what the killed leader saved
         assert await standby.resolve_address() == ()  # its address went with it
         with pytest.raises(LeadershipLost, match=f"generation {gen1} refused"):
             await standby.save(loaded)  # a write fenced on the killed leader's generation
-        await standby.save(SessionState(salt_id=loaded.salt_id, world_size=2, generation=gen2))
+        await standby.save(SessionState(salt_id=loaded.salt_id, world_size=2,
+                                        generation=won.value))
         await standby.aclose()
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-        proc.wait(timeout=5)
+        with trio.move_on_after(5):
+            await proc.wait()
         if proc.stdout is not None:
-            proc.stdout.close()
+            await proc.stdout.aclose()

@@ -100,7 +100,7 @@ class EtcdStore(SessionStore):
                                  f"(this handle does not lead)")
         task_status.started()
         deadline = self._lease_deadline
-        problem = "no renewal yet"
+        problem = "the lease ran out before the first renewal"
         while True:
             sent = trio.current_time()
             granted = 0.0
@@ -113,11 +113,12 @@ class EtcdStore(SessionStore):
                 deadline = self._lease_deadline = sent + self._margin(granted)
                 wake = sent + granted / 3
             elif trio.current_time() >= deadline:
+                generation = self._generation_text()
                 self._lose()
                 raise LeadershipLost(
                     f"store {self.description}: expected to renew the lease of generation "
-                    f"{self._generation_text()} within its {self._lease_ttl:g} s TTL, but "
-                    f"no renewal succeeded ({problem}); stepping down")
+                    f"{generation} within its {self._lease_ttl:g} s TTL, but no renewal "
+                    f"succeeded ({problem}); stepping down")
             else:
                 wake = trio.current_time() + min(0.1, self._lease_ttl / 10)
             await trio.sleep_until(min(wake, deadline))

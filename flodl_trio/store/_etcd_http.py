@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,8 +126,7 @@ class EtcdHttp:
                 status, data, where = await self._request("GET", "/health", b"", rotate=False)
             except StoreUnavailable as exc:
                 problems.append(str(exc).removeprefix("etcd "))
-                self._current = (self._current + 1) % len(self.endpoints)
-                continue
+                continue  # _request moved to the next endpoint
             try:
                 healthy = json.loads(data).get("health") == "true"
             except (ValueError, AttributeError):
@@ -135,7 +135,7 @@ class EtcdHttp:
                 return
             problems.append(f"{where}: unhealthy (HTTP {status}: {data[:120]!r})")
             self._current = (self._current + 1) % len(self.endpoints)
-        raise StoreUnavailable("etcd unreachable or unhealthy: " + "; ".join(problems))
+        raise StoreUnavailable("expected a healthy etcd, got " + "; ".join(problems))
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
@@ -159,8 +159,7 @@ class EtcdHttp:
                                         f"{self.timeout:g} s")
             except (OSError, trio.BrokenResourceError, h11.ProtocolError,
                     _Truncated) as exc:
-                last = StoreUnavailable(f"etcd {where}: {path} failed: "
-                                        f"{type(exc).__name__}: {exc}")
+                last = StoreUnavailable(f"etcd {where}: {path} failed: {_cause(exc)}")
             self._current = (self._current + 1) % len(self.endpoints)
         assert last is not None
         raise last
@@ -236,6 +235,20 @@ class EtcdHttp:
                 return status, b"".join(chunks)
             elif isinstance(event, h11.ConnectionClosed):
                 raise _Truncated("connection closed mid-answer", partial=True)
+
+
+def _cause(exc: BaseException) -> str:
+    """The first OS error's text (trio's "all attempts to connect failed" hides it)."""
+    seen = exc
+    while True:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno).lower()
+        inner = seen.__cause__
+        if isinstance(inner, BaseExceptionGroup) and inner.exceptions:
+            inner = inner.exceptions[0]
+        if inner is None:
+            return f"{type(exc).__name__}: {exc}"
+        seen = inner
 
 
 class _Truncated(Exception):
