@@ -248,3 +248,34 @@ async def test_a_corrupt_state_or_counter_under_the_prefix_is_refused_naming_the
     with pytest.raises(StoreCorrupt, match=f"key '{where}/address'"):
         await store.resolve_address()
     await store.aclose()
+
+
+async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
+        shared_etcd: Any) -> None:
+    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=TTL)
+    gen = await store.acquire(owner="a")
+    big = {"plans": "x" * 50_000}  # a scheduler checkpoint of some size
+    saved: list[int] = []
+
+    async def writer(base: int) -> None:
+        for i in range(10):
+            await store.save(state(gen, failures=base + i, checkpoint=big))
+            saved.append(base + i)
+            await trio.sleep(0.1)
+
+    async with trio.open_nursery() as nursery:
+        keeper = trio.CancelScope()
+
+        async def keep() -> None:
+            with keeper:
+                await store.keep_leadership()
+
+        nursery.start_soon(keep)
+        async with trio.open_nursery() as writers:
+            for base in (0, 100, 200):
+                writers.start_soon(writer, base)
+        keeper.cancel()
+    assert len(saved) == 30  # over a TTL of writes, none refused
+    loaded = await store.load()
+    assert loaded is not None and loaded.failures == saved[-1] and loaded.checkpoint == big
+    await store.aclose()

@@ -25,6 +25,7 @@ import trio
 
 from .._errors import ConfigError, StoreUnavailable
 
+MAX_IDLE = 4  # keep-alive connections kept for reuse
 MAX_RESPONSE = 16 * 1024 * 1024  # a state is at most etcd's 1.5 MiB request limit, base64'd
 
 
@@ -196,6 +197,8 @@ class EtcdHttp:
                 conn.h11.start_next_cycle()
                 conn.used = True
                 self._idle.append(conn)
+                if len(self._idle) > MAX_IDLE:
+                    await trio.aclose_forcefully(self._idle.pop(0).stream)
             else:
                 await trio.aclose_forcefully(conn.stream)
 

@@ -40,5 +40,8 @@ def open_store(url: str, *, ttl: float = 2.0, connect_timeout: float = 5.0) -> S
         hosts, slash, prefix = rest[2:].partition("/")
         if not hosts or not slash or not prefix.strip("/"):
             raise bad("expected endpoints then '/PREFIX'")
-        return EtcdStore(hosts, prefix, ttl=ttl, connect_timeout=connect_timeout)
+        try:
+            return EtcdStore(hosts, prefix, ttl=ttl, connect_timeout=connect_timeout)
+        except ConfigError as exc:
+            raise bad(str(exc)) from None
     raise bad(f"unknown scheme {scheme!r}")

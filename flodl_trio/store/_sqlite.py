@@ -82,6 +82,9 @@ class SqliteStore(SessionStore):
                                  f"(this handle does not lead)")
         task_status.started()
         while True:
+            if self._generation is None:
+                raise LeadershipLost(f"store {self.description}: the leadership was released "
+                                     f"(release or aclose) while keep_leadership ran")
             problem = await self._run(self._leadership_problem)
             if problem is not None:
                 generation, self._generation = self._generation, None
