@@ -20,3 +20,17 @@ if [ "$1" = test ] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] \
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
       >/dev/null; } || echo "warning: chromium not installed; its tests will be skipped" >&2
 fi
+# The session-store tests run a real etcd (Debian's etcd-server, /usr/bin/etcd); as root, install
+# it once. The tests start their own member on free loopback ports: the packaged service is not
+# needed, so it is stopped and disabled where systemd runs it.
+if [ "$1" = test ] && [ ! -x /usr/bin/etcd ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "installing Debian's etcd-server for the session-store tests" >&2
+  if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server \
+      >/dev/null; }; then
+    { command -v systemctl >/dev/null 2>&1 && systemctl disable --now etcd >/dev/null 2>&1; } \
+      || true
+  else
+    echo "warning: etcd-server not installed; the etcd store tests will be skipped" >&2
+  fi
+fi

@@ -2,6 +2,10 @@
 standby coordinator adopts the running cohort instead of ending the run."""
 
 from ._base import MemoryStore, SessionStore
+from ._etcd import EtcdStore
+from ._open import open_store
+from ._sqlite import SqliteStore
 from ._state import SessionState, salt_id
 
-__all__ = ["MemoryStore", "SessionState", "SessionStore", "salt_id"]
+__all__ = ["EtcdStore", "MemoryStore", "SessionState", "SessionStore", "SqliteStore",
+           "open_store", "salt_id"]

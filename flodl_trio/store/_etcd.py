@@ -1,0 +1,319 @@
+""":class:`EtcdStore`: the session store in etcd v3, for a standby coordinator on another
+machine (SPEC §4.7).
+
+Keys under ``PREFIX``: ``PREFIX/leader`` (the leader's owner and generation, attached to its
+lease), ``PREFIX/generation`` (the counter, decimal), ``PREFIX/state`` (the encoded
+:class:`SessionState`) and ``PREFIX/address`` (JSON ``[[host, port], ...]``, attached to the
+leader's lease, so it vanishes with the leader).
+
+Election: a leader key created with ``create_revision == 0`` in a txn that also bumps the
+generation (compared on its ``mod_revision``); a standby polls every ``ttl / 4`` until the key is
+gone. The leader renews its lease every ``ttl / 3`` and steps down (``LeadershipLost``) when no
+renewal succeeded for the lease's TTL counted from the moment the last good renewal was *sent*:
+etcd counts the same TTL from when it *received* it, so the leader always steps down before a
+standby can win. Writes are txns comparing ``PREFIX/generation`` with the writer's and that the
+writer's lease still holds the leader key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from .._errors import ConfigError, LeadershipLost, StoreCorrupt, StoreUnavailable
+from ._base import SessionStore
+from ._etcd_http import EtcdCallError, EtcdHttp, b64, endpoint_text, parse_endpoint, unb64
+from ._state import SessionState
+
+NOT_FOUND = 5  # gRPC status code etcd answers for a lease that is gone
+
+
+class EtcdStore(SessionStore):
+    """The session store in etcd v3, through its JSON gateway (``/v3/...``, etcd >= 3.4).
+
+    Args:
+        endpoints: ``"HOST:PORT"`` strings (or ``(host, port)`` pairs) of the etcd cluster's
+            client URLs, tried in order (plain HTTP).
+        prefix: the key prefix of this session (``"flodl/run1"``); one prefix per run.
+        ttl: the leader's lease TTL in seconds: how long a standby waits after the leader
+            vanished, and how long a leader cut off from etcd keeps leading. etcd grants at least
+            its minimum (1.5 election timeouts, 2 s with its defaults); the granted TTL counts.
+        connect_timeout: the bound of each request, and so of the ``StoreUnavailable`` error
+            for an unreachable or unhealthy etcd at start.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str | tuple[str, int]], prefix: str, *,
+                 ttl: float = 2.0, connect_timeout: float = 5.0) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [e for e in endpoints.split(",") if e.strip()]
+        parsed = [parse_endpoint(e) if isinstance(e, str) else (str(e[0]), int(e[1]))
+                  for e in endpoints]
+        clean = prefix.strip("/")
+        if not clean:
+            raise ConfigError(f"etcd store: expected a non-empty key prefix, got {prefix!r}")
+        if not ttl > 0 or not connect_timeout > 0:
+            raise ConfigError(f"etcd store: expected ttl and connect_timeout > 0, got ttl={ttl!r}"
+                              f", connect_timeout={connect_timeout!r}")
+        self._http = EtcdHttp(parsed, timeout=connect_timeout)
+        self.description = f"etcd://{','.join(endpoint_text(e) for e in parsed)}/{clean}"
+        self.prefix = clean
+        self.ttl = ttl
+        self._keys = {name: f"{clean}/{name}" for name in ("leader", "generation", "state",
+                                                          "address")}
+        self._lease: int | None = None
+        self._lease_ttl = 0.0
+        self._lease_deadline = 0.0  # when this leader must have stepped down, Trio clock
+        self._generation: int | None = None
+        self._checked = False
+        self.granted_ttl: float | None = None  # what etcd granted (>= ttl), once acquired
+
+    @property
+    def generation(self) -> int | None:
+        """This handle's generation while it leads, else None."""
+        return self._generation
+
+    # -- SessionStore -------------------------------------------------------------------------
+
+    async def acquire(self, *, owner: str) -> int:
+        await self._check_health()
+        poll = max(0.05, self.ttl / 4)
+        while True:
+            try:
+                won = await self._try_acquire(owner)
+            except StoreUnavailable:  # a standby rides out an etcd restart
+                if self._lease is not None:
+                    await self._revoke()
+                await trio.sleep(poll)
+                continue
+            if won is not None:
+                return won
+            await trio.sleep(poll)
+
+    async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
+                              = trio.TASK_STATUS_IGNORED) -> None:
+        if self._lease is None or self._generation is None:
+            raise LeadershipLost(f"store {self.description}: keep_leadership before acquire "
+                                 f"(this handle does not lead)")
+        task_status.started()
+        deadline = self._lease_deadline
+        problem = "the lease ran out before the first renewal"
+        while True:
+            sent = trio.current_time()
+            granted = 0.0
+            with trio.move_on_at(deadline):
+                try:
+                    granted = await self._renew()
+                except StoreUnavailable as exc:
+                    problem = str(exc)
+            if granted > 0:
+                deadline = self._lease_deadline = sent + self._margin(granted)
+                wake = sent + granted / 3
+            elif trio.current_time() >= deadline:
+                generation = self._generation_text()
+                self._lose()
+                raise LeadershipLost(
+                    f"store {self.description}: expected to renew the lease of generation "
+                    f"{generation} within its {self._lease_ttl:g} s TTL, but no renewal "
+                    f"succeeded ({problem}); stepping down")
+            else:
+                wake = trio.current_time() + min(0.1, self._lease_ttl / 10)
+            await trio.sleep_until(min(wake, deadline))
+
+    async def load(self) -> SessionState | None:
+        await self._check_health()
+        kv = await self._get("state")
+        if kv is None:
+            return None
+        return SessionState.decode(unb64(kv.get("value")), source=self._where("state"))
+
+    async def save(self, state: SessionState) -> None:
+        await self._fenced_put("state", state.encode(), state.generation, "save")
+
+    async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
+        if self._generation is None:
+            raise LeadershipLost(f"store {self.description}: publish_address refused: this "
+                                 f"handle does not lead (no acquire, or it stepped down)")
+        value = json.dumps([[str(h), int(p)] for h, p in addresses]).encode()
+        await self._fenced_put("address", value, self._generation, "publish_address",
+                               with_lease=True)
+
+    async def resolve_address(self) -> tuple[tuple[str, int], ...]:
+        kv = await self._get("address")
+        if kv is None:
+            return ()
+        raw = unb64(kv.get("value"))
+        try:
+            doc = json.loads(raw)
+            out = tuple((str(h), int(p)) for h, p in doc)
+        except (ValueError, TypeError):
+            raise StoreCorrupt(f"leader address at {self._where('address')}: expected JSON "
+                               f"[[host, port], ...], got {raw[:80]!r}") from None
+        return out
+
+    async def release(self) -> None:
+        self._generation = None
+        if self._lease is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._http.timeout):
+                await self._revoke()
+        self._lease = None
+
+    async def aclose(self) -> None:
+        await self.release()
+        with trio.CancelScope(shield=True):
+            await self._http.aclose()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _where(self, name: str) -> str:
+        return f"etcd {self._http.current} key {self._keys[name]!r}"
+
+    def _generation_text(self) -> str:
+        return str(self._generation) if self._generation is not None else "(none)"
+
+    def _margin(self, granted: float) -> float:
+        """How long after sending a renewal this leader may still lead: the TTL less a small
+        margin for the time it takes to stop acting (closing connections)."""
+        return granted - min(0.1 * granted, 0.25)
+
+    def _lose(self) -> None:
+        self._generation = None
+
+    async def _check_health(self) -> None:
+        if not self._checked:
+            try:
+                await self._http.health()
+            except StoreUnavailable as exc:
+                raise StoreUnavailable(f"store {self.description}: {exc}") from None
+            self._checked = True
+
+    async def _get(self, name: str) -> dict[str, Any] | None:
+        doc = await self._http.call("/v3/kv/range", {"key": b64(self._keys[name])})
+        kvs = doc.get("kvs") or []
+        return kvs[0] if kvs else None
+
+    def _gen_value(self, kv: dict[str, Any] | None) -> int:
+        if kv is None:
+            return 0
+        raw = unb64(kv.get("value"))
+        if not raw.isdigit():
+            raise StoreCorrupt(f"generation at {self._where('generation')}: expected a decimal "
+                               f"counter, got {raw[:40]!r}")
+        return int(raw)
+
+    async def _try_acquire(self, owner: str) -> int | None:
+        """One election round: the new generation if this handle won, None if another leads."""
+        leader = await self._get("leader")
+        if leader is not None:
+            if self._lease is not None and int(leader.get("lease", 0)) == self._lease:
+                return self._won(leader)  # our txn went through but its answer was lost
+            if self._lease is not None:  # no lease kept alive while a standby waits
+                await self._revoke()
+            return None
+        if self._lease is None:
+            sent = trio.current_time()
+            grant = await self._http.call("/v3/lease/grant", {"TTL": max(1, math.ceil(self.ttl))})
+            self._lease = int(grant["ID"])
+            self._lease_ttl = float(grant.get("TTL", 0))
+            self.granted_ttl = self._lease_ttl
+            self._lease_deadline = sent + self._margin(self._lease_ttl)
+        gen_kv = await self._get("generation")
+        new = self._gen_value(gen_kv) + 1
+        value = json.dumps({"owner": owner, "generation": new}).encode()
+        leader_key, gen_key = b64(self._keys["leader"]), b64(self._keys["generation"])
+        answer = await self._http.call("/v3/kv/txn", {
+            "compare": [
+                {"key": leader_key, "target": "CREATE", "result": "EQUAL",
+                 "create_revision": "0"},
+                {"key": gen_key, "target": "MOD", "result": "EQUAL",
+                 "mod_revision": str(gen_kv.get("mod_revision", 0) if gen_kv else 0)},
+            ],
+            "success": [
+                {"request_put": {"key": leader_key, "value": b64(value),
+                                 "lease": str(self._lease)}},
+                {"request_put": {"key": gen_key, "value": b64(str(new))}},
+            ],
+        })
+        if not answer.get("succeeded"):
+            return None
+        self._generation = new
+        return new
+
+    def _won(self, leader: dict[str, Any]) -> int:
+        try:
+            gen = int(json.loads(unb64(leader.get("value")))["generation"])
+        except (ValueError, KeyError, TypeError):
+            raise StoreCorrupt(f"leader record at {self._where('leader')}: expected JSON "
+                               f"with a generation, got {unb64(leader.get('value'))[:80]!r}"
+                               ) from None
+        self._generation = gen
+        return gen
+
+    async def _revoke(self) -> None:
+        lease, self._lease = self._lease, None
+        try:
+            await self._http.call("/v3/lease/revoke", {"ID": str(lease)})
+        except StoreUnavailable:
+            pass  # unreachable, or the lease is already gone: it expires on its own
+
+    async def _renew(self) -> float:
+        """One renewal: the TTL granted, after checking that the leader key is still ours."""
+        lease = self._lease
+        if lease is None:
+            raise LeadershipLost(f"store {self.description}: the lease was released")
+        try:
+            answer = await self._http.call("/v3/lease/keepalive", {"ID": str(lease)})
+        except EtcdCallError as exc:
+            if exc.code != NOT_FOUND:
+                raise
+            answer = {}
+        granted = float(answer.get("TTL", 0) or 0)
+        if granted <= 0:
+            self._lose()
+            raise LeadershipLost(f"store {self.description}: expected to renew lease "
+                                 f"{lease:x} of generation {self._generation_text()}, but "
+                                 f"etcd {self._http.current} says it expired; stepping down")
+        leader = await self._get("leader")
+        if leader is None or int(leader.get("lease", 0)) != lease:
+            holder = "nobody" if leader is None else repr(unb64(leader.get("value"))[:80])
+            self._lose()
+            raise LeadershipLost(f"store {self.description}: expected {self._keys['leader']!r}"
+                                 f" to be held by our lease {lease:x} (generation "
+                                 f"{self._generation_text()}), but it is held by {holder}; "
+                                 f"stepping down")
+        return granted
+
+    async def _fenced_put(self, name: str, value: bytes, generation: int, what: str, *,
+                          with_lease: bool = False) -> None:
+        lease = self._lease
+        if lease is None or self._generation is None:
+            raise LeadershipLost(f"store {self.description}: {what} as generation {generation} "
+                                 f"refused: this handle does not lead (no acquire, or it "
+                                 f"stepped down)")
+        leader_key, gen_key = b64(self._keys["leader"]), b64(self._keys["generation"])
+        put: dict[str, Any] = {"key": b64(self._keys[name]), "value": b64(value)}
+        if with_lease:
+            put["lease"] = str(lease)
+        answer = await self._http.call("/v3/kv/txn", {
+            "compare": [
+                {"key": gen_key, "target": "VALUE", "result": "EQUAL",
+                 "value": b64(str(generation))},
+                {"key": leader_key, "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
+            ],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": gen_key}},
+                        {"request_range": {"key": leader_key}}],
+        })
+        if answer.get("succeeded"):
+            return
+        found = []
+        for response in answer.get("responses") or []:
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            found.append(unb64(kvs[0].get("value")).decode(errors="replace") if kvs else "none")
+        gen_now, leader_now = [*found, "?", "?"][:2]
+        raise LeadershipLost(f"store {self.description}: {what} as generation {generation} "
+                             f"refused: the stored generation is {gen_now}, the leader key "
+                             f"holds {leader_now} (not our lease {lease:x})")

@@ -1,0 +1,128 @@
+"""A real etcd (Debian's ``etcd-server``, /usr/bin/etcd) for the tests and the benchmarks: one
+member on free loopback ports (client and peer), its data in a given directory, stopped by PID.
+
+    with EtcdServer(tmp_path) as etcd:
+        store = EtcdStore(etcd.endpoint, "flodl/run1", ttl=1)
+
+The member runs with a 100 ms heartbeat and a 500 ms election timeout, so that etcd's minimum
+lease TTL (1.5 election timeouts, rounded up to whole seconds) is 1 s instead of 2 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+ETCD = os.environ.get("FLODL_ETCD", "/usr/bin/etcd")
+
+
+def etcd_binary() -> str | None:
+    """The etcd binary's path, or None when it is not installed."""
+    return ETCD if os.access(ETCD, os.X_OK) else shutil.which("etcd")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1. ``start()`` waits (bounded) until ``/health`` says true.
+
+    Attributes:
+        endpoint: ``"127.0.0.1:PORT"``, its client endpoint.
+        pid: the running process's PID (None when stopped).
+    """
+
+    def __init__(self, data_dir: Path, *, start_timeout: float = 15.0) -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.binary = binary
+        self.data_dir = Path(data_dir) / "etcd-data"
+        self.log_path = Path(data_dir) / "etcd.log"
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.start_timeout = start_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> EtcdServer:
+        """Start the member (again, on the same ports and data, after :meth:`stop`)."""
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        argv = [self.binary, "--name", "flodl-test", "--data-dir", str(self.data_dir),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"flodl-test={peer}", "--initial-cluster-state", "new",
+                "--heartbeat-interval", "100", "--election-timeout", "500",
+                "--logger", "zap", "--log-level", "warn"]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd on {self.endpoint} not healthy within {self.start_timeout} s; "
+                           f"its log {self.log_path}:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: the member stops answering; connections still open (the kernel accepts)."""
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; waits for the process (by its PID)."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGCONT)  # a paused member cannot handle SIGTERM
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

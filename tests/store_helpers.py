@@ -1,0 +1,42 @@
+"""Helpers of the session-store tests (test_store_*.py): a state to save, and a flag that a
+background task (a standby, a leader's keeper) sets when it won or lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from flodl_trio.store import SessionState, salt_id
+from flodl_trio.wire import SessionSalt
+
+SALT = SessionSalt(bytes(range(16)))
+
+
+def state(generation: int, **kw: object) -> SessionState:
+    fields: dict[str, object] = dict(
+        salt_id=salt_id(SALT), world_size=4, model_sigs={"m": b"\x01"},
+        roster=(("a", (0, 1)), ("b", (2, 3))), dead={2: "relay lost"}, failures=1,
+        generation=generation, formed=True, checkpoint={"epoch": 2})
+    fields.update(kw)
+    return SessionState(**fields)  # type: ignore[arg-type]
+
+
+class Flag:
+    """What a background task reports (its result, and when), and an event to wait for it."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.value: Any = None
+        self.at = 0.0
+
+    def set(self, value: Any = True) -> None:
+        self.value, self.at = value, trio.current_time()
+        self.event.set()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self, limit: float) -> None:
+        with trio.fail_after(limit):
+            await self.event.wait()

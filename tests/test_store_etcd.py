@@ -1,0 +1,281 @@
+"""EtcdStore against a real etcd (Debian's etcd-server, started on free loopback ports): one
+leader by lease, a standby that wins only after the leader's lease expired, fenced writes, a
+leader that steps down within its lease when etcd goes away, and clear errors for an
+unreachable endpoint or a corrupt key."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from store_helpers import Flag, state
+
+from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
+from flodl_trio.store import EtcdStore
+
+from helpers import load_script
+
+etcd_helper = load_script("_etcd")
+pytestmark = pytest.mark.skipif(etcd_helper.etcd_binary() is None,
+                                reason="etcd is not installed (apt-get install etcd-server)")
+TTL = 1.0
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with etcd_helper.EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[Any]:
+    """A member of this test's own, for the tests that stop it."""
+    with etcd_helper.EtcdServer(tmp_path) as server:
+        yield server
+
+
+def prefix() -> str:
+    return f"flodl/test{next(_prefixes)}"
+
+
+def put_raw(endpoint: str, key: str, value: bytes) -> None:
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
+                       "value": base64.b64encode(value).decode()}).encode()
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{endpoint}/v3/kv/put", data=body), timeout=5) as answer:
+        assert answer.status == 200
+
+
+async def test_one_leader_a_standby_that_wins_only_after_the_lease_expired_and_fencing(
+        shared_etcd: Any) -> None:
+    where = prefix()
+    leader = EtcdStore(shared_etcd.endpoint, where, ttl=TTL)
+    standby = EtcdStore(shared_etcd.endpoint, where, ttl=TTL)
+    gen1 = await leader.acquire(owner="coordinator a")
+    assert leader.granted_ttl == TTL  # the test member's minimum TTL is 1 s
+    await leader.save(state(gen1, failures=2))
+    await leader.publish_address([("127.0.0.1", 4100)])
+    won = Flag()
+
+    async def wait_as_standby() -> None:
+        won.set(await standby.acquire(owner="coordinator b"))
+
+    async with trio.open_nursery() as nursery:
+        keeper = trio.CancelScope()
+
+        async def keep() -> None:
+            with keeper:
+                await leader.keep_leadership()
+
+        nursery.start_soon(keep)
+        nursery.start_soon(wait_as_standby)
+        await trio.sleep(1.5 * TTL)  # renewals keep it: the standby waits through 1.5 TTLs
+        assert not won
+        assert await standby.resolve_address() == (("127.0.0.1", 4100),)
+        crashed = trio.current_time()
+        keeper.cancel()  # the leader stops renewing (a crash, a frozen process)
+        await won.wait(4 * TTL)
+    gen2, takeover = won.value, won.at - crashed
+    print(f"etcd standby takeover after the leader stopped renewing: {takeover:.2f} s "
+          f"(TTL {TTL:g} s)")
+    assert gen2 == gen1 + 1
+    # its last renewal was at most TTL/3 before the crash, and the lease runs a TTL after it
+    assert 2 / 3 * TTL - 0.1 <= takeover < TTL + 1.0
+    assert await standby.load() == state(gen1, failures=2)
+    assert await standby.resolve_address() == ()  # the address went with the old lease
+    # the deposed leader can write nothing, and its keeper says so at once
+    with pytest.raises(LeadershipLost, match=f"save as generation {gen1} refused: the stored "
+                       f"generation is {gen2}"):
+        await leader.save(state(gen1, failures=99))
+    with pytest.raises(LeadershipLost, match=r"publish_address .* refused"):
+        await leader.publish_address([("127.0.0.1", 1)])
+    with pytest.raises(LeadershipLost, match=rf"generation {gen1} .* stepping down"):
+        await leader.keep_leadership()
+    with pytest.raises(LeadershipLost, match=f"generation {gen1} refused"):
+        await standby.save(state(gen1))  # the new leader's handle fences the old generation
+    await standby.save(state(gen2, failures=3))
+    assert await leader.load() == state(gen2, failures=3)
+    for store in (leader, standby):
+        await store.aclose()
+
+
+async def test_release_hands_the_leadership_to_a_standby_at_once(shared_etcd: Any) -> None:
+    where = prefix()
+    leader, standby = (EtcdStore(shared_etcd.endpoint, where, ttl=TTL) for _ in range(2))
+    gen1 = await leader.acquire(owner="a")
+    won = Flag()
+
+    async def wait_as_standby() -> None:
+        won.set(await standby.acquire(owner="b"))
+
+    async with trio.open_nursery() as nursery:
+        keeper = trio.CancelScope()
+
+        async def keep() -> None:
+            with keeper:
+                await leader.keep_leadership()
+
+        nursery.start_soon(keep)
+        nursery.start_soon(wait_as_standby)
+        await trio.sleep(0.3)
+        released = trio.current_time()
+        keeper.cancel()  # a coordinator ending cleanly: stop renewing, then give it up
+        await leader.release()
+        with pytest.raises(LeadershipLost):
+            await leader.save(state(gen1))
+        await won.wait(2 * TTL)
+    assert won.value == gen1 + 1
+    assert won.at - released < TTL / 2  # a standby polls every TTL/4: no lease to wait out
+    for store in (leader, standby):
+        await store.aclose()
+
+
+async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_never_overlaps(
+        own_etcd: Any) -> None:
+    where = prefix()
+    leader, standby = (EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
+                       for _ in range(2))
+    gen1 = await leader.acquire(owner="a")
+    lost, won = Flag(), Flag()
+
+    async def lead() -> None:
+        with pytest.raises(LeadershipLost, match="no renewal succeeded"):
+            await leader.keep_leadership()
+        lost.set()
+
+    async def wait_as_standby() -> None:
+        won.set(await standby.acquire(owner="b"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lead)
+        nursery.start_soon(wait_as_standby)
+        await trio.sleep(0.3)
+        frozen = trio.current_time()
+        own_etcd.pause()  # SIGSTOP: connections open, nothing answers
+        await lost.wait(2 * TTL)
+        assert not won
+        own_etcd.resume()
+        await won.wait(4 * TTL)
+    print(f"etcd frozen: the leader stepped down after {lost.at - frozen:.2f} s; the standby "
+          f"won {won.at - lost.at:.2f} s after that")
+    assert lost.at - frozen <= TTL + 0.1
+    assert won.at > lost.at  # never two leaders
+    assert won.value == gen1 + 1
+    for store in (leader, standby):
+        await store.aclose()
+
+
+async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: Any) -> None:
+    where = prefix()
+    leader = EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
+    gen1 = await leader.acquire(owner="a")
+    lost = Flag()
+
+    async def lead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with pytest.raises(LeadershipLost, match=own_etcd.endpoint):
+            await leader.keep_leadership(task_status=task_status)
+        lost.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lead)
+        await trio.sleep(0.4)
+        stopped = trio.current_time()
+        own_etcd.stop()  # SIGTERM: connections refused
+        await lost.wait(2 * TTL)
+    took = lost.at - stopped
+    print(f"etcd stopped: the leader stepped down after {took:.2f} s")
+    assert took <= TTL + 0.1
+    with pytest.raises(LeadershipLost, match=f"save as generation {gen1} refused"):
+        await leader.save(state(gen1))  # it stays down
+    await leader.aclose()  # a release that cannot reach etcd returns anyway
+
+
+async def test_an_unreachable_endpoint_at_start_is_refused_quickly_naming_it() -> None:
+    dead = f"127.0.0.1:{etcd_helper.free_port()}"  # nothing listens there
+    store = EtcdStore(dead, "flodl/x", connect_timeout=0.5)
+    with trio.fail_after(2), pytest.raises(StoreUnavailable,
+                                           match=f"{dead}: .*connection refused") as info:
+        await store.acquire(owner="a")
+    assert "\n" not in str(info.value)
+    with trio.fail_after(2), pytest.raises(StoreUnavailable, match=dead):
+        await store.load()
+    await store.aclose()
+
+
+async def test_an_endpoint_that_never_answers_is_refused_within_the_connect_timeout() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")  # accepts, never answers
+    port = listeners[0].socket.getsockname()[1]
+    store = EtcdStore(f"127.0.0.1:{port}", "flodl/x", connect_timeout=0.3)
+    started = trio.current_time()
+    with trio.fail_after(2), pytest.raises(StoreUnavailable,
+                                           match=f"127.0.0.1:{port}: no answer"):
+        await store.acquire(owner="a")
+    assert trio.current_time() - started < 1.0
+    await store.aclose()
+    for listener in listeners:
+        await listener.aclose()
+
+
+async def test_a_dead_first_endpoint_is_skipped_for_a_live_one(shared_etcd: Any) -> None:
+    dead = f"127.0.0.1:{etcd_helper.free_port()}"
+    store = EtcdStore([dead, shared_etcd.endpoint], prefix(), ttl=TTL, connect_timeout=0.5)
+    gen = await store.acquire(owner="a")
+    await store.save(state(gen))
+    assert await store.load() == state(gen)
+    await store.aclose()
+
+
+async def test_a_corrupt_state_or_counter_under_the_prefix_is_refused_naming_the_key(
+        shared_etcd: Any) -> None:
+    where = prefix()
+    store = EtcdStore(shared_etcd.endpoint, where, ttl=TTL)
+    for junk in (b"", b"not a state", state(1).encode()[:-1]):
+        put_raw(shared_etcd.endpoint, f"{where}/state", junk)
+        with pytest.raises(StoreCorrupt, match=f"key '{where}/state'.*refusing it"):
+            await store.load()
+    put_raw(shared_etcd.endpoint, f"{where}/generation", b"seven")
+    with pytest.raises(StoreCorrupt, match=f"key '{where}/generation'.*got b'seven'"):
+        await store.acquire(owner="a")
+    put_raw(shared_etcd.endpoint, f"{where}/address", b"{not json")
+    with pytest.raises(StoreCorrupt, match=f"key '{where}/address'"):
+        await store.resolve_address()
+    await store.aclose()
+
+
+async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
+        shared_etcd: Any) -> None:
+    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=TTL)
+    gen = await store.acquire(owner="a")
+    big = {"plans": "x" * 50_000}  # a scheduler checkpoint of some size
+    saved: list[int] = []
+
+    async def writer(base: int) -> None:
+        for i in range(10):
+            await store.save(state(gen, failures=base + i, checkpoint=big))
+            saved.append(base + i)
+            await trio.sleep(0.1)
+
+    async with trio.open_nursery() as nursery:
+        keeper = trio.CancelScope()
+
+        async def keep() -> None:
+            with keeper:
+                await store.keep_leadership()
+
+        nursery.start_soon(keep)
+        async with trio.open_nursery() as writers:
+            for base in (0, 100, 200):
+                writers.start_soon(writer, base)
+        keeper.cancel()
+    assert len(saved) == 30  # over a TTL of writes, none refused
+    loaded = await store.load()
+    assert loaded is not None and loaded.failures == saved[-1] and loaded.checkpoint == big
+    await store.aclose()
