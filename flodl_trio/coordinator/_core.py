@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -12,8 +14,9 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._coord_types import BroadcastResult, RelayInfo
-from .._errors import BroadcastError, ConfigError, FormationError
+from .._errors import BroadcastError, ConfigError, FormationError, LeadershipLost, StoreCorrupt
 from ..events import ShutdownComplete, ShutdownStarted
+from ..store import SessionStore, salt_id
 from ..timeline import Timeline
 from ..wire import (
     ControlMsg,
@@ -24,8 +27,10 @@ from ..wire import (
     Shutdown,
     TimingMsg,
 )
+from ._adopt import Adoption
 from ._board import Board, DashboardPush
 from ._boardview import board_document
+from ._persist import Persistence, adoption_problem, checked_checkpoint
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -34,6 +39,7 @@ from .liveness import Liveness
 from .readers import Readers
 
 log = logging.getLogger("flodl_trio.coordinator")
+
 
 class Coordinator:
     """The run's coordinator, as yielded by :func:`flodl_trio.open_coordinator`.
@@ -47,6 +53,9 @@ class Coordinator:
         metrics: receive channel of every Metrics message, bounded.
         lost_broadcasts: broadcasts that did not reach every live rank.
         timeline: the :class:`Timeline` events are recorded on.
+        generation: this coordinator's generation in its session store (the fencing token,
+            greater than every generation before it); 0 without a store.
+        resumed: True when it adopted a running session from its store (SPEC §4.7).
     """
 
     def __init__(
@@ -93,13 +102,115 @@ class Coordinator:
         self._formation_began: float | None = None
         self._formed_at: float | None = None
         self._checkpoint: dict[str, Any] | None = None
+        self._salt = salt
+        self.generation = 0
+        self.resumed = False
+        self._store: SessionStore | None = None
+        self._persist: Persistence | None = None
+        self._adoption: Adoption | None = None
+        self._adopted_formed = False
+        self._deposed: LeadershipLost | None = None
+        self._formed_scope = trio.CancelScope()
+        self._body_scope: trio.CancelScope | None = None
+        # What open_coordinator does when the coordinator is deposed: stop its tasks.
+        self.on_deposed: Callable[[], None] = lambda: None
+        self._roster.on_change = self._changed
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
     @property
     def failure(self) -> BaseException | None:
-        """The :class:`ClusterFailure` once the failure policy stopped the run, else None."""
-        return self._liveness.failure
+        """The :class:`LeadershipLost` once the coordinator stepped down, else the
+        :class:`ClusterFailure` once the failure policy stopped the run, else None."""
+        return self._deposed or self._liveness.failure
+
+    @property
+    def deposed(self) -> LeadershipLost | None:
+        """Why the coordinator stepped down (it lost its store's leadership), else None."""
+        return self._deposed
+
+    # ------------------------------------------------------------------ session store
+
+    async def lead(self, store: SessionStore) -> None:
+        """Become ``store``'s leader (a standby blocks here), load its session and adopt it,
+        or start a fresh one (SPEC §4.7). Runs before :meth:`background_tasks`.
+
+        Raises:
+            StoreCorrupt: the stored state is damaged, or is another session's (salt id or
+                world size); nothing was loaded and the leadership was released.
+            StoreUnavailable: the store cannot be reached.
+        """
+        owner = f"coordinator on {socket.gethostname()} pid {os.getpid()}"
+        self.generation = await store.acquire(owner=owner)
+        self._store = store
+        try:
+            state = await store.load()
+            sid = salt_id(self._salt)
+            if state is not None:
+                problem = adoption_problem(state, salt_id=sid, world_size=self.world_size,
+                                           source=store.description)
+                if problem is not None:
+                    raise StoreCorrupt(problem)
+            self._persist = Persistence(store, generation=self.generation, salt_id=sid,
+                                        roster=self._roster, on_lost=self.step_down)
+            if state is not None:
+                self.resumed = True
+                if state.checkpoint is not None:
+                    self._checkpoint = dict(state.checkpoint)
+                    self._persist.checkpoint = self._checkpoint
+                self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
+                                          liveness=self._liveness, config=self.config,
+                                          source=store.description)
+                self._adoption.install(self.generation)
+                self._formation.adopting = True
+                self._adopted_formed = state.formed and self._roster.complete
+            log.info("leading session store %s as generation %d (%s)", store.description,
+                     self.generation, "adopted its session" if self.resumed else "fresh run")
+            self._persist.request()  # the new generation's state, at once
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await store.release()
+            raise
+
+    async def keep_leadership(self) -> None:
+        """Keep the store's leadership; losing it deposes the coordinator."""
+        assert self._store is not None
+        try:
+            await self._store.keep_leadership()
+        except LeadershipLost as exc:
+            self.step_down(exc)
+
+    async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        """Publish where relays can dial this leader (once it accepts connections)."""
+        assert self._store is not None
+        try:
+            await self._store.publish_address(addresses)
+        except LeadershipLost as exc:
+            self.step_down(exc)
+
+    def step_down(self, exc: LeadershipLost) -> None:
+        """Another coordinator leads the session now: close every relay connection abruptly
+        and send nothing more -- no ``Goodbye``, no ``Shutdown``, no broadcast, no record at
+        all -- then end the run (``open_coordinator`` raises ``exc``)."""
+        if self._deposed is not None or self._shutdown_done.is_set():
+            return
+        self._deposed = exc
+        log.error("stepping down, without a word to the relays: %s", exc)
+        self._roster.begin_shutdown()  # no more deaths, rejoins or connections
+        for conn in self._roster.relays:
+            conn.abandon(f"the coordinator stepped down: {exc}")
+        self._sender.resumes.set()
+        self._formed_scope.cancel()
+        if self._body_scope is not None:
+            self._body_scope.cancel()
+        self.on_deposed()
+
+    def _changed(self) -> None:
+        """The roster changed: save the session (coalesced); settle resumes."""
+        if self._persist is not None:
+            self._persist.request()
+        if self._adoption is not None:
+            self._adoption.check()
 
     @property
     def formation_failure(self) -> FormationError | None:
@@ -117,6 +228,12 @@ class Coordinator:
         ]
         tasks += [self._liveness.death_worker, self._liveness.coord_heartbeats,
                   self._liveness.staleness_watch]
+        if self._persist is not None:
+            tasks += [self._persist.run, self.keep_leadership]
+        if self._adoption is not None:
+            tasks.append(self._adoption.resume_deadline)
+            if self._adopted_formed:  # entered at once: nobody is waited for
+                self._formation.complete()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
         return tasks
@@ -131,13 +248,20 @@ class Coordinator:
         Raises:
             FormationTimeout / FormationAborted / FormationError: the c/W text says why.
         """
-        await self._formation.wait()
+        with self._formed_scope:
+            await self._formation.wait()
+        if self._deposed is not None:
+            raise self._deposed
         if self._formed_at is None:
             self._formed_at = trio.current_time()
 
     def cancel_on_failure(self, scope: trio.CancelScope) -> None:
-        """Cancel ``scope`` (the user's block) when the failure policy stops the run."""
+        """Cancel ``scope`` (the user's block) when the failure policy stops the run or the
+        coordinator steps down."""
+        self._body_scope = scope
         self._liveness.cancel_on_failure(scope)
+        if self._deposed is not None:
+            scope.cancel()
 
     # ------------------------------------------------------------------ public view
 
@@ -257,8 +381,19 @@ class Coordinator:
     async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
         str, bytes, lists, maps). With a session store it is written durably, with the rest of
-        the session, before this returns; without one it is kept in memory."""
-        self._checkpoint = dict(checkpoint)
+        the session, before this returns; without one it is kept in memory.
+
+        Raises:
+            ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
+            LeadershipLost: the coordinator was deposed before the write was durable.
+        """
+        copy = checked_checkpoint(checkpoint)
+        self._checkpoint = copy
+        if self._persist is None:
+            await trio.lowlevel.checkpoint()
+            return
+        self._persist.checkpoint = copy
+        await self._persist.flush()
 
     # ------------------------------------------------------------------ control
 
@@ -327,6 +462,7 @@ class Coordinator:
             await self._shutdown_done.wait()
             return
         self._shutdown_begun = True
+        self._sender.resumes.set()  # nobody waits for a resume any more
         try:
             await self._shutdown_steps(reason)
         finally:
@@ -344,6 +480,20 @@ class Coordinator:
         tail = self._roster.invalid_frames_tail(trio.current_time())
         if tail is not None:
             log.warning("frames dropped: %s", tail.text())
+        if self._deposed is None:  # stepped down: not one more record to any relay (§4.7)
+            await self._say_goodbye(relays, reason)
+        for conn in relays:
+            await conn.close()
+        self._timing_send.close()
+        self._metrics_send.close()
+        self._liveness.close()
+        self._roster.close()
+        self.timeline.event(ShutdownComplete())
+        self._shutdown_done.set()
+
+    async def _say_goodbye(self, relays: tuple[RelayConn, ...], reason: str) -> None:
+        """``Shutdown`` to the live ranks, then ``Goodbye`` and a half-close to every relay,
+        bounded by ``shutdown_grace``."""
         with trio.move_on_after(self.config.shutdown_grace):
             if not self._liveness.save_latched and self.live_ranks:
                 try:
@@ -358,14 +508,6 @@ class Coordinator:
                 conn.submit_eof(eofs, goodbye=reason)  # after everything already queued for it
             await eofs.done.wait()
             await self._readers.wait_idle()
-        for conn in relays:
-            await conn.close()
-        self._timing_send.close()
-        self._metrics_send.close()
-        self._liveness.close()
-        self._roster.close()
-        self.timeline.event(ShutdownComplete())
-        self._shutdown_done.set()
 
 
 def _epoch_in_progress(timeline: Timeline) -> int | None:

@@ -36,6 +36,10 @@ class Sender:
         self.lost_broadcasts = 0
         self._writers: trio.Nursery | None = None
         self._writers_scope: trio.CancelScope | None = None
+        # Unset while relays of an adopted session await their resume (._adopt): a broadcast,
+        # or a send to one of their ranks, waits for them rather than failing.
+        self.resumes = trio.Event()
+        self.resumes.set()
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
         """Host the relay writer tasks where an outside cancellation cannot reach them;
@@ -68,6 +72,9 @@ class Sender:
                 or not 0 <= rank < self._world_size):
             raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
         conn = self._roster.relay_of(rank)
+        if conn is not None and conn.awaiting_resume and not self._roster.shutting_down:
+            await self.resumes.wait()  # its relay resumes, or the rank is declared dead
+            conn = self._roster.relay_of(rank)
         if conn is None:
             raise SendError(f"{what}: no relay announced rank {rank}")
         dead_reason = self._roster.dead_reason(rank)
@@ -90,7 +97,7 @@ class Sender:
         failed: dict[int, str] = {}
         for conn in self._roster.relays:
             ranks = self._roster.live_of(conn)
-            if not ranks:
+            if not ranks or conn.awaiting_resume:  # told what it missed when it resumes
                 continue
             if conn.alive:
                 groups[conn] = ranks
@@ -146,7 +153,7 @@ class Sender:
         a ``Fenced`` frame to the rank, then ``FenceRank`` to the relay. Returns the relay
         connection, or None when it is gone already (there is no one to tell)."""
         conn = self._roster.relay_of(rank)
-        if conn is None or not conn.alive:
+        if conn is None or not conn.alive or conn.awaiting_resume:
             return None
         conn.submit_frame(rank, self._codec.encode(Fenced(rank=rank, reason=reason)), None)
         conn.submit_control(FenceRank(rank=rank, reason=reason), None)
@@ -158,6 +165,8 @@ class Sender:
         if not isinstance(msg, ControlMsg):
             raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
                             f"got {label}")
+        if not self._roster.shutting_down:
+            await self.resumes.wait()  # relays of an adopted session: resumed or dead
         groups, failed = self._groups()
         frame = self._codec.encode(msg)
         # Every relay's writer task gets its record now; they write concurrently.

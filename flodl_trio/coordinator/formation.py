@@ -72,6 +72,8 @@ class Formation:
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
+        # True once a session was adopted from a store: relays of its roster await their resume.
+        self.adopting = False
         self._rejoins = Rejoins(self, roster=roster, sender=sender, liveness=liveness,
                                 readers=readers, config=config, timeline=timeline)
 
@@ -175,6 +177,10 @@ class Formation:
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
         superseded = self._roster.same_relay(hello.host, ranks)
+        if self.adopting:  # the same host's relay of the adopted roster, awaiting its resume
+            superseded += [old for old in self._roster.relays
+                           if old.awaiting_resume and old.host == hello.host
+                           and old not in superseded and not old.rank_set.isdisjoint(ranks)]
         for old in superseded:
             log.info("relay %r re-joined from %s; dropping its old connection", hello.host,
                      peer)
