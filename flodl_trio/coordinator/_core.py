@@ -250,6 +250,8 @@ class Coordinator:
         """
         with self._formed_scope:
             await self._formation.wait()
+            if self._persist is not None:  # the formed session is durable before the block
+                await self._persist.flush()
         if self._deposed is not None:
             raise self._deposed
         if self._formed_at is None:

@@ -70,7 +70,7 @@ class Persistence:
         target = self._requested
         while self._written < target:
             if self._lost is not None:
-                raise LeadershipLost(str(self._lost))
+                raise self._lost
             await self._progress.wait()
 
     def snapshot(self) -> SessionState:
