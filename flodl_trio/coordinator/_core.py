@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -14,9 +12,9 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._coord_types import BroadcastResult, RelayInfo
-from .._errors import BroadcastError, ConfigError, FormationError, LeadershipLost, StoreCorrupt
+from .._errors import BroadcastError, ConfigError, FormationError, LeadershipLost
 from ..events import ShutdownComplete, ShutdownStarted
-from ..store import SessionStore, salt_id
+from ..store import SessionStore
 from ..timeline import Timeline
 from ..wire import (
     ControlMsg,
@@ -27,10 +25,10 @@ from ..wire import (
     Shutdown,
     TimingMsg,
 )
-from ._adopt import Adoption
 from ._board import Board, DashboardPush
 from ._boardview import board_document
-from ._persist import Persistence, adoption_problem, checked_checkpoint
+from ._leader import Leader
+from ._persist import checked_checkpoint
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -53,9 +51,6 @@ class Coordinator:
         metrics: receive channel of every Metrics message, bounded.
         lost_broadcasts: broadcasts that did not reach every live rank.
         timeline: the :class:`Timeline` events are recorded on.
-        generation: this coordinator's generation in its session store (the fencing token,
-            greater than every generation before it); 0 without a store.
-        resumed: True when it adopted a running session from its store (SPEC §4.7).
     """
 
     def __init__(
@@ -101,20 +96,9 @@ class Coordinator:
         self._shutdown_begun = False
         self._formation_began: float | None = None
         self._formed_at: float | None = None
-        self._checkpoint: dict[str, Any] | None = None
-        self._salt = salt
-        self.generation = 0
-        self.resumed = False
-        self._store: SessionStore | None = None
-        self._persist: Persistence | None = None
-        self._adoption: Adoption | None = None
-        self._adopted_formed = False
-        self._deposed: LeadershipLost | None = None
-        self._formed_scope = trio.CancelScope()
-        self._body_scope: trio.CancelScope | None = None
-        # What open_coordinator does when the coordinator is deposed: stop its tasks.
-        self.on_deposed: Callable[[], None] = lambda: None
-        self._roster.on_change = self._changed
+        self._leader = Leader(salt=salt, config=config, roster=self._roster, sender=self._sender,
+                              liveness=self._liveness, formation=self._formation)
+        self._roster.on_change = self._leader.changed
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
@@ -122,95 +106,38 @@ class Coordinator:
     def failure(self) -> BaseException | None:
         """The :class:`LeadershipLost` once the coordinator stepped down, else the
         :class:`ClusterFailure` once the failure policy stopped the run, else None."""
-        return self._deposed or self._liveness.failure
+        return self._leader.deposed or self._liveness.failure
 
     @property
     def deposed(self) -> LeadershipLost | None:
         """Why the coordinator stepped down (it lost its store's leadership), else None."""
-        return self._deposed
+        return self._leader.deposed
+
+    def on_deposed(self, stop: Callable[[], None]) -> None:
+        """Call ``stop`` (``open_coordinator``: stop every task) when the coordinator steps
+        down."""
+        self._leader.on_deposed = stop
 
     # ------------------------------------------------------------------ session store
 
     async def lead(self, store: SessionStore) -> None:
-        """Become ``store``'s leader (a standby blocks here), load its session and adopt it,
-        or start a fresh one (SPEC §4.7). Runs before :meth:`background_tasks`.
-
-        Raises:
-            StoreCorrupt: the stored state is damaged, or is another session's (salt id or
-                world size); nothing was loaded and the leadership was released.
-            StoreUnavailable: the store cannot be reached.
-        """
-        owner = f"coordinator on {socket.gethostname()} pid {os.getpid()}"
-        self.generation = await store.acquire(owner=owner)
-        self._store = store
-        try:
-            state = await store.load()
-            sid = salt_id(self._salt)
-            if state is not None:
-                problem = adoption_problem(state, salt_id=sid, world_size=self.world_size,
-                                           source=store.description)
-                if problem is not None:
-                    raise StoreCorrupt(problem)
-            self._persist = Persistence(store, generation=self.generation, salt_id=sid,
-                                        roster=self._roster, on_lost=self.step_down)
-            if state is not None:
-                self.resumed = True
-                if state.checkpoint is not None:
-                    self._checkpoint = dict(state.checkpoint)
-                    self._persist.checkpoint = self._checkpoint
-                self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
-                                          liveness=self._liveness, config=self.config,
-                                          source=store.description)
-                self._adoption.install(self.generation)
-                self._formation.adopting = True
-                self._adopted_formed = state.formed and self._roster.complete
-            log.info("leading session store %s as generation %d (%s)", store.description,
-                     self.generation, "adopted its session" if self.resumed else "fresh run")
-            self._persist.request()  # the new generation's state, at once
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await store.release()
-            raise
-
-    async def keep_leadership(self) -> None:
-        """Keep the store's leadership; losing it deposes the coordinator."""
-        assert self._store is not None
-        try:
-            await self._store.keep_leadership()
-        except LeadershipLost as exc:
-            self.step_down(exc)
+        """Become ``store``'s leader and adopt its session, or start a fresh one (SPEC §4.7);
+        runs before :meth:`background_tasks`. See :meth:`Leader.lead`."""
+        await self._leader.lead(store)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
-        """Publish where relays can dial this leader (once it accepts connections)."""
-        assert self._store is not None
-        try:
-            await self._store.publish_address(addresses)
-        except LeadershipLost as exc:
-            self.step_down(exc)
+        await self._leader.publish_address(addresses)
 
-    def step_down(self, exc: LeadershipLost) -> None:
-        """Another coordinator leads the session now: close every relay connection abruptly
-        and send nothing more -- no ``Goodbye``, no ``Shutdown``, no broadcast, no record at
-        all -- then end the run (``open_coordinator`` raises ``exc``)."""
-        if self._deposed is not None or self._shutdown_done.is_set():
-            return
-        self._deposed = exc
-        log.error("stepping down, without a word to the relays: %s", exc)
-        self._roster.begin_shutdown()  # no more deaths, rejoins or connections
-        for conn in self._roster.relays:
-            conn.abandon(f"the coordinator stepped down: {exc}")
-        self._sender.resumes.set()
-        self._formed_scope.cancel()
-        if self._body_scope is not None:
-            self._body_scope.cancel()
-        self.on_deposed()
+    @property
+    def generation(self) -> int:
+        """This coordinator's generation in its session store (the fencing token, greater
+        than every generation before it); 0 without a store."""
+        return self._leader.generation
 
-    def _changed(self) -> None:
-        """The roster changed: save the session (coalesced); settle resumes."""
-        if self._persist is not None:
-            self._persist.request()
-        if self._adoption is not None:
-            self._adoption.check()
+    @property
+    def resumed(self) -> bool:
+        """True when it adopted a running session from its store (SPEC §4.7)."""
+        return self._leader.resumed
 
     @property
     def formation_failure(self) -> FormationError | None:
@@ -228,12 +155,7 @@ class Coordinator:
         ]
         tasks += [self._liveness.death_worker, self._liveness.coord_heartbeats,
                   self._liveness.staleness_watch]
-        if self._persist is not None:
-            tasks += [self._persist.run, self.keep_leadership]
-        if self._adoption is not None:
-            tasks.append(self._adoption.resume_deadline)
-            if self._adopted_formed:  # entered at once: nobody is waited for
-                self._formation.complete()
+        tasks += self._leader.tasks()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
         return tasks
@@ -248,22 +170,19 @@ class Coordinator:
         Raises:
             FormationTimeout / FormationAborted / FormationError: the c/W text says why.
         """
-        with self._formed_scope:
+        with self._leader.formed_scope:
             await self._formation.wait()
-            if self._persist is not None:  # the formed session is durable before the block
-                await self._persist.flush()
-        if self._deposed is not None:
-            raise self._deposed
+            await self._leader.flush()  # the formed session is durable before the block
+        if self._leader.deposed is not None:
+            raise self._leader.deposed
         if self._formed_at is None:
             self._formed_at = trio.current_time()
 
     def cancel_on_failure(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the user's block) when the failure policy stops the run or the
         coordinator steps down."""
-        self._body_scope = scope
+        self._leader.cancel_on_step_down(scope)
         self._liveness.cancel_on_failure(scope)
-        if self._deposed is not None:
-            scope.cancel()
 
     # ------------------------------------------------------------------ public view
 
@@ -378,7 +297,7 @@ class Coordinator:
         """The scheduler's last checkpoint (:meth:`save_checkpoint`): on a coordinator that
         adopted a running session from its store, the one the previous coordinator saved;
         None on a fresh run until the first save."""
-        return self._checkpoint
+        return self._leader.checkpoint
 
     async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
@@ -389,13 +308,8 @@ class Coordinator:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
             LeadershipLost: the coordinator was deposed before the write was durable.
         """
-        copy = checked_checkpoint(checkpoint)
-        self._checkpoint = copy
-        if self._persist is None:
-            await trio.lowlevel.checkpoint()
-            return
-        self._persist.checkpoint = copy
-        await self._persist.flush()
+        self._leader.checkpoint = checked_checkpoint(checkpoint)
+        await self._leader.flush()
 
     # ------------------------------------------------------------------ control
 
@@ -482,7 +396,7 @@ class Coordinator:
         tail = self._roster.invalid_frames_tail(trio.current_time())
         if tail is not None:
             log.warning("frames dropped: %s", tail.text())
-        if self._deposed is None:  # stepped down: not one more record to any relay (§4.7)
+        if self._leader.deposed is None:  # stepped down: not one more record to any relay (§4.7)
             await self._say_goodbye(relays, reason)
         for conn in relays:
             await conn.close()
@@ -491,6 +405,7 @@ class Coordinator:
         self._liveness.close()
         self._roster.close()
         self.timeline.event(ShutdownComplete())
+        self._leader.closed = True  # its leadership may end now: nothing is left to step down
         self._shutdown_done.set()
 
     async def _say_goodbye(self, relays: tuple[RelayConn, ...], reason: str) -> None:

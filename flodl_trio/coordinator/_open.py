@@ -188,7 +188,7 @@ async def open_coordinator(
                          for lst in mux_listeners]
         direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
     async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
-        coord.on_deposed = life.stop_tasks
+        coord.on_deposed(life.stop_tasks)
         async with AsyncExitStack() as stack:
             if bind is not None:
                 stack.push_async_callback(bind.aclose)

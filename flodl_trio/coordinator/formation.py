@@ -74,6 +74,8 @@ class Formation:
         self.failure: FormationError | None = None
         # True once a session was adopted from a store: relays of its roster await their resume.
         self.adopting = False
+        # The coordinator's generation with a session store (sent as Generation), else None.
+        self.generation: int | None = None
         self._rejoins = Rejoins(self, roster=roster, sender=sender, liveness=liveness,
                                 readers=readers, config=config, timeline=timeline)
 
@@ -149,7 +151,8 @@ class Formation:
             try:
                 with shed_scope, trio.fail_after(self._config.handshake_timeout):
                     handshake = await coordinator_handshake(stream, self._salt, peer,
-                                                            max_hello=self._max_hello)
+                                                            max_hello=self._max_hello,
+                                                            generation=self.generation)
             except trio.TooSlowError:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
@@ -171,8 +174,17 @@ class Formation:
         machine, received = handshake
         hello = received.hello
         ranks = tuple(hello.ranks)
-        if not self._roster.forming:  # a host that comes back, or a spare (issue 26)
-            await self._rejoins.admit(stream, machine, peer, hello)
+        seen = received.generation
+        if seen is not None and self.generation is not None and seen > self.generation:
+            # The relay follows a newer coordinator: this one is being deposed. It would
+            # refuse our records anyway; no Refused, which would end it for good.
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "newer generation", f"relay {hello.host!r} at {peer}: Resume "
+                        f"naming generation {seen}, expected at most this coordinator's "
+                        f"{self.generation}; closed (it follows a newer coordinator)")
+            return
+        if not self._roster.forming:  # a host that comes back, a spare (issue 26), a resume
+            await self._rejoins.admit(stream, machine, peer, hello, resume=received.resumed)
             return
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
@@ -191,7 +203,7 @@ class Formation:
             # bring it back (issue 26).
             for old in superseded:
                 await old.close()
-            await self._rejoins.admit(stream, machine, peer, hello)
+            await self._rejoins.admit(stream, machine, peer, hello, resume=received.resumed)
             return
         problem = self._roster.hello_problem(hello.host, ranks, peer,
                                              world_size=hello.world_size,
