@@ -79,9 +79,14 @@ class Cluster:
 
     async def dial(self, where: str, host: str, ranks: tuple[int, ...], *,
                    generation: int | None = None) -> Counted:
-        """One relay's handshake: a join (Hello), or with ``generation`` a resume (Resume);
-        a relay that joined keeps reading until EOF."""
-        stream = await self.net.connect(where)
+        """One relay's handshake over the memory network (see :meth:`handshake`)."""
+        return await self.handshake(await self.net.connect(where), where, host, ranks,
+                                    generation=generation)
+
+    async def handshake(self, stream: trio.abc.Stream, where: str, host: str,
+                        ranks: tuple[int, ...], *, generation: int | None = None) -> Counted:
+        """One relay's handshake on ``stream``: a join (Hello), or with ``generation`` a
+        resume (Resume); a relay that joined keeps reading until EOF."""
         machine = wire.RelayHandshake(self.salt, host=host, ranks=ranks, world_size=4,
                                       model_sigs=SIGS, coordinator=where,
                                       generation=generation)
@@ -137,12 +142,12 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(net: MemoryNetwork) -> AsyncIterator[Cluster]:
+async def cluster(net: MemoryNetwork, store: MemoryStore | None = None
+                  ) -> AsyncIterator[Cluster]:
     async with trio.open_nursery() as nursery:
-        yield Cluster(net, nursery)
+        c = Cluster(net, nursery) if store is None else Cluster(net, nursery, store=store)
+        yield c
         nursery.cancel_scope.cancel()
-
-
 
 
 async def stored(store: MemoryStore) -> SessionState:
@@ -153,8 +158,11 @@ async def stored(store: MemoryStore) -> SessionState:
 
 
 async def until_stored(store: MemoryStore, check: Callable[[SessionState], bool]) -> None:
+    """Return once the store holds a state that passes ``check`` (polled, bounded)."""
+    state = None
     for _ in range(100):
-        if check(await stored(store)):
+        state = await store.clone().load()
+        if state is not None and check(state):
             return
         await trio.sleep(0.01)
-    raise AssertionError(f"never stored: {await stored(store)}")
+    raise AssertionError(f"never stored; the store holds {state}")
