@@ -80,7 +80,7 @@ class Persistence:
             salt_id=self._salt_id, world_size=roster.world_size,
             model_sigs=roster.cohort_sigs(), roster=roster.carried(), dead=roster.dead,
             exited=roster.exited, failures=len(roster.dead), generation=self.generation,
-            formed=roster.phase != "forming", checkpoint=self.checkpoint)
+            formed=roster.formed, checkpoint=self.checkpoint)
 
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 import trio
 
@@ -20,6 +20,7 @@ from ..wire import (
 )
 from ._roster import ranks_text
 
+_T = TypeVar("_T")
 _RECORD = 0  # queue item: sealed bytes (a whole record, or the rest of a direct write)
 _EOF = -1  # queue marker: half-close after everything queued before it
 _RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
@@ -165,33 +166,27 @@ class RelayConn:
 
     @property
     def stream(self) -> trio.abc.Stream:
-        """The connection's stream.
-
-        Raises:
-            trio.ClosedResourceError: a relay awaiting its resume has none.
-        """
-        if self._stream is None:
-            raise trio.ClosedResourceError(f"{self.describe()}: no connection (awaiting its "
-                                           "resume)")
-        return self._stream
+        """The connection's stream (``trio.ClosedResourceError`` while awaiting a resume)."""
+        return self._connected(self._stream)
 
     @property
     def sealer(self) -> RecordSealer:
-        if self._sealer is None:
-            raise trio.ClosedResourceError(f"{self.describe()}: no connection (awaiting its "
-                                           "resume)")
-        return self._sealer
+        return self._connected(self._sealer)
 
     @property
     def opener(self) -> RecordOpener:
-        if self._opener is None:
+        return self._connected(self._opener)
+
+    def _connected(self, part: _T | None) -> _T:
+        if part is None:
             raise trio.ClosedResourceError(f"{self.describe()}: no connection (awaiting its "
                                            "resume)")
-        return self._opener
+        return part
 
     @property
     def alive(self) -> bool:
-        return self.close_reason is None and not self.closed
+        """Connected and not ended (a relay awaiting its resume is not connected yet)."""
+        return self.close_reason is None and not self.closed and self._stream is not None
 
     @property
     def lost_reason(self) -> str | None:

@@ -44,6 +44,7 @@ class Roster(LivenessRules[M]):
         self._rejects = JunkCounter()
         self._invalid_frames = JunkCounter()
         self._phase = "forming"
+        self.formed = False  # formation completed once (whatever the phase is now)
         # Called after each change a session store keeps (SPEC §4.7): a relay confirmed,
         # rejoined or uncovered, a death, a clean exit, formation complete.
         self.on_change: Callable[[], None] = _unchanged
@@ -315,6 +316,7 @@ class Roster(LivenessRules[M]):
     def start_running(self, now: float) -> None:
         """Formation is complete: staleness counts from ``now`` for every rank."""
         self._phase = "running"
+        self.formed = True
         for r in self._relay_of:
             self._last_seen[r] = now
         self.on_change()
