@@ -148,3 +148,26 @@ async def test_resume_from_a_relay_that_follows_a_newer_coordinator_is_closed_no
             refused = ahead.raw.refused or ""
             assert refused.startswith("failed: "), refused  # an EOF: it may try elsewhere
             assert coord.state()["rejected_handshakes"] == {"newer generation": 1}
+
+
+async def test_send_to_a_rank_whose_relay_has_not_resumed_waits_for_the_resume(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        await c.crashed_first_run()
+        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+            (entry,) = [r for r in coord.state()["relays"] if r["host"] == "host-a"]
+            assert (entry["peer"], entry["connected"]) == ("(not resumed)", False)
+
+            async def resume_a_later() -> None:
+                await trio.sleep(2)
+                await c.dial("coord-2", "host-a", (0, 1), generation=1)
+
+            c.nursery.start_soon(resume_a_later)
+            began = trio.current_time()
+            await coord.send_control(0, wire.SyncNow())
+            assert trio.current_time() - began == pytest.approx(2)
+            await wait_until(lambda: "SyncNow" in c.relays["host-a"].messages, limit=1)
+            (entry,) = [r for r in coord.state()["relays"] if r["host"] == "host-a"]
+            assert entry["connected"] and entry["peer"] != "(not resumed)"
+

@@ -40,6 +40,20 @@ class SlowStore(MemoryStore):
         self.saved.append(state)
 
 
+class FlakyStore(MemoryStore):
+    """A MemoryStore that cannot be written ``failures`` times before it can."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def save(self, state: SessionState) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise ft.StoreUnavailable(f"store {self.description}: disk full (test)")
+        await super().save(state)
+
+
 class UnawareStore(MemoryStore):
     """A MemoryStore whose leader never hears that its lease ran out (a paused process): only a
     fenced save tells it."""
@@ -78,6 +92,19 @@ async def test_save_checkpoint_returns_once_its_own_write_is_durable_not_an_earl
         # The write in flight did not hold it; its own write (after that one) did.
         assert trio.current_time() - began == pytest.approx(1.5)
         assert (await stored(store)).checkpoint == {"epoch": 1}
+
+
+async def test_store_that_cannot_be_written_is_tried_again_and_the_run_goes_on(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = FlakyStore(failures=3)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        began = trio.current_time()
+        await coord.save_checkpoint({"epoch": 2})
+        assert trio.current_time() - began <= 3  # retried every second until written
+        state = await stored(store)
+        assert state.checkpoint == {"epoch": 2} and state.formed
+        assert coord.failure is None and coord.live_ranks == {0, 1, 2, 3}
 
 
 async def test_fenced_save_deposes_a_coordinator_that_missed_its_lease(

@@ -77,17 +77,17 @@ class Adoption:
                  len(state.dead), len(state.exited))
 
     def check(self) -> None:
-        """Forget the relays that resumed or were given up on; wake the sends waiting for
-        them once none is left (called on every roster change)."""
+        """Forget the relays that resumed or were given up on, and wake the sends waiting
+        for them (called on every roster change while some relay awaits its resume)."""
         if not self._pending:
             return
         roster = self._roster
-        for conn in [c for c in self._pending
-                     if not c.awaiting_resume or not roster.is_registered(c)
-                     or not roster.live_of(c)]:
+        settled = [c for c in self._pending if not c.awaiting_resume
+                   or not roster.is_registered(c) or not roster.live_of(c)]
+        for conn in settled:
             del self._pending[conn]
-        if not self._pending:
-            self._sender.resumes.set()
+        # Even with none settled: a resume may have taken some of a relay's ranks.
+        self._sender.resumes_moved(all_done=not self._pending)
 
     async def resume_deadline(self) -> None:
         """Give up on the relays that have not resumed within ``resume_timeout``."""
@@ -104,4 +104,4 @@ class Adoption:
             log.warning("relay %r (ranks %s) %s", conn.host, ranks_text(conn.ranks), cause)
             self._liveness.relay_lost(conn, cause)
         self._pending.clear()
-        self._sender.resumes.set()
+        self._sender.resumes_moved(all_done=True)

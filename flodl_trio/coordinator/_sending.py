@@ -40,6 +40,7 @@ class Sender:
         # or a send to one of their ranks, waits for them rather than failing.
         self.resumes = trio.Event()
         self.resumes.set()
+        self._resume_progress = trio.Event()  # one of them resumed or was given up on
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
         """Host the relay writer tasks where an outside cancellation cannot reach them;
@@ -50,6 +51,14 @@ class Sender:
                 self._writers = writers
                 task_status.started()
                 await trio.sleep_forever()
+
+    def resumes_moved(self, *, all_done: bool) -> None:
+        """Relays awaiting their resume resumed or were given up on (``all_done``: none is
+        left): wake the sends waiting for them."""
+        self._resume_progress.set()
+        self._resume_progress = trio.Event()
+        if all_done:
+            self.resumes.set()
 
     def start_writer(self, conn: RelayConn) -> None:
         """Open ``conn``'s session, then start its writer (``host_writers`` must be
@@ -72,8 +81,9 @@ class Sender:
                 or not 0 <= rank < self._world_size):
             raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
         conn = self._roster.relay_of(rank)
-        if conn is not None and conn.awaiting_resume and not self._roster.shutting_down:
-            await self.resumes.wait()  # its relay resumes, or the rank is declared dead
+        while (conn is not None and conn.awaiting_resume and not self.resumes.is_set()
+               and not self._roster.shutting_down):
+            await self._resume_progress.wait()  # its relay resumes, or it is given up on
             conn = self._roster.relay_of(rank)
         if conn is None:
             raise SendError(f"{what}: no relay announced rank {rank}")
