@@ -190,6 +190,9 @@ class CoordinatorConfig:
         allow_rank_takeover: after formation, a relay of a *different* host may take over
             ranks that are all currently dead (a spare host); off, only the host that
             announced them may bring them back (a restarted relay always may).
+        resume_timeout: with a session store (``open_coordinator(store=...)``), a coordinator
+            that adopted a running session waits this long for each relay of its roster to
+            resume; the ranks of a relay that has not are then declared dead.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -208,6 +211,7 @@ class CoordinatorConfig:
     metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
     allow_rank_takeover: bool = attrs.field(default=False, converter=bool)
+    resume_timeout: float = _deadline(T.RESUME_TIMEOUT)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:

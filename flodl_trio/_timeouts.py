@@ -25,6 +25,7 @@ RANK_ACCEPT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 30.0
 PEEK_TIMEOUT = 5.0
 SHUTDOWN_GRACE = 5.0
+RESUME_TIMEOUT = 30.0  # an adopting coordinator waits this long for each known relay
 HEARTBEAT_INTERVAL = 1.0  # a cadence: never scaled
 CONNECT_RETRY_INTERVAL = 0.5  # a cadence: never scaled
 

@@ -108,6 +108,8 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (20, wire.RelayWaiting, [HOST, TEXT]),
     (21, wire.Fenced, [U64, TEXT]),
     (22, wire.DeclareAlive, [U64]),
+    (23, wire.CoordinatorReconnecting, [HOST, TEXT]),
+    (24, wire.CoordinatorResumed, [U64]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -136,6 +138,8 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (6, wire.FenceRank, [U32, TEXT]),
     (7, wire.RankDropped, [U32, TEXT]),
     (8, wire.Refused, [NONCE, TEXT]),
+    (9, wire.Resume, [HOST, U32, text_map(BLOB), seq(U32), NONCE, U64]),
+    (10, wire.Generation, [U64]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),
@@ -246,16 +250,16 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [23], ["ControlMsg", "unknown variant index 23"]),
+        (wire.decode_control, [25], ["ControlMsg", "unknown variant index 25"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [9, 0], ["RelayControlMsg", "unknown variant index 9"]),
+        (wire.decode_relay, [11, 0], ["RelayControlMsg", "unknown variant index 11"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-23", "ctl-neg", "timing-15", "relay-9", "bool-index", "empty", "int", "map"],
+    ids=["ctl-25", "ctl-neg", "timing-15", "relay-11", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

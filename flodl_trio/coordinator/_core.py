@@ -12,8 +12,9 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._coord_types import BroadcastResult, RelayInfo
-from .._errors import BroadcastError, ConfigError, FormationError
+from .._errors import BroadcastError, ConfigError, FormationError, LeadershipLost
 from ..events import ShutdownComplete, ShutdownStarted
+from ..store import SessionStore
 from ..timeline import Timeline
 from ..wire import (
     ControlMsg,
@@ -26,6 +27,8 @@ from ..wire import (
 )
 from ._board import Board, DashboardPush
 from ._boardview import board_document
+from ._leader import Leader
+from ._persist import checked_checkpoint
 from ._relayconn import Delivery, RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -34,6 +37,7 @@ from .liveness import Liveness
 from .readers import Readers
 
 log = logging.getLogger("flodl_trio.coordinator")
+
 
 class Coordinator:
     """The run's coordinator, as yielded by :func:`flodl_trio.open_coordinator`.
@@ -92,14 +96,48 @@ class Coordinator:
         self._shutdown_begun = False
         self._formation_began: float | None = None
         self._formed_at: float | None = None
-        self._checkpoint: dict[str, Any] | None = None
+        self._leader = Leader(salt=salt, config=config, roster=self._roster, sender=self._sender,
+                              liveness=self._liveness, formation=self._formation)
+        self._roster.on_change = self._leader.changed
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
     @property
     def failure(self) -> BaseException | None:
-        """The :class:`ClusterFailure` once the failure policy stopped the run, else None."""
-        return self._liveness.failure
+        """The :class:`LeadershipLost` once the coordinator stepped down, else the
+        :class:`ClusterFailure` once the failure policy stopped the run, else None."""
+        return self._leader.deposed or self._liveness.failure
+
+    @property
+    def deposed(self) -> LeadershipLost | None:
+        """Why the coordinator stepped down (it lost its store's leadership), else None."""
+        return self._leader.deposed
+
+    def on_deposed(self, stop: Callable[[], None]) -> None:
+        """Call ``stop`` (``open_coordinator``: stop every task) when the coordinator steps
+        down."""
+        self._leader.on_deposed = stop
+
+    # ------------------------------------------------------------------ session store
+
+    async def lead(self, store: SessionStore) -> None:
+        """Become ``store``'s leader and adopt its session, or start a fresh one (SPEC §4.7);
+        runs before :meth:`background_tasks`. See :meth:`Leader.lead`."""
+        await self._leader.lead(store)
+
+    async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        await self._leader.publish_address(addresses)
+
+    @property
+    def generation(self) -> int:
+        """This coordinator's generation in its session store (the fencing token, greater
+        than every generation before it); 0 without a store."""
+        return self._leader.generation
+
+    @property
+    def resumed(self) -> bool:
+        """True when it adopted a running session from its store (SPEC §4.7)."""
+        return self._leader.resumed
 
     @property
     def formation_failure(self) -> FormationError | None:
@@ -117,6 +155,7 @@ class Coordinator:
         ]
         tasks += [self._liveness.death_worker, self._liveness.coord_heartbeats,
                   self._liveness.staleness_watch]
+        tasks += self._leader.tasks()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
         return tasks
@@ -131,12 +170,18 @@ class Coordinator:
         Raises:
             FormationTimeout / FormationAborted / FormationError: the c/W text says why.
         """
-        await self._formation.wait()
+        with self._leader.formed_scope:
+            await self._formation.wait()
+            await self._leader.flush()  # the formed session is durable before the block
+        if self._leader.deposed is not None:
+            raise self._leader.deposed
         if self._formed_at is None:
             self._formed_at = trio.current_time()
 
     def cancel_on_failure(self, scope: trio.CancelScope) -> None:
-        """Cancel ``scope`` (the user's block) when the failure policy stops the run."""
+        """Cancel ``scope`` (the user's block) when the failure policy stops the run or the
+        coordinator steps down."""
+        self._leader.cancel_on_step_down(scope)
         self._liveness.cancel_on_failure(scope)
 
     # ------------------------------------------------------------------ public view
@@ -252,13 +297,19 @@ class Coordinator:
         """The scheduler's last checkpoint (:meth:`save_checkpoint`): on a coordinator that
         adopted a running session from its store, the one the previous coordinator saved;
         None on a fresh run until the first save."""
-        return self._checkpoint
+        return self._leader.checkpoint
 
     async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
         str, bytes, lists, maps). With a session store it is written durably, with the rest of
-        the session, before this returns; without one it is kept in memory."""
-        self._checkpoint = dict(checkpoint)
+        the session, before this returns; without one it is kept in memory.
+
+        Raises:
+            ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
+            LeadershipLost: the coordinator was deposed before the write was durable.
+        """
+        self._leader.checkpoint = checked_checkpoint(checkpoint)
+        await self._leader.flush()
 
     # ------------------------------------------------------------------ control
 
@@ -327,6 +378,7 @@ class Coordinator:
             await self._shutdown_done.wait()
             return
         self._shutdown_begun = True
+        self._sender.resumes.set()  # nobody waits for a resume any more
         try:
             await self._shutdown_steps(reason)
         finally:
@@ -344,6 +396,21 @@ class Coordinator:
         tail = self._roster.invalid_frames_tail(trio.current_time())
         if tail is not None:
             log.warning("frames dropped: %s", tail.text())
+        if self._leader.deposed is None:  # stepped down: not one more record to any relay (§4.7)
+            await self._say_goodbye(relays, reason)
+        for conn in relays:
+            await conn.close()
+        self._timing_send.close()
+        self._metrics_send.close()
+        self._liveness.close()
+        self._roster.close()
+        self.timeline.event(ShutdownComplete())
+        self._leader.closed = True  # its leadership may end now: nothing is left to step down
+        self._shutdown_done.set()
+
+    async def _say_goodbye(self, relays: tuple[RelayConn, ...], reason: str) -> None:
+        """``Shutdown`` to the live ranks, then ``Goodbye`` and a half-close to every relay,
+        bounded by ``shutdown_grace``."""
         with trio.move_on_after(self.config.shutdown_grace):
             if not self._liveness.save_latched and self.live_ranks:
                 try:
@@ -358,14 +425,6 @@ class Coordinator:
                 conn.submit_eof(eofs, goodbye=reason)  # after everything already queued for it
             await eofs.done.wait()
             await self._readers.wait_idle()
-        for conn in relays:
-            await conn.close()
-        self._timing_send.close()
-        self._metrics_send.close()
-        self._liveness.close()
-        self._roster.close()
-        self.timeline.event(ShutdownComplete())
-        self._shutdown_done.set()
 
 
 def _epoch_in_progress(timeline: Timeline) -> int | None:

@@ -23,16 +23,19 @@ class Rejected(Exception):
 
 
 async def coordinator_handshake(
-    stream: trio.abc.Stream, salt: SessionSalt, peer: str, *, max_hello: int
+    stream: trio.abc.Stream, salt: SessionSalt, peer: str, *, max_hello: int,
+    generation: int | None = None,
 ) -> tuple[CoordinatorHandshake, HelloReceived]:
-    """Magic, Challenge, then an authenticated Hello. The caller bounds it by handshake_timeout.
+    """Magic, Challenge, then an authenticated Hello (or Resume). The caller bounds it by
+    handshake_timeout. With ``generation`` (a coordinator with a session store) the machine
+    sends ``Generation`` before the welcome.
 
     Raises:
         Rejected: anything that goes wrong before the Hello's MAC verified.
     """
     # The Hello ceiling is fitted to the largest legal Hello (wire.max_hello_payload): a
     # stranger cannot make us buffer more than that before the MAC.
-    machine = CoordinatorHandshake(salt, peer=peer, max_hello=max_hello)
+    machine = CoordinatorHandshake(salt, peer=peer, max_hello=max_hello, generation=generation)
     try:
         event = await run_handshake(stream, machine)
     except FlodlError as exc:

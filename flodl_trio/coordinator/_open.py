@@ -21,6 +21,7 @@ from ..net._listen import listen_tcp
 from ..net._transport import close_all, format_address
 from ..port_mux import open_port_mux
 from ..status import serve_status
+from ..store import SessionStore
 from ..timeline import Timeline
 from ..wire import SessionSalt
 from ._core import Coordinator
@@ -120,6 +121,7 @@ async def open_coordinator(
     abort: trio.Event | None = None,
     timeline: Timeline | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    store: SessionStore | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -134,10 +136,21 @@ async def open_coordinator(
         ssl_context: serve TLS (a server context): every connection to the port, the channel
             magic included, runs inside TLS. Without it the control plane is authenticated and
             replay-protected but not encrypted.
+        store: a :class:`~flodl_trio.store.SessionStore` that makes the run survive its
+            coordinator (SPEC §4.7): the coordinator first becomes its leader (a standby
+            blocks here until the leader's leadership ends), publishes its dialable addresses,
+            and saves the session at each change that matters. A store that holds a session
+            is *adopted*: its relays resume without a new formation, and the block is entered
+            at once when that session had formed (``coord.resumed``).
 
     Raises:
         FormationTimeout / FormationAborted / FormationError: formation did not complete.
         ClusterFailure: the failure policy stopped the run (the body was cancelled).
+        StoreCorrupt: the store holds a damaged state, or another session's (salt, world
+            size); nothing was loaded.
+        StoreUnavailable: the store cannot be reached.
+        LeadershipLost: another coordinator took the session over: this one stepped down
+            (the body was cancelled) without a word to the relays.
         FlodlInternalError: an unexpected internal failure (``from`` the original group).
     """
     bind: CoordinatorBind | None = None
@@ -175,6 +188,7 @@ async def open_coordinator(
                          for lst in mux_listeners]
         direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
     async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
+        coord.on_deposed(life.stop_tasks)
         async with AsyncExitStack() as stack:
             if bind is not None:
                 stack.push_async_callback(bind.aclose)
@@ -200,8 +214,13 @@ async def open_coordinator(
                 # lifecycle's nursery: out of the caller's reach until the block ends.
                 with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
                     await life.nursery.start(coord.host_writers)  # strands a shielded host
+                if store is not None:
+                    await coord.lead(store)  # a standby waits here
+                    stack.push_async_callback(_release, store)
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)
+                if store is not None and bind is not None:
+                    life.nursery.start_soon(coord.publish_address, bind.addresses_for_peers())
                 await coord.formed()
                 with life.body() as body_scope:
                     coord.cancel_on_failure(body_scope)
@@ -217,7 +236,16 @@ async def open_coordinator(
                     await coord.shutdown(reason)
 
 
+async def _release(store: SessionStore) -> None:
+    """Give the store's leadership up as the coordinator ends (a standby need not wait for a
+    lease to run out); shielded: an outside cancellation must not keep it held."""
+    with trio.CancelScope(shield=True):
+        await store.release()
+
+
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:
+    if coord.deposed is not None:
+        return f"stepped down: {coord.deposed}"
     if coord.failure is not None:
         return f"cluster failure: {coord.failure}"
     if coord.formation_failure is not None:

@@ -121,18 +121,25 @@ class Rejoins:
         return None
 
     async def admit(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
-                    hello: Hello) -> None:
-        """Admit or refuse one relay whose Hello authenticated after formation; an admitted
-        relay's connection is then read here until it ends."""
+                    hello: Hello, *, resume: bool = False) -> None:
+        """Admit or refuse one relay whose Hello (or ``Resume``) authenticated after
+        formation; an admitted relay's connection is then read here until it ends.
+
+        A ``Resume`` from the host of an adopted relay awaiting its resume (SPEC §4.7) takes
+        its ranks over as they are: the live ones stay live (no death, no ``DeclareAlive``),
+        the dead ones rejoin. A ``Hello`` naming them is a relay that restarted: they are
+        superseded like any live double."""
         ranks = tuple(hello.ranks)
         roster = self._roster
         doubles = self._live_doubles(hello.host, ranks)
+        resuming = [old for old in doubles if resume and old.awaiting_resume]
+        doubles = [old for old in doubles if old not in resuming]
         problem = (self._phase_problem(hello.host, peer)
                    or roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
                                         model_sigs=hello.model_sigs, rejoin=True)
                    or rejoin_problem(roster, hello.host, ranks, peer,
                                      allow_takeover=self._config.allow_rank_takeover,
-                                     superseding=doubles)
+                                     superseding=doubles + resuming)
                    or self.claim_problem(hello.host, ranks, peer))
         if problem is not None:
             log.warning("rejoin refused: %s", problem)
@@ -172,7 +179,8 @@ class Rejoins:
             # Checked again: a death, another rejoin or the shutdown may have come since.
             problem = self._phase_problem(hello.host, peer) or rejoin_problem(
                 roster, hello.host, ranks, peer,
-                allow_takeover=self._config.allow_rank_takeover)
+                allow_takeover=self._config.allow_rank_takeover,
+                superseding=[old for old in resuming if old.awaiting_resume])
             if problem is not None:
                 log.warning("rejoin refused after its Ready: %s", problem)
                 conn.abandon(f"rejoin refused: {problem}")

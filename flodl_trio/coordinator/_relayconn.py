@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 import trio
 
@@ -20,6 +20,7 @@ from ..wire import (
 )
 from ._roster import ranks_text
 
+_T = TypeVar("_T")
 _RECORD = 0  # queue item: sealed bytes (a whole record, or the rest of a direct write)
 _EOF = -1  # queue marker: half-close after everything queued before it
 _RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
@@ -105,9 +106,9 @@ class RelayConn:
         host: str,
         ranks: tuple[int, ...],
         peer: str,
-        stream: trio.abc.Stream,
-        sealer: RecordSealer,
-        opener: RecordOpener,
+        stream: trio.abc.Stream | None,
+        sealer: RecordSealer | None,
+        opener: RecordOpener | None,
         write_stall_timeout: float,
         index: int,
         model_sigs: dict[str, bytes] | None = None,
@@ -118,9 +119,10 @@ class RelayConn:
         self.ranks = ranks
         self.rank_set = frozenset(ranks)
         self.peer = peer
-        self.stream = stream
-        self.sealer = sealer
-        self.opener = opener
+        # None: a relay of an adopted session that has not resumed yet (``awaiting_resume``).
+        self._stream = stream
+        self._sealer = sealer
+        self._opener = opener
         self.session: CoordinatorSession | None = None  # once joined: see open_session
         self.write_stall_timeout = write_stall_timeout
         self.index = index
@@ -140,13 +142,51 @@ class RelayConn:
         # Set once the connection is abandoned (lost, or its reader ended): nothing more is
         # written, whatever its close reason (a retired connection is abandoned at its end).
         self._ended = trio.Event()
-        self._socket = direct_socket(stream)
+        self._socket = None if stream is None else direct_socket(stream)
         self._queued = 0  # items in the queue the writer has not taken yet
         self._writing = False  # the writer holds a batch
 
+    @classmethod
+    def awaiting(cls, *, host: str, ranks: tuple[int, ...], model_sigs: dict[str, bytes],
+                 index: int, write_stall_timeout: float) -> RelayConn:
+        """A relay of an adopted session (SPEC §4.7) that has not resumed yet: it carries its
+        ranks in the roster, but has no connection; nothing can be written to it (its ranks'
+        silence is not counted: ``paused_since`` is set) until a connection of the relay
+        resumes and takes its ranks over."""
+        conn = cls(host=host, ranks=ranks, peer="(not resumed)", stream=None, sealer=None,
+                   opener=None, write_stall_timeout=write_stall_timeout, index=index,
+                   model_sigs=model_sigs)
+        conn.paused_since = trio.current_time()
+        return conn
+
+    @property
+    def awaiting_resume(self) -> bool:
+        """A relay of an adopted session that has not resumed (nor been given up on) yet."""
+        return self._stream is None and self.close_reason is None
+
+    @property
+    def stream(self) -> trio.abc.Stream:
+        """The connection's stream (``trio.ClosedResourceError`` while awaiting a resume)."""
+        return self._connected(self._stream)
+
+    @property
+    def sealer(self) -> RecordSealer:
+        return self._connected(self._sealer)
+
+    @property
+    def opener(self) -> RecordOpener:
+        return self._connected(self._opener)
+
+    def _connected(self, part: _T | None) -> _T:
+        if part is None:
+            raise trio.ClosedResourceError(f"{self.describe()}: no connection (awaiting its "
+                                           "resume)")
+        return part
+
     @property
     def alive(self) -> bool:
-        return self.close_reason is None and not self.closed
+        """Connected and not ended (a relay awaiting its resume is not connected yet)."""
+        return self.close_reason is None and not self.closed and self._stream is not None
 
     @property
     def lost_reason(self) -> str | None:
@@ -215,6 +255,7 @@ class RelayConn:
             return session
         if delivery is not None:
             delivery.settle(self, f"connection lost ({self._end_text()})" if session is not None
+                            else "not resumed yet" if self._stream is None
                             else "not joined yet (its Ready has not verified)")
         return None
 
@@ -356,7 +397,10 @@ class RelayConn:
         if not self.closed:
             self.closed = True
             self._queue_send.close()
-            await trio.aclose_forcefully(self.stream)
+            if self._stream is not None:
+                await trio.aclose_forcefully(self._stream)
+            else:
+                await trio.lowlevel.checkpoint()
 
     def describe(self) -> str:
         return f"relay {self.host!r} at {self.peer} (ranks {ranks_text(self.ranks)})"

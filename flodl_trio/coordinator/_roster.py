@@ -9,7 +9,7 @@ The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..net._ratelimit import JunkCounter, JunkReport
@@ -44,6 +44,10 @@ class Roster(LivenessRules[M]):
         self._rejects = JunkCounter()
         self._invalid_frames = JunkCounter()
         self._phase = "forming"
+        self.formed = False  # formation completed once (whatever the phase is now)
+        # Called after each change a session store keeps (SPEC §4.7): a relay confirmed,
+        # rejoined or uncovered, a death, a clean exit, formation complete.
+        self.on_change: Callable[[], None] = _unchanged
 
     # ------------------------------------------------------------------ views
 
@@ -224,6 +228,7 @@ class Roster(LivenessRules[M]):
             self._announced[r] = relay.host
             if r not in self._dead and r not in self._exited:
                 self._live.add(r)
+        self.on_change()
         return self.complete
 
     @property
@@ -250,6 +255,7 @@ class Roster(LivenessRules[M]):
                 del self._relay_of[r]
                 self._last_seen.pop(r, None)
                 self._live.discard(r)
+        self.on_change()
 
     def rejoin(self, relay: M, now: float) -> tuple[dict[int, str | None], list[M]]:
         """After formation, ``relay`` (its ``Ready`` verified) carries its ranks again: they are
@@ -277,6 +283,7 @@ class Roster(LivenessRules[M]):
                                                      for r in old.ranks)]
         for old in dropped:
             self.unregister(old)
+        self.on_change()
         return previous, dropped
 
     def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
@@ -309,14 +316,32 @@ class Roster(LivenessRules[M]):
     def start_running(self, now: float) -> None:
         """Formation is complete: staleness counts from ``now`` for every rank."""
         self._phase = "running"
+        self.formed = True
         for r in self._relay_of:
             self._last_seen[r] = now
+        self.on_change()
 
     def begin_shutdown(self) -> None:
         self._phase = "shutting_down"
 
     def close(self) -> None:
         self._phase = "closed"
+
+    def carried(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``(host, ranks)`` of every registered relay whose join is confirmed, in join order,
+        with only the ranks it still carries (what a session store keeps as the roster)."""
+        out = []
+        for relay in self._relays:
+            if relay in self._unconfirmed:
+                continue
+            ranks = tuple(r for r in relay.ranks if self._relay_of.get(r) is relay)
+            if ranks:
+                out.append((relay.host, ranks))
+        return tuple(out)
+
+    def cohort_sigs(self) -> dict[str, bytes]:
+        """The model signatures the registered relays agree on (name -> digest)."""
+        return {name: digest for name, (digest, _) in self._sig_owner.items()}
 
     def state_fields(self) -> dict[str, Any]:
         """The membership part of the status document (SPEC §7)."""
@@ -333,3 +358,7 @@ class Roster(LivenessRules[M]):
             "exited": sorted(self._exited),
             "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
         }
+
+
+def _unchanged() -> None:
+    """The default :attr:`Roster.on_change`: nothing keeps the changes."""

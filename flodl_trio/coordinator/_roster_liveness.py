@@ -48,6 +48,7 @@ class LivenessRules(Generic[M]):
     _exited: set[int]
     _last_seen: dict[int, float]
     _live: set[int]
+    on_change: Callable[[], None]
 
     def mark_dead(self, rank: int, reason: str) -> bool:
         """Declare ``rank`` dead; False if it is not live (or shutdown has begun)."""
@@ -56,6 +57,7 @@ class LivenessRules(Generic[M]):
             return False
         self._dead[rank] = reason
         self._live.discard(rank)
+        self.on_change()
         return True
 
     def mark_exited(self, rank: int) -> bool:
@@ -64,6 +66,7 @@ class LivenessRules(Generic[M]):
             return False
         self._exited.add(rank)
         self._live.discard(rank)
+        self.on_change()
         return True
 
     def seen(self, rank: int, now: float) -> None:

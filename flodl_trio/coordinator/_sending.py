@@ -36,6 +36,11 @@ class Sender:
         self.lost_broadcasts = 0
         self._writers: trio.Nursery | None = None
         self._writers_scope: trio.CancelScope | None = None
+        # Unset while relays of an adopted session await their resume (._adopt): a broadcast,
+        # or a send to one of their ranks, waits for them rather than failing.
+        self.resumes = trio.Event()
+        self.resumes.set()
+        self._resume_progress = trio.Event()  # one of them resumed or was given up on
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
         """Host the relay writer tasks where an outside cancellation cannot reach them;
@@ -46,6 +51,14 @@ class Sender:
                 self._writers = writers
                 task_status.started()
                 await trio.sleep_forever()
+
+    def resumes_moved(self, *, all_done: bool) -> None:
+        """Relays awaiting their resume resumed or were given up on (``all_done``: none is
+        left): wake the sends waiting for them."""
+        self._resume_progress.set()
+        self._resume_progress = trio.Event()
+        if all_done:
+            self.resumes.set()
 
     def start_writer(self, conn: RelayConn) -> None:
         """Open ``conn``'s session, then start its writer (``host_writers`` must be
@@ -68,6 +81,10 @@ class Sender:
                 or not 0 <= rank < self._world_size):
             raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
         conn = self._roster.relay_of(rank)
+        while (conn is not None and conn.awaiting_resume and not self.resumes.is_set()
+               and not self._roster.shutting_down):
+            await self._resume_progress.wait()  # its relay resumes, or it is given up on
+            conn = self._roster.relay_of(rank)
         if conn is None:
             raise SendError(f"{what}: no relay announced rank {rank}")
         dead_reason = self._roster.dead_reason(rank)
@@ -90,7 +107,7 @@ class Sender:
         failed: dict[int, str] = {}
         for conn in self._roster.relays:
             ranks = self._roster.live_of(conn)
-            if not ranks:
+            if not ranks or conn.awaiting_resume:  # told what it missed when it resumes
                 continue
             if conn.alive:
                 groups[conn] = ranks
@@ -146,7 +163,7 @@ class Sender:
         a ``Fenced`` frame to the rank, then ``FenceRank`` to the relay. Returns the relay
         connection, or None when it is gone already (there is no one to tell)."""
         conn = self._roster.relay_of(rank)
-        if conn is None or not conn.alive:
+        if conn is None or not conn.alive or conn.awaiting_resume:
             return None
         conn.submit_frame(rank, self._codec.encode(Fenced(rank=rank, reason=reason)), None)
         conn.submit_control(FenceRank(rank=rank, reason=reason), None)
@@ -158,6 +175,8 @@ class Sender:
         if not isinstance(msg, ControlMsg):
             raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
                             f"got {label}")
+        if not self._roster.shutting_down:
+            await self.resumes.wait()  # relays of an adopted session: resumed or dead
         groups, failed = self._groups()
         frame = self._codec.encode(msg)
         # Every relay's writer task gets its record now; they write concurrently.

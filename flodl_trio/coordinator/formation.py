@@ -72,6 +72,10 @@ class Formation:
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
+        # True once a session was adopted from a store: relays of its roster await their resume.
+        self.adopting = False
+        # The coordinator's generation with a session store (sent as Generation), else None.
+        self.generation: int | None = None
         self._rejoins = Rejoins(self, roster=roster, sender=sender, liveness=liveness,
                                 readers=readers, config=config, timeline=timeline)
 
@@ -147,7 +151,8 @@ class Formation:
             try:
                 with shed_scope, trio.fail_after(self._config.handshake_timeout):
                     handshake = await coordinator_handshake(stream, self._salt, peer,
-                                                            max_hello=self._max_hello)
+                                                            max_hello=self._max_hello,
+                                                            generation=self.generation)
             except trio.TooSlowError:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
@@ -169,12 +174,25 @@ class Formation:
         machine, received = handshake
         hello = received.hello
         ranks = tuple(hello.ranks)
-        if not self._roster.forming:  # a host that comes back, or a spare (issue 26)
-            await self._rejoins.admit(stream, machine, peer, hello)
+        seen = received.generation
+        if seen is not None and self.generation is not None and seen > self.generation:
+            # The relay follows a newer coordinator: this one is being deposed. It would
+            # refuse our records anyway; no Refused, which would end it for good.
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "newer generation", f"relay {hello.host!r} at {peer}: Resume "
+                        f"naming generation {seen}, expected at most this coordinator's "
+                        f"{self.generation}; closed (it follows a newer coordinator)")
+            return
+        if not self._roster.forming:  # a host that comes back, a spare (issue 26), a resume
+            await self._rejoins.admit(stream, machine, peer, hello, resume=received.resumed)
             return
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
         superseded = self._roster.same_relay(hello.host, ranks)
+        if self.adopting:  # the same host's relay of the adopted roster, awaiting its resume
+            superseded += [old for old in self._roster.relays
+                           if old.awaiting_resume and old.host == hello.host
+                           and old not in superseded and not old.rank_set.isdisjoint(ranks)]
         for old in superseded:
             log.info("relay %r re-joined from %s; dropping its old connection", hello.host,
                      peer)
@@ -185,7 +203,7 @@ class Formation:
             # bring it back (issue 26).
             for old in superseded:
                 await old.close()
-            await self._rejoins.admit(stream, machine, peer, hello)
+            await self._rejoins.admit(stream, machine, peer, hello, resume=received.resumed)
             return
         problem = self._roster.hello_problem(hello.host, ranks, peer,
                                              world_size=hello.world_size,

@@ -14,6 +14,13 @@ machine is established only once that first record arrived. So each side knows t
 counted the join, and a connection that ends before that is, for both, a failed attempt (the
 coordinator un-covers the relay; the relay re-dials).
 
+A relay that re-dials a durable coordinator it had joined sends ``Resume`` (the Hello's fields and
+the highest coordinator generation it saw) where ``Hello`` goes; the coordinator's machine says
+which it was (:attr:`HelloReceived.resume`). A coordinator that runs with a session store is
+built with its ``generation`` and sends ``Generation{g}`` as its first record after ``Ready``,
+just before the welcome; a relay that already saw a higher generation fails the attempt (a
+deposed coordinator's) before any record of it is delivered.
+
 A coordinator that authenticated the Hello and will not take the relay answers ``Refused``
 where ``HelloAck`` would go (``refuse()``) and closes; the relay's machine then ends in
 :class:`RefusalReceived`, which no re-dial can change.
@@ -47,11 +54,13 @@ from ._frames import encode_frame
 from ._messages import (
     Challenge,
     CoordHeartbeat,
+    Generation,
     Hello,
     HelloAck,
     Ready,
     Refused,
     RelayControlMsg,
+    Resume,
     decode_relay,
     encode,
 )
@@ -81,9 +90,26 @@ NEED_DATA: Final = NeedData()
 
 @attrs.frozen
 class HelloReceived:
-    """Coordinator side: an authenticated ``Hello``; answer with ``accept()`` or ``refuse()``."""
+    """Coordinator side: an authenticated ``Hello`` or ``Resume``; answer with ``accept()`` or
+    ``refuse()``.
+
+    Attributes:
+        hello: the relay's identity (for a ``Resume``, its Hello fields).
+        resume: the ``Resume`` itself when the relay resumes, else None.
+    """
 
     hello: Hello
+    resume: Resume | None = None
+
+    @property
+    def resumed(self) -> bool:
+        """True when the relay sent ``Resume`` (it had joined a durable coordinator)."""
+        return self.resume is not None
+
+    @property
+    def generation(self) -> int | None:
+        """The highest coordinator generation the resuming relay saw; None for a ``Hello``."""
+        return None if self.resume is None else int(self.resume.generation)
 
 
 @attrs.frozen
@@ -99,12 +125,14 @@ class Established:
     """The handshake is done: records from here on use this pair (``conn_key``).
 
     ``records``: records already opened past the handshake (the relay's: the coordinator's
-    welcome), to be handled before anything the opener still holds.
+    welcome), to be handled before anything the opener still holds. ``generation``: the
+    coordinator's generation (its ``Generation`` record), None if it runs without a store.
     """
 
     sealer: RecordSealer
     opener: RecordOpener
     records: tuple[Record, ...] = ()
+    generation: int | None = None
 
 
 HandshakeEvent = NeedData | HelloReceived | RefusalReceived | Established
@@ -169,9 +197,10 @@ class UpstreamMachine:
 class CoordinatorHandshake(UpstreamMachine):
     """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
 
-    Events: ``HelloReceived`` once the Hello's MAC verified (the caller validates it against the
-    world and calls :meth:`accept`, or :meth:`refuse` and closes), then ``Established`` once
-    the relay's ``Ready`` verified (the welcome record is then queued). ``failure_category``
+    Events: ``HelloReceived`` once the Hello's (or Resume's) MAC verified (the caller validates
+    it against the world and calls :meth:`accept`, or :meth:`refuse` and closes), then
+    ``Established`` once the relay's ``Ready`` verified (``Generation`` when ``generation`` is
+    given, then the welcome record, are then queued). ``failure_category``
     groups a failure for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before
     hello"``, ...).
 
@@ -180,12 +209,19 @@ class CoordinatorHandshake(UpstreamMachine):
         peer: the peer's address, named in every error.
         max_hello: the pre-auth ceiling on the Hello's payload.
         max_record_payload: the ceiling once the relay is acknowledged.
+        generation: the coordinator's generation when it runs with a session store: sent as
+            ``Generation`` before the welcome. None (no store): no ``Generation``.
     """
 
     def __init__(self, salt: SessionSalt, *, peer: str, max_hello: int = MAX_HANDSHAKE_PAYLOAD,
-                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+                 max_record_payload: int = MAX_RECORD_PAYLOAD,
+                 generation: int | None = None) -> None:
         super().__init__()
+        if generation is not None:
+            # Checked now, not when the first relay has already sent its Ready.
+            encode(Generation(generation))
         self.peer = peer
+        self.generation = generation
         self._salt = salt
         self._max_record_payload = max_record_payload
         self._magic = bytearray()
@@ -196,6 +232,7 @@ class CoordinatorHandshake(UpstreamMachine):
         self._opener = RecordOpener(self._hs_key, RELAY_TO_COORD, max_payload=max_hello)
         self._state = "magic"
         self.hello: Hello | None = None
+        self.resume: Resume | None = None
 
     @property
     def sealer(self) -> RecordSealer:
@@ -240,12 +277,18 @@ class CoordinatorHandshake(UpstreamMachine):
                                     "eof before hello")
             if rec is None:
                 return NEED_DATA
-            hello = self._control(rec, (Hello,), f"Hello from {self.peer}")
-            assert isinstance(hello, Hello)
+            msg = self._control(rec, (Hello, Resume), f"Hello from {self.peer}")
+            if isinstance(msg, Resume):
+                self.resume = msg
+                hello = Hello(host=msg.host, world_size=msg.world_size,
+                              model_sigs=msg.model_sigs, ranks=msg.ranks, nonce=msg.nonce)
+            else:
+                assert isinstance(msg, Hello)
+                hello = msg
             self.hello = hello
             self._sealer.rekey(self._hs_key)
             self._state = "decide"
-            return HelloReceived(hello)
+            return HelloReceived(hello, self.resume)
         if self._state == "decide":
             return NEED_DATA
         if self._state == "acked":
@@ -256,18 +299,22 @@ class CoordinatorHandshake(UpstreamMachine):
             if rec is None:
                 return NEED_DATA
             self._control(rec, (Ready,), what)
+            if self.generation is not None:
+                # First, so the relay can fail a deposed coordinator before any record of it.
+                gen = Generation(self.generation)
+                self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(gen))
             # The welcome confirms the join to the relay: it is established only once a
             # record arrives after its Ready.
             welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
             self._out += self._sealer.seal(RecordKind.FANOUT, 0, welcome)
             self._state = "done"
             self._done = True
-            return Established(self._sealer, self._opener)
+            return Established(self._sealer, self._opener, generation=self.generation)
         raise HandshakeError(f"{self.peer}: the upstream handshake already ended")
 
     def accept(self) -> None:
-        """Answer the Hello with ``HelloAck`` and switch both directions to ``conn_key``; the
-        machine then waits for the relay's ``Ready`` (FT/2)."""
+        """Answer the Hello (or Resume) with ``HelloAck`` and switch both directions to
+        ``conn_key``; the machine then waits for the relay's ``Ready`` (FT/2)."""
         self._check()
         if self._state != "decide" or self.hello is None:
             raise HandshakeError(f"{self.peer}: accept() before an authenticated Hello")
@@ -285,9 +332,9 @@ class CoordinatorHandshake(UpstreamMachine):
         return self._state == "decide" and self._error is None
 
     def refuse(self, reason: str) -> None:
-        """Answer the Hello with ``Refused{nonce, reason}`` instead of ``HelloAck``: same key
-        (``hs_key``), seq and direction, echoing the relay's nonce. The caller writes it and
-        closes the connection; the machine has ended. ``reason`` is clipped to
+        """Answer the Hello (or Resume) with ``Refused{nonce, reason}`` instead of ``HelloAck``:
+        same key (``hs_key``), seq and direction, echoing the relay's nonce. The caller writes
+        it and closes the connection; the machine has ended. ``reason`` is clipped to
         ``MAX_REFUSAL_REASON`` characters."""
         self._check()
         if self._state != "decide" or self.hello is None:

@@ -12,7 +12,8 @@ length head of 1, 2, 3, 5 or 9 bytes, then the content):
   ``MAX_MODEL_SIG_NAME`` UTF-8 bytes and a digest of at most ``MAX_MODEL_SIG_DIGEST`` bytes
   (SHA-512 fits; flodl's signatures are 32 bytes);
 - ``ranks``: at most ``world_size`` distinct u32s, each below ``world_size``;
-- ``nonce``: 16 bytes.
+- ``nonce``: 16 bytes;
+- and, for a ``Resume`` (which is a Hello plus a field), ``generation``: a u64.
 
 A floor of ``MIN_HELLO_CEILING`` keeps a relay whose world size (and so rank list) is somewhat
 larger than the coordinator's decodable, so that it fails as an authenticated contradiction that
@@ -29,6 +30,7 @@ MAX_MODEL_SIG_NAME = 128
 MAX_MODEL_SIG_DIGEST = 64
 MIN_HELLO_CEILING = 16 * 1024
 _U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
 
 
 def cbor_head_len(value: int) -> int:
@@ -45,11 +47,11 @@ def cbor_head_len(value: int) -> int:
 
 
 def max_hello_payload(world_size: int) -> int:
-    """The largest CBOR payload of a legal Hello in a world of ``world_size`` ranks (bytes),
-    or ``MIN_HELLO_CEILING`` when that is larger."""
+    """The largest CBOR payload of a legal Hello or Resume in a world of ``world_size`` ranks
+    (bytes), or ``MIN_HELLO_CEILING`` when that is larger."""
     if world_size < 1:
         raise ValueError(f"max_hello_payload: expected world_size >= 1, got {world_size}")
-    fields = 6  # [variant index, host, world_size, model_sigs, ranks, nonce]
+    fields = 7  # [variant index, host, world_size, model_sigs, ranks, nonce(, generation)]
     sig_entry = (cbor_head_len(MAX_MODEL_SIG_NAME) + MAX_MODEL_SIG_NAME
                  + cbor_head_len(MAX_MODEL_SIG_DIGEST) + MAX_MODEL_SIG_DIGEST)
     size = (
@@ -60,5 +62,6 @@ def max_hello_payload(world_size: int) -> int:
         + cbor_head_len(MAX_MODEL_SIGS) + MAX_MODEL_SIGS * sig_entry
         + cbor_head_len(world_size) + world_size * cbor_head_len(world_size - 1)
         + cbor_head_len(NONCE_LEN) + NONCE_LEN
+        + cbor_head_len(_U64_MAX)  # a Resume's generation
     )
     return max(size, MIN_HELLO_CEILING)

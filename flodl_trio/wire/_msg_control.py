@@ -313,3 +313,34 @@ class DeclareAlive(ControlMsg):
         rank: the rank that is alive again.
     """
     rank: U64
+
+
+@variant(CONTROL_MSG, 23)
+@attrs.frozen
+class CoordinatorReconnecting(ControlMsg):
+    """Relay → rank only (beyond flodl, issue 22): sent by the relay itself, sealed with the
+    salt, when it lost its durable coordinator without a ``Goodbye`` and re-dials it within its
+    ``coordinator_grace``. The rank's links stay up and its coordinator-liveness clock is fed by
+    the relay meanwhile. Delivered to users.
+
+    Attributes:
+        host: the relay's host.
+        detail: what happened to the coordinator connection.
+    """
+
+    host: HostName
+    detail: str
+
+
+@variant(CONTROL_MSG, 24)
+@attrs.frozen
+class CoordinatorResumed(ControlMsg):
+    """Relay → rank only (beyond flodl, issue 22): sent by the relay itself, sealed with the
+    salt, once it resumed with a (new) durable coordinator; the frames the rank sent meanwhile
+    were forwarded first. Delivered to users.
+
+    Attributes:
+        generation: the generation of the coordinator the relay resumed with.
+    """
+
+    generation: U64

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from ._schema import U32, Family, HostName, Nonce, WireMessage, variant
+from ._schema import U32, U64, Family, HostName, Nonce, WireMessage, variant
 
 RELAY_CONTROL_MSG = Family("RelayControlMsg")
 
@@ -134,3 +134,38 @@ class Refused(RelayControlMsg):
 
     nonce: Nonce
     reason: str
+
+
+@variant(RELAY_CONTROL_MSG, 9)
+@attrs.frozen
+class Resume(RelayControlMsg):
+    """Relay → coordinator (beyond flodl, issue 22): what a relay sends instead of ``Hello``
+    when it re-dials a durable coordinator it had joined. Same place, key and checks as
+    ``Hello``; answered by ``HelloAck`` (accepted) or ``Refused``, then ``Ready`` and the
+    welcome as for ``Hello``.
+
+    Attributes:
+        host / world_size / model_sigs / ranks / nonce: as in ``Hello``.
+        generation: the highest coordinator generation the relay has seen (``Generation``).
+    """
+    host: HostName
+    world_size: U32
+    model_sigs: dict[str, bytes]
+    ranks: tuple[U32, ...]
+    nonce: Nonce
+    generation: U64
+
+
+@variant(RELAY_CONTROL_MSG, 10)
+@attrs.frozen
+class Generation(RelayControlMsg):
+    """Coordinator → relay (beyond flodl, issue 22): a coordinator that runs with a session
+    store sends it as its first record after ``Ready`` verified, just before the welcome, on
+    every join or resume. A relay that received it knows the coordinator is durable; a relay
+    that already saw a higher generation fails the attempt (a deposed coordinator's) and
+    never delivers a record from it.
+
+    Attributes:
+        generation: the coordinator's generation (its fencing token).
+    """
+    generation: U64

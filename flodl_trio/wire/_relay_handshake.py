@@ -1,13 +1,14 @@
 """The relay's end of the upstream handshake (SPEC §2.6, FT/2), sans-IO like the coordinator's
-(:mod:`._handshake`, which describes both): verify ``Challenge``, send ``Hello``, verify
-``HelloAck`` (or ``Refused``), send ``Ready``, wait for the welcome."""
+(:mod:`._handshake`, which describes both): verify ``Challenge``, send ``Hello`` (or ``Resume``),
+verify ``HelloAck`` (or ``Refused``), send ``Ready``, take the coordinator's ``Generation`` if it
+sends one, wait for the welcome."""
 
 from __future__ import annotations
 
 import secrets
 from hmac import compare_digest
 
-from .._errors import AuthError, HandshakeError
+from .._errors import AuthError, HandshakeError, WireError
 from ._constants import (
     CHANNEL_MAGIC_CONTROL,
     COORD_TO_RELAY,
@@ -25,7 +26,16 @@ from ._handshake import (
     RefusalReceived,
     UpstreamMachine,
 )
-from ._messages import Challenge, Hello, HelloAck, Ready, Refused, encode
+from ._messages import (
+    Challenge,
+    Generation,
+    Hello,
+    HelloAck,
+    Ready,
+    Refused,
+    Resume,
+    encode,
+)
 from ._records import RecordOpener, RecordSealer
 
 
@@ -35,18 +45,30 @@ class RelayHandshake(UpstreamMachine):
 
     The Hello is sent exactly as given (tests send unsorted or empty rank lists on purpose).
 
+    A coordinator that runs with a session store sends ``Generation{g}`` before its welcome:
+    ``coordinator_generation`` then holds ``g`` (and ``Established.generation``). Given
+    ``generation`` (the highest coordinator generation this relay saw: it re-dials a durable
+    coordinator it had joined), the machine sends ``Resume`` instead of ``Hello``, and fails
+    the attempt (``failure_category`` ``"deposed"``) when the coordinator's generation is lower
+    than that, or when it sends none: a deposed coordinator, whose records are never delivered.
+
     Args:
         salt: the run's session salt.
         host / ranks / world_size / model_sigs: the Hello's fields.
         coordinator: the coordinator's address, named in every error.
         max_record_payload: the ceiling once acknowledged.
+        generation: None to join (``Hello``); the highest generation seen to resume
+            (``Resume``).
     """
 
     def __init__(self, salt: SessionSalt, *, host: str, ranks: tuple[int, ...],
                  world_size: int, coordinator: str,
                  model_sigs: dict[str, bytes] | None = None,
-                 max_record_payload: int = MAX_RECORD_PAYLOAD) -> None:
+                 max_record_payload: int = MAX_RECORD_PAYLOAD,
+                 generation: int | None = None) -> None:
         super().__init__()
+        self.generation = generation
+        self.coordinator_generation: int | None = None
         self.host = host
         self.coordinator = coordinator
         self._salt = salt
@@ -108,9 +130,15 @@ class RelayHandshake(UpstreamMachine):
             self._coord_nonce = challenge.nonce
             key = hs_key(self._salt, challenge.nonce)
             self._sealer = RecordSealer(key, RELAY_TO_COORD)
-            hello = Hello(host=self.host, world_size=self._world_size,
-                          model_sigs=self._model_sigs, ranks=self._ranks,
-                          nonce=self.relay_nonce)
+            hello: Hello | Resume
+            if self.generation is None:
+                hello = Hello(host=self.host, world_size=self._world_size,
+                              model_sigs=self._model_sigs, ranks=self._ranks,
+                              nonce=self.relay_nonce)
+            else:
+                hello = Resume(host=self.host, world_size=self._world_size,
+                               model_sigs=self._model_sigs, ranks=self._ranks,
+                               nonce=self.relay_nonce, generation=self.generation)
             self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
             self._opener.rekey(key)
             self._state = "ack"
@@ -137,16 +165,42 @@ class RelayHandshake(UpstreamMachine):
             self._state = "welcome"
         if self._state == "welcome":
             # The coordinator counts us only once it verified Ready; its first record after
-            # that says it did. A connection that ends before it is a failed attempt.
+            # that says it did (a durable one's Generation comes just before it). A connection
+            # that ends before it is a failed attempt.
             assert self._sealer is not None
-            rec = self._next_record(self._opener, f"{who}: the welcome from {self.coordinator} "
-                                    "after Ready", "eof before welcome")
-            if rec is None:
-                return NEED_DATA
+            while True:
+                rec = self._next_record(self._opener, f"{who}: the welcome from "
+                                        f"{self.coordinator} after Ready", "eof before welcome")
+                if rec is None:
+                    return NEED_DATA
+                if rec.kind != RecordKind.CONTROL:
+                    break
+                msg = self._control(rec, (Generation,), f"{who}: before the welcome from "
+                                    f"{self.coordinator}")
+                assert isinstance(msg, Generation)
+                if self.coordinator_generation is not None:
+                    raise self._fail("malformed", WireError(
+                        f"{who}: a second Generation ({msg.generation}) before the welcome "
+                        f"from {self.coordinator}"))
+                self.coordinator_generation = int(msg.generation)
+                self._check_generation()
+            self._check_generation()
             self._state = "done"
             self._done = True
-            return Established(self._sealer, self._opener, (rec,))
+            return Established(self._sealer, self._opener, (rec,),
+                               generation=self.coordinator_generation)
         raise HandshakeError(f"{who}: the upstream handshake already ended")
+
+    def _check_generation(self) -> None:
+        """Fail the attempt if the coordinator is older than one this relay already saw."""
+        seen = self.generation
+        got = self.coordinator_generation
+        if seen is None or (got is not None and got >= seen):
+            return
+        shown = f"{got}" if got is not None else "0 (it sent no Generation)"
+        raise self._fail("deposed", HandshakeError(
+            f"relay {self.host!r}: generation {shown} < {seen} already seen: a deposed "
+            f"coordinator at {self.coordinator}"))
 
 
 __all__ = ["RelayHandshake"]

@@ -1,0 +1,144 @@
+"""The coordinator's session store writer (SPEC §4.7): one task, coalescing.
+
+Every change the store keeps (a relay joined, rejoined, resumed or was uncovered, a death, a clean
+exit, formation complete, a scheduler checkpoint) calls :meth:`Persistence.request`, which only
+marks the state dirty. One writer task takes a snapshot of the roster when it is free and saves
+it, so at most one write is in flight and the latest state wins: a burst of a thousand deaths
+costs one or two writes, never one each. :meth:`Persistence.flush` (``save_checkpoint``) waits
+until a write that began after its own request is durable.
+
+A save refused because a newer generation took over (``LeadershipLost``) ends the writer and
+deposes the coordinator (``on_lost``); a store that cannot be written (``StoreUnavailable``) is
+tried again every ``RETRY_INTERVAL`` until it can, or until its leadership is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import cbor2
+import trio
+
+from .._errors import ConfigError, LeadershipLost, StoreUnavailable
+from ..store import SessionState, SessionStore
+from ._relayconn import RelayConn
+from ._roster import Roster
+
+log = logging.getLogger("flodl_trio.coordinator.store")
+
+RETRY_INTERVAL = 1.0  # a cadence: how soon an unwritable store is tried again
+
+
+class Persistence:
+    """Saves the session to ``store`` (see the module doc).
+
+    Attributes:
+        generation: this coordinator's generation (the fencing token of every save).
+        saves: states written so far.
+    """
+
+    def __init__(self, store: SessionStore, *, generation: int, salt_id: bytes,
+                 roster: Roster[RelayConn], on_lost: Callable[[LeadershipLost], None]) -> None:
+        self._store = store
+        self.generation = generation
+        self._salt_id = salt_id
+        self._roster = roster
+        self._on_lost = on_lost
+        self.checkpoint: dict[str, Any] | None = None
+        self.saves = 0
+        self._requested = 0  # requests so far
+        self._written = 0  # requests covered by the last durable write
+        self._dirty = trio.Event()
+        self._progress = trio.Event()
+        self._lost: LeadershipLost | None = None
+
+    def request(self) -> None:
+        """The state changed: the writer saves it (coalesced with other changes)."""
+        self._requested += 1
+        self._dirty.set()
+
+    async def flush(self) -> None:
+        """Request a save and return once a write that includes the state as it is now is
+        durable.
+
+        Raises:
+            LeadershipLost: the coordinator was deposed before the write was durable.
+        """
+        self.request()
+        target = self._requested
+        while self._written < target:
+            if self._lost is not None:
+                raise self._lost
+            await self._progress.wait()
+
+    def snapshot(self) -> SessionState:
+        """The session as it is now."""
+        roster = self._roster
+        return SessionState(
+            salt_id=self._salt_id, world_size=roster.world_size,
+            model_sigs=roster.cohort_sigs(), roster=roster.carried(), dead=roster.dead,
+            exited=roster.exited, failures=len(roster.dead), generation=self.generation,
+            formed=roster.formed, checkpoint=self.checkpoint)
+
+    async def run(self) -> None:
+        """The one writer (runs in the coordinator's nursery until it is cancelled or the
+        coordinator is deposed)."""
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            covered = self._requested
+            try:
+                await self._store.save(self.snapshot())
+            except LeadershipLost as exc:
+                self._lost = exc
+                self._wake()
+                self._on_lost(exc)
+                return
+            except StoreUnavailable as exc:
+                log.warning("session store %s: save failed, trying again in %gs: %s",
+                            self._store.description, RETRY_INTERVAL, exc)
+                self._dirty.set()
+                await trio.sleep(RETRY_INTERVAL)
+                continue
+            self.saves += 1
+            self._written = covered
+            self._wake()
+
+    def _wake(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+
+def adoption_problem(state: SessionState, *, salt_id: bytes, world_size: int,
+                     source: str) -> str | None:
+    """Why ``state`` is not this session's (another salt or world size), or None."""
+    if state.salt_id != salt_id:
+        return (f"session state at {source}: expected the session of salt id "
+                f"{salt_id.hex()}, got salt id {state.salt_id.hex()} (another run's state); "
+                "refusing it (nothing was loaded)")
+    if state.world_size != world_size:
+        return (f"session state at {source}: expected world size {world_size}, got "
+                f"{state.world_size} (another run's state); refusing it (nothing was loaded)")
+    return None
+
+
+
+def checked_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a scheduler checkpoint, checked now (not in the writer, where a bad one would
+    end the coordinator).
+
+    Raises:
+        ConfigError: not a map with text keys that CBOR can encode.
+    """
+    if not isinstance(checkpoint, Mapping) or not all(isinstance(k, str) for k in checkpoint):
+        raise ConfigError(f"save_checkpoint: expected a map with str keys, got "
+                          f"{type(checkpoint).__name__} {checkpoint!r:.80}")
+    copy = dict(checkpoint)
+    try:
+        cbor2.dumps(copy, canonical=True)
+    except (cbor2.CBOREncodeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"save_checkpoint: expected a map CBOR can encode (str, int, float, "
+                          f"bytes, lists, maps), got {copy!r:.80} ({exc})") from None
+    return copy

@@ -1,0 +1,213 @@
+"""The session store writer and the ways a coordinator loses its store (SPEC §4.7, issue 22):
+one write at a time, a burst of changes coalesced with the latest state winning,
+``save_checkpoint`` durable when it returns; a fenced save or a lease lost during formation
+deposes the coordinator without a word to its relays; a session saved mid-formation is adopted
+and completed by relays that resume and relays never seen. One run over real TCP on loopback:
+the address the leader publishes is where the relays re-dial.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from durable import ROSTER, cluster, stored, until_stored
+
+import flodl_trio as ft
+from flodl_trio.store import MemoryStore, SessionState
+
+from helpers import wait_until
+
+
+class SlowStore(MemoryStore):
+    """A MemoryStore whose saves take ``delay`` seconds; it records every state written and
+    how many saves were ever in flight at once."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.saved: list[SessionState] = []
+        self.writing = 0
+        self.most_at_once = 0
+
+    async def save(self, state: SessionState) -> None:
+        self.writing += 1
+        self.most_at_once = max(self.most_at_once, self.writing)
+        try:
+            await trio.sleep(self.delay)
+            await super().save(state)
+        finally:
+            self.writing -= 1
+        self.saved.append(state)
+
+
+class FlakyStore(MemoryStore):
+    """A MemoryStore that cannot be written ``failures`` times before it can."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def save(self, state: SessionState) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise ft.StoreUnavailable(f"store {self.description}: disk full (test)")
+        await super().save(state)
+
+
+class UnawareStore(MemoryStore):
+    """A MemoryStore whose leader never hears that its lease ran out (a paused process): only a
+    fenced save tells it."""
+
+    async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
+                              = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def test_burst_of_deaths_is_saved_one_write_at_a_time_and_the_latest_state_wins(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = SlowStore(delay=1.0)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        before = len(store.saved)
+        for rank in (0, 1, 2):
+            await coord.declare_dead(rank, "burst")
+        await trio.sleep(5)
+        burst = store.saved[before:]
+        assert 1 <= len(burst) <= 2, [sorted(s.dead) for s in burst]  # not one per death
+        assert set(burst[-1].dead) == {0, 1, 2}
+        assert burst[-1].failures == 3
+        assert store.most_at_once == 1
+
+
+async def test_save_checkpoint_returns_once_its_own_write_is_durable_not_an_earlier_one(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = SlowStore(delay=1.0)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        await coord.declare_dead(0, "starts a write")  # in flight until +1 s
+        await trio.sleep(0.5)
+        began = trio.current_time()
+        await coord.save_checkpoint({"epoch": 1})
+        # The write in flight did not hold it; its own write (after that one) did.
+        assert trio.current_time() - began == pytest.approx(1.5)
+        assert (await stored(store)).checkpoint == {"epoch": 1}
+
+
+async def test_store_that_cannot_be_written_is_tried_again_and_the_run_goes_on(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = FlakyStore(failures=3)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        began = trio.current_time()
+        await coord.save_checkpoint({"epoch": 2})
+        assert trio.current_time() - began <= 3  # retried every second until written
+        state = await stored(store)
+        assert state.checkpoint == {"epoch": 2} and state.formed
+        assert coord.failure is None and coord.live_ranks == {0, 1, 2, 3}
+
+
+async def test_fenced_save_deposes_a_coordinator_that_missed_its_lease(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = UnawareStore()
+    async with cluster(memory_network, store) as c:
+        with pytest.raises(ft.LeadershipLost, match="save as generation 1 refused: the latest "
+                           "generation is 2"):
+            async with c.coordinator("coord-1") as coord:
+                store.expire()
+                assert await store.clone().acquire(owner="the new leader") == 2
+                await coord.declare_dead(3, "seen by the deposed one")  # its save is fenced
+                await trio.sleep_forever()
+        for relay in c.relays.values():
+            with trio.fail_after(1):
+                await relay.eof.wait()
+            assert "Goodbye" not in relay.messages and "Shutdown" not in relay.messages
+        assert (await stored(store)).generation == 1  # nothing of the deposed one was written
+
+
+async def test_lease_lost_during_formation_raises_leadership_lost_and_says_nothing(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        async def one_relay_then_expiry() -> None:
+            await c.dial("coord-1", "host-a", (0, 1))
+            await trio.sleep(1)
+            c.store.expire()
+
+        c.nursery.start_soon(one_relay_then_expiry)
+        with pytest.raises(ft.LeadershipLost):
+            async with c.coordinator("coord-1", form=False):
+                pytest.fail("entered without formation")
+        host_a = c.relays["host-a"]
+        with trio.fail_after(1):
+            await host_a.eof.wait()
+        assert host_a.messages == ["CoordHeartbeat"]  # the welcome, then nothing
+
+
+async def test_session_saved_mid_formation_is_completed_by_a_resume_and_a_new_relay(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        with trio.CancelScope() as scope:  # the first coordinator dies during formation
+            c.nursery.start_soon(c.dial, "coord-1", "host-a", (0, 1))
+            async def kill_once_saved() -> None:
+                await until_stored(c.store, lambda state: state.roster == ROSTER[:1])
+                scope.cancel()
+            c.nursery.start_soon(kill_once_saved)
+            async with c.coordinator("coord-1", form=False):
+                pytest.fail("formed with one relay of two")
+        c.store.expire()
+        assert not (await stored(c.store)).formed
+
+        async def join_later() -> None:
+            await trio.sleep(2)
+            assert (await c.dial("coord-2", "host-a", (0, 1), generation=1)).raw.acked
+            assert (await c.dial("coord-2", "host-b", (2, 3))).raw.acked  # never seen
+
+        began = trio.current_time()
+        c.nursery.start_soon(join_later)
+        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+            assert trio.current_time() - began == pytest.approx(2)
+            assert coord.resumed and coord.generation == 2
+            assert [(r.host, r.ranks) for r in coord.relays] == list(ROSTER)
+            assert coord.live_ranks == {0, 1, 2, 3}
+            state = await stored(c.store)
+            assert state.formed and state.roster == ROSTER and state.generation == 2
+
+
+async def test_relays_redial_the_published_address_and_resume_over_tcp() -> None:
+    store = MemoryStore()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=10, heartbeat_interval=3600,
+                               heartbeat_timeout=3600, resume_timeout=10)
+
+    published: list[tuple[tuple[str, int], ...]] = [()]
+
+    async def dial_all(c: object, generation: int | None) -> None:
+        for _ in range(1000):  # until the new leader published its own address
+            addresses = await store.clone().resolve_address()
+            if addresses not in published:
+                break
+            await trio.sleep(0.01)
+        published.append(addresses)
+        host, port = addresses[0]
+        assert host == "127.0.0.1"
+        for name, ranks in ROSTER:
+            stream = await trio.open_tcp_stream(host, port)
+            relay = await cluster_.handshake(stream, f"{host}:{port}", name, ranks,
+                                             generation=generation)
+            assert relay.raw.acked, relay.raw.refused
+            assert relay.generation == (generation or 0) + 1
+
+    async with cluster(ft.testing.MemoryNetwork(), store) as cluster_:
+        for generation in (None, 1):  # a fresh run, then the coordinator that adopts it
+            cluster_.nursery.start_soon(dial_all, cluster_, generation)
+            with trio.CancelScope() as scope:
+                async with ft.open_coordinator(("127.0.0.1", 0), salt=cluster_.salt, config=cfg,
+                                               store=store.clone()) as coord:
+                    assert coord.generation == (generation or 0) + 1
+                    await wait_until(lambda: all(
+                        r.peer.startswith("127.0.0.1:") for r in coord.relays), limit=10)
+                    assert coord.live_ranks == {0, 1, 2, 3}
+                    scope.cancel()  # the coordinator goes away
+            store.expire()
