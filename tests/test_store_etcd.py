@@ -210,18 +210,18 @@ async def test_an_unreachable_endpoint_at_start_is_refused_quickly_naming_it() -
     await store.aclose()
 
 
-async def test_an_endpoint_that_never_answers_is_refused_within_the_connect_timeout() -> None:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")  # accepts, never answers
-    port = listeners[0].socket.getsockname()[1]
-    store = EtcdStore(f"127.0.0.1:{port}", "flodl/x", connect_timeout=0.3)
-    started = trio.current_time()
-    with trio.fail_after(2), pytest.raises(StoreUnavailable,
-                                           match=f"127.0.0.1:{port}: no answer"):
-        await store.acquire(owner="a")
-    assert trio.current_time() - started < 1.0
-    await store.aclose()
-    for listener in listeners:
-        await listener.aclose()
+async def test_an_etcd_without_quorum_is_refused_within_the_connect_timeout(
+        tmp_path: Path) -> None:
+    with etcd_helper.EtcdServer(tmp_path, without_quorum=True) as lonely:
+        store = EtcdStore(lonely.endpoint, "flodl/x", connect_timeout=0.3)
+        started = trio.current_time()
+        with trio.fail_after(2), pytest.raises(
+                StoreUnavailable, match=f"{lonely.endpoint}: no answer to /health within 0.3 s"):
+            await store.acquire(owner="a")
+        assert trio.current_time() - started < 1.0
+        with trio.fail_after(2), pytest.raises(StoreUnavailable, match=lonely.endpoint):
+            await store.load()
+        await store.aclose()
 
 
 async def test_a_dead_first_endpoint_is_skipped_for_a_live_one(shared_etcd: Any) -> None:
