@@ -61,6 +61,7 @@ class EtcdServer:
         # lost its quorum)
         self.without_quorum = without_quorum
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once up, a restart keeps its ports and data
 
     @property
     def pid(self) -> int | None:
@@ -68,6 +69,21 @@ class EtcdServer:
 
     def start(self) -> EtcdServer:
         """Start the member (again, on the same ports and data, after :meth:`stop`)."""
+        for attempt in range(3):
+            if self._launch():
+                self._started = True
+                return self
+            if self._started or attempt == 2:
+                break
+            # a port taken between free_port() and etcd's bind (another test): fresh ports
+            self.client_port, self.peer_port = free_port(), free_port()
+            self.endpoint = f"127.0.0.1:{self.client_port}"
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        raise RuntimeError(f"etcd on {self.endpoint} exited at start; its log "
+                           f"{self.log_path}:\n{self.log_tail()}")
+
+    def _launch(self) -> bool:
+        """True once the member is up, False if it exited at once."""
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv = [self.binary, "--name", "flodl-test", "--data-dir", str(self.data_dir),
@@ -84,9 +100,10 @@ class EtcdServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                break
+                self._proc = None
+                return False
             if self.listening() if self.without_quorum else self.healthy():
-                return self
+                return True
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd on {self.endpoint} not up within {self.start_timeout} s; "
