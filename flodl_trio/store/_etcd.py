@@ -104,11 +104,13 @@ class EtcdStore(SessionStore):
         while True:
             sent = trio.current_time()
             granted = 0.0
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as scope:
                 try:
                     granted = await self._renew()
                 except StoreUnavailable as exc:
                     problem = str(exc)
+            if scope.cancelled_caught:
+                problem = f"etcd {self._http.current}: no answer to a renewal before then"
             if granted > 0:
                 deadline = self._lease_deadline = sent + self._margin(granted)
                 wake = sent + granted / 3
