@@ -100,7 +100,7 @@ class EtcdStore(SessionStore):
                                  f"(this handle does not lead)")
         task_status.started()
         deadline = self._lease_deadline
-        problem = "the lease ran out before the first renewal"
+        problem = ""
         while True:
             sent = trio.current_time()
             granted = 0.0
@@ -109,8 +109,10 @@ class EtcdStore(SessionStore):
                     granted = await self._renew()
                 except StoreUnavailable as exc:
                     problem = str(exc)
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and sent < deadline:
                 problem = f"etcd {self._http.current}: no answer to a renewal before then"
+            elif scope.cancelled_caught and not problem:
+                problem = "its deadline passed before a renewal"
             if granted > 0:
                 deadline = self._lease_deadline = sent + self._margin(granted)
                 wake = sent + granted / 3
