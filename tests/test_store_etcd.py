@@ -54,6 +54,7 @@ def put_raw(endpoint: str, key: str, value: bytes) -> None:
         assert answer.status == 200
 
 
+@pytest.mark.slow
 async def test_one_leader_a_standby_that_wins_only_after_the_lease_expired_and_fencing(
         shared_etcd: Any) -> None:
     where = prefix()
@@ -138,6 +139,7 @@ async def test_release_hands_the_leadership_to_a_standby_at_once(shared_etcd: An
         await store.aclose()
 
 
+@pytest.mark.slow
 async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_never_overlaps(
         own_etcd: Any) -> None:
     where = prefix()
@@ -167,13 +169,14 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_neve
         await won.wait(4 * TTL)
     print(f"etcd frozen: the leader stepped down after {lost.at - frozen:.2f} s; the standby "
           f"won {won.at - lost.at:.2f} s after that")
-    assert lost.at - frozen <= TTL + 0.1
+    assert lost.at - frozen <= TTL + 0.25  # its step-down deadline is 0.9 TTL after a renewal
     assert won.at > lost.at  # never two leaders
     assert won.value == gen1 + 1
     for store in (leader, standby):
         await store.aclose()
 
 
+@pytest.mark.slow
 async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: Any) -> None:
     where = prefix()
     leader = EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
@@ -193,7 +196,7 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: 
         await lost.wait(2 * TTL)
     took = lost.at - stopped
     print(f"etcd stopped: the leader stepped down after {took:.2f} s")
-    assert took <= TTL + 0.1
+    assert took <= TTL + 0.25
     with pytest.raises(LeadershipLost, match=f"save as generation {gen1} refused"):
         await leader.save(state(gen1))  # it stays down
     await leader.aclose()  # a release that cannot reach etcd returns anyway
@@ -251,6 +254,7 @@ async def test_a_corrupt_state_or_counter_under_the_prefix_is_refused_naming_the
     await store.aclose()
 
 
+@pytest.mark.slow
 async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
         shared_etcd: Any) -> None:
     store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=TTL)
