@@ -257,16 +257,18 @@ async def test_a_corrupt_state_or_counter_under_the_prefix_is_refused_naming_the
 @pytest.mark.slow
 async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
         shared_etcd: Any) -> None:
-    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=TTL)
+    # TTL 2 s: renewals every 0.67 s, with room for a machine loaded by parallel test runs
+    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=2)
+    acquired = trio.current_time()
     gen = await store.acquire(owner="a")
-    big = {"plans": "x" * 50_000}  # a scheduler checkpoint of some size
+    big = {"plans": "x" * 20_000}  # a scheduler checkpoint of some size
     saved: list[int] = []
 
     async def writer(base: int) -> None:
         for i in range(10):
             await store.save(state(gen, failures=base + i, checkpoint=big))
             saved.append(base + i)
-            await trio.sleep(0.1)
+            await trio.sleep(0.15)
 
     async with trio.open_nursery() as nursery:
         keeper = trio.CancelScope()
@@ -279,8 +281,11 @@ async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
         async with trio.open_nursery() as writers:
             for base in (0, 100, 200):
                 writers.start_soon(writer, base)
+        await trio.sleep_until(acquired + 2.7)  # past the first lease: only renewals kept it
+        await store.save(state(gen, failures=999, checkpoint=big))
+        saved.append(999)
         keeper.cancel()
-    assert len(saved) == 30  # over a TTL of writes, none refused
+    assert len(saved) == 31  # writes spanning several renewals, none refused
     loaded = await store.load()
     assert loaded is not None and loaded.failures == saved[-1] and loaded.checkpoint == big
     await store.aclose()
