@@ -46,12 +46,21 @@ def prefix() -> str:
     return f"flodl/test{next(_prefixes)}"
 
 
-def put_raw(endpoint: str, key: str, value: bytes) -> None:
-    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
-                       "value": base64.b64encode(value).decode()}).encode()
+def etcd_call(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What an operator's etcdctl would do, through the gateway."""
     with urllib.request.urlopen(urllib.request.Request(
-            f"http://{endpoint}/v3/kv/put", data=body), timeout=5) as answer:
+            f"http://{endpoint}{path}", data=json.dumps(body).encode()), timeout=5) as answer:
         assert answer.status == 200
+        doc: dict[str, Any] = json.loads(answer.read())
+        return doc
+
+
+def b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def put_raw(endpoint: str, key: str, value: bytes) -> None:
+    etcd_call(endpoint, "/v3/kv/put", {"key": b64(key), "value": b64(value)})
 
 
 @pytest.mark.slow
@@ -288,4 +297,35 @@ async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
     assert len(saved) == 31  # writes spanning several renewals, none refused
     loaded = await store.load()
     assert loaded is not None and loaded.failures == saved[-1] and loaded.checkpoint == big
+    await store.aclose()
+
+
+@pytest.mark.parametrize("operator", ["revokes the lease", "deletes the leader key"])
+async def test_a_leader_whose_lease_or_key_an_operator_removed_steps_down_at_its_next_renewal(
+        shared_etcd: Any, operator: str) -> None:
+    where = prefix()
+    store = EtcdStore(shared_etcd.endpoint, where, ttl=TTL)
+    gen = await store.acquire(owner="a")
+    lost = Flag()
+
+    async def lead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # a revoked lease deletes the key: whichever the renewal sees first
+        why = "(says it expired|held by nobody)" if operator == "revokes the lease" \
+            else "held by nobody"
+        with pytest.raises(LeadershipLost, match=f"generation {gen}\\b.*{why}"):
+            await store.keep_leadership(task_status=task_status)
+        lost.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lead)
+        leader = etcd_call(shared_etcd.endpoint, "/v3/kv/range", {"key": b64(f"{where}/leader")})
+        if operator == "revokes the lease":
+            etcd_call(shared_etcd.endpoint, "/v3/lease/revoke", {"ID": leader["kvs"][0]["lease"]})
+        else:
+            etcd_call(shared_etcd.endpoint, "/v3/kv/deleterange", {"key": b64(f"{where}/leader")})
+        removed = trio.current_time()
+        await lost.wait(TTL)
+    assert lost.at - removed <= TTL / 3 + 0.2  # the next renewal notices
+    with pytest.raises(LeadershipLost):
+        await store.save(state(gen))
     await store.aclose()

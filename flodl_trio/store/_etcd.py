@@ -276,18 +276,19 @@ class EtcdStore(SessionStore):
             answer = {}
         granted = float(answer.get("TTL", 0) or 0)
         if granted <= 0:
+            generation = self._generation_text()
             self._lose()
             raise LeadershipLost(f"store {self.description}: expected to renew lease "
-                                 f"{lease:x} of generation {self._generation_text()}, but "
-                                 f"etcd {self._http.current} says it expired; stepping down")
+                                 f"{lease:x} of generation {generation}, but etcd "
+                                 f"{self._http.current} says it expired; stepping down")
         leader = await self._get("leader")
         if leader is None or int(leader.get("lease", 0)) != lease:
             holder = "nobody" if leader is None else repr(unb64(leader.get("value"))[:80])
+            generation = self._generation_text()
             self._lose()
             raise LeadershipLost(f"store {self.description}: expected {self._keys['leader']!r}"
                                  f" to be held by our lease {lease:x} (generation "
-                                 f"{self._generation_text()}), but it is held by {holder}; "
-                                 f"stepping down")
+                                 f"{generation}), but it is held by {holder}; stepping down")
         return granted
 
     async def _fenced_put(self, name: str, value: bytes, generation: int, what: str, *,
