@@ -44,7 +44,8 @@ class EtcdServer:
         pid: the running process's PID (None when stopped).
     """
 
-    def __init__(self, data_dir: Path, *, start_timeout: float = 15.0) -> None:
+    def __init__(self, data_dir: Path, *, start_timeout: float = 15.0,
+                 without_quorum: bool = False) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -55,7 +56,12 @@ class EtcdServer:
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.start_timeout = start_timeout
+        # a member of a two-member cluster whose other member never starts: it listens and
+        # accepts, but has no leader, so it never answers (what users see of a cluster that
+        # lost its quorum)
+        self.without_quorum = without_quorum
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once up, a restart keeps its ports and data
 
     @property
     def pid(self) -> int | None:
@@ -63,12 +69,29 @@ class EtcdServer:
 
     def start(self) -> EtcdServer:
         """Start the member (again, on the same ports and data, after :meth:`stop`)."""
+        for attempt in range(3):
+            if self._launch():
+                self._started = True
+                return self
+            if self._started or attempt == 2:
+                break
+            # a port taken between free_port() and etcd's bind (another test): fresh ports
+            self.client_port, self.peer_port = free_port(), free_port()
+            self.endpoint = f"127.0.0.1:{self.client_port}"
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        raise RuntimeError(f"etcd on {self.endpoint} exited at start; its log "
+                           f"{self.log_path}:\n{self.log_tail()}")
+
+    def _launch(self) -> bool:
+        """True once the member is up, False if it exited at once."""
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv = [self.binary, "--name", "flodl-test", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"flodl-test={peer}", "--initial-cluster-state", "new",
+                "--initial-cluster", f"flodl-test={peer}" + (
+                    f",phantom=http://127.0.0.1:{free_port()}" if self.without_quorum else ""),
+                "--initial-cluster-state", "new",
                 "--heartbeat-interval", "100", "--election-timeout", "500",
                 "--logger", "zap", "--log-level", "warn"]
         with open(self.log_path, "ab") as log:
@@ -77,12 +100,13 @@ class EtcdServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                break
-            if self.healthy():
-                return self
+                self._proc = None
+                return False
+            if self.listening() if self.without_quorum else self.healthy():
+                return True
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"etcd on {self.endpoint} not healthy within {self.start_timeout} s; "
+        raise RuntimeError(f"etcd on {self.endpoint} not up within {self.start_timeout} s; "
                            f"its log {self.log_path}:\n{self.log_tail()}")
 
     def healthy(self) -> bool:
@@ -90,6 +114,13 @@ class EtcdServer:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5).close()
+            return True
+        except OSError:
             return False
 
     def pause(self) -> None:

@@ -46,14 +46,24 @@ def prefix() -> str:
     return f"flodl/test{next(_prefixes)}"
 
 
-def put_raw(endpoint: str, key: str, value: bytes) -> None:
-    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
-                       "value": base64.b64encode(value).decode()}).encode()
+def etcd_call(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What an operator's etcdctl would do, through the gateway."""
     with urllib.request.urlopen(urllib.request.Request(
-            f"http://{endpoint}/v3/kv/put", data=body), timeout=5) as answer:
+            f"http://{endpoint}{path}", data=json.dumps(body).encode()), timeout=5) as answer:
         assert answer.status == 200
+        doc: dict[str, Any] = json.loads(answer.read())
+        return doc
 
 
+def b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def put_raw(endpoint: str, key: str, value: bytes) -> None:
+    etcd_call(endpoint, "/v3/kv/put", {"key": b64(key), "value": b64(value)})
+
+
+@pytest.mark.slow
 async def test_one_leader_a_standby_that_wins_only_after_the_lease_expired_and_fencing(
         shared_etcd: Any) -> None:
     where = prefix()
@@ -138,6 +148,7 @@ async def test_release_hands_the_leadership_to_a_standby_at_once(shared_etcd: An
         await store.aclose()
 
 
+@pytest.mark.slow
 async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_never_overlaps(
         own_etcd: Any) -> None:
     where = prefix()
@@ -147,7 +158,8 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_neve
     lost, won = Flag(), Flag()
 
     async def lead() -> None:
-        with pytest.raises(LeadershipLost, match="no renewal succeeded"):
+        with pytest.raises(LeadershipLost, match=f"no renewal succeeded \\(etcd "
+                           f"{own_etcd.endpoint}: no answer"):
             await leader.keep_leadership()
         lost.set()
 
@@ -166,13 +178,14 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_neve
         await won.wait(4 * TTL)
     print(f"etcd frozen: the leader stepped down after {lost.at - frozen:.2f} s; the standby "
           f"won {won.at - lost.at:.2f} s after that")
-    assert lost.at - frozen <= TTL + 0.1
+    assert lost.at - frozen <= TTL + 0.25  # its step-down deadline is 0.9 TTL after a renewal
     assert won.at > lost.at  # never two leaders
     assert won.value == gen1 + 1
     for store in (leader, standby):
         await store.aclose()
 
 
+@pytest.mark.slow
 async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: Any) -> None:
     where = prefix()
     leader = EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
@@ -192,7 +205,7 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: 
         await lost.wait(2 * TTL)
     took = lost.at - stopped
     print(f"etcd stopped: the leader stepped down after {took:.2f} s")
-    assert took <= TTL + 0.1
+    assert took <= TTL + 0.25
     with pytest.raises(LeadershipLost, match=f"save as generation {gen1} refused"):
         await leader.save(state(gen1))  # it stays down
     await leader.aclose()  # a release that cannot reach etcd returns anyway
@@ -210,18 +223,18 @@ async def test_an_unreachable_endpoint_at_start_is_refused_quickly_naming_it() -
     await store.aclose()
 
 
-async def test_an_endpoint_that_never_answers_is_refused_within_the_connect_timeout() -> None:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")  # accepts, never answers
-    port = listeners[0].socket.getsockname()[1]
-    store = EtcdStore(f"127.0.0.1:{port}", "flodl/x", connect_timeout=0.3)
-    started = trio.current_time()
-    with trio.fail_after(2), pytest.raises(StoreUnavailable,
-                                           match=f"127.0.0.1:{port}: no answer"):
-        await store.acquire(owner="a")
-    assert trio.current_time() - started < 1.0
-    await store.aclose()
-    for listener in listeners:
-        await listener.aclose()
+async def test_an_etcd_without_quorum_is_refused_within_the_connect_timeout(
+        tmp_path: Path) -> None:
+    with etcd_helper.EtcdServer(tmp_path, without_quorum=True) as lonely:
+        store = EtcdStore(lonely.endpoint, "flodl/x", connect_timeout=0.3)
+        started = trio.current_time()
+        with trio.fail_after(2), pytest.raises(
+                StoreUnavailable, match=f"{lonely.endpoint}: no answer to /health within 0.3 s"):
+            await store.acquire(owner="a")
+        assert trio.current_time() - started < 1.0
+        with trio.fail_after(2), pytest.raises(StoreUnavailable, match=lonely.endpoint):
+            await store.load()
+        await store.aclose()
 
 
 async def test_a_dead_first_endpoint_is_skipped_for_a_live_one(shared_etcd: Any) -> None:
@@ -250,18 +263,21 @@ async def test_a_corrupt_state_or_counter_under_the_prefix_is_refused_naming_the
     await store.aclose()
 
 
+@pytest.mark.slow
 async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
         shared_etcd: Any) -> None:
-    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=TTL)
+    # TTL 2 s: renewals every 0.67 s, with room for a machine loaded by parallel test runs
+    store = EtcdStore(shared_etcd.endpoint, prefix(), ttl=2)
+    acquired = trio.current_time()
     gen = await store.acquire(owner="a")
-    big = {"plans": "x" * 50_000}  # a scheduler checkpoint of some size
+    big = {"plans": "x" * 20_000}  # a scheduler checkpoint of some size
     saved: list[int] = []
 
     async def writer(base: int) -> None:
         for i in range(10):
             await store.save(state(gen, failures=base + i, checkpoint=big))
             saved.append(base + i)
-            await trio.sleep(0.1)
+            await trio.sleep(0.15)
 
     async with trio.open_nursery() as nursery:
         keeper = trio.CancelScope()
@@ -274,8 +290,42 @@ async def test_saves_race_the_lease_renewals_without_losing_the_leadership(
         async with trio.open_nursery() as writers:
             for base in (0, 100, 200):
                 writers.start_soon(writer, base)
+        await trio.sleep_until(acquired + 2.7)  # past the first lease: only renewals kept it
+        await store.save(state(gen, failures=999, checkpoint=big))
+        saved.append(999)
         keeper.cancel()
-    assert len(saved) == 30  # over a TTL of writes, none refused
+    assert len(saved) == 31  # writes spanning several renewals, none refused
     loaded = await store.load()
     assert loaded is not None and loaded.failures == saved[-1] and loaded.checkpoint == big
+    await store.aclose()
+
+
+@pytest.mark.parametrize("operator", ["revokes the lease", "deletes the leader key"])
+async def test_a_leader_whose_lease_or_key_an_operator_removed_steps_down_at_its_next_renewal(
+        shared_etcd: Any, operator: str) -> None:
+    where = prefix()
+    store = EtcdStore(shared_etcd.endpoint, where, ttl=TTL)
+    gen = await store.acquire(owner="a")
+    lost = Flag()
+
+    async def lead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # a revoked lease deletes the key: whichever the renewal sees first
+        why = "(says it expired|held by nobody)" if operator == "revokes the lease" \
+            else "held by nobody"
+        with pytest.raises(LeadershipLost, match=f"generation {gen}\\b.*{why}"):
+            await store.keep_leadership(task_status=task_status)
+        lost.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lead)
+        leader = etcd_call(shared_etcd.endpoint, "/v3/kv/range", {"key": b64(f"{where}/leader")})
+        if operator == "revokes the lease":
+            etcd_call(shared_etcd.endpoint, "/v3/lease/revoke", {"ID": leader["kvs"][0]["lease"]})
+        else:
+            etcd_call(shared_etcd.endpoint, "/v3/kv/deleterange", {"key": b64(f"{where}/leader")})
+        removed = trio.current_time()
+        await lost.wait(TTL)
+    assert lost.at - removed <= TTL / 3 + 0.2  # the next renewal notices
+    with pytest.raises(LeadershipLost):
+        await store.save(state(gen))
     await store.aclose()

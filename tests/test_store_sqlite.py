@@ -237,6 +237,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow
 async def test_a_standby_takes_over_within_half_a_second_of_the_leaders_sigkill(
         tmp_path: Path) -> None:
     path = tmp_path / "s.db"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from .._errors import LeadershipLost, StoreCorrupt
+from .._errors import LeadershipLost
 from ._state import SessionState
 
 
@@ -171,7 +171,8 @@ class MemoryStore(SessionStore):
     async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
         await trio.lowlevel.checkpoint()
         if self._generation is None:
-            raise StoreCorrupt(f"store {self.description}: publish_address before acquire")
+            raise LeadershipLost(f"store {self.description}: publish_address refused: this "
+                                 f"handle does not lead (no acquire, or it released)")
         self._fence(self._generation, "publish_address")
         self._shared.addresses = tuple(addresses)
         self._shared.poke()

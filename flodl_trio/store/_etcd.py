@@ -100,15 +100,19 @@ class EtcdStore(SessionStore):
                                  f"(this handle does not lead)")
         task_status.started()
         deadline = self._lease_deadline
-        problem = "the lease ran out before the first renewal"
+        problem = ""
         while True:
             sent = trio.current_time()
             granted = 0.0
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as scope:
                 try:
                     granted = await self._renew()
                 except StoreUnavailable as exc:
                     problem = str(exc)
+            if scope.cancelled_caught and sent < deadline:
+                problem = f"etcd {self._http.current}: no answer to a renewal before then"
+            elif scope.cancelled_caught and not problem:
+                problem = "its deadline passed before a renewal"
             if granted > 0:
                 deadline = self._lease_deadline = sent + self._margin(granted)
                 wake = sent + granted / 3
@@ -272,18 +276,19 @@ class EtcdStore(SessionStore):
             answer = {}
         granted = float(answer.get("TTL", 0) or 0)
         if granted <= 0:
+            generation = self._generation_text()
             self._lose()
             raise LeadershipLost(f"store {self.description}: expected to renew lease "
-                                 f"{lease:x} of generation {self._generation_text()}, but "
-                                 f"etcd {self._http.current} says it expired; stepping down")
+                                 f"{lease:x} of generation {generation}, but etcd "
+                                 f"{self._http.current} says it expired; stepping down")
         leader = await self._get("leader")
         if leader is None or int(leader.get("lease", 0)) != lease:
             holder = "nobody" if leader is None else repr(unb64(leader.get("value"))[:80])
+            generation = self._generation_text()
             self._lose()
             raise LeadershipLost(f"store {self.description}: expected {self._keys['leader']!r}"
                                  f" to be held by our lease {lease:x} (generation "
-                                 f"{self._generation_text()}), but it is held by {holder}; "
-                                 f"stepping down")
+                                 f"{generation}), but it is held by {holder}; stepping down")
         return granted
 
     async def _fenced_put(self, name: str, value: bytes, generation: int, what: str, *,

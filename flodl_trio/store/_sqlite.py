@@ -154,28 +154,36 @@ class SqliteStore(SessionStore):
     # -- the lock -----------------------------------------------------------------------------
 
     async def _lock(self, owner: str) -> int:
-        """Poll the exclusive flock of ``PATH.lock`` (non-blocking, so a cancel is clean)."""
+        """Poll the exclusive flock of ``PATH.lock`` (non-blocking, so a cancel is clean; the
+        file system calls run in worker threads)."""
         while True:
+            fd = await trio.to_thread.run_sync(self._open_lock)
             try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise StoreUnavailable(f"store {self.description}: cannot open the lock file "
-                                       f"{self.lock_path}: {exc.strerror}") from None
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        await trio.sleep(self.poll_interval)
-                if _same_file(fd, self.lock_path):
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"{owner}\n".encode(), 0)
+                # the kernel offers no event for "lock released": poll it
+                while not await trio.to_thread.run_sync(_try_flock, fd):  # noqa: ASYNC110
+                    await trio.sleep(self.poll_interval)
+                if await trio.to_thread.run_sync(self._claim, fd, owner):
                     return fd
             except BaseException:
                 os.close(fd)
                 raise
             os.close(fd)  # the lock file was replaced while we waited: lock the new one
+
+    def _open_lock(self) -> int:
+        try:
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StoreUnavailable(f"store {self.description}: cannot open the lock file "
+                                   f"{self.lock_path}: {exc.strerror}") from None
+
+    def _claim(self, fd: int, owner: str) -> bool:
+        """Whether the locked file is still the one at ``PATH.lock``; if so, write the owner
+        into it (for operators)."""
+        if not _same_file(fd, self.lock_path):
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{owner}\n".encode(), 0)
+        return True
 
     def _unlock(self, fd: int) -> None:
         try:
@@ -341,6 +349,14 @@ def _stored_generation(db: sqlite3.Connection, where: str) -> int:
         raise StoreCorrupt(f"store {where}: expected the generation to be an unsigned integer, "
                            f"got {value!r}; refusing it")
     return value
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:
