@@ -8,6 +8,8 @@ the address the leader publishes is where the relays re-dial.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import trio
 from durable import ROSTER, cluster, stored, until_stored
@@ -211,3 +213,39 @@ async def test_relays_redial_the_published_address_and_resume_over_tcp() -> None
                     assert coord.live_ranks == {0, 1, 2, 3}
                     scope.cancel()  # the coordinator goes away
             store.expire()
+
+
+class UnpublishableOnce(MemoryStore):
+    """A MemoryStore whose first publish_address fails as an unreachable store would."""
+
+    failed = False
+
+    async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
+        if not self.failed:
+            self.failed = True
+            raise ft.StoreUnavailable(f"store {self.description}: unreachable (test)")
+        await super().publish_address(addresses)
+
+
+async def test_address_publication_that_fails_is_tried_again_and_the_run_goes_on() -> None:
+    store = UnpublishableOnce()
+    cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=10)
+    async with trio.open_nursery() as nursery:
+        # The coordinator never forms (nobody joins): it only has to publish its address.
+        entered = False
+
+        async def coordinator() -> None:
+            nonlocal entered
+            async with ft.open_coordinator(("127.0.0.1", 0), salt=ft.SessionSalt.generate(),
+                                           config=cfg, store=store):
+                entered = True
+
+        nursery.start_soon(coordinator)
+        for _ in range(300):  # bounded: 3 s at most (one retry after 1 s)
+            if await store.resolve_address():
+                break
+            await trio.sleep(0.01)
+        (host, _port), = await store.resolve_address()
+        assert store.failed and host == "127.0.0.1"
+        nursery.cancel_scope.cancel()
+    assert not entered

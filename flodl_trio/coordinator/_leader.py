@@ -20,11 +20,11 @@ from typing import Any
 import trio
 
 from .._config import CoordinatorConfig
-from .._errors import LeadershipLost, StoreCorrupt
+from .._errors import LeadershipLost, StoreCorrupt, StoreUnavailable
 from ..store import SessionStore, salt_id
 from ..wire import SessionSalt
 from ._adopt import Adoption
-from ._persist import Persistence, adoption_problem
+from ._persist import RETRY_INTERVAL, Persistence, adoption_problem
 from ._relayconn import RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -129,12 +129,20 @@ class Leader:
             self.step_down(exc)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
-        """Publish where relays can dial this leader (once it accepts connections)."""
+        """Publish where relays can dial this leader (once it accepts connections); a store
+        that cannot be written is tried again every ``RETRY_INTERVAL``."""
         assert self._store is not None
-        try:
-            await self._store.publish_address(addresses)
-        except LeadershipLost as exc:
-            self.step_down(exc)
+        while True:
+            try:
+                await self._store.publish_address(addresses)
+                return
+            except LeadershipLost as exc:
+                self.step_down(exc)
+                return
+            except StoreUnavailable as exc:
+                log.warning("session store %s: publishing the address failed, trying again "
+                            "in %gs: %s", self._store.description, RETRY_INTERVAL, exc)
+                await trio.sleep(RETRY_INTERVAL)
 
     def cancel_on_step_down(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the user's block) when the coordinator steps down."""
