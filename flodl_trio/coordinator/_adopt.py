@@ -72,6 +72,7 @@ class Adoption:
             self._pending[conn] = None
         if self._pending:
             self._sender.resumes = trio.Event()
+            self.check()  # a relay whose ranks are all dead or exited is not waited for
         log.info("adopted the session of %s as generation %d: %d relays to resume, %d ranks "
                  "dead, %d exited", self._source, generation, len(self._pending),
                  len(state.dead), len(state.exited))
