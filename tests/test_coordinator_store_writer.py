@@ -249,3 +249,14 @@ async def test_address_publication_that_fails_is_tried_again_and_the_run_goes_on
         assert store.failed and host == "127.0.0.1"
         nursery.cancel_scope.cancel()
     assert not entered
+
+
+async def test_checkpoint_saved_after_the_coordinator_shut_down_fails_instead_of_hanging(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        async with c.coordinator("coord-1") as coord:
+            await coord.save_checkpoint({"epoch": 1})
+        with trio.fail_after(1), pytest.raises(ft.StoreUnavailable, match="has shut down"):
+            await coord.save_checkpoint({"epoch": 2})
+        assert (await stored(c.store)).checkpoint == {"epoch": 1}

@@ -406,7 +406,7 @@ class Coordinator:
         self._liveness.close()
         self._roster.close()
         self.timeline.event(ShutdownComplete())
-        self._leader.closed = True  # its leadership may end now: nothing is left to step down
+        self._leader.close()  # its leadership may end now: nothing is left to step down
         self._shutdown_done.set()
 
     async def _say_goodbye(self, relays: tuple[RelayConn, ...], reason: str) -> None:

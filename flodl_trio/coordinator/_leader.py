@@ -62,7 +62,7 @@ class Leader:
         self.deposed: LeadershipLost | None = None
         self.formed_scope = trio.CancelScope()  # the wait for formation
         self.on_deposed: Callable[[], None] = lambda: None
-        self.closed = False  # the coordinator shut down (then releases the leadership)
+        self._closed = False  # the coordinator shut down (then releases the leadership)
         self._body_scope: trio.CancelScope | None = None
 
     async def lead(self, store: SessionStore) -> None:
@@ -154,7 +154,7 @@ class Leader:
         """Another coordinator leads the session now: close every relay connection abruptly
         and send nothing more -- no ``Goodbye``, no ``Shutdown``, no broadcast, no record at
         all -- then end the run (``open_coordinator`` raises ``exc``)."""
-        if self.deposed is not None or self.closed:
+        if self.deposed is not None or self._closed:
             return
         self.deposed = exc
         log.error("stepping down, without a word to the relays: %s", exc)
@@ -166,6 +166,13 @@ class Leader:
         if self._body_scope is not None:
             self._body_scope.cancel()
         self.on_deposed()
+
+    def close(self) -> None:
+        """The coordinator shut down: its leadership may end now (it releases it) without a
+        step-down, and nothing more is saved."""
+        self._closed = True
+        if self._persist is not None:
+            self._persist.close()
 
     def changed(self) -> None:
         """The roster changed: save the session (coalesced); settle the resumes."""

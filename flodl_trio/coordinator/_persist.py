@@ -53,6 +53,7 @@ class Persistence:
         self._dirty = trio.Event()
         self._progress = trio.Event()
         self._lost: LeadershipLost | None = None
+        self._closed = False
 
     def request(self) -> None:
         """The state changed: the writer saves it (coalesced with other changes)."""
@@ -65,13 +66,23 @@ class Persistence:
 
         Raises:
             LeadershipLost: the coordinator was deposed before the write was durable.
+            StoreUnavailable: the coordinator shut down before it was.
         """
         self.request()
         target = self._requested
         while self._written < target:
             if self._lost is not None:
                 raise self._lost
+            if self._closed:
+                raise StoreUnavailable(f"store {self._store.description}: the coordinator "
+                                       "has shut down; expected to save the session, nothing "
+                                       "more is written")
             await self._progress.wait()
+
+    def close(self) -> None:
+        """The coordinator shut down: nothing more is saved; waiting flushes fail."""
+        self._closed = True
+        self._wake()
 
     def snapshot(self) -> SessionState:
         """The session as it is now."""
@@ -85,8 +96,10 @@ class Persistence:
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the
         coordinator is deposed)."""
-        while True:
+        while not self._closed:
             await self._dirty.wait()
+            if self._closed:
+                return
             self._dirty = trio.Event()
             covered = self._requested
             try:
