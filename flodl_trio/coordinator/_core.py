@@ -308,6 +308,7 @@ class Coordinator:
         Raises:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
             LeadershipLost: the coordinator was deposed before the write was durable.
+            StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
         self._leader.checkpoint = checked_checkpoint(checkpoint)
         await self._leader.flush()
