@@ -8,6 +8,7 @@ the address the leader publishes is where the relays re-dial.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -28,12 +29,14 @@ class SlowStore(MemoryStore):
         super().__init__()
         self.delay = delay
         self.saved: list[SessionState] = []
+        self.started: list[float] = []
         self.writing = 0
         self.most_at_once = 0
 
     async def save(self, state: SessionState) -> None:
         self.writing += 1
         self.most_at_once = max(self.most_at_once, self.writing)
+        self.started.append(trio.current_time())
         try:
             await trio.sleep(self.delay)
             await super().save(state)
@@ -82,11 +85,30 @@ async def test_burst_of_deaths_is_saved_one_write_at_a_time_and_the_latest_state
         assert store.most_at_once == 1
 
 
+async def test_changes_one_at_a_time_keep_the_store_busy_at_most_half_the_time(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = SlowStore(delay=0.1)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        await trio.sleep(1)
+        first = len(store.started)
+        for rank in range(3):  # a death every 0.12 s: faster than a save and its pause
+            await coord.declare_dead(rank, "one at a time")
+            await trio.sleep(0.12)
+        await trio.sleep(1)
+        starts = store.started[first:]
+        assert len(starts) >= 2
+        # Without the pause they would start 0.12 s apart, one per death.
+        assert all(b - a >= 0.2 - 1e-9 for a, b in itertools.pairwise(starts))
+        assert set(store.saved[-1].dead) == {0, 1, 2}
+
+
 async def test_save_checkpoint_returns_once_its_own_write_is_durable_not_an_earlier_one(
     autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
 ) -> None:
     store = SlowStore(delay=1.0)
     async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        await trio.sleep(3)  # the writer is idle (its pause after a save is over)
         await coord.declare_dead(0, "starts a write")  # in flight until +1 s
         await trio.sleep(0.5)
         began = trio.current_time()

@@ -174,12 +174,13 @@ class Leader:
         if self._persist is not None:
             self._persist.close()
 
-    def changed(self) -> None:
-        """The roster changed: save the session (coalesced); settle the resumes."""
+    def changed(self, relay: RelayConn | None) -> None:
+        """The roster changed (``relay``'s part of it): save the session (coalesced); settle
+        the resumes."""
         if self._persist is not None:
             self._persist.request()
-        if self._adoption is not None:
-            self._adoption.check()
+        if self._adoption is not None and relay is not None:
+            self._adoption.check(relay)
 
     async def flush(self) -> None:
         """Return once the session as it is now is durable (at once without a store).
