@@ -171,3 +171,45 @@ async def test_send_to_a_rank_whose_relay_has_not_resumed_waits_for_the_resume(
             (entry,) = [r for r in coord.state()["relays"] if r["host"] == "host-a"]
             assert entry["connected"] and entry["peer"] != "(not resumed)"
 
+
+
+async def test_relay_whose_ranks_all_died_before_the_failover_is_not_waited_for(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async def lose_host_a(coord: Any) -> None:
+        await coord.declare_dead(0, "gone")
+        await coord.declare_dead(1, "gone")
+        await until_stored(c.store, lambda state: set(state.dead) == {0, 1})
+
+    async with cluster(memory_network) as c:
+        await c.crashed_first_run(lose_host_a)
+        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+            assert coord.dead_ranks == {0, 1}
+            assert (await c.dial("coord-2", "host-b", (2, 3), generation=1)).raw.acked
+            await wait_until(lambda: coord.live_ranks == {2, 3} and all(
+                r.peer != "(not resumed)" for r in coord.relays if r.host == "host-b"),
+                limit=1)
+            began = trio.current_time()
+            result = await coord.broadcast_control(wire.SyncNow())
+            assert trio.current_time() == began  # host-a carries nobody alive: no wait
+            assert result.delivered == {2, 3}
+
+
+async def test_relay_restarted_during_the_failover_rejoins_through_a_death_with_a_hello(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        await c.crashed_first_run()
+        log = EventLog()
+        async with c.coordinator("coord-2", store=c.store.clone(), form=False,
+                                 timeline=log) as coord:
+            host_b = await c.dial("coord-2", "host-b", (2, 3), generation=1)
+            # host-a's relay process restarted: it knows no generation, it says Hello.
+            host_a = await c.dial("coord-2", "host-a", (0, 1))
+            assert host_a.raw.acked and host_a.generation == 2
+            await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=1)
+            assert [ev.rank for ev in log.events_of(RankDeclaredDead)] == [0, 1]
+            assert [ev.rank for ev in log.events_of(RankRejoined)] == [0, 1]
+            await wait_until(lambda: {"DeclareAlive(0)", "DeclareAlive(1)"} <= set(
+                host_b.messages), limit=1)
+            assert coord.rejoins == {0: 1, 1: 1}

@@ -8,6 +8,9 @@ the address the leader publishes is where the relays re-dial.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import pytest
 import trio
 from durable import ROSTER, cluster, stored, until_stored
@@ -26,12 +29,14 @@ class SlowStore(MemoryStore):
         super().__init__()
         self.delay = delay
         self.saved: list[SessionState] = []
+        self.started: list[float] = []
         self.writing = 0
         self.most_at_once = 0
 
     async def save(self, state: SessionState) -> None:
         self.writing += 1
         self.most_at_once = max(self.most_at_once, self.writing)
+        self.started.append(trio.current_time())
         try:
             await trio.sleep(self.delay)
             await super().save(state)
@@ -80,11 +85,30 @@ async def test_burst_of_deaths_is_saved_one_write_at_a_time_and_the_latest_state
         assert store.most_at_once == 1
 
 
+async def test_changes_one_at_a_time_keep_the_store_busy_at_most_half_the_time(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    store = SlowStore(delay=0.1)
+    async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        await trio.sleep(1)
+        first = len(store.started)
+        for rank in range(3):  # a death every 0.12 s: faster than a save and its pause
+            await coord.declare_dead(rank, "one at a time")
+            await trio.sleep(0.12)
+        await trio.sleep(1)
+        starts = store.started[first:]
+        assert len(starts) >= 2
+        # Without the pause they would start 0.12 s apart, one per death.
+        assert all(b - a >= 0.2 - 1e-9 for a, b in itertools.pairwise(starts))
+        assert set(store.saved[-1].dead) == {0, 1, 2}
+
+
 async def test_save_checkpoint_returns_once_its_own_write_is_durable_not_an_earlier_one(
     autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
 ) -> None:
     store = SlowStore(delay=1.0)
     async with cluster(memory_network, store) as c, c.coordinator("coord-1") as coord:
+        await trio.sleep(3)  # the writer is idle (its pause after a save is over)
         await coord.declare_dead(0, "starts a write")  # in flight until +1 s
         await trio.sleep(0.5)
         began = trio.current_time()
@@ -211,3 +235,50 @@ async def test_relays_redial_the_published_address_and_resume_over_tcp() -> None
                     assert coord.live_ranks == {0, 1, 2, 3}
                     scope.cancel()  # the coordinator goes away
             store.expire()
+
+
+class UnpublishableOnce(MemoryStore):
+    """A MemoryStore whose first publish_address fails as an unreachable store would."""
+
+    failed = False
+
+    async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
+        if not self.failed:
+            self.failed = True
+            raise ft.StoreUnavailable(f"store {self.description}: unreachable (test)")
+        await super().publish_address(addresses)
+
+
+async def test_address_publication_that_fails_is_tried_again_and_the_run_goes_on() -> None:
+    store = UnpublishableOnce()
+    cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=10)
+    async with trio.open_nursery() as nursery:
+        # The coordinator never forms (nobody joins): it only has to publish its address.
+        entered = False
+
+        async def coordinator() -> None:
+            nonlocal entered
+            async with ft.open_coordinator(("127.0.0.1", 0), salt=ft.SessionSalt.generate(),
+                                           config=cfg, store=store):
+                entered = True
+
+        nursery.start_soon(coordinator)
+        for _ in range(300):  # bounded: 3 s at most (one retry after 1 s)
+            if await store.resolve_address():
+                break
+            await trio.sleep(0.01)
+        (host, _port), = await store.resolve_address()
+        assert store.failed and host == "127.0.0.1"
+        nursery.cancel_scope.cancel()
+    assert not entered
+
+
+async def test_checkpoint_saved_after_the_coordinator_shut_down_fails_instead_of_hanging(
+    autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
+) -> None:
+    async with cluster(memory_network) as c:
+        async with c.coordinator("coord-1") as coord:
+            await coord.save_checkpoint({"epoch": 1})
+        with trio.fail_after(1), pytest.raises(ft.StoreUnavailable, match="has shut down"):
+            await coord.save_checkpoint({"epoch": 2})
+        assert (await stored(c.store)).checkpoint == {"epoch": 1}

@@ -72,21 +72,22 @@ class Adoption:
             self._pending[conn] = None
         if self._pending:
             self._sender.resumes = trio.Event()
+            for conn in list(self._pending):  # all dead or exited: not waited for
+                self.check(conn)
         log.info("adopted the session of %s as generation %d: %d relays to resume, %d ranks "
                  "dead, %d exited", self._source, generation, len(self._pending),
                  len(state.dead), len(state.exited))
 
-    def check(self) -> None:
-        """Forget the relays that resumed or were given up on, and wake the sends waiting
-        for them (called on every roster change while some relay awaits its resume)."""
-        if not self._pending:
+    def check(self, conn: RelayConn) -> None:
+        """``conn``'s part of the roster changed: forget it if it resumed or was given up on
+        (or carries no live rank any more), and wake the sends waiting for it -- even when it
+        did not settle: a resume may have taken some of its ranks. O(its ranks): this runs on
+        every roster change."""
+        if conn not in self._pending:
             return
-        roster = self._roster
-        settled = [c for c in self._pending if not c.awaiting_resume
-                   or not roster.is_registered(c) or not roster.live_of(c)]
-        for conn in settled:
+        if (not conn.awaiting_resume or not self._roster.is_registered(conn)
+                or not self._roster.live_of(conn)):
             del self._pending[conn]
-        # Even with none settled: a resume may have taken some of a relay's ranks.
         self._sender.resumes_moved(all_done=not self._pending)
 
     async def resume_deadline(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from ..timeline import Timeline
 from ._board import Board
 from ._relayconn import RelayConn
 from ._roster import Roster
@@ -137,3 +138,12 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
 def _host(roster: Roster[RelayConn], rank: int) -> str | None:
     conn = roster.relay_of(rank)
     return None if conn is None else conn.host
+
+
+def epoch_in_progress(timeline: Timeline) -> int | None:
+    """The epoch an orchestrator last started, numbered from 1 (its ``epoch_started`` note, as
+    :class:`~flodl_trio.scheduler.SyncScheduler` records it; None before the first or without
+    one)."""
+    fields = timeline.last_note("epoch_started")
+    epoch = None if fields is None else fields.get("epoch")
+    return epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else None

@@ -26,7 +26,7 @@ from ..wire import (
     TimingMsg,
 )
 from ._board import Board, DashboardPush
-from ._boardview import board_document
+from ._boardview import board_document, epoch_in_progress
 from ._leader import Leader
 from ._persist import checked_checkpoint
 from ._relayconn import Delivery, RelayConn
@@ -126,6 +126,7 @@ class Coordinator:
         await self._leader.lead(store)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        """Tell the store where relays can dial this leader (``open_coordinator`` does)."""
         await self._leader.publish_address(addresses)
 
     @property
@@ -265,7 +266,7 @@ class Coordinator:
             "invalid_frames": self._roster.invalid_frames,
             "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
-            "epoch": _epoch_in_progress(self.timeline),
+            "epoch": epoch_in_progress(self.timeline),
         }
 
     @property
@@ -307,6 +308,7 @@ class Coordinator:
         Raises:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
             LeadershipLost: the coordinator was deposed before the write was durable.
+            StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
         self._leader.checkpoint = checked_checkpoint(checkpoint)
         await self._leader.flush()
@@ -405,7 +407,7 @@ class Coordinator:
         self._liveness.close()
         self._roster.close()
         self.timeline.event(ShutdownComplete())
-        self._leader.closed = True  # its leadership may end now: nothing is left to step down
+        self._leader.close()  # its leadership may end now: nothing is left to step down
         self._shutdown_done.set()
 
     async def _say_goodbye(self, relays: tuple[RelayConn, ...], reason: str) -> None:
@@ -426,11 +428,3 @@ class Coordinator:
             await eofs.done.wait()
             await self._readers.wait_idle()
 
-
-def _epoch_in_progress(timeline: Timeline) -> int | None:
-    """The epoch an orchestrator last started, numbered from 1 (its ``epoch_started`` note, as
-    :class:`~flodl_trio.scheduler.SyncScheduler` records it; None before the first or without
-    one)."""
-    fields = timeline.last_note("epoch_started")
-    epoch = None if fields is None else fields.get("epoch")
-    return epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else None

@@ -20,11 +20,11 @@ from typing import Any
 import trio
 
 from .._config import CoordinatorConfig
-from .._errors import LeadershipLost, StoreCorrupt
+from .._errors import LeadershipLost, StoreCorrupt, StoreUnavailable
 from ..store import SessionStore, salt_id
 from ..wire import SessionSalt
 from ._adopt import Adoption
-from ._persist import Persistence, adoption_problem
+from ._persist import RETRY_INTERVAL, Persistence, adoption_problem
 from ._relayconn import RelayConn
 from ._roster import Roster
 from ._sending import Sender
@@ -62,7 +62,7 @@ class Leader:
         self.deposed: LeadershipLost | None = None
         self.formed_scope = trio.CancelScope()  # the wait for formation
         self.on_deposed: Callable[[], None] = lambda: None
-        self.closed = False  # the coordinator shut down (then releases the leadership)
+        self._closed = False  # the coordinator shut down (then releases the leadership)
         self._body_scope: trio.CancelScope | None = None
 
     async def lead(self, store: SessionStore) -> None:
@@ -129,12 +129,20 @@ class Leader:
             self.step_down(exc)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
-        """Publish where relays can dial this leader (once it accepts connections)."""
+        """Publish where relays can dial this leader (once it accepts connections); a store
+        that cannot be written is tried again every ``RETRY_INTERVAL``."""
         assert self._store is not None
-        try:
-            await self._store.publish_address(addresses)
-        except LeadershipLost as exc:
-            self.step_down(exc)
+        while True:
+            try:
+                await self._store.publish_address(addresses)
+                return
+            except LeadershipLost as exc:
+                self.step_down(exc)
+                return
+            except StoreUnavailable as exc:
+                log.warning("session store %s: publishing the address failed, trying again "
+                            "in %gs: %s", self._store.description, RETRY_INTERVAL, exc)
+                await trio.sleep(RETRY_INTERVAL)
 
     def cancel_on_step_down(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the user's block) when the coordinator steps down."""
@@ -146,7 +154,7 @@ class Leader:
         """Another coordinator leads the session now: close every relay connection abruptly
         and send nothing more -- no ``Goodbye``, no ``Shutdown``, no broadcast, no record at
         all -- then end the run (``open_coordinator`` raises ``exc``)."""
-        if self.deposed is not None or self.closed:
+        if self.deposed is not None or self._closed:
             return
         self.deposed = exc
         log.error("stepping down, without a word to the relays: %s", exc)
@@ -159,12 +167,20 @@ class Leader:
             self._body_scope.cancel()
         self.on_deposed()
 
-    def changed(self) -> None:
-        """The roster changed: save the session (coalesced); settle the resumes."""
+    def close(self) -> None:
+        """The coordinator shut down: its leadership may end now (it releases it) without a
+        step-down, and nothing more is saved."""
+        self._closed = True
+        if self._persist is not None:
+            self._persist.close()
+
+    def changed(self, relay: RelayConn | None) -> None:
+        """The roster changed (``relay``'s part of it): save the session (coalesced); settle
+        the resumes."""
         if self._persist is not None:
             self._persist.request()
-        if self._adoption is not None:
-            self._adoption.check()
+        if self._adoption is not None and relay is not None:
+            self._adoption.check(relay)
 
     async def flush(self) -> None:
         """Return once the session as it is now is durable (at once without a store).

@@ -4,8 +4,10 @@ Every change the store keeps (a relay joined, rejoined, resumed or was uncovered
 exit, formation complete, a scheduler checkpoint) calls :meth:`Persistence.request`, which only
 marks the state dirty. One writer task takes a snapshot of the roster when it is free and saves
 it, so at most one write is in flight and the latest state wins: a burst of a thousand deaths
-costs one or two writes, never one each. :meth:`Persistence.flush` (``save_checkpoint``) waits
-until a write that began after its own request is durable.
+costs one or two writes, never one each. After each save it pauses as long as the save took
+(unless a flush waits), so saving never takes more than half of the coordinator's time.
+:meth:`Persistence.flush` (``save_checkpoint``) waits until a write that began after its own
+request is durable.
 
 A save refused because a newer generation took over (``LeadershipLost``) ends the writer and
 deposes the coordinator (``on_lost``); a store that cannot be written (``StoreUnavailable``) is
@@ -53,6 +55,8 @@ class Persistence:
         self._dirty = trio.Event()
         self._progress = trio.Event()
         self._lost: LeadershipLost | None = None
+        self._closed = False
+        self._urgent = trio.Event()  # a flush is waiting: save without pausing first
 
     def request(self) -> None:
         """The state changed: the writer saves it (coalesced with other changes)."""
@@ -65,13 +69,24 @@ class Persistence:
 
         Raises:
             LeadershipLost: the coordinator was deposed before the write was durable.
+            StoreUnavailable: the coordinator shut down before it was.
         """
         self.request()
+        self._urgent.set()
         target = self._requested
         while self._written < target:
             if self._lost is not None:
                 raise self._lost
+            if self._closed:
+                raise StoreUnavailable(f"store {self._store.description}: the coordinator "
+                                       "has shut down; expected to save the session, nothing "
+                                       "more is written")
             await self._progress.wait()
+
+    def close(self) -> None:
+        """The coordinator shut down: nothing more is saved; waiting flushes fail."""
+        self._closed = True
+        self._wake()
 
     def snapshot(self) -> SessionState:
         """The session as it is now."""
@@ -85,10 +100,13 @@ class Persistence:
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the
         coordinator is deposed)."""
-        while True:
+        while not self._closed:
             await self._dirty.wait()
+            if self._closed:
+                return
             self._dirty = trio.Event()
             covered = self._requested
+            began = trio.current_time()
             try:
                 await self._store.save(self.snapshot())
             except LeadershipLost as exc:
@@ -105,6 +123,13 @@ class Persistence:
             self.saves += 1
             self._written = covered
             self._wake()
+            # Busy at most half the time: a save of a large world costs tens of milliseconds
+            # of this process's time, and changes that keep coming (a death at a time) must
+            # not turn into back-to-back saves. A flush (a checkpoint) does not wait for it.
+            with trio.move_on_after(trio.current_time() - began):
+                await self._urgent.wait()
+            if self._urgent.is_set():
+                self._urgent = trio.Event()
 
     def _wake(self) -> None:
         self._progress.set()

@@ -45,9 +45,10 @@ class Roster(LivenessRules[M]):
         self._invalid_frames = JunkCounter()
         self._phase = "forming"
         self.formed = False  # formation completed once (whatever the phase is now)
-        # Called after each change a session store keeps (SPEC §4.7): a relay confirmed,
-        # rejoined or uncovered, a death, a clean exit, formation complete.
-        self.on_change: Callable[[], None] = _unchanged
+        # Called after each change a session store keeps (SPEC §4.7) with the relay it
+        # touched: a relay confirmed, rejoined (each relay it took ranks from too) or
+        # uncovered, a death or a clean exit (the rank's relay); formation complete (None).
+        self.on_change: Callable[[M | None], None] = _unchanged
 
     # ------------------------------------------------------------------ views
 
@@ -228,7 +229,7 @@ class Roster(LivenessRules[M]):
             self._announced[r] = relay.host
             if r not in self._dead and r not in self._exited:
                 self._live.add(r)
-        self.on_change()
+        self.on_change(relay)
         return self.complete
 
     @property
@@ -255,7 +256,7 @@ class Roster(LivenessRules[M]):
                 del self._relay_of[r]
                 self._last_seen.pop(r, None)
                 self._live.discard(r)
-        self.on_change()
+        self.on_change(relay)
 
     def rejoin(self, relay: M, now: float) -> tuple[dict[int, str | None], list[M]]:
         """After formation, ``relay`` (its ``Ready`` verified) carries its ranks again: they are
@@ -283,7 +284,9 @@ class Roster(LivenessRules[M]):
                                                      for r in old.ranks)]
         for old in dropped:
             self.unregister(old)
-        self.on_change()
+        for old in before:  # the relays it took ranks from (some of them, or all)
+            self.on_change(old)
+        self.on_change(relay)
         return previous, dropped
 
     def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
@@ -319,7 +322,7 @@ class Roster(LivenessRules[M]):
         self.formed = True
         for r in self._relay_of:
             self._last_seen[r] = now
-        self.on_change()
+        self.on_change(None)
 
     def begin_shutdown(self) -> None:
         self._phase = "shutting_down"
@@ -360,5 +363,5 @@ class Roster(LivenessRules[M]):
         }
 
 
-def _unchanged() -> None:
+def _unchanged(relay: object) -> None:
     """The default :attr:`Roster.on_change`: nothing keeps the changes."""

@@ -48,7 +48,7 @@ class LivenessRules(Generic[M]):
     _exited: set[int]
     _last_seen: dict[int, float]
     _live: set[int]
-    on_change: Callable[[], None]
+    on_change: Callable[[M | None], None]
 
     def mark_dead(self, rank: int, reason: str) -> bool:
         """Declare ``rank`` dead; False if it is not live (or shutdown has begun)."""
@@ -57,7 +57,7 @@ class LivenessRules(Generic[M]):
             return False
         self._dead[rank] = reason
         self._live.discard(rank)
-        self.on_change()
+        self.on_change(self._relay_of[rank])
         return True
 
     def mark_exited(self, rank: int) -> bool:
@@ -66,7 +66,7 @@ class LivenessRules(Generic[M]):
             return False
         self._exited.add(rank)
         self._live.discard(rank)
-        self.on_change()
+        self.on_change(self._relay_of.get(rank))
         return True
 
     def seen(self, rank: int, now: float) -> None:

@@ -175,8 +175,10 @@ class Sender:
         if not isinstance(msg, ControlMsg):
             raise SendError(f"broadcast of {label}: expected a ControlMsg (coordinator → rank), "
                             f"got {label}")
-        if not self._roster.shutting_down:
-            await self.resumes.wait()  # relays of an adopted session: resumed or dead
+        if not self.resumes.is_set() and not self._roster.shutting_down:
+            # Relays of an adopted session: resumed or given up on. (Only then: a wait is a
+            # checkpoint, and a broadcast is queued whole before its first checkpoint.)
+            await self.resumes.wait()
         groups, failed = self._groups()
         frame = self._codec.encode(msg)
         # Every relay's writer task gets its record now; they write concurrently.

@@ -177,11 +177,12 @@ class Formation:
         seen = received.generation
         if seen is not None and self.generation is not None and seen > self.generation:
             # The relay follows a newer coordinator: this one is being deposed. It would
-            # refuse our records anyway; no Refused, which would end it for good.
-            await trio.aclose_forcefully(stream)
+            # refuse our records anyway; no Refused, which would end it for good. Recorded
+            # before the close: whoever sees the EOF finds the reject counted.
             self.reject(peer, "newer generation", f"relay {hello.host!r} at {peer}: Resume "
                         f"naming generation {seen}, expected at most this coordinator's "
                         f"{self.generation}; closed (it follows a newer coordinator)")
+            await trio.aclose_forcefully(stream)
             return
         if not self._roster.forming:  # a host that comes back, a spare (issue 26), a resume
             await self._rejoins.admit(stream, machine, peer, hello, resume=received.resumed)
