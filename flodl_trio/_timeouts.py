@@ -25,6 +25,7 @@ RANK_ACCEPT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 30.0
 PEEK_TIMEOUT = 5.0
 SHUTDOWN_GRACE = 5.0
+COORDINATOR_GRACE = 30.0  # a relay rides out a lost durable coordinator this long
 HEARTBEAT_INTERVAL = 1.0  # a cadence: never scaled
 CONNECT_RETRY_INTERVAL = 0.5  # a cadence: never scaled
 
