@@ -146,3 +146,33 @@ async def test_a_durable_coordinators_goodbye_ends_the_relay_cleanly_without_a_r
     assert relay_of(host).reconnects == 0
     for run in host.ranks.values():
         assert run.received == [wire.Shutdown()] and run.outcome == "ended"
+
+
+async def test_ranks_that_leave_while_the_coordinator_is_away_are_reported_to_the_resumed_one(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    async with trio.open_nursery() as nursery:
+        listener, host, first = await joined_durably(nursery, memory_network, salt)
+        await first.stream.aclose()
+        await wait_until(lambda: relay_of(host).reconnecting is not None)
+        for run in host.ranks.values():
+            run.leave()  # each says Exiting and closes its link
+        await wait_until(lambda: all(run.done.is_set() for run in host.ranks.values()))
+        leg = await accept_leg(listener, salt, generation=2)
+        assert leg is not None
+        got: list[Any] = []
+        with trio.fail_after(30):  # everything, then the relay's half-close
+            while (rec := await read_one_record(leg.stream, leg.opener)) is not None:
+                got.append(rec)
+        await leg.stream.aclose()
+        await listener.aclose()
+        await wait_until(lambda: host.all_done)
+    exiting = [wire.frame_message(wire.decode_frame(salt, r.payload)) for r in got
+               if r.kind == wire.RecordKind.DATA]
+    exits = [wire.decode_relay(r.payload) for r in got if r.kind == wire.RecordKind.CONTROL]
+    assert sorted(int(m.rank) for m in exiting if isinstance(m, wire.Exiting)) == [0, 1]
+    assert sorted(int(m.rank) for m in exits) == [0, 1]
+    assert all(isinstance(m, wire.RankExit) for m in exits)
+    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
+    assert host.exit.reason == "all ranks exited"
