@@ -136,6 +136,11 @@ class SyncScheduler(Resuming):
         batch = check_count("batch_size", batch_size)
         self._num_epochs = check_count("num_epochs", num_epochs)
         ratios = check_ratios(partition_ratios, coord.world_size)
+        self._settings = {"total_samples": total, "batch_size": batch,
+                          "num_epochs": self._num_epochs}
+        saved = coord.checkpoint
+        self._resume: Resumption | None = (
+            None if saved is None else read_checkpoint(saved, **self._settings))
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
@@ -157,11 +162,6 @@ class SyncScheduler(Resuming):
         self._final_sync_done = False
         self._done = False
         self._ran = False
-        self._settings = {"total_samples": total, "batch_size": batch,
-                          "num_epochs": self._num_epochs}
-        saved = coord.checkpoint
-        self._resume: Resumption | None = (
-            None if saved is None else read_checkpoint(saved, **self._settings))
         self._first_epoch = 0 if self._resume is None else self._resume.epoch
         self._anchor_due = False
         self._anchoring = None
