@@ -184,7 +184,7 @@ def test_a_checkpoint_of_other_settings_or_malformed_is_refused_naming_why() -> 
     with pytest.raises(ft.StoreCorrupt, match="ranges of rank 0"):
         SyncScheduler(coord, total_samples=12, batch_size=2, num_epochs=2)
     coord.checkpoint = {"format": "something else"}
-    with pytest.raises(ft.StoreCorrupt, match="format 'flodl-trio.sync-scheduler/1'"):
+    with pytest.raises(ft.StoreCorrupt, match=r"format 'flodl-trio\.sync-scheduler/1'"):
         SyncScheduler(coord, total_samples=12, batch_size=2, num_epochs=2)
 
 
@@ -247,7 +247,7 @@ def test_a_new_scheduler_resumes_the_run_and_every_epoch_is_synced_exactly_once(
 async def test_a_resumed_scheduler_repeats_each_share_and_the_ranks_ignore_what_they_have(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     async with sim_cluster(memory_network, layout(1, 2), sim_args(1, {0: 10.0, 1: 10.0})) as c:
-        first, second, summary = await run_with_takeover(
+        first, _, summary = await run_with_takeover(
             c, cancel_at=0.055, outage=0.02, total_samples=20, batch_size=1, num_epochs=1)
     assert summary.first_epoch == 0 and first.coverage == ()
     resumed = [ev.fields for ev in c.coord.timeline.events(Note)

@@ -1,49 +1,6 @@
-"""The reference Sync-policy scheduler (SPEC §11): it drives whole epochs through the control
-vocabulary of a formed :class:`~flodl_trio.Coordinator`.
-
-How it decides, in one place:
-
-- **Partitions.** Each epoch's plans are computed once, when the epoch is first dispatched, over
-  the ranks live at that moment: equal sizes, or ``partition_ratios`` (one per world rank; only the
-  live ranks' ratios count) rounded by largest remainder, contiguous, covering
-  ``[0, total_samples)`` exactly. (flodl plans over every rank and skips the dead ones' slices;
-  planning over the live ranks keeps the cover exact.)
-- **Sync.** Once every live rank has reported at least one ``Batch`` since the last sync, and
-  every live rank acknowledged that sync's ``SyncNow`` (a dead rank counts as settled), the
-  scheduler broadcasts ``SyncNow`` then ``SetGlobalStep``. The global step counts lock-step steps:
-  each sync adds the *smallest* number of batches a participating rank took since the previous
-  sync (flodl adds the sum over ranks; the minimum is the number of steps every replica took).
-  After the last epoch, if two or more ranks are live and some took steps since the last sync, one
-  final sync runs before ``Shutdown`` (flodl's forced final consensus).
-- **Deaths.** A rank the coordinator declared dead (or that exited cleanly) before finishing its
-  share of the current epoch leaves a remainder: its plan and extensions, in order, minus what its
-  reported batches covered. A rank processes its ranges in order, in batches of ``batch_size``,
-  never mixing two ranges in one batch (the last batch of a range may be short), so ``k`` batches
-  cover an exact prefix. The remainder is split across the survivors in ascending rank order, equal
-  parts and the leftover one sample each to the first ranks, sent as ``ExtendPartition`` messages
-  (contiguous sub-ranges whose sizes sum to exactly the remainder). Only batches whose ``Batch``
-  reached the coordinator count as done: work whose report died with the rank (a lost relay, a
-  rank declared stale while it was still working) is processed again, at least once.
-- **Rejoins** (issue 26). A rank that comes back after its death (``coord.rejoins`` moved; a
-  death and return between two looks is a death all the same) gets no work in the current epoch,
-  whose cover was settled when it died; from the next epoch on it is planned like any rank, after
-  it was sent the role and the global step (and, with ``process_group``, after the group was
-  re-formed with it). So every epoch stays covered exactly once.
-- **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
-  extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
-  cumulative ``Metrics`` each time it runs out of work). When every live rank is done, the
-  scheduler broadcasts ``EpochAggregated``, sends the cadence callbacks to the role rank, and
-  dispatches the next epoch; after the last one it broadcasts ``Shutdown``.
-- **Process group** (opt-in, ``process_group=True``): before the first epoch and after every
-  death the ranks' collective group is (re-)formed with ``RequestNewNcclId`` /
-  ``NewNcclIdGenerated`` / ``NewNcclSession`` (:mod:`flodl_trio.scheduler._reformation`);
-  meanwhile no ``SyncNow`` and no new epoch go out.
-- **Reading.** The scheduler is the consumer of ``coord.timing`` and ``coord.metrics``. The
-  coordinator delivers each relay's frames in order but into two channels, so the scheduler always
-  drains timing before it takes a ``Metrics``: a rank's last ``Batch`` is counted before its
-  ``Metrics``. Every wait is bounded by a short poll; a silent rank is ended by the liveness
-  layer's ``heartbeat_timeout``. A rank that keeps heartbeating but never reports holds the epoch,
-  as in flodl (the barriers are count-based, never wall-time-based).
+"""The :class:`SyncScheduler` (the reference Sync-policy scheduler, SPEC §11). How it decides
+is told in one place, the docstring of :mod:`flodl_trio.scheduler`; its checkpoints and its
+resumption are in :mod:`flodl_trio.scheduler._resume`.
 """
 
 from __future__ import annotations
@@ -117,8 +74,12 @@ class SyncScheduler(Resuming):
             sessions (default 60, scaled by ``FLODL_NET_TIMEOUT_SCALE``); past it, or when no
             live rank is left to ask, :meth:`run` raises :class:`ReformationError`.
 
+    Built on a coordinator whose ``checkpoint`` is set (one that adopted a running session, or
+    whose previous scheduler was cancelled), it resumes that run from the checkpoint.
+
     Raises:
-        ConfigError: an invalid argument.
+        ConfigError: an invalid argument, or a checkpoint of a run with other settings.
+        StoreCorrupt: the coordinator's checkpoint is not a Sync scheduler checkpoint.
     """
 
     def __init__(self, coord: Coordinator, *, total_samples: int, batch_size: int,
