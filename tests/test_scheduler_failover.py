@@ -282,3 +282,76 @@ async def test_a_scheduler_on_a_finished_runs_checkpoint_only_shuts_the_ranks_do
     for r in (0, 1):
         assert isinstance(c.sims[r].record.received[-1], Shutdown)
         assert len(c.sims[r].record.of_type(StartEpoch)) == 1
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(saves=st.integers(1, 30), outage=st.sampled_from([0.0, 0.05]),
+       doomed=st.sampled_from([None, 0, 2]), death_after=st.integers(1, 6),
+       process_group=st.booleans())
+def test_a_scheduler_that_dies_right_after_any_checkpoint_is_resumed_without_loss(
+        saves: int, outage: float, doomed: int | None, death_after: int,
+        process_group: bool) -> None:
+    """The previous scheduler stops right after its n-th checkpoint: after a completed sync,
+    ahead of extensions (a death), between two epochs, or ahead of an epoch's StartEpochs."""
+    total, epochs = 24, 3
+    failing = {} if doomed is None else {doomed: death_after}
+
+    async def scenario() -> None:
+        net = MemoryNetwork()
+        async with sim_cluster(net, layout(1, 3), sim_args(
+                2, {0: 10.0, 1: 10.0, 2: 20.0}, fail_after_batches=failing)) as c:
+            keep = c.coord.save_checkpoint
+            kinds: list[str] = []
+
+            async def save_then_die(checkpoint: Any) -> None:
+                await keep(checkpoint)
+                kinds.append("between" if not checkpoint["shares"] else "in epoch")
+                if len(kinds) == saves:
+                    scope.cancel()
+                    await trio.lowlevel.checkpoint()  # dies here, the checkpoint written
+
+            c.coord.save_checkpoint = save_then_die  # type: ignore[method-assign]
+            kw: dict[str, Any] = {"total_samples": total, "batch_size": 2,
+                                  "num_epochs": epochs, "process_group": process_group}
+            with trio.move_on_after(600) as scope:
+                first = await SyncScheduler(c.coord, **kw).run()
+            c.coord.save_checkpoint = keep  # type: ignore[method-assign]
+            if not scope.cancelled_caught:  # fewer checkpoints than that: nothing to resume
+                assert first.epochs_completed == epochs
+                return
+            await trio.sleep(outage)
+            second = SyncScheduler(c.coord, **kw)
+            with trio.fail_after(600):
+                summary = await second.run()
+        records = [c.sims[r].record for r in range(3)]
+        assert_synced_exactly_once(records, total, range(epochs))
+        assert summary.resumed and summary.epochs_completed == epochs
+        assert_accounting_matches(second, records)
+        assert set(summary.deaths) <= set(failing)
+        net.assert_all_closed()
+
+    mock_run(scenario)
+
+
+def test_an_anchoring_ack_that_cannot_be_the_share_holders_marks_a_restarted_process() -> None:
+    from flodl_trio.scheduler._checkpoint import checkpoint_map, read_checkpoint
+    from flodl_trio.scheduler._epoch_ledger import EpochLedger
+    from flodl_trio.scheduler._parts import Share
+
+    settings_ = {"total_samples": 40, "batch_size": 2, "num_epochs": 2}
+    saved = checkpoint_map(**settings_, epoch=1, epochs_completed=1, global_step=9, syncs=5,
+                           shares={0: Share([(0, 20)], batches=6, synced=4, start_step=10),
+                                   1: Share([(20, 20)], batches=7, synced=7, start_step=12)},
+                           last_steps={0: 16, 1: 19})
+    assert saved["samples_done"] == 40 + 8 + 14
+    res = read_checkpoint(saved, **settings_)
+    ledger = EpochLedger(ft.Timeline(), world_size=2, ratios=None,
+                         total_samples=40, batch_size=2)
+    ledger.restore(res.epoch, res.shares, res.epochs_completed, res.last_steps)
+    assert not ledger.on_batch(0, 15)  # before the anchor: in the anchor's count
+    assert not ledger.on_sync_ack(0, 13)  # 3 batches < the 4 credited: a new process
+    assert not ledger.on_sync_ack(1, 12 + 11)  # 11 batches > the 10 of its share
+    assert ledger.on_sync_ack(0, 10 + 10)  # the whole share done and synced
+    assert ledger.shares[0].synced == 10 and ledger.unsynced == []
+    assert ledger.settle(0) == [] and ledger.settle(1) == [(34, 6)]  # 1 credited with its 7
+

@@ -144,6 +144,8 @@ class Resuming(abc.ABC):
             return
         held = {r for r, share in res.shares.items() if share.done is None}
         self._members.joining.update(coord.live_ranks - held)
+        for rank in (coord.dead_ranks | coord.exited_ranks) - held:
+            self._members.leave(rank)  # gone before the checkpoint: nothing to settle
         self._anchor_due = True
         gone = sorted(held - coord.live_ranks)
         if gone:
