@@ -354,4 +354,3 @@ def test_an_anchoring_ack_that_cannot_be_the_share_holders_marks_a_restarted_pro
     assert ledger.on_sync_ack(0, 10 + 10)  # the whole share done and synced
     assert ledger.shares[0].synced == 10 and ledger.unsynced == []
     assert ledger.settle(0) == [] and ledger.settle(1) == [(34, 6)]  # 1 credited with its 7
-
