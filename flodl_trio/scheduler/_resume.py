@@ -27,7 +27,8 @@ over from it. Epochs closed before it are not run again. The current epoch goes 
    usual.
 
 Only a rank that dies in the same window, after acknowledging a sync that the checkpoint does not
-hold, is credited less than it synced: that part is processed again (at least once).
+hold, is credited less than it synced (as is one whose ``SyncAck`` died with its relay): that part
+is processed again (at least once).
 """
 
 from __future__ import annotations
