@@ -93,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "same (a rank whose batches disagree is reported)")
     p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
     p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
+    p.add_argument("--store", metavar="URL",
+                   help="keep the session in a store so that a restarted or standby "
+                   "coordinator adopts the running cohort: sqlite:PATH, "
+                   "etcd://HOST:PORT[,HOST:PORT...]/PREFIX or memory: (docs/failover.rst)")
+    p.add_argument("--standby", action="store_true",
+                   help="with --store: if another coordinator leads it, wait for its "
+                   "leadership to end and then adopt the session (without it: exit 1 at once)")
+    p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
+                   help="after an adoption, seconds for each relay to resume before its ranks "
+                   "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
 
     p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "

@@ -25,8 +25,9 @@ from ..relay import open_relay
 from ..scheduler import RunSummary, SyncScheduler
 from ..sim import SimulatedRank
 from ..status import fetch_state
+from ..store import SessionStore
 from ..timeline import Timeline
-from ..wire import SaveReason, Shutdown, ShutdownWithSave
+from ..wire import SaveReason, SessionSalt, Shutdown, ShutdownWithSave
 from ._common import (
     EXIT_OK,
     STOP_SIGNALS,
@@ -41,6 +42,7 @@ from ._common import (
     parse_ranks,
     write_text,
 )
+from ._durable import adopted_text, check_leader, close_store, open_cli_store
 from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
 
@@ -82,6 +84,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["heartbeat_timeout"] = args.heartbeat_timeout
     if args.max_failure is not None:
         overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
+    if args.resume_timeout is not None:
+        overrides["resume_timeout"] = args.resume_timeout
     return CoordinatorConfig(world_size=args.world_size,
                              allow_rank_takeover=args.allow_takeover, **overrides)
 
@@ -95,12 +99,24 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                        (args.port_file, "--port-file")):
         if path:
             check_writable(path, what=what)
+    store = open_cli_store(args)
+    try:
+        return await _coordinate(args, salt, listen, config, ssl_context, store)
+    finally:
+        await close_store(store)
+
+
+async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple[str, int],
+                      config: CoordinatorConfig, ssl_context: ssl.SSLContext | None,
+                      store: SessionStore | None) -> int:
     timeline = Timeline(jsonl_path=args.timeline) if args.timeline else Timeline()
     summary: dict[str, Any] = {}
     failure: str | None = None
     crash: FlodlError | None = None
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
+        if store is not None:
+            await check_leader(store, standby=args.standby)
         try:
             bound = await bind_coordinator(listen, timeline=timeline)
         except OSError as exc:
@@ -116,9 +132,16 @@ async def run_coordinator(args: argparse.Namespace) -> int:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
             try:
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
-                                            ssl_context=ssl_context) as coord:
-                    print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
-                          flush=True)
+                                            ssl_context=ssl_context, store=store) as coord:
+                    if store is not None and coord.resumed:
+                        print(adopted_text(coord.checkpoint, generation=coord.generation,
+                                           live=len(coord.live_ranks),
+                                           dead=len(coord.dead_ranks),
+                                           store=store.description), flush=True)
+                    else:
+                        print(f"formed: {coord.world_size} ranks over {len(coord.relays)} "
+                              "relays" + (f" (generation {coord.generation} of "
+                                          f"{store.description})" if store else ""), flush=True)
                     summary, failure = await _drive(args, coord, nursery)
             except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
                 crash = exc
