@@ -109,7 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                  "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
                  "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
-                   help="the coordinator's --listen address (required)")
+                   help="the coordinator's --listen address (required); or several, "
+                   "HOST:PORT,HOST:PORT, tried in turn on every attempt; or "
+                   "etcd://HOST:PORT/PREFIX, the --store of the coordinators, whose leader's "
+                   "address is read again on every attempt")
+    p.add_argument("--coordinator-grace", type=float, default=None, metavar="S",
+                   help="seconds to ride out a lost coordinator that runs with a --store "
+                   "(ranks kept, their frames queued, re-dialing) before giving up; 0: give up "
+                   "at once (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
     p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
     p.add_argument("--ranks", required=True, metavar="LIST",
                    help="global ranks of this host, e.g. 0-3,8 (required)")

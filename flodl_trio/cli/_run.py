@@ -16,12 +16,11 @@ from typing import Any
 import attrs
 import trio
 
-from .._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
-from .._errors import FlodlError, JoinRefused, WrongSession
+from .._config import CoordinatorConfig, MaxFailure, RankConfig
+from .._errors import FlodlError
 from ..coordinator import Coordinator, bind_coordinator, open_coordinator
 from ..net._transport import format_address
 from ..rank import open_rank
-from ..relay import open_relay
 from ..scheduler import RunSummary, SyncScheduler
 from ..sim import SimulatedRank
 from ..status import fetch_state
@@ -38,8 +37,6 @@ from ._common import (
     load_salt,
     os_error_text,
     parse_address,
-    parse_model_sigs,
-    parse_ranks,
     write_text,
 )
 from ._durable import adopted_text, check_leader, close_store, open_cli_store
@@ -47,7 +44,7 @@ from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
 
 
-def _stopped(stop: SignalStop, what: str) -> int:
+def stopped(stop: SignalStop, what: str) -> int:
     sys.stderr.write(f"flodl-trio: {what} stopped by {stop.describe()} (graceful shutdown "
                      "done)\n")
     return stop.exit_code
@@ -65,15 +62,6 @@ def _tls_server(args: argparse.Namespace) -> ssl.SSLContext | None:
         raise UsageError(f"--tls-cert {args.tls_cert!r} / --tls-key {args.tls_key!r}: "
                          f"{os_error_text(exc)}") from None
     return context
-
-
-def _tls_client(args: argparse.Namespace) -> ssl.SSLContext | None:
-    if not args.tls_ca:
-        return None
-    try:
-        return ssl.create_default_context(cafile=args.tls_ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise UsageError(f"--tls-ca {args.tls_ca!r}: {os_error_text(exc)}") from None
 
 
 def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -157,7 +145,7 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
         await write_text(args.summary_file, json.dumps(summary, indent=2), what="--summary-file")
     print(json.dumps({"summary": summary}), flush=True)
     if stop.signum is not None:
-        return _stopped(stop, "coordinator")
+        return stopped(stop, "coordinator")
     if crash is not None:
         raise crash
     if failure is not None:
@@ -222,46 +210,6 @@ async def _hold_until_all_exit(coord: Coordinator) -> None:
             return
 
 
-async def run_relay(args: argparse.Namespace) -> int:
-    salt = load_salt(args, long_running=True)
-    target = parse_address(args.coordinator, what="--coordinator")
-    ranks = parse_ranks(args.ranks)
-    sigs = parse_model_sigs(args.model_sig)
-    ssl_context = _tls_client(args)
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-        stop = SignalStop(signals)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop.watch, nursery.cancel_scope)
-            try:
-                relay_cm = open_relay(target, salt=salt, host=args.host, ranks=ranks,
-                                      world_size=args.world_size, rank_listen=args.rank_port,
-                                      config=RelayConfig(), ssl_context=ssl_context,
-                                      server_hostname=args.tls_server_name,
-                                      model_sigs=sigs)
-                async with relay_cm as relay:
-                    print(f"relay {args.host} ranks {ranks} listening for ranks on "
-                          f"{format_address(relay.rank_address)}", flush=True)
-                    outcome = await relay.wait_closed()
-                    print(f"relay {args.host} ended: {outcome.reason}", flush=True)
-            except OSError as exc:
-                raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"
-                                    f"{args.rank_port}: {os_error_text(exc)}") from None
-            except JoinRefused as exc:
-                reason = " ".join(exc.reason.split())  # one line, whatever the coordinator sent
-                raise CommandFailed(f"relay {args.host}: refused by the coordinator at "
-                                    f"{exc.peer}: {reason}") from exc
-            except WrongSession as exc:
-                raise CommandFailed(f"relay {args.host}: the session salt differs from the "
-                                    f"coordinator's at {exc.peer}, or that is not a coordinator "
-                                    "of this session (--debug for detail)") from exc
-            nursery.cancel_scope.cancel()
-    if stop.signum is not None:
-        return _stopped(stop, f"relay {args.host}")
-    if not outcome.clean:
-        raise CommandFailed(f"relay {args.host}: {outcome.reason}")
-    return EXIT_OK
-
-
 async def run_rank(args: argparse.Namespace) -> int:
     salt = load_salt(args, long_running=True)
     target = parse_address(args.relay, what="--relay")
@@ -276,7 +224,7 @@ async def run_rank(args: argparse.Namespace) -> int:
                 record = await sim.run()
             nursery.cancel_scope.cancel()
     if stop.signum is not None:
-        return _stopped(stop, f"rank {args.rank}")
+        return stopped(stop, f"rank {args.rank}")
     last = record.received[-1] if record.received else None
     print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
           flush=True)
