@@ -23,20 +23,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ..cli._common import CommandFailed, Terminated, UsageError, check_writable
 from ..cli._errors import MAX_LINE, shorten
 from ..wire import SessionSalt
+from ._cluster import LOG_HINT, Cluster
 from ._story import Story
 
 START_DEADLINE_S = 30.0
 RUN_DEADLINE_S = 120.0
 POLL_S = 0.1
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flodl_trio", *args]
 
 
 def _parse_kills(specs: list[str], hosts: list[str],
@@ -68,105 +65,6 @@ def _parse_restarts(specs: list[str], hosts: list[str],
     return restarts
 
 
-def _log(folder: Path, name: str) -> IO[str]:
-    # Children's stderr goes to a file each: a killed relay's ranks report CoordinatorLost, which
-    # is the point of the demo, not noise for the terminal.
-    return (folder / f"{name}.log").open("w", encoding="utf-8")
-
-
-# The kept directory's path is printed on stdout ("process logs kept in ..."): a temporary path
-# would take most of the one error line.
-LOG_HINT = " (see coordinator.log in the process logs kept)"
-
-
-def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the child prints it right after binding
-    if not line:
-        raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
-                            f"printing its address (see {what}.log in the process logs kept)")
-    return line
-
-
-class _Cluster:
-    """The child processes, started in order; ``stop()`` ends every one still running."""
-
-    def __init__(self, args: argparse.Namespace, env: dict[str, str], logs: Path,
-                 timeline: Path, summary: Path) -> None:
-        self.args, self.env, self.logs = args, env, logs
-        self.timeline, self.summary = timeline, summary
-        self.coord: subprocess.Popen[str] | None = None
-        self.relays: dict[str, subprocess.Popen[str]] = {}
-        self.ranks: dict[int, subprocess.Popen[str]] = {}
-        self.replaced: list[subprocess.Popen[str]] = []  # killed hosts' processes, restarted
-        self.restarted: set[str] = set()
-        self.address = ""
-        self.layout: dict[str, list[int]] = {}
-        self.world = 0
-        self.files: list[IO[str]] = []
-
-    def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
-        err = _log(self.logs, log)
-        self.files.append(err)
-        return subprocess.Popen(argv, env=self.env, stdout=stdout, stderr=err,
-                                stdin=subprocess.DEVNULL, text=True)
-
-    def start(self, layout: dict[str, list[int]], world: int) -> str:
-        a = self.args
-        self.coord = self._start(_cli(
-            "--log-level", "INFO", "coordinator", "--listen", "127.0.0.1:0", "--world-size",
-            str(world), "--epochs", str(a.epochs), "--total-samples", str(a.total_samples),
-            "--batch-size", str(a.batch_size), "--timeline", str(self.timeline),
-            "--summary-file", str(self.summary), "--heartbeat-timeout", "5"),
-            "coordinator", stdout=subprocess.PIPE)
-        self.address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(
-            " ", 1)[-1]
-        self.layout, self.world = layout, world
-        for host in layout:
-            self.start_host(host)
-        return self.address
-
-    def start_host(self, host: str, *, again: bool = False) -> None:
-        """Start ``host``'s relay, then its rank processes (``again``: after a kill)."""
-        a, ranks = self.args, self.layout[host]
-        slower = 1 + list(self.layout).index(host)
-        log = f"{host}-restarted" if again else host
-        if again:
-            self.replaced += [self.relays[host], *(self.ranks[r] for r in ranks)]
-        relay = self._start(_cli(
-            "relay", "--coordinator", self.address, "--host", host, "--ranks",
-            ",".join(map(str, ranks)), "--world-size", str(self.world)), log,
-            stdout=subprocess.PIPE)
-        self.relays[host] = relay
-        rank_address = _read_line(relay, log, self.logs).split()[-1]
-        for r in ranks:
-            self.ranks[r] = self._start(_cli(
-                "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
-                str(self.world), "--batch-size", str(a.batch_size), "--batch-ms",
-                str(a.batch_ms * slower)), f"rank-{r}-restarted" if again else f"rank-{r}",
-                stdout=subprocess.DEVNULL)
-
-    def children(self) -> list[subprocess.Popen[str]]:
-        return [*self.relays.values(), *self.ranks.values()]
-
-    def stop(self) -> int:
-        procs = [p for p in [self.coord, *self.children(), *self.replaced] if p is not None]
-        running = [p for p in procs if p.poll() is None]
-        for p in running:
-            p.terminate()  # SIGTERM: each stops gracefully and exits 143
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=5)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        for f in self.files:
-            f.close()
-        return len(running)
-
-
 def run_demo(args: argparse.Namespace) -> int:
     hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
     per = args.ranks_per_host
@@ -184,7 +82,7 @@ def run_demo(args: argparse.Namespace) -> int:
     logs = work / "logs"
     logs.mkdir()
     timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
-    cluster = _Cluster(args, env, logs, timeline, work / "summary.json")
+    cluster = Cluster(args, env, logs, timeline, work / "summary.json")
     keep = bool(args.keep_logs)
     print(f"flodl-trio demo: {args.hosts} hosts x {per} ranks = world {world}, {args.epochs} "
           f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
@@ -210,7 +108,7 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[int]],
+def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[int]],
            world: int, kills: dict[str, float], restarts: dict[str, float]) -> int:
     story = Story(cluster.timeline, args.epochs)
     live_ui = not args.no_live and sys.stdout.isatty()
@@ -293,7 +191,7 @@ def _table(story: Story, layout: dict[str, list[int]], world: int, killed: set[s
     return table
 
 
-def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed: set[str],
+def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: set[str],
               layout: dict[str, list[int]]) -> int:
     assert cluster.coord is not None
     code = cluster.coord.wait()
