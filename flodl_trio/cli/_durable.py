@@ -17,6 +17,8 @@ from typing import Any
 import trio
 
 from .._errors import ConfigError
+from ..coordinator import Coordinator
+from ..events import Note
 from ..store import SessionStore, open_store
 from ._common import CommandFailed, UsageError
 
@@ -76,6 +78,19 @@ def adopted_text(checkpoint: Mapping[str, Any] | None, *, generation: int, live:
     if isinstance(total, int):
         return f"{head}; resuming at epoch {min(epoch + 1, total)}/{total}"
     return f"{head}; resuming at epoch {epoch + 1}"
+
+
+def adopted(coord: Coordinator, store: SessionStore) -> str:
+    """Record the adoption in ``coord``'s timeline (an ``adopted`` note: generation, live and
+    dead ranks, the checkpoint's epoch, 0-based) and return the line to print."""
+    checkpoint = coord.checkpoint
+    epoch = checkpoint.get("epoch") if checkpoint is not None else None
+    coord.timeline.event(Note(what="adopted", fields={
+        "generation": coord.generation, "live": sorted(coord.live_ranks),
+        "dead": sorted(coord.dead_ranks), "epoch": epoch if isinstance(epoch, int) else 0,
+        "store": store.description}))
+    return adopted_text(checkpoint, generation=coord.generation, live=len(coord.live_ranks),
+                        dead=len(coord.dead_ranks), store=store.description)
 
 
 async def close_store(store: SessionStore | None) -> None:

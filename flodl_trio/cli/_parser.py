@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="start a killed host's relay and ranks again SECONDS after the kill: "
                    "they rejoin the running cohort (repeatable, one per host)")
+    p.add_argument("--kill-coordinator", type=float, default=None, metavar="SECONDS",
+                   help="run the coordinator with a session store (sqlite: in the temporary "
+                   "directory), SIGKILL it SECONDS after formation and start it again at once "
+                   "on the same port: it adopts the running session, the relays resume and the "
+                   "run goes on")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",

@@ -39,7 +39,7 @@ from ._common import (
     parse_address,
     write_text,
 )
-from ._durable import adopted_text, check_leader, close_store, open_cli_store
+from ._durable import adopted, check_leader, close_store, open_cli_store
 from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
 
@@ -122,10 +122,7 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
                                             ssl_context=ssl_context, store=store) as coord:
                     if store is not None and coord.resumed:
-                        print(adopted_text(coord.checkpoint, generation=coord.generation,
-                                           live=len(coord.live_ranks),
-                                           dead=len(coord.dead_ranks),
-                                           store=store.description), flush=True)
+                        print(adopted(coord, store), flush=True)
                     else:
                         print(f"formed: {coord.world_size} ranks over {len(coord.relays)} "
                               "relays" + (f" (generation {coord.generation} of "

@@ -42,9 +42,11 @@ class Cluster:
     """The child processes, started in order; ``stop()`` ends every one still running."""
 
     def __init__(self, args: argparse.Namespace, env: dict[str, str], logs: Path,
-                 timeline: Path, summary: Path) -> None:
+                 timeline: Path, summary: Path, *, store: str | None = None) -> None:
         self.args, self.env, self.logs = args, env, logs
         self.timeline, self.summary = timeline, summary
+        self.store = store  # the coordinator's --store (``--kill-coordinator``)
+        self.coordinators = 0  # coordinator processes started
         self.coord: subprocess.Popen[str] | None = None
         self.relays: dict[str, subprocess.Popen[str]] = {}
         self.ranks: dict[int, subprocess.Popen[str]] = {}
@@ -62,19 +64,42 @@ class Cluster:
                                 stdin=subprocess.DEVNULL, text=True)
 
     def start(self, layout: dict[str, list[int]], world: int) -> str:
-        a = self.args
-        self.coord = self._start(_cli(
-            "--log-level", "INFO", "coordinator", "--listen", "127.0.0.1:0", "--world-size",
-            str(world), "--epochs", str(a.epochs), "--total-samples", str(a.total_samples),
-            "--batch-size", str(a.batch_size), "--timeline", str(self.timeline),
-            "--summary-file", str(self.summary), "--heartbeat-timeout", "5"),
-            "coordinator", stdout=subprocess.PIPE)
-        self.address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(
-            " ", 1)[-1]
         self.layout, self.world = layout, world
+        self.start_coordinator("127.0.0.1:0")
         for host in layout:
             self.start_host(host)
         return self.address
+
+    def start_coordinator(self, listen: str) -> None:
+        """Start a coordinator process listening on ``listen`` (the first one, or one that
+        takes over the session of a killed one: same port, same store, same timeline)."""
+        a = self.args
+        self.coordinators += 1
+        log = "coordinator" if self.coordinators == 1 else f"coordinator-{self.coordinators}"
+        store = ["--store", self.store] if self.store else []
+        self.coord = self._start(_cli(
+            "--log-level", "INFO", "coordinator", "--listen", listen, "--world-size",
+            str(self.world), "--epochs", str(a.epochs), "--total-samples",
+            str(a.total_samples), "--batch-size", str(a.batch_size), "--timeline",
+            str(self.timeline), "--summary-file", str(self.summary), "--heartbeat-timeout", "5",
+            *store), log, stdout=subprocess.PIPE)
+        self.address = _read_line(self.coord, log, self.logs).strip().rsplit(" ", 1)[-1]
+
+    def kill_coordinator(self) -> int:
+        """SIGKILL the coordinator (no goodbye: the OS closes its sockets) and start another at
+        once on the same port with the same store; return the killed one's pid."""
+        old = self.coord
+        assert old is not None
+        old.kill()
+        old.wait()
+        self.replaced.append(old)
+        # The killed process may have died in the middle of a timeline line: end it, so that
+        # the next coordinator's first event starts a line of its own.
+        with self.timeline.open("rb+") as f:
+            if f.seek(0, 2) > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+        self.start_coordinator(self.address)
+        return old.pid
 
     def start_host(self, host: str, *, again: bool = False) -> None:
         """Start ``host``'s relay, then its rank processes (``again``: after a kill)."""

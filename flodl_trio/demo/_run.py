@@ -74,6 +74,9 @@ def run_demo(args: argparse.Namespace) -> int:
     world = args.hosts * per
     kills = _parse_kills(args.kill_relay, hosts)
     restarts = _parse_restarts(args.restart_relay, hosts, kills)
+    if args.kill_coordinator is not None and not args.kill_coordinator >= 0:
+        raise UsageError(f"--kill-coordinator: expected seconds >= 0, got "
+                         f"{args.kill_coordinator!r}")
     if args.timeline:
         check_writable(args.timeline, what="--timeline")
         Path(args.timeline).unlink()
@@ -82,7 +85,8 @@ def run_demo(args: argparse.Namespace) -> int:
     logs = work / "logs"
     logs.mkdir()
     timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
-    cluster = Cluster(args, env, logs, timeline, work / "summary.json")
+    store = f"sqlite:{work / 'session.db'}" if args.kill_coordinator is not None else None
+    cluster = Cluster(args, env, logs, timeline, work / "summary.json", store=store)
     keep = bool(args.keep_logs)
     print(f"flodl-trio demo: {args.hosts} hosts x {per} ranks = world {world}, {args.epochs} "
           f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
@@ -116,6 +120,7 @@ def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[in
     formed_at: float | None = None
     killed: set[str] = set()
     killed_at: dict[str, float] = {}
+    killed_coord = False
     coord = cluster.coord
     assert coord is not None
     live_cm: Any = contextlib.nullcontext()
@@ -139,6 +144,15 @@ def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[in
                                     "(exit 2)")
             if formed_at is None and story.formed_ms is not None:
                 formed_at = time.monotonic()
+            if formed_at is not None and not killed_coord and args.kill_coordinator is not None \
+                    and time.monotonic() - formed_at >= args.kill_coordinator:
+                killed_coord = True
+                pid = cluster.kill_coordinator()
+                coord = cluster.coord
+                assert coord is not None
+                say(f"{'':>7}  SIGKILLed the coordinator (pid {pid}) {args.kill_coordinator:g}s "
+                    f"after formation, in epoch {max(story.epoch, 0) + 1}/{args.epochs}; "
+                    f"started it again on {cluster.address} with {cluster.store}")
             for host, when in kills.items():
                 if formed_at is not None and host not in killed and \
                         time.monotonic() - formed_at >= when:
@@ -225,6 +239,9 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
              f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
     coverage = summary.get("coverage", {})
+    if cluster.coordinators > 1:
+        print(_failover_text(story, cluster, dead))
+        coverage = _coverage_across(story, args.epochs)
     print("  every epoch covered exactly once" if coverage.get("exact") else
           f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
@@ -237,6 +254,27 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
                             f"{LOG_HINT}")
     print("run completed")
     return 0
+
+
+def _failover_text(story: Story, cluster: Cluster, dead: list[int]) -> str:
+    """The summary's line on the coordinator's failover: the adoption, the relays that
+    resumed, and whether any rank was declared dead."""
+    hosts = sorted(cluster.layout)
+    waiting = [h for h in hosts if h not in story.resumed]
+    adopted = (f"adopted as generation {story.generation}" if story.generation is not None
+               else "NOT adopted (no adoption in the timeline)")
+    resumed = (f"relays resumed: {', '.join(h for h in hosts if h in story.resumed) or 'none'}"
+               + (f" (not: {', '.join(waiting)})" if waiting else ""))
+    deaths = "no rank declared dead" if not dead else f"ranks declared dead: {dead}"
+    return f"  coordinator SIGKILLed and restarted: {adopted}; {resumed}; {deaths}"
+
+
+def _coverage_across(story: Story, epochs: int) -> dict[str, Any]:
+    """The run's coverage from the ``epoch_covered`` notes of every coordinator (the last
+    summary holds only the epochs its own scheduler closed)."""
+    inexact = [{"epoch": e + 1, "exactly_once": story.epoch_coverage.get(e, "not recorded")}
+               for e in range(epochs) if story.epoch_coverage.get(e) is not True]
+    return {"exact": not inexact, "inexact": inexact}
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
