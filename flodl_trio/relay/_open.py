@@ -22,6 +22,7 @@ from .._errors import (
     FlodlError,
     HandshakeError,
     JoinRefused,
+    StoreError,
     WireError,
     WrongSession,
 )
@@ -43,6 +44,7 @@ from ._link import RelayExit
 from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
+from .resume import Reconnector
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -63,6 +65,13 @@ class Relay:
         rank_address: ``(host, port)`` where local ranks dial (a property; a ``ConfigError``
             when it was given listeners instead of binding TCP itself).
         model_sigs: the model signatures it announces (name -> digest; may be empty).
+        generation: the highest coordinator generation seen (0 until a durable coordinator
+            sent ``Generation``; a property).
+        reconnects: how many times it resumed with a durable coordinator (a property).
+        reconnecting: why its durable coordinator is away, while it rides that out (a
+            property; None otherwise).
+        dropped_while_reconnecting: frames from its ranks dropped while reconnecting, over
+            ``reconnect_queue`` (a property).
     """
 
     def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
@@ -90,6 +99,7 @@ class Relay:
         self._upstream: trio.abc.Stream | None = None
         self._body_scope: trio.CancelScope | None = None
         self._notices = RankNotices(self._local, salt)
+        self._pump: Pump | None = None
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -107,6 +117,30 @@ class Relay:
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
         return self._local.connected
+
+    @property
+    def generation(self) -> int:
+        """The highest coordinator generation seen (0: no durable coordinator so far)."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.generation if resume is not None else 0
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the relay resumed with its durable coordinator."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.reconnects if resume is not None else 0
+
+    @property
+    def reconnecting(self) -> str | None:
+        """Why the durable coordinator is away, while the relay rides it out; else None."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.away if resume is not None else None
+
+    @property
+    def dropped_while_reconnecting(self) -> int:
+        """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.dropped if resume is not None else 0
 
     @property
     def error(self) -> FlodlError | None:
@@ -135,7 +169,10 @@ class Relay:
 
     # ------------------------------------------------------------------ phase 2
 
-    async def _connect_upstream(self) -> tuple[trio.abc.Stream, Established]:
+    async def _connect_upstream(self, generation: int | None = None,
+                                connect_timeout: float | None = None,
+                                ) -> tuple[trio.abc.Stream, Established]:
+        """Dial and join (``Hello``), or, given the generation seen, resume (``Resume``)."""
         what = f"relay {self.host!r}"
         coordinator = _target_text(self._target)
         self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
@@ -146,7 +183,8 @@ class Relay:
             nonlocal wrong_salt
             machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
                                      world_size=self.world_size,
-                                     model_sigs=self.model_sigs, coordinator=coordinator)
+                                     model_sigs=self.model_sigs, coordinator=coordinator,
+                                     generation=generation)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     if self._ssl_context is not None:
@@ -182,14 +220,43 @@ class Relay:
         # re-dial until connect_timeout, and name the last failure if none succeeds. A verified
         # Refused (JoinRefused) and an untrusted TLS certificate (on_retry) end the attempts at
         # once, a salt that differs (WrongSession) after WRONG_SALT_ATTEMPTS in a row.
+        target = self._target if generation is None else self._resolving_target()
         return await dial_and_handshake(
-            self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
-            peer=coordinator, expected="a confirmed upstream handshake (HelloAck, Ready, "
+            target, handshake, what=what, peer=coordinator,
+            connect_timeout=self.config.connect_timeout if connect_timeout is None
+            else connect_timeout,
+            expected="a confirmed upstream handshake (HelloAck, Ready, welcome)"
+            if generation is None else "a confirmed resume (HelloAck, Ready, Generation, "
             "welcome)", on_retry=on_retry, final=(JoinRefused, WrongSession),
             retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
             keepalive=KeepAlive.within(self.config.write_stall_timeout,
                                        write_stall=self.config.write_stall_timeout),
         )
+
+    def _resolving_target(self) -> DialTarget:
+        """The target for a resume: a callable is called on every attempt (so one that reads
+        the store's published address re-resolves); a store it cannot reach yet is one more
+        attempt that failed, not the end of the relay."""
+        target = self._target
+        if not callable(target):
+            return target
+        call = target
+
+        async def resolve() -> trio.abc.Stream:
+            try:
+                return await call()
+            except StoreError as exc:
+                raise ConnectionError(f"resolving the coordinator: {exc}") from exc
+
+        return resolve
+
+    async def _resume_upstream(self, generation: int, deadline: float,
+                               ) -> tuple[trio.abc.Stream, Established]:
+        """Re-dial a durable coordinator with ``Resume`` until ``deadline``."""
+        joined = await self._connect_upstream(
+            generation, connect_timeout=max(0.0, deadline - trio.current_time()))
+        self._upstream = joined[0]
+        return joined
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,8 +272,14 @@ class Relay:
             stream, established = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            pump = Pump(self._local, stream, established.sealer, established.opener,
-                        self.timeline, first=established.records)
+            pump = self._pump = Pump(self._local, stream, established.sealer,
+                                     established.opener, self.timeline,
+                                     first=established.records)
+            if established.generation is not None:
+                log.info("relay %r: the coordinator is durable (generation %d)", self.host,
+                         established.generation)
+                pump.resume = Reconnector(self._local, established.generation,
+                                          self._resume_upstream, drop_rank=pump.drop_rank)
             exit_ = await pump.run()
             self._error = pump.error
         except FlodlError as exc:
@@ -242,6 +315,8 @@ class Relay:
         streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
+        if self._pump is not None and self._pump.stream is not self._upstream:
+            streams.append(self._pump.stream)
         await close_all(streams)
 
 
