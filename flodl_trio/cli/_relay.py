@@ -13,7 +13,7 @@ import trio
 from .._config import RelayConfig
 from .._errors import JoinRefused, WrongSession
 from ..net._transport import format_address
-from ..relay import open_relay
+from ..relay import Relay, open_relay
 from ._common import (
     EXIT_OK,
     STOP_SIGNALS,
@@ -25,8 +25,11 @@ from ._common import (
     parse_model_sigs,
     parse_ranks,
 )
+from ._errors import MAX_LINE, shorten
 from ._run import stopped
 from ._targets import CoordinatorDialer, coordinator_target
+
+POLL_S = 0.1  # how often the relay's failover state is looked at, for its lines
 
 
 def _tls_client(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -46,6 +49,28 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
                              f"{args.coordinator_grace!r}")
         overrides["coordinator_grace"] = args.coordinator_grace
     return RelayConfig(**overrides)
+
+
+async def tell_failover(relay: Relay, host: str, grace: float, *,
+                        interval: float = POLL_S) -> None:
+    """Print one line when the relay loses its durable coordinator and rides it out, and one
+    when it resumed (polled: the relay's state, every ``interval`` seconds, until cancelled)."""
+    resumed = relay.reconnects
+    away_said = False
+    while True:
+        away = relay.reconnecting
+        if away is not None and not away_said:
+            away_said = True
+            print(shorten(f"relay {host}: lost the coordinator ({away}); riding it out for up "
+                          f"to {grace:g} s, re-dialing", MAX_LINE), flush=True)
+        if relay.reconnects > resumed:
+            resumed = relay.reconnects
+            away_said = relay.reconnecting is not None
+            dropped = relay.dropped_while_reconnecting
+            print(f"relay {host}: resumed with the coordinator (generation "
+                  f"{relay.generation}; {dropped} frame(s) from the ranks dropped meanwhile)",
+                  flush=True)
+        await trio.sleep(interval)
 
 
 async def run_relay(args: argparse.Namespace) -> int:
@@ -76,10 +101,13 @@ async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, 
                                       config=config, ssl_context=ssl_context,
                                       server_hostname=args.tls_server_name,
                                       model_sigs=sigs)
-                async with relay_cm as relay:
+                async with relay_cm as relay, trio.open_nursery() as watching:
                     print(f"relay {args.host} ranks {ranks} listening for ranks on "
                           f"{format_address(relay.rank_address)}", flush=True)
+                    watching.start_soon(tell_failover, relay, args.host,
+                                        config.coordinator_grace)
                     outcome = await relay.wait_closed()
+                    watching.cancel_scope.cancel()
                     print(f"relay {args.host} ended: {outcome.reason}", flush=True)
             except OSError as exc:
                 raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"

@@ -227,7 +227,9 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
         room = MAX_LINE - len(f"flodl-trio: demo: the run failed: {LOG_HINT}") - 1
         raise CommandFailed(f"demo: the run failed: {shorten(reason, room)}{LOG_HINT}")
     done = summary.get("epochs_completed")
-    print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
+    since = " since the adoption" if summary.get("resumed") else ""
+    elapsed = summary.get("elapsed_s", 0.0)
+    print(f"summary: {done}/{args.epochs} epochs in {elapsed:.1f} s{since}, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
