@@ -142,3 +142,17 @@ def test_a_store_holding_another_runs_session_is_one_line_naming_it(
     line = one_line(proc)
     assert line.startswith(f"flodl-trio: StoreCorrupt: session state at sqlite:{path}: "
                            "expected the session of salt id"), line
+
+
+def test_a_coordinator_that_loses_its_leadership_exits_1_with_one_line(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    path = tmp_path / "lost.db"
+    proc = coordinator(env, f"sqlite:{path}")
+    procs.append(proc)
+    leader_of(tmp_path / "lost.db.lock")
+    proc.line_with("relays can dial")
+    path.unlink()  # the store is gone under it: it can no longer lead (checked every second)
+    assert proc.wait() == 1
+    line = one_line(proc)
+    assert line.startswith(f"flodl-trio: LeadershipLost: store sqlite:{path}: expected to lead "
+                           "as generation 1, but"), line

@@ -179,6 +179,9 @@ def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[in
             time.sleep(POLL_S)
         for line in story.poll():
             say(line)
+        if args.kill_coordinator is not None and not killed_coord:
+            say(f"  the coordinator was not killed: the run ended before its kill was due "
+                f"({args.kill_coordinator:g}s after formation)")
         for host, when in restarts.items():  # not yet started when the coordinator ended
             say(f"  {host} was not restarted: the run ended before its restart was due "
                 f"({when:g}s after the kill)")
