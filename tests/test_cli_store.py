@@ -112,10 +112,17 @@ def test_a_store_url_of_no_known_form_and_standby_without_store_are_usage_errors
         env: dict[str, str], procs: list[Proc]) -> None:
     bad = coordinator(env, "postgres://db/x")
     standby = Proc("coordinator", "--world-size", "2", "--standby", env=env)
-    procs += [bad, standby]
-    assert bad.wait() == 2 and standby.wait() == 2
+    relay = ["relay", "--host", "h", "--ranks", "0", "--world-size", "1"]
+    store_target = Proc(*relay, "--coordinator", "sqlite:/tmp/x.db", env=env)
+    negative_grace = Proc(*relay, "--coordinator", "127.0.0.1:7000", "--coordinator-grace",
+                          "-1", env=env)
+    procs += [bad, standby, store_target, negative_grace]
+    assert all(p.wait() == 2 for p in (bad, standby, store_target, negative_grace))
     assert "--store: store 'postgres://db/x': unknown scheme 'postgres'" in one_line(bad)
     assert "--standby waits for the leadership of a --store" in one_line(standby)
+    assert ("--coordinator: expected HOST:PORT[,HOST:PORT...] or etcd://HOST:PORT/PREFIX, got "
+            "'sqlite:/tmp/x.db'") in one_line(store_target)
+    assert "--coordinator-grace: expected seconds >= 0, got -1.0" in one_line(negative_grace)
 
 
 def test_a_store_holding_another_runs_session_is_one_line_naming_it(
