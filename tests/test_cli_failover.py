@@ -10,11 +10,15 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_cli_exit_codes import Proc
+
+from helpers import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +64,12 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
                           "2", "--batch-ms", "25", env=env))
     first.line_with("epoch 1/4:")  # the first epoch is done: kill it in the second
     first.popen.kill()
+    killed = time.monotonic()
     assert first.wait() == -9
 
     second = coordinator(address)
     adopted = second.line_with("adopted the running session")
+    took_over = time.monotonic() - killed
     assert re.search(rf"of {re.escape(store)} as generation 2: 2 live ranks, 0 dead; resuming "
                      r"at epoch [2-4]/4", adopted), adopted
     assert second.wait() == 0, second.err[-5:]
@@ -71,7 +77,9 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
         lost = relay.line_with(f"relay h{n}: lost the coordinator")
         assert "riding it out for up to 30 s" in lost, lost
         assert "(generation 2;" in relay.line_with(f"relay h{n}: resumed with the coordinator")
-        assert relay.wait() == 0
+    print(f"sqlite restart: adopted {took_over:.2f} s after the SIGKILL (a new process), both "
+          f"relays resumed after {time.monotonic() - killed:.2f} s")
+    assert all(relay.wait() == 0 for relay in relays)
     result = json.loads(summary.read_text())
     assert result["epochs_completed"] == 4 and result["resumed"] is True
     assert result["dead_ranks"] == [] and result["coverage"]["exact"], result
@@ -95,3 +103,59 @@ def test_demo_kill_coordinator_adopts_and_finishes_with_every_epoch_covered_once
             "host-a, host-b; no rank declared dead") in out
     assert "every epoch covered exactly once" in out and out.rstrip().endswith("run completed")
     assert list(tmp_path.iterdir()) == []  # its temporary directory (the store too) is gone
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Any]:
+    helper = load_script("_etcd")
+    if helper.etcd_binary() is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    with helper.EtcdServer(tmp_path) as server:
+        yield server
+
+
+def test_an_etcd_standby_takes_over_and_relays_find_it_through_the_store(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc], etcd: Any) -> None:
+    store = f"etcd://{etcd.endpoint}/flodl/cli-standby"
+    summary = tmp_path / "summary.json"
+
+    def coordinator(*extra: str) -> Proc:
+        proc = Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--epochs",
+                    "8", "--total-samples", "160", "--store", store, "--summary-file",
+                    str(summary), *extra, env=env)
+        procs.append(proc)
+        return proc
+
+    leader = coordinator()
+    leader.line_with("relays can dial")
+    relays = []
+    for rank in (0, 1):
+        relay = Proc("relay", "--coordinator", store, "--host", f"h{rank}", "--ranks",
+                     str(rank), "--world-size", "2", env=env)
+        procs.append(relay)
+        relays.append(relay)
+    for rank, relay in enumerate(relays):
+        rank_address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
+        procs.append(Proc("rank", "--relay", rank_address, "--rank", str(rank), "--world-size",
+                          "2", "--batch-ms", "40", env=env))
+    leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
+    standby = coordinator("--standby")
+    waiting = standby.line_with("standby: ")
+    assert "is led by coordinator on " in waiting and f"pid {leader.popen.pid};" in waiting
+    leader.line_with("epoch 1/8:")
+    leader.popen.kill()
+    killed = time.monotonic()
+    assert leader.wait() == -9
+    adopted = standby.line_with("adopted the running session")
+    took_over = time.monotonic() - killed
+    assert f"of {store} as generation 2: 2 live ranks, 0 dead" in adopted, adopted
+    for n, relay in enumerate(relays):
+        assert "(generation 2;" in relay.line_with(f"relay h{n}: resumed with the coordinator")
+    resumed = time.monotonic() - killed
+    print(f"etcd standby (ttl 2 s): adopted {took_over:.2f} s after the leader's SIGKILL, "
+          f"both relays resumed after {resumed:.2f} s")
+    assert standby.wait() == 0, standby.err[-5:]
+    assert all(relay.wait() == 0 for relay in relays)
+    result = json.loads(summary.read_text())
+    assert result["epochs_completed"] == 8 and result["dead_ranks"] == []
+    assert result["coverage"]["exact"], result
