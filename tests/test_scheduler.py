@@ -234,6 +234,7 @@ async def test_every_rank_exiting_before_the_run_ends_raises_cluster_failure(
 def test_invalid_arguments_raise_config_error_naming_them() -> None:
     class FakeCoord:
         world_size = 2
+        checkpoint = None
 
     coord: Any = FakeCoord()
     with pytest.raises(ft.ConfigError, match="one partition ratio per rank"):

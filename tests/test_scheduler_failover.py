@@ -59,7 +59,7 @@ def mock_run(scenario: Any) -> None:
 # ---------------------------------------------------------------------------- the credit rule
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_whenever_ranks_die_every_epochs_synced_coverage_is_the_data_set_exactly_once(
         data: st.DataObject) -> None:
@@ -206,7 +206,7 @@ async def run_with_takeover(c: SimCluster, *, cancel_at: float, outage: float,
     return first, second, summary
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cancel_frac=st.floats(0.01, 0.95), outage=st.sampled_from([0.0, 0.02, 0.3]),
        batch_size=st.integers(1, 3), death=st.sampled_from([None, 1, 2]),
        death_after=st.integers(0, 12))
@@ -284,7 +284,7 @@ async def test_a_scheduler_on_a_finished_runs_checkpoint_only_shuts_the_ranks_do
         assert len(c.sims[r].record.of_type(StartEpoch)) == 1
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(saves=st.integers(1, 30), outage=st.sampled_from([0.0, 0.05]),
        doomed=st.sampled_from([None, 0, 2]), death_after=st.integers(1, 6),
        process_group=st.booleans())

@@ -27,7 +27,8 @@ over from it. Epochs closed before it are not run again. The current epoch goes 
    usual.
 
 Only a rank that dies in the same window, after acknowledging a sync that the checkpoint does not
-hold, is credited less than it synced: that part is processed again (at least once).
+hold, is credited less than it synced (as is one whose ``SyncAck`` died with its relay): that part
+is processed again (at least once).
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class Resuming(abc.ABC):
         coord.timeline.event(Note(what="scheduler_resumed", fields={
             "epoch": res.epoch, "epochs_completed": res.epochs_completed,
             "global_step": res.global_step}))
+        held = {r for r, share in res.shares.items() if share.done is None}
+        for rank in (coord.dead_ranks | coord.exited_ranks) - held:
+            self._members.leave(rank)  # gone before the checkpoint: nothing to settle
         if res.epoch >= self._num_epochs:  # the run had ended: only Shutdown is left
             self._finishing = self._final_sync_done = True
             self._ledger.finish()
@@ -142,10 +146,7 @@ class Resuming(abc.ABC):
             else:
                 await self._dispatch(res.epoch)
             return
-        held = {r for r, share in res.shares.items() if share.done is None}
         self._members.joining.update(coord.live_ranks - held)
-        for rank in (coord.dead_ranks | coord.exited_ranks) - held:
-            self._members.leave(rank)  # gone before the checkpoint: nothing to settle
         self._anchor_due = True
         gone = sorted(held - coord.live_ranks)
         if gone:
@@ -161,8 +162,9 @@ class Resuming(abc.ABC):
     async def _send_anchor(self) -> None:
         """The anchoring sync: each rank's ``SyncAck`` says how far it got in its share."""
         self._anchor_due = False
-        live = self._survivors()
-        self._anchoring = {r: self._ledger.shares[r].synced for r in live}
+        shares = self._ledger.shares
+        live = [r for r in self._survivors() if r in shares]
+        self._anchoring = {r: shares[r].synced for r in live}
         self._syncs += 1
         self._coord.timeline.event(Note(what="sync", fields={"global_step": self._global_step}))
         await self._broadcast(SyncNow())
@@ -181,6 +183,8 @@ class Resuming(abc.ABC):
         self._awaiting_batch = set(survivors)
         await self._save()
         for rank in survivors:
+            if rank not in shares:
+                continue
             (offset, size), *extensions = shares[rank].ranges
             await self._send(rank, StartEpoch(plan=EpochPlan(
                 epoch=self._ledger.epoch, partition_offset=offset, partition_size=size)))
