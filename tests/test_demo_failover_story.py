@@ -53,7 +53,7 @@ def test_a_restarted_coordinators_events_are_told_as_an_adoption_after_the_first
     assert told == [
         "  0.92s  adopted the running session as generation 2: 1 live ranks, 0 dead; resuming "
         "at epoch 2/2",
-        "  1.21s  relay host-a resumed with ranks [0] (generation 2)",
+        "  1.21s  relay host-a resumed with ranks [0]",
         "  1.22s  epoch 2/2 resumed from the checkpoint",
     ]
     assert story.restarts == 1 and story.generation == 2 and story.resumed == {"host-a"}

@@ -96,8 +96,8 @@ class Story:
         t = f"{t_ms / 1000.0:6.2f}s"
         if kind == "RelayJoined" and self.restarts:
             self.resumed.add(str(ev["host"]))
-            return (f"{t}  relay {ev['host']} resumed with ranks {ev['ranks']} (generation "
-                    f"{self.generation if self.generation is not None else '?'})")
+            # No generation here: a relay may resume before the coordinator's "adopted" note.
+            return f"{t}  relay {ev['host']} resumed with ranks {ev['ranks']}"
         if kind == "RelayJoined":
             self.covered += len(ev.get("ranks", []))
             return f"{t}  relay {ev['host']} joined with ranks {ev['ranks']} from {ev['peer']}"
