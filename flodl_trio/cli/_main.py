@@ -138,10 +138,10 @@ def _dispatch(args: Any) -> int:
         print(SessionSalt.generate().hex())
         return EXIT_OK
     if args.command in ("status", "coordinator", "relay", "rank"):
-        from . import _run as _cli_run
+        from . import _relay as _cli_relay, _run as _cli_run
 
         run = {"status": _cli_run.run_status, "coordinator": _cli_run.run_coordinator,
-               "relay": _cli_run.run_relay, "rank": _cli_run.run_rank}[args.command]
+               "relay": _cli_relay.run_relay, "rank": _cli_run.run_rank}[args.command]
         return trio.run(run, args)
     if args.command == "demo":
         from ..demo._run import run_demo

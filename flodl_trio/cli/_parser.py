@@ -93,13 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "same (a rank whose batches disagree is reported)")
     p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
     p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
+    p.add_argument("--store", metavar="URL",
+                   help="keep the session in a store so that a restarted or standby "
+                   "coordinator adopts the running cohort: sqlite:PATH, "
+                   "etcd://HOST:PORT[,HOST:PORT...]/PREFIX or memory: (docs/failover.rst)")
+    p.add_argument("--standby", action="store_true",
+                   help="with --store: if another coordinator leads it, wait for its "
+                   "leadership to end and then adopt the session (without it: exit 1 at once)")
+    p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
+                   help="after an adoption, seconds for each relay to resume before its ranks "
+                   "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
 
     p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "
                  "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
                  "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
-                   help="the coordinator's --listen address (required)")
+                   help="the coordinator's --listen address (required); or several, "
+                   "HOST:PORT,HOST:PORT, tried in turn on every attempt; or "
+                   "etcd://HOST:PORT/PREFIX, the --store of the coordinators, whose leader's "
+                   "address is read again on every attempt")
+    p.add_argument("--coordinator-grace", type=float, default=None, metavar="S",
+                   help="seconds to ride out a lost coordinator that runs with a --store "
+                   "(ranks kept, their frames queued, re-dialing) before giving up; 0: give up "
+                   "at once (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
     p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
     p.add_argument("--ranks", required=True, metavar="LIST",
                    help="global ranks of this host, e.g. 0-3,8 (required)")
@@ -169,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="start a killed host's relay and ranks again SECONDS after the kill: "
                    "they rejoin the running cohort (repeatable, one per host)")
+    p.add_argument("--kill-coordinator", type=float, default=None, metavar="SECONDS",
+                   help="run the coordinator with a session store (sqlite: in the temporary "
+                   "directory), SIGKILL it SECONDS after formation and start it again at once "
+                   "on the same port: it adopts the running session, the relays resume and the "
+                   "run goes on")
     p.add_argument("--timeline", metavar="FILE", help="also keep the coordinator's events here "
                    "(JSONL)")
     p.add_argument("--keep-logs", action="store_true",

@@ -16,17 +16,17 @@ from typing import Any
 import attrs
 import trio
 
-from .._config import CoordinatorConfig, MaxFailure, RankConfig, RelayConfig
-from .._errors import FlodlError, JoinRefused, WrongSession
+from .._config import CoordinatorConfig, MaxFailure, RankConfig
+from .._errors import FlodlError
 from ..coordinator import Coordinator, bind_coordinator, open_coordinator
 from ..net._transport import format_address
 from ..rank import open_rank
-from ..relay import open_relay
 from ..scheduler import RunSummary, SyncScheduler
 from ..sim import SimulatedRank
 from ..status import fetch_state
+from ..store import SessionStore
 from ..timeline import Timeline
-from ..wire import SaveReason, Shutdown, ShutdownWithSave
+from ..wire import SaveReason, SessionSalt, Shutdown, ShutdownWithSave
 from ._common import (
     EXIT_OK,
     STOP_SIGNALS,
@@ -37,15 +37,14 @@ from ._common import (
     load_salt,
     os_error_text,
     parse_address,
-    parse_model_sigs,
-    parse_ranks,
     write_text,
 )
+from ._durable import adopted, check_leader, close_store, open_cli_store
 from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
 
 
-def _stopped(stop: SignalStop, what: str) -> int:
+def stopped(stop: SignalStop, what: str) -> int:
     sys.stderr.write(f"flodl-trio: {what} stopped by {stop.describe()} (graceful shutdown "
                      "done)\n")
     return stop.exit_code
@@ -65,15 +64,6 @@ def _tls_server(args: argparse.Namespace) -> ssl.SSLContext | None:
     return context
 
 
-def _tls_client(args: argparse.Namespace) -> ssl.SSLContext | None:
-    if not args.tls_ca:
-        return None
-    try:
-        return ssl.create_default_context(cafile=args.tls_ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise UsageError(f"--tls-ca {args.tls_ca!r}: {os_error_text(exc)}") from None
-
-
 def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     overrides: dict[str, Any] = {}
     if args.formation_timeout is not None:
@@ -82,6 +72,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["heartbeat_timeout"] = args.heartbeat_timeout
     if args.max_failure is not None:
         overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
+    if args.resume_timeout is not None:
+        overrides["resume_timeout"] = args.resume_timeout
     return CoordinatorConfig(world_size=args.world_size,
                              allow_rank_takeover=args.allow_takeover, **overrides)
 
@@ -95,12 +87,24 @@ async def run_coordinator(args: argparse.Namespace) -> int:
                        (args.port_file, "--port-file")):
         if path:
             check_writable(path, what=what)
+    store = open_cli_store(args)
+    try:
+        return await _coordinate(args, salt, listen, config, ssl_context, store)
+    finally:
+        await close_store(store)
+
+
+async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple[str, int],
+                      config: CoordinatorConfig, ssl_context: ssl.SSLContext | None,
+                      store: SessionStore | None) -> int:
     timeline = Timeline(jsonl_path=args.timeline) if args.timeline else Timeline()
     summary: dict[str, Any] = {}
     failure: str | None = None
     crash: FlodlError | None = None
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
+        if store is not None:
+            await check_leader(store, standby=args.standby)
         try:
             bound = await bind_coordinator(listen, timeline=timeline)
         except OSError as exc:
@@ -116,9 +120,13 @@ async def run_coordinator(args: argparse.Namespace) -> int:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
             try:
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
-                                            ssl_context=ssl_context) as coord:
-                    print(f"formed: {coord.world_size} ranks over {len(coord.relays)} relays",
-                          flush=True)
+                                            ssl_context=ssl_context, store=store) as coord:
+                    if store is not None and coord.resumed:
+                        print(adopted(coord, store), flush=True)
+                    else:
+                        print(f"formed: {coord.world_size} ranks over {len(coord.relays)} "
+                              "relays" + (f" (generation {coord.generation} of "
+                                          f"{store.description})" if store else ""), flush=True)
                     summary, failure = await _drive(args, coord, nursery)
             except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
                 crash = exc
@@ -134,7 +142,7 @@ async def run_coordinator(args: argparse.Namespace) -> int:
         await write_text(args.summary_file, json.dumps(summary, indent=2), what="--summary-file")
     print(json.dumps({"summary": summary}), flush=True)
     if stop.signum is not None:
-        return _stopped(stop, "coordinator")
+        return stopped(stop, "coordinator")
     if crash is not None:
         raise crash
     if failure is not None:
@@ -199,46 +207,6 @@ async def _hold_until_all_exit(coord: Coordinator) -> None:
             return
 
 
-async def run_relay(args: argparse.Namespace) -> int:
-    salt = load_salt(args, long_running=True)
-    target = parse_address(args.coordinator, what="--coordinator")
-    ranks = parse_ranks(args.ranks)
-    sigs = parse_model_sigs(args.model_sig)
-    ssl_context = _tls_client(args)
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-        stop = SignalStop(signals)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop.watch, nursery.cancel_scope)
-            try:
-                relay_cm = open_relay(target, salt=salt, host=args.host, ranks=ranks,
-                                      world_size=args.world_size, rank_listen=args.rank_port,
-                                      config=RelayConfig(), ssl_context=ssl_context,
-                                      server_hostname=args.tls_server_name,
-                                      model_sigs=sigs)
-                async with relay_cm as relay:
-                    print(f"relay {args.host} ranks {ranks} listening for ranks on "
-                          f"{format_address(relay.rank_address)}", flush=True)
-                    outcome = await relay.wait_closed()
-                    print(f"relay {args.host} ended: {outcome.reason}", flush=True)
-            except OSError as exc:
-                raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"
-                                    f"{args.rank_port}: {os_error_text(exc)}") from None
-            except JoinRefused as exc:
-                reason = " ".join(exc.reason.split())  # one line, whatever the coordinator sent
-                raise CommandFailed(f"relay {args.host}: refused by the coordinator at "
-                                    f"{exc.peer}: {reason}") from exc
-            except WrongSession as exc:
-                raise CommandFailed(f"relay {args.host}: the session salt differs from the "
-                                    f"coordinator's at {exc.peer}, or that is not a coordinator "
-                                    "of this session (--debug for detail)") from exc
-            nursery.cancel_scope.cancel()
-    if stop.signum is not None:
-        return _stopped(stop, f"relay {args.host}")
-    if not outcome.clean:
-        raise CommandFailed(f"relay {args.host}: {outcome.reason}")
-    return EXIT_OK
-
-
 async def run_rank(args: argparse.Namespace) -> int:
     salt = load_salt(args, long_running=True)
     target = parse_address(args.relay, what="--relay")
@@ -253,7 +221,7 @@ async def run_rank(args: argparse.Namespace) -> int:
                 record = await sim.run()
             nursery.cancel_scope.cancel()
     if stop.signum is not None:
-        return _stopped(stop, f"rank {args.rank}")
+        return stopped(stop, f"rank {args.rank}")
     last = record.received[-1] if record.received else None
     print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
           flush=True)

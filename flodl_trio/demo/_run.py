@@ -23,20 +23,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ..cli._common import CommandFailed, Terminated, UsageError, check_writable
 from ..cli._errors import MAX_LINE, shorten
 from ..wire import SessionSalt
+from ._cluster import LOG_HINT, Cluster
 from ._story import Story
 
 START_DEADLINE_S = 30.0
 RUN_DEADLINE_S = 120.0
 POLL_S = 0.1
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flodl_trio", *args]
 
 
 def _parse_kills(specs: list[str], hosts: list[str],
@@ -68,105 +65,6 @@ def _parse_restarts(specs: list[str], hosts: list[str],
     return restarts
 
 
-def _log(folder: Path, name: str) -> IO[str]:
-    # Children's stderr goes to a file each: a killed relay's ranks report CoordinatorLost, which
-    # is the point of the demo, not noise for the terminal.
-    return (folder / f"{name}.log").open("w", encoding="utf-8")
-
-
-# The kept directory's path is printed on stdout ("process logs kept in ..."): a temporary path
-# would take most of the one error line.
-LOG_HINT = " (see coordinator.log in the process logs kept)"
-
-
-def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the child prints it right after binding
-    if not line:
-        raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
-                            f"printing its address (see {what}.log in the process logs kept)")
-    return line
-
-
-class _Cluster:
-    """The child processes, started in order; ``stop()`` ends every one still running."""
-
-    def __init__(self, args: argparse.Namespace, env: dict[str, str], logs: Path,
-                 timeline: Path, summary: Path) -> None:
-        self.args, self.env, self.logs = args, env, logs
-        self.timeline, self.summary = timeline, summary
-        self.coord: subprocess.Popen[str] | None = None
-        self.relays: dict[str, subprocess.Popen[str]] = {}
-        self.ranks: dict[int, subprocess.Popen[str]] = {}
-        self.replaced: list[subprocess.Popen[str]] = []  # killed hosts' processes, restarted
-        self.restarted: set[str] = set()
-        self.address = ""
-        self.layout: dict[str, list[int]] = {}
-        self.world = 0
-        self.files: list[IO[str]] = []
-
-    def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
-        err = _log(self.logs, log)
-        self.files.append(err)
-        return subprocess.Popen(argv, env=self.env, stdout=stdout, stderr=err,
-                                stdin=subprocess.DEVNULL, text=True)
-
-    def start(self, layout: dict[str, list[int]], world: int) -> str:
-        a = self.args
-        self.coord = self._start(_cli(
-            "--log-level", "INFO", "coordinator", "--listen", "127.0.0.1:0", "--world-size",
-            str(world), "--epochs", str(a.epochs), "--total-samples", str(a.total_samples),
-            "--batch-size", str(a.batch_size), "--timeline", str(self.timeline),
-            "--summary-file", str(self.summary), "--heartbeat-timeout", "5"),
-            "coordinator", stdout=subprocess.PIPE)
-        self.address = _read_line(self.coord, "coordinator", self.logs).strip().rsplit(
-            " ", 1)[-1]
-        self.layout, self.world = layout, world
-        for host in layout:
-            self.start_host(host)
-        return self.address
-
-    def start_host(self, host: str, *, again: bool = False) -> None:
-        """Start ``host``'s relay, then its rank processes (``again``: after a kill)."""
-        a, ranks = self.args, self.layout[host]
-        slower = 1 + list(self.layout).index(host)
-        log = f"{host}-restarted" if again else host
-        if again:
-            self.replaced += [self.relays[host], *(self.ranks[r] for r in ranks)]
-        relay = self._start(_cli(
-            "relay", "--coordinator", self.address, "--host", host, "--ranks",
-            ",".join(map(str, ranks)), "--world-size", str(self.world)), log,
-            stdout=subprocess.PIPE)
-        self.relays[host] = relay
-        rank_address = _read_line(relay, log, self.logs).split()[-1]
-        for r in ranks:
-            self.ranks[r] = self._start(_cli(
-                "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
-                str(self.world), "--batch-size", str(a.batch_size), "--batch-ms",
-                str(a.batch_ms * slower)), f"rank-{r}-restarted" if again else f"rank-{r}",
-                stdout=subprocess.DEVNULL)
-
-    def children(self) -> list[subprocess.Popen[str]]:
-        return [*self.relays.values(), *self.ranks.values()]
-
-    def stop(self) -> int:
-        procs = [p for p in [self.coord, *self.children(), *self.replaced] if p is not None]
-        running = [p for p in procs if p.poll() is None]
-        for p in running:
-            p.terminate()  # SIGTERM: each stops gracefully and exits 143
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=5)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        for f in self.files:
-            f.close()
-        return len(running)
-
-
 def run_demo(args: argparse.Namespace) -> int:
     hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
     per = args.ranks_per_host
@@ -176,6 +74,9 @@ def run_demo(args: argparse.Namespace) -> int:
     world = args.hosts * per
     kills = _parse_kills(args.kill_relay, hosts)
     restarts = _parse_restarts(args.restart_relay, hosts, kills)
+    if args.kill_coordinator is not None and not args.kill_coordinator >= 0:
+        raise UsageError(f"--kill-coordinator: expected seconds >= 0, got "
+                         f"{args.kill_coordinator!r}")
     if args.timeline:
         check_writable(args.timeline, what="--timeline")
         Path(args.timeline).unlink()
@@ -184,7 +85,8 @@ def run_demo(args: argparse.Namespace) -> int:
     logs = work / "logs"
     logs.mkdir()
     timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
-    cluster = _Cluster(args, env, logs, timeline, work / "summary.json")
+    store = f"sqlite:{work / 'session.db'}" if args.kill_coordinator is not None else None
+    cluster = Cluster(args, env, logs, timeline, work / "summary.json", store=store)
     keep = bool(args.keep_logs)
     print(f"flodl-trio demo: {args.hosts} hosts x {per} ranks = world {world}, {args.epochs} "
           f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
@@ -210,7 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[int]],
+def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[int]],
            world: int, kills: dict[str, float], restarts: dict[str, float]) -> int:
     story = Story(cluster.timeline, args.epochs)
     live_ui = not args.no_live and sys.stdout.isatty()
@@ -218,6 +120,7 @@ def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[i
     formed_at: float | None = None
     killed: set[str] = set()
     killed_at: dict[str, float] = {}
+    killed_coord = False
     coord = cluster.coord
     assert coord is not None
     live_cm: Any = contextlib.nullcontext()
@@ -241,6 +144,15 @@ def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[i
                                     "(exit 2)")
             if formed_at is None and story.formed_ms is not None:
                 formed_at = time.monotonic()
+            if formed_at is not None and not killed_coord and args.kill_coordinator is not None \
+                    and time.monotonic() - formed_at >= args.kill_coordinator:
+                killed_coord = True
+                pid = cluster.kill_coordinator()
+                coord = cluster.coord
+                assert coord is not None
+                say(f"{'':>7}  SIGKILLed the coordinator (pid {pid}) {args.kill_coordinator:g}s "
+                    f"after formation, in epoch {max(story.epoch, 0) + 1}/{args.epochs}; "
+                    f"started it again on {cluster.address} with {cluster.store}")
             for host, when in kills.items():
                 if formed_at is not None and host not in killed and \
                         time.monotonic() - formed_at >= when:
@@ -267,6 +179,9 @@ def _watch(args: argparse.Namespace, cluster: _Cluster, layout: dict[str, list[i
             time.sleep(POLL_S)
         for line in story.poll():
             say(line)
+        if args.kill_coordinator is not None and not killed_coord:
+            say(f"  the coordinator was not killed: the run ended before its kill was due "
+                f"({args.kill_coordinator:g}s after formation)")
         for host, when in restarts.items():  # not yet started when the coordinator ended
             say(f"  {host} was not restarted: the run ended before its restart was due "
                 f"({when:g}s after the kill)")
@@ -293,7 +208,7 @@ def _table(story: Story, layout: dict[str, list[int]], world: int, killed: set[s
     return table
 
 
-def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed: set[str],
+def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: set[str],
               layout: dict[str, list[int]]) -> int:
     assert cluster.coord is not None
     code = cluster.coord.wait()
@@ -315,7 +230,9 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
         room = MAX_LINE - len(f"flodl-trio: demo: the run failed: {LOG_HINT}") - 1
         raise CommandFailed(f"demo: the run failed: {shorten(reason, room)}{LOG_HINT}")
     done = summary.get("epochs_completed")
-    print(f"summary: {done}/{args.epochs} epochs in {summary.get('elapsed_s', 0.0):.1f} s, "
+    since = " since the adoption" if summary.get("resumed") else ""
+    elapsed = summary.get("elapsed_s", 0.0)
+    print(f"summary: {done}/{args.epochs} epochs in {elapsed:.1f} s{since}, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
     for m in summary.get("epoch_metrics", []):
@@ -327,6 +244,9 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
              f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
     coverage = summary.get("coverage", {})
+    if cluster.coordinators > 1:
+        print(_failover_text(story, cluster, dead))
+        coverage = _coverage_across(story, args.epochs)
     print("  every epoch covered exactly once" if coverage.get("exact") else
           f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
@@ -339,6 +259,27 @@ def _conclude(args: argparse.Namespace, cluster: _Cluster, story: Story, killed:
                             f"{LOG_HINT}")
     print("run completed")
     return 0
+
+
+def _failover_text(story: Story, cluster: Cluster, dead: list[int]) -> str:
+    """The summary's line on the coordinator's failover: the adoption, the relays that
+    resumed, and whether any rank was declared dead."""
+    hosts = sorted(cluster.layout)
+    waiting = [h for h in hosts if h not in story.resumed]
+    adopted = (f"adopted as generation {story.generation}" if story.generation is not None
+               else "NOT adopted (no adoption in the timeline)")
+    resumed = (f"relays resumed: {', '.join(h for h in hosts if h in story.resumed) or 'none'}"
+               + (f" (not: {', '.join(waiting)})" if waiting else ""))
+    deaths = "no rank declared dead" if not dead else f"ranks declared dead: {dead}"
+    return f"  coordinator SIGKILLed and restarted: {adopted}; {resumed}; {deaths}"
+
+
+def _coverage_across(story: Story, epochs: int) -> dict[str, Any]:
+    """The run's coverage from the ``epoch_covered`` notes of every coordinator (the last
+    summary holds only the epochs its own scheduler closed)."""
+    inexact = [{"epoch": e + 1, "exactly_once": story.epoch_coverage.get(e, "not recorded")}
+               for e in range(epochs) if story.epoch_coverage.get(e) is not True]
+    return {"exact": not inexact, "inexact": inexact}
 
 
 def _read_summary(path: Path) -> dict[str, Any]:

@@ -37,6 +37,13 @@ class Story:
         exited: ranks that left cleanly.
         rejoined: ranks that came back after their death (issue 26).
         events: timeline lines read.
+        restarts: coordinators started after the cohort formed (each appends to the same
+            timeline, its clock from 0: the story's clock goes on from the last event).
+        generation: the generation of the last coordinator that adopted the session (None:
+            none did).
+        resumed: hosts whose relay resumed with an adopting coordinator.
+        epoch_coverage: epoch -> whether the scheduler counted its samples exactly once (the
+            ``epoch_covered`` notes of every coordinator of the run).
     """
 
     def __init__(self, path: Path, epochs: int) -> None:
@@ -51,6 +58,12 @@ class Story:
         self.exited: set[int] = set()
         self.rejoined: set[int] = set()
         self.events = 0
+        self.restarts = 0
+        self.generation: int | None = None
+        self.resumed: set[str] = set()
+        self.epoch_coverage: dict[int, bool] = {}
+        self._offset_ms = 0.0
+        self._last_ms = 0.0
 
     def poll(self) -> list[str]:
         """The story lines of every event appended since the last call."""
@@ -75,10 +88,21 @@ class Story:
 
     def _tell(self, ev: dict[str, Any]) -> str | None:
         kind = ev.get("kind")
-        t = f"{ev.get('t_ms', 0.0) / 1000.0:6.2f}s"
+        if kind == "Listening" and self.formed_ms is not None:  # a restarted coordinator
+            self.restarts += 1
+            self._offset_ms = self._last_ms
+        t_ms = float(ev.get("t_ms", 0.0)) + self._offset_ms
+        self._last_ms = max(self._last_ms, t_ms)
+        t = f"{t_ms / 1000.0:6.2f}s"
+        if kind == "RelayJoined" and self.restarts:
+            self.resumed.add(str(ev["host"]))
+            # No generation here: a relay may resume before the coordinator's "adopted" note.
+            return f"{t}  relay {ev['host']} resumed with ranks {ev['ranks']}"
         if kind == "RelayJoined":
             self.covered += len(ev.get("ranks", []))
             return f"{t}  relay {ev['host']} joined with ranks {ev['ranks']} from {ev['peer']}"
+        if kind == "FormationComplete" and self.restarts:
+            return None  # an adopted session that had formed completes at once: told above
         if kind == "FormationComplete":
             self.formed_ms = float(ev["elapsed_ms"])
             return (f"{t}  formed in {self.formed_ms:.0f} ms: {ev['relays']} relays, "
@@ -112,8 +136,18 @@ class Story:
             self.syncs += 1
             return None
         if what == "epoch_started":
+            again = int(fields.get("epoch", self.epoch + 1)) == self.epoch
             self.epoch = int(fields.get("epoch", self.epoch + 1))
-            return f"{t}  epoch {self.epoch + 1}/{self.epochs} started"
+            return (f"{t}  epoch {self.epoch + 1}/{self.epochs} "
+                    f"{'resumed from the checkpoint' if again else 'started'}")
+        if what == "adopted":
+            self.generation = int(fields["generation"])
+            return (f"{t}  adopted the running session as generation {self.generation}: "
+                    f"{len(fields['live'])} live ranks, {len(fields['dead'])} dead; resuming at "
+                    f"epoch {int(fields['epoch']) + 1}/{self.epochs}")
+        if what == "epoch_covered":
+            self.epoch_coverage[int(fields["epoch"])] = bool(fields["exactly_once"])
+            return None
         if what == "epoch_aggregated":
             return (f"{t}  epoch {int(fields['epoch']) + 1}/{self.epochs} done: avg loss "
                     f"{float(fields['avg_loss']):.4f}, {self.syncs} syncs so far")

@@ -46,6 +46,17 @@ class SessionStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def current_leader(self) -> str | None:
+        """Who leads the store right now (the ``owner`` its leader gave :meth:`acquire`), or
+        None when nobody does; it never waits for the leadership and never takes it. A
+        command line uses it to refuse, at once, a second coordinator that was not started as
+        a standby.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached at all (names the endpoint or path).
+        """
+
+    @abc.abstractmethod
     async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
                               = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the leadership acquired by :meth:`acquire` alive (lease renewals) for as long
@@ -99,6 +110,7 @@ class _Shared:
 
     generation: int = 0
     leader: int | None = None  # the generation holding the leadership, if any
+    owner: str = ""  # who holds it (as given to acquire)
     state: bytes | None = None
     addresses: tuple[tuple[str, int], ...] = ()
     changed: trio.Event = attrs.field(factory=trio.Event)
@@ -135,8 +147,13 @@ class MemoryStore(SessionStore):
             await shared.changed.wait()
         shared.generation += 1
         shared.leader = self._generation = shared.generation
+        shared.owner = owner
         shared.poke()
         return shared.generation
+
+    async def current_leader(self) -> str | None:
+        await trio.lowlevel.checkpoint()
+        return self._shared.owner if self._shared.leader is not None else None
 
     async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
                               = trio.TASK_STATUS_IGNORED) -> None:

@@ -93,6 +93,18 @@ class EtcdStore(SessionStore):
                 return won
             await trio.sleep(poll)
 
+    async def current_leader(self) -> str | None:
+        await self._check_health()
+        leader = await self._get("leader")
+        if leader is None:
+            return None
+        raw = unb64(leader.get("value"))
+        try:
+            return str(json.loads(raw)["owner"])
+        except (ValueError, KeyError, TypeError):
+            raise StoreCorrupt(f"leader record at {self._where('leader')}: expected JSON with "
+                               f"an owner, got {raw[:80]!r}") from None
+
     async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
                               = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease is None or self._generation is None:

@@ -75,6 +75,10 @@ class SqliteStore(SessionStore):
         self._lock_fd, self._generation = fd, generation
         return generation
 
+    async def current_leader(self) -> str | None:
+        await self._run(lambda db: None)  # a damaged or foreign file is refused here too
+        return await trio.to_thread.run_sync(self._leader_owner)
+
     async def keep_leadership(self, *, task_status: trio.TaskStatus[None]
                               = trio.TASK_STATUS_IGNORED) -> None:
         if self._generation is None:
@@ -190,6 +194,17 @@ class SqliteStore(SessionStore):
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _leader_owner(self) -> str | None:
+        """The owner the leader wrote into the lock file, if some process holds its flock."""
+        if not self._someone_leads():
+            return None
+        try:
+            text = self.lock_path.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            text = ""
+        # Empty for the instant between the leader's flock and its write of the owner.
+        return text or f"another process (it holds {self.lock_path})"
 
     def _someone_leads(self) -> bool:
         """Whether some process holds the leader's flock (a shared probe that fails)."""

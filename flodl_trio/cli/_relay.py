@@ -1,0 +1,128 @@
+"""``flodl-trio relay``: one host's relay, dialing ``--coordinator`` (one address, a fixed list,
+or the leader's address in an ``etcd://`` session store) and riding out a lost durable
+coordinator for ``--coordinator-grace`` seconds (docs/failover.rst)."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from typing import Any
+
+import trio
+
+from .._config import RelayConfig
+from .._errors import JoinRefused, WrongSession
+from ..net._transport import format_address
+from ..relay import Relay, open_relay
+from ._common import (
+    EXIT_OK,
+    STOP_SIGNALS,
+    CommandFailed,
+    SignalStop,
+    UsageError,
+    load_salt,
+    os_error_text,
+    parse_model_sigs,
+    parse_ranks,
+)
+from ._errors import MAX_LINE, shorten
+from ._run import stopped
+from ._targets import CoordinatorDialer, coordinator_target
+
+POLL_S = 0.1  # how often the relay's failover state is looked at, for its lines
+
+
+def _tls_client(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_ca:
+        return None
+    try:
+        return ssl.create_default_context(cafile=args.tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-ca {args.tls_ca!r}: {os_error_text(exc)}") from None
+
+
+def relay_config(args: argparse.Namespace) -> RelayConfig:
+    overrides: dict[str, Any] = {}
+    if args.coordinator_grace is not None:
+        if not args.coordinator_grace >= 0:
+            raise UsageError(f"--coordinator-grace: expected seconds >= 0, got "
+                             f"{args.coordinator_grace!r}")
+        overrides["coordinator_grace"] = args.coordinator_grace
+    return RelayConfig(**overrides)
+
+
+async def tell_failover(relay: Relay, host: str, grace: float, *,
+                        interval: float = POLL_S) -> None:
+    """Print one line when the relay loses its durable coordinator and rides it out, and one
+    when it resumed (polled: the relay's state, every ``interval`` seconds, until cancelled)."""
+    resumed = relay.reconnects
+    away_said = False
+    while True:
+        away = relay.reconnecting
+        if away is not None and not away_said:
+            away_said = True
+            print(shorten(f"relay {host}: lost the coordinator ({away}); riding it out for up "
+                          f"to {grace:g} s, re-dialing", MAX_LINE), flush=True)
+        if relay.reconnects > resumed:
+            resumed = relay.reconnects
+            away_said = relay.reconnecting is not None
+            dropped = relay.dropped_while_reconnecting
+            print(f"relay {host}: resumed with the coordinator (generation "
+                  f"{relay.generation}; {dropped} frame(s) from the ranks dropped meanwhile)",
+                  flush=True)
+        await trio.sleep(interval)
+
+
+async def run_relay(args: argparse.Namespace) -> int:
+    salt = load_salt(args, long_running=True)
+    config = relay_config(args)
+    ranks = parse_ranks(args.ranks)
+    sigs = parse_model_sigs(args.model_sig)
+    ssl_context = _tls_client(args)
+    target = coordinator_target(args.coordinator, config=config)
+    try:
+        return await _relay(args, target, config=config, salt=salt, ranks=ranks, sigs=sigs,
+                            ssl_context=ssl_context)
+    finally:
+        if isinstance(target, CoordinatorDialer):
+            await target.aclose()
+
+
+async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, salt: Any,
+                 ranks: list[int], sigs: dict[str, bytes],
+                 ssl_context: ssl.SSLContext | None) -> int:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        stop = SignalStop(signals)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop.watch, nursery.cancel_scope)
+            try:
+                relay_cm = open_relay(target, salt=salt, host=args.host, ranks=ranks,
+                                      world_size=args.world_size, rank_listen=args.rank_port,
+                                      config=config, ssl_context=ssl_context,
+                                      server_hostname=args.tls_server_name,
+                                      model_sigs=sigs)
+                async with relay_cm as relay, trio.open_nursery() as watching:
+                    print(f"relay {args.host} ranks {ranks} listening for ranks on "
+                          f"{format_address(relay.rank_address)}", flush=True)
+                    watching.start_soon(tell_failover, relay, args.host,
+                                        config.coordinator_grace)
+                    outcome = await relay.wait_closed()
+                    watching.cancel_scope.cancel()
+                    print(f"relay {args.host} ended: {outcome.reason}", flush=True)
+            except OSError as exc:
+                raise CommandFailed(f"relay {args.host}: cannot listen for ranks on 127.0.0.1:"
+                                    f"{args.rank_port}: {os_error_text(exc)}") from None
+            except JoinRefused as exc:
+                reason = " ".join(exc.reason.split())  # one line, whatever the coordinator sent
+                raise CommandFailed(f"relay {args.host}: refused by the coordinator at "
+                                    f"{exc.peer}: {reason}") from exc
+            except WrongSession as exc:
+                raise CommandFailed(f"relay {args.host}: the session salt differs from the "
+                                    f"coordinator's at {exc.peer}, or that is not a coordinator "
+                                    "of this session (--debug for detail)") from exc
+            nursery.cancel_scope.cancel()
+    if stop.signum is not None:
+        return stopped(stop, f"relay {args.host}")
+    if not outcome.clean:
+        raise CommandFailed(f"relay {args.host}: {outcome.reason}")
+    return EXIT_OK

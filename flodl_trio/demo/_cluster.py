@@ -1,0 +1,142 @@
+"""The demo's child processes: the coordinator, one relay per host and one rank per rank, each
+a ``flodl-trio`` command with its stderr in a log file of its own; a killed coordinator or host
+can be started again (``--kill-coordinator``, ``--restart-relay``)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from ..cli._common import CommandFailed
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flodl_trio", *args]
+
+
+def _log(folder: Path, name: str) -> IO[str]:
+    # Children's stderr goes to a file each: a killed relay's ranks report CoordinatorLost, which
+    # is the point of the demo, not noise for the terminal.
+    return (folder / f"{name}.log").open("w", encoding="utf-8")
+
+
+# The kept directory's path is printed on stdout ("process logs kept in ..."): a temporary path
+# would take most of the one error line.
+LOG_HINT = " (see coordinator.log in the process logs kept)"
+
+
+def _read_line(proc: subprocess.Popen[str], what: str, logs: Path) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the child prints it right after binding
+    if not line:
+        raise CommandFailed(f"demo: the {what} process exited with code {proc.wait()} before "
+                            f"printing its address (see {what}.log in the process logs kept)")
+    return line
+
+
+class Cluster:
+    """The child processes, started in order; ``stop()`` ends every one still running."""
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], logs: Path,
+                 timeline: Path, summary: Path, *, store: str | None = None) -> None:
+        self.args, self.env, self.logs = args, env, logs
+        self.timeline, self.summary = timeline, summary
+        self.store = store  # the coordinator's --store (``--kill-coordinator``)
+        self.coordinators = 0  # coordinator processes started
+        self.coord: subprocess.Popen[str] | None = None
+        self.relays: dict[str, subprocess.Popen[str]] = {}
+        self.ranks: dict[int, subprocess.Popen[str]] = {}
+        self.replaced: list[subprocess.Popen[str]] = []  # killed hosts' processes, restarted
+        self.restarted: set[str] = set()
+        self.address = ""
+        self.layout: dict[str, list[int]] = {}
+        self.world = 0
+        self.files: list[IO[str]] = []
+
+    def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
+        err = _log(self.logs, log)
+        self.files.append(err)
+        return subprocess.Popen(argv, env=self.env, stdout=stdout, stderr=err,
+                                stdin=subprocess.DEVNULL, text=True)
+
+    def start(self, layout: dict[str, list[int]], world: int) -> str:
+        self.layout, self.world = layout, world
+        self.start_coordinator("127.0.0.1:0")
+        for host in layout:
+            self.start_host(host)
+        return self.address
+
+    def start_coordinator(self, listen: str) -> None:
+        """Start a coordinator process listening on ``listen`` (the first one, or one that
+        takes over the session of a killed one: same port, same store, same timeline)."""
+        a = self.args
+        self.coordinators += 1
+        log = "coordinator" if self.coordinators == 1 else f"coordinator-{self.coordinators}"
+        store = ["--store", self.store] if self.store else []
+        self.coord = self._start(_cli(
+            "--log-level", "INFO", "coordinator", "--listen", listen, "--world-size",
+            str(self.world), "--epochs", str(a.epochs), "--total-samples",
+            str(a.total_samples), "--batch-size", str(a.batch_size), "--timeline",
+            str(self.timeline), "--summary-file", str(self.summary), "--heartbeat-timeout", "5",
+            *store), log, stdout=subprocess.PIPE)
+        self.address = _read_line(self.coord, log, self.logs).strip().rsplit(" ", 1)[-1]
+
+    def kill_coordinator(self) -> int:
+        """SIGKILL the coordinator (no goodbye: the OS closes its sockets) and start another at
+        once on the same port with the same store; return the killed one's pid."""
+        old = self.coord
+        assert old is not None
+        old.kill()
+        old.wait()
+        self.replaced.append(old)
+        # The killed process may have died in the middle of a timeline line: end it, so that
+        # the next coordinator's first event starts a line of its own.
+        with self.timeline.open("rb+") as f:
+            if f.seek(0, 2) > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+        self.start_coordinator(self.address)
+        return old.pid
+
+    def start_host(self, host: str, *, again: bool = False) -> None:
+        """Start ``host``'s relay, then its rank processes (``again``: after a kill)."""
+        a, ranks = self.args, self.layout[host]
+        slower = 1 + list(self.layout).index(host)
+        log = f"{host}-restarted" if again else host
+        if again:
+            self.replaced += [self.relays[host], *(self.ranks[r] for r in ranks)]
+        relay = self._start(_cli(
+            "relay", "--coordinator", self.address, "--host", host, "--ranks",
+            ",".join(map(str, ranks)), "--world-size", str(self.world)), log,
+            stdout=subprocess.PIPE)
+        self.relays[host] = relay
+        rank_address = _read_line(relay, log, self.logs).split()[-1]
+        for r in ranks:
+            self.ranks[r] = self._start(_cli(
+                "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
+                str(self.world), "--batch-size", str(a.batch_size), "--batch-ms",
+                str(a.batch_ms * slower)), f"rank-{r}-restarted" if again else f"rank-{r}",
+                stdout=subprocess.DEVNULL)
+
+    def children(self) -> list[subprocess.Popen[str]]:
+        return [*self.relays.values(), *self.ranks.values()]
+
+    def stop(self) -> int:
+        procs = [p for p in [self.coord, *self.children(), *self.replaced] if p is not None]
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.terminate()  # SIGTERM: each stops gracefully and exits 143
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        for f in self.files:
+            f.close()
+        return len(running)

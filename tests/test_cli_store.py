@@ -1,0 +1,165 @@
+"""``flodl-trio coordinator --store`` as real processes: a second coordinator on a led store
+fails at once in one line unless it is a ``--standby`` (which waits, then leads); a store that is
+not one, or an etcd nobody answers on, is one line naming it, exit 1, fast."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_cli_exit_codes import Proc, one_line
+
+from helpers import load_script
+
+PATIENCE = 20.0  # real seconds, only a bound
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    out = dict(os.environ, FLODL_SALT_HEX="ab" * 16)
+    out.pop("FLODL_NET_TIMEOUT_SCALE", None)
+    return out
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def coordinator(env: dict[str, str], store: str, *extra: str) -> Proc:
+    return Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--store", store,
+                *extra, env=env)
+
+
+def leader_of(lock: Path) -> str:
+    """The owner a leading coordinator wrote into the store's lock file (waits for it)."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        text = lock.read_text() if lock.exists() else ""
+        if text.strip():
+            return text.strip()
+        time.sleep(0.05)
+    raise AssertionError(f"nobody leads {lock}")
+
+
+def test_a_second_coordinator_on_a_led_store_fails_at_once_unless_it_is_a_standby(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    store = f"sqlite:{tmp_path / 's.db'}"
+    first = coordinator(env, store)
+    procs.append(first)
+    owner = leader_of(tmp_path / "s.db.lock")
+    assert f"pid {first.popen.pid}" in owner
+
+    started = time.monotonic()
+    second = coordinator(env, store)
+    procs.append(second)
+    assert second.wait() == 1
+    assert time.monotonic() - started < 10  # at once: it did not wait for the leadership
+    line = one_line(second)
+    assert line == (f"flodl-trio: coordinator: store {store} is led by {owner}; pass --standby "
+                    "to wait for it"), line
+    assert not any("listening" in out for out in second.out)  # refused before binding a port
+
+    standby = coordinator(env, store, "--standby")
+    procs.append(standby)
+    assert f"is led by {owner}; waiting" in standby.line_with("standby:")
+    standby.line_with("relays can dial")  # its port is bound while it waits
+    time.sleep(0.5)
+    assert standby.popen.poll() is None and f"pid {first.popen.pid}" in leader_of(
+        tmp_path / "s.db.lock")
+    first.signal(signal.SIGTERM)  # a graceful end releases the leadership at once
+    assert first.wait() == 143
+    deadline = time.monotonic() + PATIENCE
+    while f"pid {standby.popen.pid}" not in leader_of(tmp_path / "s.db.lock"):
+        assert time.monotonic() < deadline, "the standby never took the leadership"
+        time.sleep(0.05)
+    assert standby.popen.poll() is None  # it leads and forms, waiting for relays
+
+
+def test_a_file_that_is_not_a_store_is_one_line_naming_it(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    path = tmp_path / "state.db"
+    path.write_bytes(b"not a database at all " * 200)
+    proc = coordinator(env, f"sqlite:{path}")
+    procs.append(proc)
+    assert proc.wait() == 1
+    line = one_line(proc)
+    assert line.startswith("flodl-trio: StoreCorrupt: ") and str(path) in line, line
+
+
+def test_an_etcd_nobody_answers_on_is_one_line_naming_it_fast(
+        env: dict[str, str], procs: list[Proc]) -> None:
+    port = load_script("_etcd").free_port()  # nothing listens there
+    started = time.monotonic()
+    proc = coordinator(env, f"etcd://127.0.0.1:{port}/x")
+    procs.append(proc)
+    assert proc.wait() == 1
+    assert time.monotonic() - started < 8
+    line = one_line(proc)
+    assert re.match(rf"flodl-trio: StoreUnavailable: store etcd://127\.0\.0\.1:{port}/x: ", line)
+    assert "refused" in line, line
+
+
+def test_a_store_url_of_no_known_form_and_standby_without_store_are_usage_errors(
+        env: dict[str, str], procs: list[Proc]) -> None:
+    bad = coordinator(env, "postgres://db/x")
+    standby = Proc("coordinator", "--world-size", "2", "--standby", env=env)
+    relay = ["relay", "--host", "h", "--ranks", "0", "--world-size", "1"]
+    store_target = Proc(*relay, "--coordinator", "sqlite:/tmp/x.db", env=env)
+    negative_grace = Proc(*relay, "--coordinator", "127.0.0.1:7000", "--coordinator-grace",
+                          "-1", env=env)
+    procs += [bad, standby, store_target, negative_grace]
+    assert all(p.wait() == 2 for p in (bad, standby, store_target, negative_grace))
+    assert "--store: store 'postgres://db/x': unknown scheme 'postgres'" in one_line(bad)
+    assert "--standby waits for the leadership of a --store" in one_line(standby)
+    assert ("--coordinator: expected HOST:PORT[,HOST:PORT...] or etcd://HOST:PORT/PREFIX, got "
+            "'sqlite:/tmp/x.db'") in one_line(store_target)
+    assert "--coordinator-grace: expected seconds >= 0, got -1.0" in one_line(negative_grace)
+
+
+def test_a_store_holding_another_runs_session_is_one_line_naming_it(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    import trio
+
+    from flodl_trio.store import SessionState, SqliteStore, salt_id
+    from flodl_trio.wire import SessionSalt
+
+    path = tmp_path / "other.db"
+
+    async def save_another_run() -> None:
+        store = SqliteStore(path)
+        generation = await store.acquire(owner="a coordinator of another run")
+        await store.save(SessionState(
+            salt_id=salt_id(SessionSalt(bytes(16))), world_size=2, model_sigs={}, roster=(),
+            dead={}, failures=0, generation=generation, formed=False, checkpoint=None))
+        await store.aclose()
+
+    trio.run(save_another_run)
+    proc = coordinator(env, f"sqlite:{path}")
+    procs.append(proc)
+    assert proc.wait() == 1
+    line = one_line(proc)
+    assert line.startswith(f"flodl-trio: StoreCorrupt: session state at sqlite:{path}: "
+                           "expected the session of salt id"), line
+
+
+def test_a_coordinator_that_loses_its_leadership_exits_1_with_one_line(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    path = tmp_path / "lost.db"
+    proc = coordinator(env, f"sqlite:{path}")
+    procs.append(proc)
+    leader_of(tmp_path / "lost.db.lock")
+    proc.line_with("relays can dial")
+    path.unlink()  # the store is gone under it: it can no longer lead (checked every second)
+    assert proc.wait() == 1
+    line = one_line(proc)
+    assert line.startswith(f"flodl-trio: LeadershipLost: store sqlite:{path}: expected to lead "
+                           "as generation 1, but"), line
