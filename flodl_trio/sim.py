@@ -5,7 +5,11 @@ another processes batches, so ``SyncNow``, ``Checkpoint`` and the rest are answe
 is in flight. Work is a queue of ranges: the ``StartEpoch`` plan, then each ``ExtendPartition`` in
 arrival order; each range is processed in batches of ``batch_size`` (the last one of a range may be
 short, two ranges never share a batch), which is what the scheduler assumes when it computes a
-dead rank's remainder. Each batch sleeps ``batch_ms * (1 +- jitter)`` on the Trio clock (so
+dead rank's remainder. A ``StartEpoch`` identical to the plan in progress and an
+``ExtendPartition`` already received in the epoch are ignored (a scheduler that resumed a run
+repeats them), and a ``SyncAck`` counts exactly the ``Batch`` frames sent before it (its step
+count is the number of batches done), which is how a resumed scheduler learns where the rank is.
+Each batch sleeps ``batch_ms * (1 +- jitter)`` on the Trio clock (so
 ``MockClock`` runs it in no real time), then sends a ``Batch`` and bumps ``endpoint.step_count``.
 Whenever the queue runs dry the rank sends a cumulative ``Metrics`` for the epoch (again after each
 extension it finishes).
@@ -64,6 +68,8 @@ class SimRecord:
     Attributes:
         rank: the rank.
         processed: one ``(epoch, offset, size)`` per batch it reported, in order.
+        synced: the batches of ``processed`` that a ``SyncAck`` it sent covered, in order: those
+            whose updates survive it if it dies.
         batches: batches reported (all epochs).
         syncs: ``SyncNow`` messages answered.
         received: every control message delivered to it, in order.
@@ -72,6 +78,7 @@ class SimRecord:
 
     rank: int
     processed: list[tuple[int, int, int]] = attrs.Factory(list)
+    synced: list[tuple[int, int, int]] = attrs.Factory(list)
     batches: int = 0
     syncs: int = 0
     received: list[ControlMsg] = attrs.Factory(list)
@@ -80,6 +87,10 @@ class SimRecord:
     def samples(self, epoch: int) -> list[int]:
         """Every sample index it processed in ``epoch``, in order (duplicates kept)."""
         return [i for e, off, size in self.processed if e == epoch for i in range(off, off + size)]
+
+    def synced_samples(self, epoch: int) -> list[int]:
+        """Every sample index of ``epoch`` a ``SyncAck`` covered, in order (duplicates kept)."""
+        return [i for e, off, size in self.synced if e == epoch for i in range(off, off + size)]
 
     def of_type(self, cls: type[_M]) -> list[_M]:
         """The received messages of one class, in order."""
@@ -106,6 +117,7 @@ class SimulatedRank:
         fail_checkpoint: answer every ``Checkpoint`` addressed to it with an error.
         fail_on_new_nccl_id: fail (as ``fail_mode`` says) at the n-th ``RequestNewNcclId`` it
             receives (1: the first), instead of answering ``NewNcclIdGenerated``.
+        fail_after_syncs: fail (as ``fail_mode`` says) right after sending its n-th ``SyncAck``.
         seed: seed of the jitter's random generator.
 
     Raises:
@@ -115,7 +127,8 @@ class SimulatedRank:
     def __init__(self, endpoint: RankEndpoint, *, batch_size: int, batch_ms: float,
                  jitter: float = 0.0, fail_after_batches: int | None = None,
                  fail_mode: Literal["crash", "hang"] = "crash", fail_checkpoint: bool = False,
-                 fail_on_new_nccl_id: int | None = None, seed: int | None = None) -> None:
+                 fail_on_new_nccl_id: int | None = None, fail_after_syncs: int | None = None,
+                 seed: int | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"SimulatedRank: expected batch_size >= 1, got {batch_size!r}")
         if not isinstance(batch_ms, int | float) or not math.isfinite(batch_ms) or batch_ms < 0:
@@ -127,11 +140,11 @@ class SimulatedRank:
                 or fail_after_batches < 0):
             raise ConfigError(f"SimulatedRank: expected fail_after_batches >= 0 or None, got "
                               f"{fail_after_batches!r}")
-        if fail_on_new_nccl_id is not None and (
-                isinstance(fail_on_new_nccl_id, bool) or not isinstance(fail_on_new_nccl_id, int)
-                or fail_on_new_nccl_id < 1):
-            raise ConfigError(f"SimulatedRank: expected fail_on_new_nccl_id >= 1 or None, got "
-                              f"{fail_on_new_nccl_id!r}")
+        for name, value in (("fail_on_new_nccl_id", fail_on_new_nccl_id),
+                            ("fail_after_syncs", fail_after_syncs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"SimulatedRank: expected {name} >= 1 or None, got {value!r}")
         if fail_mode not in ("crash", "hang"):
             raise ConfigError(f"SimulatedRank: expected fail_mode 'crash' or 'hang', got "
                               f"{fail_mode!r}")
@@ -147,6 +160,11 @@ class SimulatedRank:
         self._fail_mode = fail_mode
         self._fail_checkpoint = fail_checkpoint
         self._fail_on_new_nccl_id = fail_on_new_nccl_id
+        self._fail_after_syncs = fail_after_syncs
+        self._send_lock = trio.Lock()  # a SyncAck counts exactly the Batch frames before it
+        self._acked = 0  # len(record.processed) at the last SyncAck
+        self._plan: tuple[int, int, int] | None = None  # (epoch, offset, size) in progress
+        self._extensions: set[tuple[int, int]] = set()  # received in the current epoch
         self._random = random.Random(seed)
         self._queue: deque[tuple[int, int]] = deque()
         self._epoch: int | None = None
@@ -216,6 +234,11 @@ class SimulatedRank:
         ep = self.endpoint
         if isinstance(msg, StartEpoch):
             plan = msg.plan
+            key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
+            if key == self._plan:
+                log.debug("rank %d: StartEpoch repeats the plan in progress; ignored", self.rank)
+                return
+            self._plan, self._extensions = key, set()
             if self._queue:
                 log.warning("rank %d: StartEpoch(%d) while %d ranges of epoch %s are unprocessed",
                             self.rank, plan.epoch, len(self._queue), self._epoch)
@@ -230,11 +253,21 @@ class SimulatedRank:
             if self._epoch is None:
                 log.warning("rank %d: ExtendPartition before any StartEpoch; ignored", self.rank)
                 return
-            self._queue.append((int(msg.partition_offset), int(msg.partition_size)))
+            extension = (int(msg.partition_offset), int(msg.partition_size))
+            if extension in self._extensions:
+                log.debug("rank %d: ExtendPartition %s repeated; ignored", self.rank, extension)
+                return
+            self._extensions.add(extension)
+            self._queue.append(extension)
             self._wake.set()
         elif isinstance(msg, SyncNow):
-            self.record.syncs += 1
-            await ep.send(SyncAck(rank=self.rank, step_count=ep.step_count))
+            async with self._send_lock:
+                self.record.syncs += 1
+                self.record.synced.extend(self.record.processed[self._acked:])
+                self._acked = len(self.record.processed)
+                await ep.send(SyncAck(rank=self.rank, step_count=ep.step_count))
+            if self.record.syncs == self._fail_after_syncs:
+                await self._fail()
         elif isinstance(msg, SetGlobalStep):
             self._global_step = int(msg.global_step)
             self._steps_since_global = 0
@@ -293,23 +326,25 @@ class SimulatedRank:
             n = min(self._batch_size, size)
             seconds = self._batch_seconds()
             await trio.sleep(seconds)
-            if generation != self._generation or self._epoch is None:
-                continue  # StartEpoch replaced the work while this batch was in flight
-            if n == size:
-                self._queue.popleft()
-            else:
-                self._queue[0] = (offset + n, size - n)
-            loss = self._loss()
-            self._steps_since_global += 1
-            self._epoch_batches += 1
-            self._epoch_samples += n
-            self._loss_sum += loss
-            self._compute_ms += seconds * 1000.0
-            self.record.processed.append((self._epoch, offset, n))
-            self.record.batches += 1
-            ep.step_count += 1
-            await ep.send(Batch(rank=self.rank, batch_ms=seconds * 1000.0, data_ms=0.0,
-                                step_count=ep.step_count, param_norm=None, batch_loss=loss))
+            async with self._send_lock:
+                if generation != self._generation or self._epoch is None:
+                    continue  # StartEpoch replaced the work while this batch was in flight
+                if n == size:
+                    self._queue.popleft()
+                else:
+                    self._queue[0] = (offset + n, size - n)
+                loss = self._loss()
+                self._steps_since_global += 1
+                self._epoch_batches += 1
+                self._epoch_samples += n
+                self._loss_sum += loss
+                self._compute_ms += seconds * 1000.0
+                self.record.processed.append((self._epoch, offset, n))
+                self.record.batches += 1
+                ep.step_count += 1
+                await ep.send(Batch(rank=self.rank, batch_ms=seconds * 1000.0, data_ms=0.0,
+                                    step_count=ep.step_count, param_norm=None,
+                                    batch_loss=loss))
             if self._fail_after is not None and self.record.batches >= self._fail_after:
                 await self._fail()
                 return

@@ -178,7 +178,7 @@ async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every
     assert summary.epoch_metrics[0] == em
 
 
-async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the_others(
+async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_unsynced_share_extended_to_the_others(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
     async with (open_local_cluster(layout(1, 3), network=memory_network) as c,
                 trio.open_nursery() as nursery):
@@ -188,10 +188,34 @@ async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_share_extended_to_the
             await ep.receive()
             await ep.receive()
         await c.ranks[2].send(batch(2))
-        await c.ranks[2].send(ft.wire.Exiting(rank=2))  # 1 of its 3 samples done
+        await c.ranks[2].send(ft.wire.Exiting(rank=2))  # 1 of its 3 samples done, never synced
         got = [await c.ranks[r].receive() for r in (0, 1)]
-        assert got == [ft.wire.ExtendPartition(partition_offset=7, partition_size=1),
+        assert got == [ft.wire.ExtendPartition(partition_offset=6, partition_size=2),
                        ft.wire.ExtendPartition(partition_offset=8, partition_size=1)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_rank_that_dies_after_a_sync_is_credited_up_to_its_sync_ack_only(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
+                trio.open_nursery() as nursery):
+        nursery.start_soon(SyncScheduler(c.coord, total_samples=12, batch_size=1,
+                                         num_epochs=1).run)
+        for _, ep in sorted(c.ranks.items()):
+            await ep.receive()
+            await ep.receive()
+        for rank in (0, 1):  # samples 0 and 6
+            await c.ranks[rank].send(batch(rank, 1))
+        for rank in (0, 1):
+            assert isinstance(await c.ranks[rank].receive(), SyncNow)
+            await c.ranks[rank].send(ft.wire.SyncAck(rank=rank, step_count=1))
+        for step in (2, 3):  # samples 7 and 8: processed, never synced
+            await c.ranks[1].send(batch(1, step))
+        await trio.sleep(1)
+        await c.ranks[1].send(ft.wire.Exiting(rank=1))
+        while not isinstance(msg := await c.ranks[0].receive(), ft.wire.ExtendPartition):
+            pass
+        assert msg == ft.wire.ExtendPartition(partition_offset=7, partition_size=5)
         nursery.cancel_scope.cancel()
 
 

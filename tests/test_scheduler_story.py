@@ -30,9 +30,10 @@ async def test_a_dead_ranks_remaining_samples_are_noted_with_who_took_which(
     async with sim_cluster(memory_network, layout(1, 3), sims) as c:
         with trio.fail_after(600):
             await SyncScheduler(c.coord, total_samples=60, batch_size=4, num_epochs=1).run()
-    # rank 1's plan is samples 20..39; it processed 3 batches (20..31), 32..39 were left
+    # rank 1's plan is samples 20..39; it processed 3 batches (20..31) and synced 2 (its third
+    # died unsynced with it), so 28..39 were left
     assert notes(c.coord.timeline, "redistributed") == [
-        {"epoch": 0, "from_rank": 1, "to": {"0": [[32, 4]], "2": [[36, 4]]}}]
+        {"epoch": 0, "from_rank": 1, "to": {"0": [[28, 6]], "2": [[34, 6]]}}]
     assert notes(c.coord.timeline, "batch_size_mismatch") == []
 
 

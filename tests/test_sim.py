@@ -7,7 +7,7 @@ epoch's samples were processed exactly once, whatever died on the way.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -47,12 +47,20 @@ def args(batch_size: int, speeds: dict[int, float], **per_rank: dict[int, Any]
     return make
 
 
-def assert_each_epoch_processed_exactly_once(records: list[SimRecord], total: int,
-                                             epochs: int) -> None:
+def assert_each_epoch_synced_exactly_once(records: list[SimRecord], total: int,
+                                          epochs: int) -> None:
+    """What the ranks synced (the updates that survived) covers every epoch exactly once."""
     for epoch in range(epochs):
-        counts = Counter(i for rec in records for i in rec.samples(epoch))
+        counts = Counter(i for rec in records for i in rec.synced_samples(epoch))
         assert sorted(counts) == list(range(total)), f"epoch {epoch}: missing samples"
-        assert max(counts.values()) == 1, f"epoch {epoch}: samples processed twice"
+        assert max(counts.values()) == 1, f"epoch {epoch}: samples synced twice"
+
+
+def unsynced_left(rec: SimRecord, epoch: int, plan: Sequence[int]) -> list[int]:
+    """What of ``plan`` a dead rank did not sync: its synced part is a prefix of the plan."""
+    synced = rec.synced_samples(epoch)
+    assert synced == list(plan)[:len(synced)]
+    return list(plan)[len(synced):]
 
 
 def extensions(record: SimRecord) -> list[tuple[int, int]]:
@@ -73,7 +81,7 @@ async def test_heterogeneous_ranks_process_every_sample_exactly_once_in_every_ep
         await trio.sleep(1)
     records = [c.outcomes[r] for r in range(3)]
     assert all(isinstance(rec, SimRecord) for rec in records)
-    assert_each_epoch_processed_exactly_once(records, 62, 3)
+    assert_each_epoch_synced_exactly_once(records, 62, 3)
     assert summary.epochs_completed == 3 and summary.deaths == {}
     assert summary.syncs >= 5 and summary.global_step >= summary.syncs - 1
     assert [m.epoch for m in summary.epoch_metrics] == [0, 1, 2]
@@ -100,7 +108,7 @@ async def test_silent_rank_declared_dead_by_heartbeat_timeout_has_its_ten_sample
     got = [extensions(rec) for rec in survivors]
     assert sum(size for ext in got for _, size in ext) == 10
     assert got == [[(20, 5)], [(25, 5)]]
-    assert_each_epoch_processed_exactly_once(survivors, 30, 1)
+    assert_each_epoch_synced_exactly_once(survivors, 30, 1)
     assert c.sims[2].record.batches == 0 and c.sims[2].record.failed
     assert list(summary.deaths) == [2] and "heartbeat stale" in summary.deaths[2]
     assert summary.epochs_completed == 1
@@ -114,8 +122,12 @@ async def test_rank_killed_mid_epoch_its_processed_part_and_the_extensions_cover
     assert isinstance(c.outcomes[1], SimulatedCrash)
     records = [c.sims[r].record for r in range(3)]
     assert records[1].samples(0) == list(range(20, 32))  # 3 batches of its plan (20, 20)
-    assert extensions(records[0]) == [(32, 4)] and extensions(records[2]) == [(36, 4)]
-    assert_each_epoch_processed_exactly_once(records, 60, 2)
+    # what it did not sync (its last batches included) went to the survivors, half each
+    left = unsynced_left(records[1], 0, range(20, 40))
+    assert len(left) > 8
+    given = [[i for o, n in extensions(records[r]) for i in range(o, o + n)] for r in (0, 2)]
+    assert given[0] + given[1] == left and len(given[0]) == len(given[1])
+    assert_each_epoch_synced_exactly_once(records, 60, 2)
     # the next epoch is planned over the survivors
     assert sorted(set(records[0].samples(1)) | set(records[2].samples(1))) == list(range(60))
     assert list(summary.deaths) == [1] and "without Exiting" in summary.deaths[1]
@@ -124,18 +136,22 @@ async def test_rank_killed_mid_epoch_its_processed_part_and_the_extensions_cover
 
 async def test_an_extended_rank_that_dies_hands_on_what_is_left_of_its_extension(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    # 48 samples over 4 ranks (12 each, batch 2). Rank 3 dies after one batch: 10 samples
-    # (38..47) go 4/3/3 to ranks 0, 1, 2. Rank 2 dies after its 6 plan batches and one batch of
-    # its extension (45, 3): the last sample (47) goes to rank 0.
+    # 48 samples over 4 ranks (12 each, batch 2). Rank 3 dies after one batch, unsynced: its
+    # 12 samples (36..47) go 4/4/4 to ranks 0, 1, 2. Rank 2 (slow) dies after its 6 plan batches
+    # and one batch of its extension (44, 4), which it never synced: that goes to ranks 0 and 1.
     sims = args(2, {0: 10.0, 1: 10.0, 2: 40.0, 3: 10.0}, fail_after_batches={2: 7, 3: 1})
     async with sim_cluster(memory_network, layout(2, 2), sims) as c:
         summary = await run_scheduler(c, total_samples=48, batch_size=2, num_epochs=1)
     records = [c.sims[r].record for r in range(4)]
-    assert extensions(records[0]) == [(38, 4), (47, 1)]
-    assert extensions(records[1]) == [(42, 3)]
-    assert extensions(records[2]) == [(45, 3)]
-    assert records[2].samples(0)[-2:] == [45, 46]
-    assert_each_epoch_processed_exactly_once(records, 48, 1)
+    assert extensions(records[2]) == [(44, 4)]
+    assert records[2].samples(0)[-2:] == [44, 45]
+    assert records[3].synced == []
+    left = unsynced_left(records[2], 0, [*range(24, 36), *range(44, 48)])
+    assert 44 in left and 45 in left  # processed, died unsynced: handed on again
+    handed_on = [i for r in (0, 1) for o, n in extensions(records[r])[1:]
+                 for i in range(o, o + n)]
+    assert sorted(handed_on) == left
+    assert_each_epoch_synced_exactly_once(records, 48, 1)
     assert sorted(summary.deaths) == [2, 3]
 
 
@@ -174,7 +190,7 @@ async def test_role_rank_dying_moves_the_role_and_its_eval_to_the_lowest_survivo
     assert evals == [ExecuteEvalCallback(schedule_id=1, epoch=1, target_rank=1),
                      ExecuteEvalCallback(schedule_id=2, epoch=2, target_rank=1)]
     assert r2.of_type(ExecuteEvalCallback) == []
-    assert_each_epoch_processed_exactly_once([c.sims[r].record for r in range(3)], 18, 2)
+    assert_each_epoch_synced_exactly_once([c.sims[r].record for r in range(3)], 18, 2)
     assert list(summary.deaths) == [0]
 
 
@@ -218,7 +234,7 @@ def test_simulated_rank_rejects_invalid_arguments() -> None:
     with pytest.raises(ft.ConfigError, match="jitter"):
         SimulatedRank(ep, batch_size=1, batch_ms=1.0, jitter=1.5)
     with pytest.raises(ft.ConfigError, match="fail_mode"):
-        SimulatedRank(ep, batch_size=1, batch_ms=1.0, fail_mode="explode")  # type: ignore[arg-type]
+        SimulatedRank(ep, batch_size=1, batch_ms=1.0, fail_mode="explode")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,15 +259,15 @@ def test_random_cohorts_with_random_crashes_process_every_epoch_exactly_once(
                                           num_epochs=epochs)
                 summary = await scheduler.run()
         assert summary.epochs_completed == epochs
-        assert_each_epoch_processed_exactly_once([c.sims[r].record for r in range(world)],
+        assert_each_epoch_synced_exactly_once([c.sims[r].record for r in range(world)],
                                                  total, epochs)
         assert set(summary.deaths) <= set(doomed)
-        # the scheduler's own accounting agrees with what the ranks actually processed
-        assert [cov.exact for cov in scheduler.coverage] == [True] * epochs
+        # the scheduler's own accounting agrees with what the ranks actually synced
+        assert [cov.exactly_once for cov in scheduler.coverage] == [True] * epochs
         for cov in scheduler.coverage:
             assert {r: n for r, n in cov.per_rank.items() if n} == {
-                r: len(c.sims[r].record.samples(cov.epoch)) for r in range(world)
-                if c.sims[r].record.samples(cov.epoch)}
+                r: len(c.sims[r].record.synced_samples(cov.epoch)) for r in range(world)
+                if c.sims[r].record.synced_samples(cov.epoch)}
         net.assert_all_closed()
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -8,6 +8,7 @@ from ._core import SyncScheduler
 from ._epoch_math import (
     EpochCoverage,
     aggregate_metrics,
+    exactly_once_fraction,
     partition_sizes,
     plan_epoch,
     split_remainder,
@@ -22,6 +23,7 @@ __all__ = [
     "RunSummary",
     "SyncScheduler",
     "aggregate_metrics",
+    "exactly_once_fraction",
     "partition_sizes",
     "plan_epoch",
     "split_remainder",

@@ -75,6 +75,7 @@ from ..wire import (
     SyncNow,
     TimingMsg,
 )
+from ._checkpoint import Resumption, read_checkpoint
 from ._epoch_ledger import EpochLedger
 from ._epoch_math import (
     EpochCoverage,
@@ -85,6 +86,7 @@ from ._epoch_math import (
 )
 from ._parts import Inbox, InboxClosed, Members, RunSummary
 from ._reformation import ProcessGroupKeeper
+from ._resume import Resuming
 
 if TYPE_CHECKING:
     from ..coordinator import Coordinator
@@ -97,7 +99,7 @@ _POLL_INTERVAL = 0.25
 # ---------------------------------------------------------------------------- the scheduler
 
 
-class SyncScheduler:
+class SyncScheduler(Resuming):
     """Drive ``num_epochs`` epochs of ``total_samples`` samples with the Sync policy.
 
     Args:
@@ -134,6 +136,11 @@ class SyncScheduler:
         batch = check_count("batch_size", batch_size)
         self._num_epochs = check_count("num_epochs", num_epochs)
         ratios = check_ratios(partition_ratios, coord.world_size)
+        self._settings = {"total_samples": total, "batch_size": batch,
+                          "num_epochs": self._num_epochs}
+        saved = coord.checkpoint
+        self._resume: Resumption | None = (
+            None if saved is None else read_checkpoint(saved, **self._settings))
         self._awaiting_batch: set[int] = set()
         self._awaiting_ack: set[int] = set()
         self._steps: dict[int, int] = {}  # batches since the last sync, per rank
@@ -150,10 +157,15 @@ class SyncScheduler:
         self._inbox = Inbox(coord.timing, coord.metrics, _POLL_INTERVAL)
         self._global_step = 0
         self._syncs = 0
+        self._sync_open = False  # a SyncNow went out and not every ack is in
         self._finishing = False
         self._final_sync_done = False
         self._done = False
         self._ran = False
+        self._first_epoch = 0 if self._resume is None else self._resume.epoch
+        self._anchor_due = False
+        self._anchoring = None
+        self._restarted: set[int] = set()  # anchored by a SyncAck that cannot be theirs
 
     async def run(self) -> RunSummary:
         """Run every epoch, then broadcast ``Shutdown``.
@@ -173,7 +185,9 @@ class SyncScheduler:
         coord = self._coord
         started = trio.current_time()
         async with coord.timeline.subscribe() as events:
-            if self._group is not None:
+            if self._resume is not None:
+                await self._begin_resume(self._resume)
+            elif self._group is not None:
                 self._deferred_epoch = 0
                 await self._group.begin(self._survivors(), "the first session")
             else:
@@ -188,16 +202,18 @@ class SyncScheduler:
                     except InboxClosed:
                         raise self._closed() from None
         return RunSummary(
-            epochs_completed=len(self._ledger.aggregated), syncs=self._syncs,
+            epochs_completed=self._ledger.epochs_completed, syncs=self._syncs,
             global_step=self._global_step, epoch_metrics=self._ledger.aggregated,
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
-            elapsed_s=trio.current_time() - started,
+            elapsed_s=trio.current_time() - started, first_epoch=self._first_epoch,
+            resumed=self._resume is not None,
         )
 
     @property
     def coverage(self) -> tuple[EpochCoverage, ...]:
-        """The scheduler's accounting of each aggregated epoch so far (:class:`EpochCoverage`):
-        which samples it counts as processed and by whom (a dead rank: the batches it reported).
+        """The scheduler's accounting of each epoch it aggregated (:class:`EpochCoverage`):
+        which samples it counts as synced and by whom (a rank that left: the batches it
+        reported before its last ``SyncAck``).
         """
         return self._ledger.coverage
 
@@ -218,10 +234,13 @@ class SyncScheduler:
         if self._members.ignores(rank):  # no share in this epoch
             return
         if isinstance(msg, Batch):
-            self._ledger.on_batch(rank)
+            if not self._ledger.on_batch(rank, int(msg.step_count)):
+                return  # before its anchoring SyncAck after a resume, which counts it
             self._steps[rank] = self._steps.get(rank, 0) + 1
             self._awaiting_batch.discard(rank)
         elif isinstance(msg, SyncAck):
+            if not self._ledger.on_sync_ack(rank, int(msg.step_count)):
+                self._restarted.add(rank)
             self._awaiting_ack.discard(rank)
         elif isinstance(msg, NewNcclIdGenerated) and self._group is not None:
             self._group.on_uid(rank, msg.uid)
@@ -278,6 +297,7 @@ class SyncScheduler:
             self._steps = dict.fromkeys(live, 0)
             await self._broadcast(SetEpochCallbackRole(rank=self._role))
         self._ledger.begin(epoch, plans)
+        await self._save()  # ahead of the StartEpochs: a resumed scheduler repeats them
         self._coord.timeline.event(Note(what="epoch_started",
                                         fields={"epoch": epoch, "ranks": sorted(plans)}))
         for rank in sorted(plans):
@@ -289,6 +309,9 @@ class SyncScheduler:
         # A rank that died and came back between two looks is a death all the same: what it
         # owed of this epoch died with its old process.
         new = self._members.newly_gone(coord.dead_ranks, coord.exited_ranks, coord.rejoins)
+        if self._restarted:  # a resumed share's rank is a new process: the old one is gone
+            new = sorted(set(new) | (self._restarted - self._members.gone))
+            self._restarted.clear()
         if new:
             await self._fold_gone(new)
         back = self._members.returned(coord.live_ranks)
@@ -297,7 +320,7 @@ class SyncScheduler:
             coord.timeline.event(Note(what="ranks_rejoined", fields={
                 "ranks": back, "from_epoch": self._ledger.epoch + 1}))
 
-    async def _fold_gone(self, new: list[int]) -> None:
+    async def _fold_gone(self, new: Sequence[int]) -> None:
         coord = self._coord
         self._drain()  # count every batch the coordinator read from them before the death
         remainders: list[tuple[int, list[Range]]] = []
@@ -309,23 +332,30 @@ class SyncScheduler:
             self._members.leave(rank)
             for waiting in (self._awaiting_batch, self._awaiting_ack):
                 waiting.discard(rank)
+            if self._anchoring is not None:
+                self._anchoring.pop(rank, None)
         survivors = self._survivors()
         if not survivors:
             if self._finishing and not remainders:
                 self._done = True  # every epoch is aggregated; nobody is left to shut down
                 return
             raise self._no_rank_left()
+        handed: list[dict[int, list[Range]]] = []
         for dead, rest in remainders:
-            log.info("rank %d left %d samples of epoch %d; extending ranks %s", dead,
+            log.info("rank %d left %d unsynced samples of epoch %d; extending ranks %s", dead,
                      sum(s for _, s in rest), self._ledger.epoch, survivors)
             given = self._ledger.hand_over(rest, survivors)
+            handed.append(given)
             self._coord.timeline.event(Note(what="redistributed", fields={
                 "epoch": self._ledger.epoch, "from_rank": dead,
                 "to": {str(r): [list(rng) for rng in p] for r, p in given.items()}}))
-            for rank, part in given.items():
-                for offset, size in part:
-                    await self._send(rank, ExtendPartition(partition_offset=offset,
-                                                           partition_size=size))
+        if handed and not self._resuming:
+            await self._save()  # ahead of the extensions: a resumed scheduler repeats them
+            for given in handed:
+                for rank, part in given.items():
+                    for offset, size in part:
+                        await self._send(rank, ExtendPartition(partition_offset=offset,
+                                                               partition_size=size))
         if self._group is not None and not self._finishing and members:
             await self._group.after_gone(
                 [(r, coord.dead_reason(r) or ("exited cleanly" if r in coord.exited_ranks
@@ -346,6 +376,7 @@ class SyncScheduler:
 
     async def _sync(self, participants: Sequence[int]) -> None:
         self._syncs += 1
+        self._sync_open = True
         self._global_step += min(self._steps.get(r, 0) for r in participants)
         self._coord.timeline.event(Note(what="sync", fields={"global_step": self._global_step}))
         await self._broadcast(SyncNow())
@@ -359,6 +390,16 @@ class SyncScheduler:
         if self._group is not None and self._group.waiting:
             if await self._group.advance(self._survivors()):
                 return  # no collective (SyncNow) and no new epoch before the group exists
+        if self._anchor_due and not self._group_waiting:
+            await self._send_anchor()
+            return
+        if self._anchoring is not None:
+            if not self._awaiting_ack:
+                await self._finish_anchor()
+            return
+        if self._sync_open and not self._awaiting_ack:
+            self._sync_open = False
+            await self._save()  # a sync completed: what every rank synced is durable
         if self._deferred_epoch is not None and not self._group_waiting:
             epoch, self._deferred_epoch = self._deferred_epoch, None
             await self._dispatch(epoch)
@@ -370,8 +411,13 @@ class SyncScheduler:
                 live = self._survivors()
                 if live:
                     await self._sync(live)
-            if self._ledger.complete:
-                await self._aggregate()
+            if self._ledger.complete and not self._awaiting_ack:
+                if self._ledger.unsynced:
+                    # The epoch ends with a sync: no batch of it may die unsynced after it closed.
+                    stepped = [r for r in self._survivors() if self._steps.get(r, 0) > 0]
+                    await self._sync(stepped or self._survivors())
+                else:
+                    await self._aggregate()
             return
         if self._awaiting_ack or self._done:
             return
@@ -393,6 +439,7 @@ class SyncScheduler:
             "epoch": epoch, "avg_loss": metrics.avg_loss}))
         await self._broadcast(EpochAggregated(metrics=metrics))
         completed = epoch + 1
+        await self._save(between=completed)
         await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
             if self._group is not None and self._members.joining & self._coord.live_ranks:

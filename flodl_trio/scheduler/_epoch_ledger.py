@@ -16,6 +16,7 @@ from ._epoch_math import (
     EpochCoverage,
     Range,
     aggregate_metrics,
+    batches_needed,
     coverage,
     plan_epoch,
     processed_ranges,
@@ -54,6 +55,8 @@ class EpochLedger:
         self._batch_size_reported: set[int] = set()
         self._aggregated: list[EpochMetrics] = []
         self._coverage: list[EpochCoverage] = []
+        self._last_step: dict[int, int] = {}  # each rank's highest step count seen
+        self.epochs_before = 0  # epochs completed before this scheduler (a resume)
 
     @property
     def epoch(self) -> int:
@@ -64,6 +67,22 @@ class EpochLedger:
     def complete(self) -> bool:
         """Every rank that owes the current epoch's ``Metrics`` has reported them."""
         return not self._awaiting_metrics
+
+    @property
+    def epochs_completed(self) -> int:
+        """Epochs closed in the whole run (those before a resume included)."""
+        return self.epochs_before + len(self._aggregated)
+
+    @property
+    def shares(self) -> dict[int, Share]:
+        """Each planned rank's share of the current epoch (read it, do not change it)."""
+        return self._shares
+
+    @property
+    def unsynced(self) -> list[int]:
+        """Ranks still in the epoch that reported batches no ``SyncAck`` covered yet."""
+        return sorted(r for r, sh in self._shares.items()
+                      if sh.done is None and sh.batches > sh.synced)
 
     @property
     def aggregated(self) -> tuple[EpochMetrics, ...]:
@@ -85,15 +104,64 @@ class EpochLedger:
     def begin(self, epoch: int, plans: dict[int, EpochPlan]) -> None:
         """Make ``epoch`` current: every planned rank owes its plan and its ``Metrics``."""
         self._epoch = epoch
-        self._shares = {r: Share([(p.partition_offset, p.partition_size)])
+        self._shares = {r: Share([(p.partition_offset, p.partition_size)],
+                                 start_step=self._last_step.get(r, 0))
                         for r, p in plans.items()}
         self._metrics = {}
         self._awaiting_metrics = set(plans)
 
-    def on_batch(self, rank: int) -> None:
+    @property
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's highest step count reported (where its next epoch starts)."""
+        return dict(self._last_step)
+
+    def restore(self, epoch: int, shares: dict[int, Share], epochs_before: int,
+                last_steps: dict[int, int]) -> None:
+        """Make ``epoch`` current from a checkpoint: the shares still in it are not anchored
+        (their rank's next ``SyncAck`` says how far it got); those that left are settled."""
+        self._epoch = epoch
+        self.epochs_before = epochs_before
+        self._shares = shares
+        self._metrics = {}
+        self._awaiting_metrics = {r for r, sh in shares.items() if sh.done is None}
+        self._last_step = dict(last_steps)
+
+    def on_batch(self, rank: int, step: int) -> bool:
+        """A ``Batch`` of ``rank`` (step count ``step``); False if it is not counted: it came
+        before the rank's anchoring ``SyncAck`` after a resume, whose count includes it."""
         share = self._shares.get(rank)
+        if share is not None and not share.anchored:
+            return False
+        self._last_step[rank] = max(self._last_step.get(rank, 0), step)
         if share is not None:
             share.batches += 1
+        return True
+
+    def on_sync_ack(self, rank: int, step: int) -> bool:
+        """A ``SyncAck`` of ``rank``: every batch it reported so far is synced. After a resume
+        the first one anchors the share: its step count says how many batches of the share the
+        rank has done (all of them synced now). False if that count cannot be right (below what
+        the checkpoint credits, or beyond the share): the rank is not the process that held the
+        share (it restarted), and it must be settled as gone."""
+        share = self._shares.get(rank)
+        if share is None or share.done is not None:
+            self._last_step[rank] = max(self._last_step.get(rank, 0), step)
+            return True
+        if not share.anchored:
+            done = step - share.start_step
+            if not share.synced <= done <= batches_needed(share.ranges, self._batch_size):
+                log.warning("rank %d acknowledged step %d: %d batches of its share in epoch %d "
+                            "where the checkpoint credits %d of at most %d; it is taken for a "
+                            "restarted process", rank, step, done, self._epoch, share.synced,
+                            batches_needed(share.ranges, self._batch_size))
+                return False
+            share.batches = done
+            share.anchored = True
+            if done == batches_needed(share.ranges, self._batch_size):
+                self._awaiting_metrics.discard(rank)  # done; its Metrics may have been read
+        self._last_step[rank] = max(self._last_step.get(rank, 0), step)
+        share.synced = share.batches
+        return True
 
     def on_metrics(self, msg: Metrics) -> None:
         rank, epoch = int(msg.rank), int(msg.epoch)
@@ -101,8 +169,10 @@ class EpochLedger:
             log.debug("Metrics of rank %d for epoch %d arrived during epoch %d; dropped", rank,
                       epoch, self._epoch)
             return
-        self._metrics[rank] = msg
         share = self._shares.get(rank)
+        if share is not None and share.done is not None:
+            return  # it left: what it reported is not what it is credited for
+        self._metrics[rank] = msg
         if share is not None and (not share.extended or msg.samples_processed >= share.assigned):
             self._awaiting_metrics.discard(rank)
         if share is not None and msg.samples_processed == share.assigned:
@@ -112,7 +182,7 @@ class EpochLedger:
         # The plan's remainders (redistribution after a death) are computed with our batch size:
         # a rank that batches differently gets wrong remainders and a different sync count, so
         # say so once per rank instead of letting the two settings drift apart silently.
-        planned = sum(-(-size // self._batch_size) for _, size in share.ranges)
+        planned = batches_needed(share.ranges, self._batch_size)
         if msg.batches_processed == planned or rank in self._batch_size_reported:
             return
         self._batch_size_reported.add(rank)
@@ -125,13 +195,18 @@ class EpochLedger:
 
     def settle(self, rank: int) -> list[Range]:
         """``rank`` left (declared dead or exited): what it leaves of the current epoch, in
-        order (empty if it owed nothing more). Only its reported batches count as done."""
+        order (empty if it owed nothing more). It is credited only up to its last ``SyncAck``:
+        what it processed after it died with it, so it is left over like its unprocessed
+        part (its ``Metrics``, if any, then no longer count)."""
         rest: list[Range] = []
         share = self._shares.get(rank)
-        if share is not None and rank in self._awaiting_metrics:
-            rest = unprocessed_ranges(share.ranges, share.batches, self._batch_size)
-            share.done = processed_ranges(share.ranges, share.batches, self._batch_size)
+        if share is not None and share.done is None:
+            rest = unprocessed_ranges(share.ranges, share.synced, self._batch_size)
+            share.done = processed_ranges(share.ranges, share.synced, self._batch_size)
+            if rest:
+                self._metrics.pop(rank, None)
         self._awaiting_metrics.discard(rank)
+        self._last_step.pop(rank, None)  # a rank that comes back is a new process
         return rest
 
     def hand_over(self, rest: Sequence[Range], survivors: Sequence[int]) -> dict[int, list[Range]]:

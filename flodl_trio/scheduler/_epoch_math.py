@@ -121,13 +121,19 @@ def processed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -> 
 class EpochCoverage:
     """The scheduler's accounting of one epoch: which samples it counts as processed, by whom.
 
+    A rank is counted only for what it *synced*: the batches it reported before its last
+    ``SyncAck`` (a rank that left); every batch of a rank that saw the epoch end (the epoch ends
+    with a sync). What a dead rank processed after its last sync died with it and was
+    redistributed, so it is not counted.
+
     Attributes:
         epoch: the epoch.
         total: samples in the dataset.
         samples: samples counted as processed (with repeats).
-        per_rank: rank -> samples it is counted for (a dead rank: the batches it reported).
+        per_rank: rank -> samples it is counted for.
         overlaps: samples counted more than once.
         gaps: samples of ``[0, total)`` counted by nobody.
+        ranges: rank -> the ``(offset, size)`` ranges it is counted for, in processing order.
     """
 
     epoch: int
@@ -136,11 +142,29 @@ class EpochCoverage:
     per_rank: Mapping[int, int]
     overlaps: int
     gaps: int
+    ranges: Mapping[int, tuple[Range, ...]] = attrs.field(factory=dict)
 
     @property
     def exact(self) -> bool:
         """Every sample counted exactly once."""
         return self.overlaps == 0 and self.gaps == 0 and self.samples == self.total
+
+    @property
+    def exactly_once(self) -> bool:
+        """The epoch's synced coverage is the data set exactly once: :attr:`exact`, and the
+        per-rank ranges add up to the per-rank counts (the figure "epochs covered exactly
+        once" of the failover benchmark is the fraction of epochs for which this holds)."""
+        return self.exact and all(
+            sum(size for _, size in self.ranges.get(rank, ())) == count
+            for rank, count in self.per_rank.items())
+
+
+def exactly_once_fraction(epochs: Sequence[EpochCoverage]) -> float:
+    """The fraction of ``epochs`` whose synced coverage is the data set exactly once
+    (:attr:`EpochCoverage.exactly_once`); 1.0 for no epoch."""
+    if not epochs:
+        return 1.0
+    return sum(1 for cov in epochs if cov.exactly_once) / len(epochs)
 
 
 def coverage(epoch: int, total: int, done: Mapping[int, Sequence[Range]]) -> EpochCoverage:
@@ -153,7 +177,14 @@ def coverage(epoch: int, total: int, done: Mapping[int, Sequence[Range]]) -> Epo
     gaps += max(0, total - cursor)
     per_rank = {rank: sum(s for _, s in ranges) for rank, ranges in sorted(done.items())}
     return EpochCoverage(epoch=epoch, total=total, samples=sum(per_rank.values()),
-                         per_rank=per_rank, overlaps=overlaps, gaps=gaps)
+                         per_rank=per_rank, overlaps=overlaps, gaps=gaps,
+                         ranges={rank: tuple((o, s) for o, s in ranges if s > 0)
+                                 for rank, ranges in sorted(done.items())})
+
+
+def batches_needed(ranges: Sequence[Range], batch_size: int) -> int:
+    """Batches a rank takes to process ``ranges`` in order (a range never shares a batch)."""
+    return sum(-(-size // batch_size) for _, size in ranges)
 
 
 def split_remainder(ranges: Sequence[Range], parts: int) -> list[list[Range]]:

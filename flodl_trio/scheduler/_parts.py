@@ -27,6 +27,14 @@ class RunSummary:
         epoch_metrics: the ``EpochMetrics`` broadcast for each epoch, in order.
         deaths: rank → reason for every rank the coordinator declared dead.
         elapsed_s: run time on the Trio clock.
+        first_epoch: the epoch this scheduler started in (0, or the epoch of the checkpoint it
+            resumed from).
+        resumed: it resumed from the coordinator's checkpoint (``coord.checkpoint``).
+
+    Counts are of the whole run, across a resume: ``epochs_completed``, ``syncs`` and
+    ``global_step`` go on from the checkpoint; ``epoch_metrics`` holds the epochs this
+    scheduler aggregated (``epochs_completed - first_epoch`` of them), those before were
+    broadcast by the scheduler it took over from.
     """
 
     epochs_completed: int
@@ -35,16 +43,27 @@ class RunSummary:
     epoch_metrics: tuple[EpochMetrics, ...]
     deaths: Mapping[int, str]
     elapsed_s: float
+    first_epoch: int = 0
+    resumed: bool = False
 
 
 @attrs.define
 class Share:
-    """One rank's work in the current epoch: its plan, then its extensions, in order."""
+    """One rank's work in the current epoch: its plan, then its extensions, in order.
+
+    ``batches`` counts the batches it reported, ``synced`` those reported before its last
+    ``SyncAck`` (only those are credited if it leaves). ``start_step`` is its step count before
+    its first batch of the epoch. A share restored from a checkpoint is not ``anchored`` until
+    the rank's first ``SyncAck`` says, by its step count, how far it got.
+    """
 
     ranges: list[Range]
     batches: int = 0
+    synced: int = 0
+    start_step: int = 0
+    anchored: bool = True
     extended: bool = False
-    done: list[Range] | None = None  # set when the rank left with a remainder; None: all ranges
+    done: list[Range] | None = None  # set when the rank left: what it is credited for
 
     @property
     def assigned(self) -> int:
@@ -136,6 +155,11 @@ class Members:
         self.gone: set[int] = set()
         self.joining: set[int] = set()
         self._rejoins_seen: dict[int, int] = {}
+
+    def baseline(self, rejoins: Mapping[int, int]) -> None:
+        """Take the coordinator's rejoin counts as seen (a scheduler that resumes a run: the
+        rejoins before it were its predecessor's to handle)."""
+        self._rejoins_seen = dict(rejoins)
 
     def survivors(self, live: frozenset[int]) -> list[int]:
         """The ranks that take part in the current epoch, ascending."""
