@@ -20,6 +20,13 @@ def _deadline(default: float) -> Any:
     )
 
 
+def _grace(default: float) -> Any:
+    """A deadline that 0 disables: default scaled at creation, explicit values as given."""
+    return attrs.field(
+        factory=partial(T.scaled, default), converter=_SECONDS, validator=_check_grace
+    )
+
+
 def _cadence(default: float) -> Any:
     return attrs.field(default=default, converter=_SECONDS, validator=_check_cadence)
 
@@ -56,6 +63,14 @@ def _check_cadence(inst: Any, attribute: attrs.Attribute[Any], value: float) -> 
         raise ConfigError(
             f"{type(inst).__name__}.{attribute.name}: expected a finite number of seconds > 0, "
             f"got {value!r}"
+        )
+
+
+def _check_grace(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if math.isnan(value) or value < 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected seconds >= 0 (0 disables it, "
+            f"math.inf waits for ever), got {value!r}"
         )
 
 
@@ -239,6 +254,13 @@ class RelayConfig:
     ``write_stall_timeout`` also bounds how long a local rank may leave its outbound queue
     (``queue_size`` frames) overflowing or its socket unread before the relay drops it; its
     siblings never wait on it, so no other deadline has to be shorter or longer than it.
+
+    The last three apply only to a *durable* coordinator (one that sent ``Generation``: it runs
+    with a session store). A relay that loses it without a ``Goodbye`` keeps its ranks connected
+    for ``coordinator_grace`` seconds (0 disables: the relay ends as with any coordinator)
+    while it re-dials and resumes; ``coord_liveness_timeout`` without a record from it counts as
+    losing it; ``reconnect_queue`` frames from the ranks are queued meanwhile, later ones are
+    dropped and counted.
     """
 
     rank_accept_timeout: float = _deadline(T.RANK_ACCEPT_TIMEOUT)
@@ -247,6 +269,9 @@ class RelayConfig:
     write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
     shutdown_grace: float = _deadline(T.SHUTDOWN_GRACE)
     queue_size: int = attrs.field(default=64, validator=_positive_int)
+    coordinator_grace: float = _grace(T.COORDINATOR_GRACE)
+    coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
+    reconnect_queue: int = attrs.field(default=4096, validator=_non_negative_int)
 
 
 @attrs.frozen(kw_only=True)

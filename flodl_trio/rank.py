@@ -6,6 +6,11 @@ task sends ``Heartbeat`` every ``heartbeat_interval`` whatever the user code doe
 raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness_timeout``. A rank
 the coordinator declared dead is told so (``Fenced``) and ends with ``RankEvicted``, a
 ``CoordinatorLost`` that carries the coordinator's reason.
+
+With a durable coordinator (issue 22) the relay rides out its loss: the user's loop gets the
+relay's ``CoordinatorReconnecting`` then ``CoordinatorResumed`` (both reset the liveness clock,
+like every verified frame, and the relay keeps it fed in between); ``reconnecting`` says why
+while the coordinator is away.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from .net._transport import (
 from .wire import (
     ControlMsg,
     CoordHeartbeat,
+    CoordinatorReconnecting,
+    CoordinatorResumed,
     DeclareAlive,
     DeclareDead,
     EndOfStream,
@@ -99,6 +106,14 @@ class RankEndpoint:
         self._relay_said: str | None = None
         self._dropped = JunkCounter()
         self._leftover = leftover  # what the relay sent right behind its ack
+        self._reconnecting: str | None = None
+
+    @property
+    def reconnecting(self) -> str | None:
+        """While the relay rides out a lost durable coordinator, what it said
+        (``CoordinatorReconnecting``); None once it resumed (``CoordinatorResumed``) or if it
+        never had to."""
+        return self._reconnecting
 
     @property
     def coordinator_lost(self) -> str | None:
@@ -232,6 +247,10 @@ class RankEndpoint:
             self._relay_said = msg.detail
             return
         self._relay_said = None
+        if isinstance(msg, CoordinatorReconnecting):
+            self._reconnecting = msg.detail
+        elif isinstance(msg, CoordinatorResumed):
+            self._reconnecting = None
         if isinstance(msg, Fenced):
             self._evict(msg.reason)
             return

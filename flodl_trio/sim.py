@@ -33,6 +33,8 @@ from .wire import (
     Checkpoint,
     CheckpointResult,
     ControlMsg,
+    CoordinatorReconnecting,
+    CoordinatorResumed,
     EvalResult,
     ExecuteEvalCallback,
     ExtendPartition,
@@ -225,6 +227,8 @@ class SimulatedRank:
             self.record.received.append(msg)
             if isinstance(msg, Shutdown | ShutdownWithSave):
                 return
+            if isinstance(msg, CoordinatorReconnecting | CoordinatorResumed):
+                continue  # the relay's news about the coordinator: nothing to simulate
             if not isinstance(msg, Throttle) and self._throttled:
                 self._throttled = False
                 self._wake.set()

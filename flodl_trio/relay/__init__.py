@@ -4,10 +4,10 @@ their frames over one sealed upstream connection to the coordinator.
 Re-exports only; the code lives in its private modules.
 """
 
+from ._args import RankListen as RankListen
 from ._link import RelayExit
 from ._open import (
     WRONG_SALT_ATTEMPTS as WRONG_SALT_ATTEMPTS,
-    RankListen as RankListen,
     Relay,
     open_relay,
 )

@@ -22,6 +22,7 @@ from .._errors import (
     FlodlError,
     HandshakeError,
     JoinRefused,
+    StoreError,
     WireError,
     WrongSession,
 )
@@ -31,22 +32,19 @@ from ..net._keepalive import KeepAlive
 from ..net._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
 from ..timeline import Timeline
 from ..wire import (
-    MAX_MODEL_SIG_DIGEST,
-    MAX_MODEL_SIG_NAME,
-    MAX_MODEL_SIGS,
     Established,
     RefusalReceived,
     RelayHandshake,
     SessionSalt,
 )
+from ._args import RankListen, check_model_sigs, check_relay_args, rank_listeners
 from ._link import RelayExit
 from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
+from .resume import Reconnector
 
 log = logging.getLogger("flodl_trio.relay")
-
-RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 
 # Challenges in a row that do not verify with our salt before the relay gives up with
 # WrongSession: one could be a corrupted byte, three (about a second of re-dials at
@@ -63,6 +61,13 @@ class Relay:
         rank_address: ``(host, port)`` where local ranks dial (a property; a ``ConfigError``
             when it was given listeners instead of binding TCP itself).
         model_sigs: the model signatures it announces (name -> digest; may be empty).
+        generation: the highest coordinator generation seen (0 until a durable coordinator
+            sent ``Generation``; a property).
+        reconnects: how many times it resumed with a durable coordinator (a property).
+        reconnecting: why its durable coordinator is away, while it rides that out (a
+            property; None otherwise).
+        dropped_while_reconnecting: frames from its ranks dropped while reconnecting, over
+            ``reconnect_queue`` (a property).
     """
 
     def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
@@ -90,6 +95,7 @@ class Relay:
         self._upstream: trio.abc.Stream | None = None
         self._body_scope: trio.CancelScope | None = None
         self._notices = RankNotices(self._local, salt)
+        self._pump: Pump | None = None
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -107,6 +113,30 @@ class Relay:
     def connected_ranks(self) -> frozenset[int]:
         """Local ranks whose connection is up."""
         return self._local.connected
+
+    @property
+    def generation(self) -> int:
+        """The highest coordinator generation seen (0: no durable coordinator so far)."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.generation if resume is not None else 0
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the relay resumed with its durable coordinator."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.reconnects if resume is not None else 0
+
+    @property
+    def reconnecting(self) -> str | None:
+        """Why the durable coordinator is away, while the relay rides it out; else None."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.away if resume is not None else None
+
+    @property
+    def dropped_while_reconnecting(self) -> int:
+        """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.dropped if resume is not None else 0
 
     @property
     def error(self) -> FlodlError | None:
@@ -135,7 +165,10 @@ class Relay:
 
     # ------------------------------------------------------------------ phase 2
 
-    async def _connect_upstream(self) -> tuple[trio.abc.Stream, Established]:
+    async def _connect_upstream(self, generation: int | None = None,
+                                connect_timeout: float | None = None,
+                                ) -> tuple[trio.abc.Stream, Established]:
+        """Dial and join (``Hello``), or, given the generation seen, resume (``Resume``)."""
         what = f"relay {self.host!r}"
         coordinator = _target_text(self._target)
         self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
@@ -146,7 +179,8 @@ class Relay:
             nonlocal wrong_salt
             machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
                                      world_size=self.world_size,
-                                     model_sigs=self.model_sigs, coordinator=coordinator)
+                                     model_sigs=self.model_sigs, coordinator=coordinator,
+                                     generation=generation)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     if self._ssl_context is not None:
@@ -182,14 +216,43 @@ class Relay:
         # re-dial until connect_timeout, and name the last failure if none succeeds. A verified
         # Refused (JoinRefused) and an untrusted TLS certificate (on_retry) end the attempts at
         # once, a salt that differs (WrongSession) after WRONG_SALT_ATTEMPTS in a row.
+        target = self._target if generation is None else self._resolving_target()
         return await dial_and_handshake(
-            self._target, handshake, connect_timeout=self.config.connect_timeout, what=what,
-            peer=coordinator, expected="a confirmed upstream handshake (HelloAck, Ready, "
+            target, handshake, what=what, peer=coordinator,
+            connect_timeout=self.config.connect_timeout if connect_timeout is None
+            else connect_timeout,
+            expected="a confirmed upstream handshake (HelloAck, Ready, welcome)"
+            if generation is None else "a confirmed resume (HelloAck, Ready, Generation, "
             "welcome)", on_retry=on_retry, final=(JoinRefused, WrongSession),
             retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
             keepalive=KeepAlive.within(self.config.write_stall_timeout,
                                        write_stall=self.config.write_stall_timeout),
         )
+
+    def _resolving_target(self) -> DialTarget:
+        """The target for a resume: a callable is called on every attempt (so one that reads
+        the store's published address re-resolves); a store it cannot reach yet is one more
+        attempt that failed, not the end of the relay."""
+        target = self._target
+        if not callable(target):
+            return target
+        call = target
+
+        async def resolve() -> trio.abc.Stream:
+            try:
+                return await call()
+            except StoreError as exc:
+                raise ConnectionError(f"resolving the coordinator: {exc}") from exc
+
+        return resolve
+
+    async def _resume_upstream(self, generation: int, deadline: float,
+                               ) -> tuple[trio.abc.Stream, Established]:
+        """Re-dial a durable coordinator with ``Resume`` until ``deadline``."""
+        joined = await self._connect_upstream(
+            generation, connect_timeout=max(0.0, deadline - trio.current_time()))
+        self._upstream = joined[0]
+        return joined
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,8 +268,14 @@ class Relay:
             stream, established = joined
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            pump = Pump(self._local, stream, established.sealer, established.opener,
-                        self.timeline, first=established.records)
+            pump = self._pump = Pump(self._local, stream, established.sealer,
+                                     established.opener, self.timeline,
+                                     first=established.records)
+            if established.generation is not None:
+                log.info("relay %r: the coordinator is durable (generation %d)", self.host,
+                         established.generation)
+                pump.resume = Reconnector(self._local, established.generation,
+                                          self._resume_upstream, drop_rank=pump.drop_rank)
             exit_ = await pump.run()
             self._error = pump.error
         except FlodlError as exc:
@@ -242,58 +311,13 @@ class Relay:
         streams: list[Any] = [link.stream for link in links]
         if self._upstream is not None:
             streams.append(self._upstream)
+        if self._pump is not None and self._pump.stream is not self._upstream:
+            streams.append(self._pump.stream)
         await close_all(streams)
 
 
 def _target_text(target: DialTarget) -> str:
     return format_address(target) if not callable(target) else "the coordinator"
-
-
-def _check_model_sigs(host: str, sigs: Mapping[str, bytes] | None) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    if sigs is None:
-        return out
-    if len(sigs) > MAX_MODEL_SIGS:
-        raise ConfigError(f"open_relay({host!r}): expected at most {MAX_MODEL_SIGS} model "
-                          f"signatures, got {len(sigs)}")
-    for name, digest in sigs.items():
-        if not isinstance(name, str) or not 1 <= len(name.encode("utf-8")) <= MAX_MODEL_SIG_NAME:
-            raise ConfigError(f"open_relay({host!r}): expected model signature names of 1-"
-                              f"{MAX_MODEL_SIG_NAME} UTF-8 bytes, got {name!r}")
-        if not isinstance(digest, bytes) or not 1 <= len(digest) <= MAX_MODEL_SIG_DIGEST:
-            raise ConfigError(f"open_relay({host!r}): model signature {name!r}: expected 1-"
-                              f"{MAX_MODEL_SIG_DIGEST} bytes, got {digest!r:.40}")
-        out[name] = digest
-    return out
-
-
-def _check_relay_args(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
-    if not isinstance(host, str) or not 1 <= len(host.encode("utf-8")) <= 255:
-        raise ConfigError(f"open_relay: expected host to be 1-255 UTF-8 bytes, got {host!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-        raise ConfigError(f"open_relay({host!r}): expected world_size > 0, got {world_size!r}")
-    out = sorted(ranks)
-    if not out:
-        raise ConfigError(f"open_relay({host!r}): expected at least one rank, got none")
-    for r in out:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
-            raise ConfigError(f"open_relay({host!r}): rank {r!r} is outside [0, {world_size})")
-    if len(set(out)) != len(out):
-        raise ConfigError(f"open_relay({host!r}): ranks contain duplicates: {list(ranks)}")
-    return tuple(out)
-
-
-async def _rank_listeners(rank_listen: RankListen) -> list[trio.abc.Listener[Any]]:
-    if rank_listen is None or (isinstance(rank_listen, int) and not isinstance(rank_listen, bool)):
-        port = 0 if rank_listen is None else rank_listen
-        return list(await trio.open_tcp_listeners(port, host="127.0.0.1"))
-    if isinstance(rank_listen, trio.abc.Listener):
-        return [rank_listen]
-    if isinstance(rank_listen, Sequence) and all(
-            isinstance(x, trio.abc.Listener) for x in rank_listen):
-        return list(rank_listen)
-    raise ConfigError(f"open_relay: expected rank_listen None, a port or Listener(s), got "
-                      f"{rank_listen!r}")
 
 
 @asynccontextmanager
@@ -342,12 +366,12 @@ async def open_relay(
             did not echo us, EOF before the welcome, ...).
         WireError: the coordinator broke the protocol after the join.
     """
-    ordered = _check_relay_args(host, ranks, world_size)
-    sigs = _check_model_sigs(host, model_sigs)
+    ordered = check_relay_args(host, ranks, world_size)
+    sigs = check_model_sigs(host, model_sigs)
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RelayConfig()
-    listeners = await _rank_listeners(rank_listen)
+    listeners = await rank_listeners(rank_listen)
     sock = getattr(listeners[0], "socket", None)
     rank_address = None
     if sock is not None:

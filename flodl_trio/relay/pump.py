@@ -3,6 +3,11 @@
 One reader per local rank feeds a bounded queue drained by the single upstream writer; one
 upstream reader routes DATA records to a rank and FANOUT records to each listed local rank.
 Every end is graceful: what was verified and queued is delivered before a link closes.
+
+The rank side (readers, writers, the queue) lives as long as the pump; the upstream writer and
+reader form a *leg* over one connection. With a durable coordinator (issue 22) a leg lost
+without a ``Goodbye`` is replaced: :mod:`.resume` rides the gap out and the next leg runs on the
+resumed connection. With any other coordinator there is one leg, and losing it ends the pump.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import trio
 
 from .._config import RelayConfig
-from .._errors import WireError
+from .._errors import FlodlError
 from ..events import RelayDroppedRank
 from ..net._handshake_io import receive_event
 from ..net._ratelimit import JunkCounter
@@ -36,32 +41,37 @@ from ..wire import (
 )
 from ._link import RankLink, RelayExit
 from .ranks import LocalRanks
+from .resume import Reconnector, Upstream
 
 log = logging.getLogger("flodl_trio.relay")
 
-# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
-# notice that its link ended. The queue holds queue_size items; a rank reader waits when it
-# is full, so a slow upstream slows the ranks' sends down (TCP backpressure, end to end).
-Upstream = tuple[int, bytes] | RankExit | RankDropped
+# The rank readers queue Upstream items (resume.Upstream: a rank's frame (rank, blob), or the
+# notice that its link ended) for the upstream writer. The queue holds queue_size items; a rank
+# reader waits when it is full, so a slow upstream slows the ranks' sends down (TCP
+# backpressure, end to end).
 
 
 class Pump:
     """Phase 3 over one authenticated upstream connection.
 
     Attributes:
-        error: the coordinator broke the protocol (the relay fails with it), else None.
+        error: the coordinator broke the protocol, or refused our resume (the relay fails with
+            it), else None.
+        resume: set for a durable coordinator (one that sent ``Generation``); see
+            :mod:`.resume`.
     """
 
     def __init__(self, local: LocalRanks, stream: trio.abc.Stream, sealer: RecordSealer,
                  opener: RecordOpener, timeline: Timeline | None = None, *,
-                 first: tuple[Record, ...] = ()) -> None:
+                 first: tuple[Record, ...] = (), resume: Reconnector | None = None) -> None:
         self.local = local
         self.host = local.host
         self.config: RelayConfig = local.config
         self.stream = stream
         self.session = UpstreamSession(opener, sealer, host=local.host, ranks=local.ranks)
         self.session.feed_opened(first)  # opened with the handshake (the welcome)
-        self.error: WireError | None = None
+        self.error: FlodlError | None = None
+        self.resume = resume
         self.timeline = timeline
         self.dropped = 0  # local ranks dropped for not draining their queue
         self._nursery: trio.Nursery | None = None
@@ -70,6 +80,11 @@ class Pump:
         self._no_ranks_left = trio.Event()
         self._upstream_done = trio.Event()
         self._dropped = JunkCounter()
+        # One leg: the upstream writer and reader over the current connection.
+        self._leg_scope = trio.CancelScope()
+        self._leg_lost: str | None = None
+        self._in_flight: list[Upstream] = []  # the batch being written upstream
+        self._heard = 0.0  # when the durable coordinator's last record arrived
 
     def finish(self, reason: str, clean: bool = True, *, now: bool = True) -> None:
         if not self._outcome:
@@ -83,8 +98,7 @@ class Pump:
         with self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self.upstream_writer, up_recv)
-                nursery.start_soon(self.upstream_reader)
+                nursery.start_soon(self.run_upstream, up_recv)
                 # One queue clone per rank reader: the queue ends (and the writer with it) only
                 # once every reader has queued its last frame and its RankExit.
                 with up_send:
@@ -98,15 +112,67 @@ class Pump:
         """The coordinator's Goodbye reason (FT/2), once it came."""
         return self.session.goodbye
 
+    async def run_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
+        """One leg after the other: a leg lost to a durable coordinator is ridden out and
+        replaced by one on the resumed connection; any other end of a leg ends the pump."""
+        while True:
+            self._leg_lost = None
+            self._upstream_done = trio.Event()
+            self._heard = trio.current_time()
+            with trio.CancelScope() as self._leg_scope:
+                async with trio.open_nursery() as leg:
+                    leg.start_soon(self.upstream_writer, up_recv)
+                    leg.start_soon(self.upstream_reader)
+            lost = self._leg_lost
+            if lost is None or self.resume is None:
+                return
+            await trio.aclose_forcefully(self.stream)  # nothing from it is delivered again
+            in_flight, self._in_flight = self._in_flight, []
+            joined = await self.resume.ride_out(lost, up_recv, in_flight)
+            if joined is None:
+                why, self.error = self.resume.gave_up
+                self.finish(why, False, now=False)
+                await self.flush_ranks()
+                self._scope.cancel()
+                return
+            self.stream, established = joined
+            self.session = UpstreamSession(established.opener, established.sealer,
+                                           host=self.host, ranks=self.local.ranks)
+            self.session.feed_opened(established.records)
+
+    def resumable(self) -> bool:
+        """A lost upstream connection is ridden out (a durable coordinator, a grace > 0, the
+        pump not ending already), rather than ending the relay."""
+        return self.resume is not None and self.resume.enabled and not self._outcome
+
+    def lose_leg(self, reason: str) -> None:
+        """The durable coordinator's connection is lost: end this leg; the pump rides it out."""
+        if self._leg_lost is None:
+            self._leg_lost = reason
+        self._leg_scope.cancel()
+
+    async def next_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]
+                            ) -> list[Upstream] | None:
+        """The next batch to write: what was queued while reconnecting first, then a burst of
+        the ranks' queue (each record stays whole); None once every rank reader is done."""
+        backlog = self.resume.backlog if self.resume is not None else None
+        if backlog:
+            return [backlog.popleft() for _ in range(min(64, len(backlog)))]
+        try:
+            batch = [await up_recv.receive()]
+        except trio.EndOfChannel:
+            return None
+        while len(batch) < 64:  # coalesce a burst into one write
+            try:
+                batch.append(up_recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        return batch
+
     async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
         send_frame, send = self.session.send_frame, self.session.send
-        async for item in up_recv:
-            batch = [item]
-            while len(batch) < 64:  # coalesce a burst into one write; each record stays whole
-                try:
-                    batch.append(up_recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+        while (batch := await self.next_upstream(up_recv)) is not None:
+            self._in_flight = batch
             data = b"".join(send_frame(*item) if isinstance(item, tuple) else send(item)
                             for item in batch)
             try:
@@ -120,6 +186,7 @@ class Pump:
                 await self.upstream_lost(f"upstream connection lost while writing "
                                          f"({type(exc).__name__})")
                 return
+            self._in_flight = []
         # Every rank reader closed its queue clone: the last local rank is gone, and what the
         # ranks queued before leaving (Exiting, RankExit) is written. Ending before this point
         # cancelled the writer with the last rank's records still queued.
@@ -144,19 +211,33 @@ class Pump:
 
     async def upstream_lost(self, reason: str) -> None:
         """The upstream write failed: what was already read from the coordinator (a Shutdown
-        just before it closed) still reaches the ranks, then the pump ends."""
+        just before it closed) still reaches the ranks, then the pump ends (or, with a durable
+        coordinator, rides it out)."""
+        if self.resumable():
+            self.lose_leg(self.session.close(reason))
+            return
         self.finish(self.session.close(reason), False, now=False)
         await self.flush_ranks()
         self._scope.cancel()
 
     async def read_upstream(self) -> None:
         session = self.session
+        durable = self.resume is not None
         try:
             while True:
                 event = session.next_event()
                 if event is NEED_DATA:
-                    session.receive_data(await self.stream.receive_some(READ_SIZE))
-                elif type(event) is Deliver:
+                    if durable:
+                        data = await self.receive_while_alive()
+                        if data is None:
+                            return
+                        session.receive_data(data)
+                    else:
+                        session.receive_data(await self.stream.receive_some(READ_SIZE))
+                    continue
+                if durable:
+                    self._heard = trio.current_time()
+                if type(event) is Deliver:
                     await trio.lowlevel.checkpoint_if_cancelled()
                     self.deliver(event)
                 elif type(event) is Invalid:
@@ -169,11 +250,19 @@ class Pump:
                 else:
                     break
         except STREAM_GONE as exc:
+            if self.resumable():
+                self.lose_leg(session.close(f"upstream connection lost ({type(exc).__name__})"))
+                return
             await self.flush_ranks()
             self.finish(session.close(f"upstream connection lost ({type(exc).__name__})"),
                         False)
             return
         assert isinstance(event, EndOfStream)
+        if not event.clean and self.resumable():
+            if event.error is not None:
+                log.warning("relay %r: %s", self.host, event.reason)
+            self.lose_leg(event.reason)
+            return
         if event.error is not None:
             # Events before the bad record were delivered; then it ends.
             self.error = event.error
@@ -190,6 +279,22 @@ class Pump:
         with trio.move_on_after(self.config.shutdown_grace):
             await self._no_ranks_left.wait()
         self._scope.cancel()  # the outcome was recorded at the EOF
+
+    async def receive_while_alive(self) -> bytes | bytearray | None:
+        """The next bytes from a durable coordinator; None (the leg lost, or the pump ending)
+        after ``coord_liveness_timeout`` without a record from it."""
+        timeout = self.config.coord_liveness_timeout
+        with trio.move_on_at(self._heard + timeout):
+            return await self.stream.receive_some(READ_SIZE)
+        reason = self.session.close(f"no record from the coordinator within "
+                                    f"coord_liveness_timeout={timeout:g}s")
+        if self.resumable():
+            self.lose_leg(reason)
+        else:
+            self.finish(reason, False, now=False)
+            await self.flush_ranks()
+            self._scope.cancel()
+        return None
 
     async def flush_ranks(self) -> None:
         """Let the rank writers deliver what was verified and queued before the link broke."""

@@ -79,7 +79,8 @@ class RankSession(_Session):
     ``TimingMsg`` / ``Metrics`` frames out.
 
     Events: each ``ControlMsg`` (``CoordHeartbeat`` and the relay's ``RelayWaiting`` too: the
-    loop absorbs them), :class:`Invalid` ("invalid frame": it did not verify, so it is not a
+    loop absorbs them; the relay's ``CoordinatorReconnecting`` / ``CoordinatorResumed``, which
+    the loop delivers), :class:`Invalid` ("invalid frame": it did not verify, so it is not a
     sign of life; "wrong direction" and "undecodable": it verified), :class:`EndOfStream`
     (clean only after ``Shutdown`` or ``ShutdownWithSave``).
     """

@@ -1,0 +1,148 @@
+"""A durable coordinator lost in every way (EOF, reset, a forged record, a write stall) is ridden
+out; the coordinator target is resolved again on each re-dial; a coordinator that is not durable,
+or a grace of 0, is lost exactly as before (issue 22). The durable coordinator is scripted
+(``durable_peer``), over the in-memory network under MockClock."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import trio
+from durable_peer import RANK_CFG, accept_leg, finish, joined_durably, relay_of
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.testing import MemoryNetwork
+
+from helpers import read_one_record, wait_until
+
+
+@pytest.mark.parametrize("how", ["eof", "reset", "forged record", "write stall"])
+async def test_every_way_of_losing_a_durable_coordinator_is_ridden_out(
+    autojump_clock: trio.abc.Clock, how: str
+) -> None:
+    # A 64-byte buffer that the first coordinator never reads: the relay's writes stall.
+    net = MemoryNetwork(buffer_size=64)
+    salt = ft.SessionSalt.generate()
+    async with trio.open_nursery() as nursery:
+        listener, host, first = await joined_durably(nursery, net, salt,
+                                                     write_stall_timeout=2)
+        if how == "eof":
+            await first.stream.aclose()
+        elif how == "reset":
+            first.stream.reset()
+        elif how == "forged record":
+            forger = wire.RecordSealer(b"k" * 32, wire.COORD_TO_RELAY)
+            await first.stream.send_all(forger.seal(wire.RecordKind.DATA, 0, b"x"))
+        lost_at = trio.current_time()
+        leg = await accept_leg(listener, salt, generation=2)
+        assert leg is not None and leg.received.resumed
+        expected = 2 if how == "write stall" else 0
+        assert expected <= trio.current_time() - lost_at < expected + 1
+        await wait_until(lambda: relay_of(host).reconnects == 1)
+        await finish(host, leg, listener)
+        if how != "reset":
+            await first.stream.aclose()
+    net.assert_all_closed()
+    assert all(run.outcome == "ended" for run in host.ranks.values())
+    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
+
+
+async def test_the_coordinator_target_is_resolved_again_on_every_attempt(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # The coordinator moves to another address; the store that says where is briefly down.
+    salt = ft.SessionSalt.generate()
+    old, new = memory_network.listener("coord-old"), memory_network.listener("coord-new")
+    calls: list[str] = []
+
+    async def resolve() -> trio.abc.Stream:
+        calls.append("call")
+        if len(calls) == 1:
+            return await memory_network.connect("coord-old")
+        if len(calls) == 2:
+            raise ft.StoreUnavailable("etcd at 127.0.0.1:2379: no leader")
+        return await memory_network.connect("coord-new")
+
+    done = trio.Event()
+    exit_: list[Any] = []
+
+    async def relay_task() -> None:
+        async with ft.open_relay(resolve, salt=salt, host="host-a", ranks=[0], world_size=1,
+                                 rank_listen=memory_network.listener("relay:host-a"),
+                                 config=ft.RelayConfig(coord_liveness_timeout=math.inf)
+                                 ) as relay:
+            async with ft.open_rank(lambda: memory_network.connect("relay:host-a"), salt=salt,
+                                    rank=0, world_size=1, config=RANK_CFG) as ep:
+                exit_.append(relay)
+                async for msg in ep:
+                    exit_.append(msg)
+            exit_.append(await relay.wait_closed())
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay_task)
+        first = await accept_leg(old, salt, generation=1)
+        assert first is not None
+        await first.stream.aclose()
+        leg = await accept_leg(new, salt, generation=2)
+        assert leg is not None and leg.received.resumed
+        await wait_until(lambda: exit_[0].reconnects == 1)
+        await leg.fanout([0], wire.Shutdown())
+        await leg.send(wire.RecordKind.CONTROL, wire.encode(wire.Goodbye("done")))
+        async with leg.sending:
+            await leg.stream.send_eof()
+        with trio.fail_after(30):
+            while await read_one_record(leg.stream, leg.opener) is not None:
+                pass
+        await leg.stream.aclose()
+        await done.wait()
+        await old.aclose()
+        await new.aclose()
+    assert len(calls) == 3
+    assert exit_[1:-1] == [wire.CoordinatorReconnecting(
+        host="host-a", detail=exit_[1].detail), wire.CoordinatorResumed(2), wire.Shutdown()]
+    assert exit_[-1].clean
+
+
+# ---------------------------------------------------------------- as before
+
+
+@pytest.mark.parametrize(("generation", "grace"), [(None, 30.0), (3, 0.0)],
+                         ids=["no-store", "grace-0"])
+async def test_a_coordinator_that_is_not_ridden_out_is_lost_as_before(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, generation: int | None,
+    grace: float
+) -> None:
+    salt = ft.SessionSalt.generate()
+    async with trio.open_nursery() as nursery:
+        listener, host, first = await joined_durably(nursery, memory_network, salt,
+                                                     generation=generation,
+                                                     coordinator_grace=grace)
+        assert relay_of(host).generation == (generation or 0)
+        await first.stream.aclose()
+        lost_at = trio.current_time()
+        await wait_until(lambda: host.all_done, limit=30)
+        assert trio.current_time() - lost_at < 2
+        await listener.aclose()
+    for run in host.ranks.values():
+        assert run.received == []
+        assert isinstance(run.outcome, ft.CoordinatorLost)
+        assert "without Shutdown" in str(run.outcome)
+    assert isinstance(host.exit, ft.RelayExit) and not host.exit.clean
+    assert relay_of(host).reconnects == 0
+
+
+async def test_a_durable_coordinators_goodbye_ends_the_relay_cleanly_without_a_redial(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    async with trio.open_nursery() as nursery:
+        listener, host, first = await joined_durably(nursery, memory_network, salt)
+        await finish(host, first, listener)
+    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
+    assert relay_of(host).reconnects == 0
+    for run in host.ranks.values():
+        assert run.received == [wire.Shutdown()] and run.outcome == "ended"
