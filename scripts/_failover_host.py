@@ -123,9 +123,7 @@ def coordinator_target(args: argparse.Namespace) -> Any:
 async def main(args: argparse.Namespace, log: TextIO) -> int:
     ranks = parse_ranks(args.ranks)
     outcome: dict[int, bool] = {}
-    import attrs  # TEMPORARY until work-resume lands
-    extra = {"coordinator_grace": args.grace, "coord_liveness_timeout": args.liveness} if "coordinator_grace" in attrs.fields_dict(ft.RelayConfig) else {}
-    cfg = ft.RelayConfig(**extra)
+    cfg = ft.RelayConfig(coordinator_grace=args.grace, coord_liveness_timeout=args.liveness)
     async with ft.open_relay(coordinator_target(args),
                              salt=ft.SessionSalt.from_hex(args.salt_hex), host=args.host,
                              ranks=ranks, world_size=args.world_size, config=cfg) as relay:

@@ -5,10 +5,12 @@ Every party is a process on loopback: one coordinator process (scripts/_failover
 host processes (scripts/_failover_host.py: a relay and two SimulatedRanks each; every rank logs
 each control message it receives with CLOCK_MONOTONIC). A new session, store and cluster per run.
 
-- ``embedded``: SqliteStore; the coordinator is SIGKILLed mid-epoch (after two syncs of epoch 1)
-  and started again at once on the same port and store. Takeover = from the SIGKILL to the
-  restarted coordinator's first record (the resumed scheduler's anchoring ``SyncNow``) reaching
-  every rank: the last rank's first record after its ``CoordinatorResumed``.
+- ``embedded``: SqliteStore; the coordinator is SIGKILLed mid-epoch (two syncs into the first
+  epoch that starts once everything is set up, never the last one) and started again at once
+  on the same port and store. Takeover = from the SIGKILL to the restarted coordinator's first
+  broadcast (the resumed scheduler's ``SetEpochCallbackRole``, then its anchoring ``SyncNow``)
+  reaching every rank: the last rank's first record after its relay's ``CoordinatorResumed``.
+  "new leader s" is the part until the new coordinator leads and has adopted the session.
 - ``etcd``: the same with EtcdStore on a real etcd (scripts/_etcd.py; lease TTL 1 s).
 - ``etcd standby``: a standby coordinator process on another port is already blocked in
   ``acquire``; the leader is SIGKILLed; the relays re-resolve the leader's address from etcd.
@@ -52,7 +54,7 @@ import flodl_trio as ft  # noqa: E402
 
 HOSTS = {"host-a": "0,1", "host-b": "2,3"}
 WORLD = 4
-SAMPLES, BATCH, BATCH_MS, EPOCHS = 640, 8, 20.0, 3
+SAMPLES, BATCH, BATCH_MS, EPOCHS = 1280, 8, 20.0, 4
 RUN_LIMIT = 90.0  # seconds: a run that takes longer is a failure, not a hang
 RELAY_ONLY = {"CoordinatorReconnecting", "CoordinatorResumed", "CoordinatorLost"}
 
@@ -131,13 +133,18 @@ class Run:
             self.stack.callback(child.stop)
             self.hosts[host] = child
 
-    def mid_epoch(self, coord: Child, epoch: int = 1, syncs: int = 2) -> None:
-        """Wait until ``epoch`` started and ran ``syncs`` syncs."""
-        started = coord.wait_line(lambda s: " epoch_started " in s
-                                  and f"epoch={epoch}" in s.split(), self.deadline)
-        after = float(field(started[0], "t"))
-        coord.wait_line(lambda s: " sync " in s and float(field(s, "t")) > after,
+    def mid_epoch(self, coord: Child, after: float, syncs: int = 2) -> int:
+        """Wait until an epoch that is not the last one started after ``after`` (monotonic)
+        and ran ``syncs`` syncs; returns the epoch."""
+        (started,) = coord.wait_line(lambda s: " epoch_started " in s
+                                     and float(field(s, "t")) > after, self.deadline)[:1]
+        epoch, at = int(field(started, "epoch")), float(field(started, "t"))
+        if epoch >= EPOCHS - 1:
+            raise RuntimeError(f"the first epoch started after the setup is the last one "
+                               f"({epoch}): the run is too short for this machine")
+        coord.wait_line(lambda s: " sync " in s and float(field(s, "t")) > at,
                         self.deadline, syncs)
+        return epoch
 
     def finish(self, coord: Child) -> None:
         coord.wait_line(lambda s: " done " in s, self.deadline)
@@ -172,9 +179,15 @@ class Run:
             firsts.append(new[0])
         return max(firsts) - since
 
-    def deaths(self) -> set[int]:
-        return {int(field(line, "rank")) for c in self.coords for line in c.lines()
-                if line.startswith("coord dead ")}
+    def deaths(self, deposed: Child | None = None, since: float = 0.0) -> set[int]:
+        """Ranks a leading coordinator declared dead or any rank was told of. What the
+        ``deposed`` coordinator declared after ``since`` (once it woke up, no longer the leader)
+        reached nobody: it is :meth:`deposed_records` if it did."""
+        told = {int(value) for entries in self.rank_logs().values()
+                for _, label, value in entries if label == "DeclareDead"}
+        return told | {int(field(line, "rank")) for c in self.coords for line in c.lines()
+                       if line.startswith("coord dead ")
+                       and (c is not deposed or float(field(line, "t")) < since)}
 
     def deposed_records(self) -> int:
         return sum(1 for entries in self.rank_logs().values() for _, label, value in entries
@@ -231,10 +244,10 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     if case in ("etcd standby", "deposed"):
         standby = run.coordinator(free_port())
         standby.wait_line(lambda s: " listening " in s, run.deadline)
+        time.sleep(0.2)  # from listening to waiting in store.acquire
     out: dict[str, Any] = {"case": case}
     if case == "relay kill":
-        leader.wait_line(lambda s: " epoch_started " in s and "epoch=1" in s.split(),
-                         run.deadline)
+        run.mid_epoch(leader, after=time.monotonic())
         n = len([s for s in leader.lines() if " sync " in s])
         leader.wait_line(lambda s: " sync " in s, run.deadline, n + 1)
         time.sleep(BATCH_MS / 1000 * 1.5)  # a batch or two after the sync, before the next
@@ -244,14 +257,15 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
         out["dead"] = sorted(run.deaths())
         out.update(run.coverage())
         return out
-    run.mid_epoch(leader)
+    out["epoch"] = run.mid_epoch(leader, after=time.monotonic())
     killed = time.monotonic()
     if case == "deposed":
         leader.signal(signal.SIGSTOP)
     else:
         leader.signal(signal.SIGKILL)
     new = standby if standby is not None else run.coordinator(port)
-    new.wait_line(lambda s: " leader " in s, run.deadline)
+    (led,) = new.wait_line(lambda s: " leader " in s, run.deadline)
+    out["leader_s"] = float(field(led, "t")) - killed  # the store's part: it leads, adopted
     if case == "deposed":
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # every rank heard from the new leader
@@ -269,7 +283,8 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
         out["deposed_exit"] = [s for s in leader.lines() if " deposed" in s][-3:]
     run.finish(new)
     out.setdefault("takeover_s", run.takeover(killed))
-    out["dead"] = sorted(run.deaths())
+    out["dead"] = sorted(run.deaths(leader if case == "deposed" else None, killed))
+    out["deposed_declared_dead"] = sorted(run.deaths() - set(out["dead"]))
     out["deposed_records"] = run.deposed_records()
     out["generations"] = [field(s, "generation") for c in run.coords for s in c.lines()
                           if " leader " in s]
@@ -315,8 +330,10 @@ def main() -> None:
     rows = []
     for case, outcomes in results.items():
         takeovers = [r["takeover_s"] for r in outcomes if "takeover_s" in r]
+        leading = [r["leader_s"] for r in outcomes if "leader_s" in r]
         rows.append({
             "case": case, "runs": len(outcomes),
+            "leader_s": rep.median(leading) if leading else None,
             "takeover_s": rep.median(takeovers) if takeovers else None,
             "p90_s": rep.percentile(takeovers, 0.9) if takeovers else None,
             "dead": sum(len(r["dead"]) for r in outcomes),
@@ -327,6 +344,7 @@ def main() -> None:
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
     print(rep.table([("case", "case", ""), ("runs", "runs", "d"),
+                     ("new leader s", "leader_s", ".2f"),
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
                      ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
