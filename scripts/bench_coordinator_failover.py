@@ -10,7 +10,8 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   on the same port and store. Takeover = from the SIGKILL to the restarted coordinator's first
   broadcast (the resumed scheduler's ``SetEpochCallbackRole``, then its anchoring ``SyncNow``)
   reaching every rank: the last rank's first record after its relay's ``CoordinatorResumed``.
-  "new leader s" is the part until the new coordinator leads and has adopted the session.
+  Parts of it (medians): "process up s", until the restarted process listens (Python starting
+  and importing the library); "new leader s", until it leads and has adopted the session.
 - ``etcd``: the same with EtcdStore on a real etcd (scripts/_etcd.py; lease TTL 1 s).
 - ``etcd standby``: a standby coordinator process on another port is already blocked in
   ``acquire``; the leader is SIGKILLed; the relays re-resolve the leader's address from etcd.
@@ -54,7 +55,7 @@ import flodl_trio as ft  # noqa: E402
 
 HOSTS = {"host-a": "0,1", "host-b": "2,3"}
 WORLD = 4
-SAMPLES, BATCH, BATCH_MS, EPOCHS = 1280, 8, 20.0, 4
+SAMPLES, BATCH, BATCH_MS, EPOCHS = 1280, 8, 20.0, 6
 RUN_LIMIT = 90.0  # seconds: a run that takes longer is a failure, not a hang
 RELAY_ONLY = {"CoordinatorReconnecting", "CoordinatorResumed", "CoordinatorLost"}
 
@@ -265,6 +266,9 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
         leader.signal(signal.SIGKILL)
     new = standby if standby is not None else run.coordinator(port)
     (led,) = new.wait_line(lambda s: " leader " in s, run.deadline)
+    if standby is None:  # the part that is Python starting and importing the library
+        (listening,) = new.wait_line(lambda s: " listening " in s, run.deadline)
+        out["start_s"] = float(field(listening, "t")) - killed
     out["leader_s"] = float(field(led, "t")) - killed  # the store's part: it leads, adopted
     if case == "deposed":
         deadline = time.monotonic() + 10
@@ -331,8 +335,10 @@ def main() -> None:
     for case, outcomes in results.items():
         takeovers = [r["takeover_s"] for r in outcomes if "takeover_s" in r]
         leading = [r["leader_s"] for r in outcomes if "leader_s" in r]
+        starting = [r["start_s"] for r in outcomes if "start_s" in r]
         rows.append({
             "case": case, "runs": len(outcomes),
+            "start_s": rep.median(starting) if starting else None,
             "leader_s": rep.median(leading) if leading else None,
             "takeover_s": rep.median(takeovers) if takeovers else None,
             "p90_s": rep.percentile(takeovers, 0.9) if takeovers else None,
@@ -344,7 +350,7 @@ def main() -> None:
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
     print(rep.table([("case", "case", ""), ("runs", "runs", "d"),
-                     ("new leader s", "leader_s", ".2f"),
+                     ("process up s", "start_s", ".2f"), ("new leader s", "leader_s", ".2f"),
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
                      ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
