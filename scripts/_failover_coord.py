@@ -106,10 +106,13 @@ async def act_deposed(coord: ft.Coordinator) -> None:
     with trio.open_signal_receiver(signal.SIGUSR1) as signals:
         async for _ in signals:
             say("deposed_attempt")
-            for attempt in (coord.broadcast_control(wire.SetGlobalStep(global_step=DEPOSED_MARK)),
-                            coord.shutdown_with_save(ft.SaveReason.REDUCE_STALL)):
+            for attempt in ("broadcast", "shutdown"):
                 try:
-                    await attempt
+                    if attempt == "broadcast":
+                        await coord.broadcast_control(wire.SetGlobalStep(global_step=DEPOSED_MARK))
+                    else:
+                        await coord.shutdown_with_save(ft.SaveReason.REDUCE_STALL)
+                    say("deposed_sent", attempt)  # from its own point of view
                 except ft.FlodlError as exc:
                     say("deposed_refused", f"{type(exc).__name__}: {exc}")
             return

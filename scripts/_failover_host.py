@@ -123,7 +123,8 @@ def coordinator_target(args: argparse.Namespace) -> Any:
 async def main(args: argparse.Namespace, log: TextIO) -> int:
     ranks = parse_ranks(args.ranks)
     outcome: dict[int, bool] = {}
-    cfg = ft.RelayConfig(coordinator_grace=args.grace, coord_liveness_timeout=args.liveness)
+    cfg = ft.RelayConfig(coordinator_grace=args.grace, coord_liveness_timeout=args.liveness,
+                         handshake_timeout=args.handshake_timeout)
     async with ft.open_relay(coordinator_target(args),
                              salt=ft.SessionSalt.from_hex(args.salt_hex), host=args.host,
                              ranks=ranks, world_size=args.world_size, config=cfg) as relay:
@@ -150,6 +151,9 @@ def cli() -> int:
     parser.add_argument("--grace", type=float, default=20.0, help="RelayConfig.coordinator_grace")
     parser.add_argument("--liveness", type=float, default=1.0,
                         help="RelayConfig.coord_liveness_timeout (a SIGSTOPped coordinator)")
+    parser.add_argument("--handshake-timeout", type=float, default=2.0,
+                        help="RelayConfig.handshake_timeout: a re-dial that reaches a SIGSTOPped "
+                             "old leader (its address still published) hangs this long")
     parser.add_argument("--rank-liveness", type=float, default=30.0)
     parser.add_argument("--log", required=True)
     parser.add_argument("--log-level", default="ERROR")
