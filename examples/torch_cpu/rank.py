@@ -13,7 +13,11 @@ What it does with each control message:
   (reported with ``LrUpdate``).
 - ``StartEpoch`` / ``ExtendPartition``: queue sample ranges; they are trained in batches of
   ``--batch-size`` (never mixing two ranges), each reported with ``Batch``; when the queue runs
-  dry, a cumulative ``Metrics`` for the epoch.
+  dry, a cumulative ``Metrics`` for the epoch. A ``StartEpoch`` identical to the plan in progress
+  and an ``ExtendPartition`` already received in the epoch are ignored: a coordinator that took
+  the run over (after its predecessor was killed) sends each rank its share again.
+- ``CoordinatorReconnecting`` / ``CoordinatorResumed`` (from the relay, while the coordinator is
+  replaced): nothing to do; the rank trains on.
 - ``SyncNow``: average the parameters over the group (``all_reduce``), then ``SyncAck``. If a
   peer died, the all-reduce fails fast; the rank acknowledges anyway and waits for its new
   session (the coordinator is re-forming the group).
@@ -129,6 +133,8 @@ class Trainer:
         self.group = Group()
         self.queue: deque[tuple[int, int]] = deque()
         self.epoch: int | None = None
+        self.plan: tuple[int, int, int] | None = None  # (epoch, offset, size) in progress
+        self.extensions: set[tuple[int, int]] = set()  # received in the current epoch
         self.order = torch.arange(len(self.x))
         self.out = Path(args.out)
         self.epoch_started = 0.0
@@ -171,6 +177,10 @@ class Trainer:
                      msg.new_rank, msg.new_world_size)
         elif isinstance(msg, wire.StartEpoch):
             plan = msg.plan
+            key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
+            if key == self.plan:  # a coordinator that took the run over repeats it: ignore
+                return
+            self.plan, self.extensions = key, set()
             self.epoch = int(plan.epoch)
             self.set_lr()
             generator = torch.Generator().manual_seed(1000 + self.epoch)
@@ -180,7 +190,10 @@ class Trainer:
             self.batches = self.samples = 0
             self.loss_sum = self.compute_ms = 0.0
         elif isinstance(msg, wire.ExtendPartition):
-            self.queue.append((int(msg.partition_offset), int(msg.partition_size)))
+            extension = (int(msg.partition_offset), int(msg.partition_size))
+            if extension not in self.extensions:  # a repeated one is ignored, as above
+                self.extensions.add(extension)
+                self.queue.append(extension)
         elif isinstance(msg, wire.SyncNow):
             if self.group.average(self.model):
                 self.syncs += 1

@@ -2,7 +2,7 @@
 scheduler), two relay processes (host-a: ranks 0, 1; host-b: ranks 2, 3) and four PyTorch rank
 processes (``rank.py``).
 
-    python run.py --out DIR [--kill [--restart]] [--epochs 20] [--result FILE]
+    python run.py --out DIR [--kill [--restart] | --kill-coordinator] [--epochs 20] [--result FILE]
 
 With ``--kill``, once epoch ``--kill-epoch`` has run a few syncs, host-b's relay and its two
 ranks are SIGKILLed. The coordinator declares ranks 2 and 3 dead at once, the scheduler hands
@@ -14,6 +14,13 @@ With ``--restart`` too, host-b's relay and ranks are started again ``--restart-a
 after the kill: the relay rejoins the running cohort (its ranks were all dead), ranks 2 and 3
 are alive again, and at the next epoch the scheduler re-forms the group of four with them (they
 take rank 0's parameters) and gives them work: the run ends with four ranks, as it began.
+
+With ``--kill-coordinator`` the coordinator is a process of its own instead (``coordinator.py``,
+with its session in ``DIR/session.db``, a SQLite store); a few syncs into epoch ``--kill-epoch``
+it is SIGKILLed and started again at once with the same command (``kill_coordinator.py``). The
+relays keep their ranks connected and training meanwhile, re-dial and resume; the new coordinator
+adopts the session and its scheduler resumes from the last checkpoint: no rank dies, and every
+epoch is still covered exactly once.
 
 Prints the scheduler's accounting (each epoch's samples, who processed them, whether they were
 covered exactly once), the deaths, the held-out accuracy and the wall time; ``--result`` writes
@@ -142,17 +149,22 @@ async def child(command: list[str], *, task_status: Any = trio.TASK_STATUS_IGNOR
     await trio.run_process(command, check=False, task_status=task_status)
 
 
+def from_timeline(timeline: ft.Timeline) -> tuple[list[dict[str, Any]], list[int]]:
+    """The process groups formed and the ranks that rejoined, from the coordinator's timeline."""
+    groups = [dict(e.fields) for e in timeline.events()
+              if isinstance(e, Note) and e.what == "process_group_formed"]
+    return groups, sorted(e.rank for e in timeline.events() if isinstance(e, RankRejoined))
+
+
 def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall: float,
-           killed: dict[str, Any], timeline: ft.Timeline) -> dict[str, Any]:
+           killed: dict[str, Any], groups: list[dict[str, Any]],
+           rejoined: list[int]) -> dict[str, Any]:
     print(f"epochs completed: {summary.epochs_completed}, syncs {summary.syncs}, global step "
           f"{summary.global_step}")
     for rank, reason in summary.deaths.items():
         print(f"  rank {rank} declared dead: {reason}")
-    groups = [e.fields for e in timeline.events()
-              if isinstance(e, Note) and e.what == "process_group_formed"]
     for g in groups:
         print(f"  process group {g['generation']}: ranks {g['ranks']}")
-    rejoined = sorted(e.rank for e in timeline.events() if isinstance(e, RankRejoined))
     if rejoined:
         print(f"  ranks {rejoined} rejoined the running cohort")
     exact = True
@@ -181,6 +193,9 @@ def main() -> None:
     p.add_argument("--kill", action="store_true", help="SIGKILL host-b mid-epoch")
     p.add_argument("--restart", action="store_true",
                    help="SIGKILL host-b mid-epoch, then start it again: it rejoins")
+    p.add_argument("--kill-coordinator", action="store_true",
+                   help="the coordinator runs as a process with a SQLite session store; it is "
+                        "SIGKILLed mid-epoch and started again at once: it adopts the run")
     p.add_argument("--restart-after", type=float, default=1.0, metavar="S",
                    help="seconds between the kill and the restart")
     p.add_argument("--epochs", type=int, default=20)
@@ -193,12 +208,20 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("rank-*.json"):
-        stale.unlink()
-    summary, coverage, wall, killed, timeline = trio.run(run, args)
+    for pattern in ("rank-*.json", "session.db*", "coverage.jsonl", "summary.json"):
+        for stale in out.glob(pattern):
+            stale.unlink()
+    if args.kill_coordinator:
+        from kill_coordinator import run_with_coordinator_killed
+
+        summary, coverage, wall, killed, groups, rejoined = trio.run(
+            run_with_coordinator_killed, args)
+    else:
+        summary, coverage, wall, killed, timeline = trio.run(run, args)
+        groups, rejoined = from_timeline(timeline)
     results = {int(p.stem.split("-")[1]): json.loads(p.read_text())
                for p in sorted(out.glob("rank-*.json"))}
-    outcome = report(summary, coverage, results, wall, killed, timeline)
+    outcome = report(summary, coverage, results, wall, killed, groups, rejoined)
     if args.result:
         Path(args.result).write_text(json.dumps(outcome, indent=2))
     sys.exit(0 if outcome["covered_exactly_once"] and outcome["accuracy"] > 0 else 1)

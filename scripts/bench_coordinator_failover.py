@@ -1,0 +1,380 @@
+"""Coordinator-failover benchmark (issue 22): the run goes on when its coordinator dies.
+
+Every party is a process on loopback: one coordinator process (scripts/_failover_coord.py:
+``open_coordinator(store=...)`` and a SyncScheduler that resumes from ``coord.checkpoint``), two
+host processes (scripts/_failover_host.py: a relay and two SimulatedRanks each; every rank logs
+each control message it receives with CLOCK_MONOTONIC). A new session, store and cluster per run.
+
+- ``embedded``: SqliteStore; the coordinator is SIGKILLed mid-epoch (two syncs into the first
+  epoch that starts once everything is set up, never the last one) and started again at once
+  on the same port and store. Takeover = from the SIGKILL to the restarted coordinator's first
+  broadcast (the resumed scheduler's ``SetEpochCallbackRole``, then its anchoring ``SyncNow``)
+  reaching every rank: the last rank's first record after its relay's ``CoordinatorResumed``.
+  Parts of it (medians): "process up s", until the restarted process listens (Python starting
+  and importing the library); "new leader s", until it leads and has adopted the session.
+- ``etcd``: the same with EtcdStore on a real etcd (scripts/_etcd.py; lease TTL 1 s).
+- ``etcd standby``: a standby coordinator process on another port is already blocked in
+  ``acquire``; the leader is SIGKILLed; the relays re-resolve the leader's address from etcd.
+- ``deposed``: as ``etcd standby`` but the leader is SIGSTOPped; once the standby leads and every
+  rank heard from it, the old leader gets SIGUSR1 (broadcast ``SetGlobalStep(mark)``, then
+  ``ShutdownWithSave``) and SIGCONT. Records any rank received from it must be 0.
+- ``relay kill``: SqliteStore, no coordinator kill; one host process (relay and ranks) is
+  SIGKILLed between two syncs: its unsynced work must be redistributed.
+
+Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
+synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
+and the samples of the data set nobody is credited with (lost updates not re-run: must be 0).
+
+    .venv/bin/python scripts/bench_coordinator_failover.py [--quick] [--runs N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _report as rep  # noqa: E402
+from _etcd import EtcdServer, etcd_binary, free_port  # noqa: E402
+from _failover_coord import DEPOSED_MARK  # noqa: E402
+
+import flodl_trio as ft  # noqa: E402
+
+HOSTS = {"host-a": "0,1", "host-b": "2,3"}
+WORLD = 4
+SAMPLES, BATCH, BATCH_MS, EPOCHS = 1280, 8, 20.0, 6
+RUN_LIMIT = 90.0  # seconds: a run that takes longer is a failure, not a hang
+RELAY_ONLY = {"CoordinatorReconnecting", "CoordinatorResumed", "CoordinatorLost"}
+
+
+class Child:
+    """A child process whose stdout goes to a file, read back line by line."""
+
+    def __init__(self, argv: list[str], out: Path) -> None:
+        self.out = out
+        with open(out, "ab") as sink:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink,
+                                         stderr=subprocess.STDOUT)
+
+    def lines(self) -> list[str]:
+        return self.out.read_text(errors="replace").splitlines()
+
+    def wait_line(self, predicate: Callable[[str], bool], deadline: float,
+                  count: int = 1) -> list[str]:
+        while True:
+            found = [line for line in self.lines() if predicate(line)]
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.out.name}: expected a line, got (status "
+                                   f"{self.proc.poll()}):\n" + "\n".join(self.lines()[-15:]))
+            time.sleep(0.005)
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def field(line: str, name: str) -> str:
+    for word in line.split():
+        if word.startswith(name + "="):
+            return word[len(name) + 1:]
+    raise ValueError(f"no {name}= in {line!r}")
+
+
+class Run:
+    """One session: its directory, salt, store, coordinator processes and host processes."""
+
+    def __init__(self, root: Path, store: str, stack: ExitStack) -> None:
+        self.dir = Path(tempfile.mkdtemp(dir=root))
+        self.salt = ft.SessionSalt.generate()
+        self.store = store
+        self.stack = stack
+        self.coords: list[Child] = []
+        self.hosts: dict[str, Child] = {}
+        self.deadline = time.monotonic() + RUN_LIMIT
+
+    def coordinator(self, port: int) -> Child:
+        n = len(self.coords)
+        child = Child([sys.executable, str(HERE / "_failover_coord.py"), "--listen",
+                       f"127.0.0.1:{port}", "--salt-hex", self.salt.hex(), "--store", self.store,
+                       "--world-size", str(WORLD), "--samples", str(SAMPLES), "--batch-size",
+                       str(BATCH), "--epochs", str(EPOCHS), "--out", str(self.dir)],
+                      self.dir / f"coord-{n}.out")
+        self.stack.callback(child.stop)
+        self.coords.append(child)
+        return child
+
+    def start_hosts(self, target: list[str]) -> None:
+        for host, ranks in HOSTS.items():
+            child = Child([sys.executable, str(HERE / "_failover_host.py"), *target,
+                           "--salt-hex", self.salt.hex(), "--host", host, "--ranks", ranks,
+                           "--world-size", str(WORLD), "--batch-size", str(BATCH),
+                           "--batch-ms", str(BATCH_MS), "--log", str(self.dir / f"{host}.log")],
+                          self.dir / f"{host}.out")
+            self.stack.callback(child.stop)
+            self.hosts[host] = child
+
+    def mid_epoch(self, coord: Child, after: float, syncs: int = 2) -> int:
+        """Wait until an epoch that is not the last one started after ``after`` (monotonic)
+        and ran ``syncs`` syncs; returns the epoch."""
+        (started,) = coord.wait_line(lambda s: " epoch_started " in s
+                                     and float(field(s, "t")) > after, self.deadline)[:1]
+        epoch, at = int(field(started, "epoch")), float(field(started, "t"))
+        if epoch >= EPOCHS - 1:
+            raise RuntimeError(f"the first epoch started after the setup is the last one "
+                               f"({epoch}): the run is too short for this machine")
+        coord.wait_line(lambda s: " sync " in s and float(field(s, "t")) > at,
+                        self.deadline, syncs)
+        return epoch
+
+    def finish(self, coord: Child) -> None:
+        coord.wait_line(lambda s: " done " in s, self.deadline)
+        for child in self.hosts.values():
+            child.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+
+    def rank_logs(self) -> dict[int, list[tuple[float, str, str]]]:
+        """rank -> [(monotonic, label, value)] in arrival order."""
+        out: dict[int, list[tuple[float, str, str]]] = {}
+        for host in HOSTS:
+            path = self.dir / f"{host}.log"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                words = line.split(maxsplit=3)
+                if len(words) >= 3 and words[1].isdigit():
+                    out.setdefault(int(words[1]), []).append(
+                        (float(words[0]), words[2], words[3] if len(words) > 3 else ""))
+        return out
+
+    def takeover(self, since: float) -> float:
+        """Seconds from ``since`` until every rank got a record of the new coordinator."""
+        logs = self.rank_logs()
+        if len(logs) != WORLD:
+            raise RuntimeError(f"rank logs of {sorted(logs)}, expected ranks 0-{WORLD - 1}")
+        firsts = []
+        for rank, entries in logs.items():
+            after = [e for e in entries if e[0] > since]
+            resumed = [i for i, e in enumerate(after) if e[1] == "CoordinatorResumed"]
+            start = resumed[0] + 1 if resumed else 0
+            new = [t for t, label, _ in after[start:] if label not in RELAY_ONLY]
+            if not new:
+                raise RuntimeError(f"rank {rank} got nothing from a new coordinator: {after}")
+            firsts.append(new[0])
+        return max(firsts) - since
+
+    def deaths(self, deposed: Child | None = None, since: float = 0.0) -> set[int]:
+        """Ranks a leading coordinator declared dead or any rank was told of. What the
+        ``deposed`` coordinator declared after ``since`` (once it woke up, no longer the leader)
+        reached nobody: it is :meth:`deposed_records` if it did."""
+        told = {int(value) for entries in self.rank_logs().values()
+                for _, label, value in entries if label == "DeclareDead"}
+        return told | {int(field(line, "rank")) for c in self.coords for line in c.lines()
+                       if line.startswith("coord dead ")
+                       and (c is not deposed or float(field(line, "t")) < since)}
+
+    def deposed_records(self) -> int:
+        return sum(1 for entries in self.rank_logs().values() for _, label, value in entries
+                   if (label == "SetGlobalStep" and value == str(DEPOSED_MARK))
+                   or (label == "ShutdownWithSave" and value == "REDUCE_STALL"))
+
+    def coverage(self) -> dict[str, Any]:
+        """Per epoch, the last coordinator's record of it; exactly-once fraction, lost samples."""
+        path = self.dir / "coverage.jsonl"
+        latest: dict[int, dict[str, Any]] = {}
+        for line in path.read_text().splitlines() if path.exists() else []:
+            row = json.loads(line)
+            if row["generation"] >= latest.get(row["epoch"], {}).get("generation", -1):
+                latest[row["epoch"]] = row
+        exact = sum(1 for e in range(EPOCHS) if latest.get(e, {}).get("exactly_once"))
+        lost = sum(latest[e]["gaps"] if e in latest else SAMPLES for e in range(EPOCHS))
+        return {"exactly_once": exact / EPOCHS, "lost": lost, "epochs": sorted(latest)}
+
+
+def store_url(kind: str, run_dir: Path, etcd: EtcdServer | None) -> str:
+    if kind == "sqlite":
+        return f"sqlite:{run_dir / 'session.db'}"
+    assert etcd is not None
+    return f"etcd://{etcd.endpoint}/flodl/bench-{run_dir.name}"
+
+
+def one_run(case: str, root: Path, etcd: EtcdServer | None) -> dict[str, Any]:
+    with ExitStack() as stack:
+        run = Run(root, "", stack)
+        try:
+            return run_case(case, run, etcd)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            tails = "".join(f"\n--- {c.out.name}:\n" + "\n".join(c.lines()[-8:])
+                            for c in [*run.coords, *run.hosts.values()])
+            raise RuntimeError(f"{case} run in {run.dir} failed: {exc}{tails}") from None
+
+
+def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
+    run.store = store_url("sqlite" if case in ("embedded", "relay kill") else "etcd",
+                          run.dir, etcd)
+    port = free_port()
+    leader = run.coordinator(port)
+    leader.wait_line(lambda s: " listening " in s, run.deadline)
+    standby = None
+    if case in ("etcd standby", "deposed"):
+        # The standby must not win the first election: it starts once the leader leads,
+        # which is once formation completed (hosts start meanwhile)
+        target = ["--etcd", etcd.endpoint if etcd else "", "--prefix",
+                  run.store.split("/", 3)[3]]
+    else:
+        target = ["--coordinator", f"127.0.0.1:{port}"]
+    run.start_hosts(target)
+    leader.wait_line(lambda s: " leader " in s, run.deadline)
+    if case in ("etcd standby", "deposed"):
+        standby = run.coordinator(free_port())
+        standby.wait_line(lambda s: " listening " in s, run.deadline)
+        time.sleep(0.2)  # from listening to waiting in store.acquire
+    out: dict[str, Any] = {"case": case}
+    if case == "relay kill":
+        run.mid_epoch(leader, after=time.monotonic())
+        n = len([s for s in leader.lines() if " sync " in s])
+        leader.wait_line(lambda s: " sync " in s, run.deadline, n + 1)
+        time.sleep(BATCH_MS / 1000 * 1.5)  # a batch or two after the sync, before the next
+        run.hosts["host-b"].signal(signal.SIGKILL)
+        leader.wait_line(lambda s: " done " in s, run.deadline)
+        run.hosts["host-a"].proc.wait(timeout=max(1.0, run.deadline - time.monotonic()))
+        out["dead"] = sorted(run.deaths())
+        out.update(run.coverage())
+        return out
+    out["epoch"] = run.mid_epoch(leader, after=time.monotonic())
+    killed = time.monotonic()
+    if case == "deposed":
+        leader.signal(signal.SIGSTOP)
+    else:
+        leader.signal(signal.SIGKILL)
+    new = standby if standby is not None else run.coordinator(port)
+    (led,) = new.wait_line(lambda s: " leader " in s, run.deadline)
+    if standby is None:  # the part that is Python starting and importing the library
+        (listening,) = new.wait_line(lambda s: " listening " in s, run.deadline)
+        out["start_s"] = float(field(listening, "t")) - killed
+    out["leader_s"] = float(field(led, "t")) - killed  # the store's part: it leads, adopted
+    if case == "deposed":
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # every rank heard from the new leader
+            try:
+                out["takeover_s"] = run.takeover(killed)
+                break
+            except RuntimeError:
+                time.sleep(0.01)
+        leader.signal(signal.SIGUSR1)
+        leader.signal(signal.SIGCONT)
+        try:
+            leader.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        out["deposed_exit"] = [s for s in leader.lines() if " deposed" in s][-3:]
+    run.finish(new)
+    out.setdefault("takeover_s", run.takeover(killed))
+    out["dead"] = sorted(run.deaths(leader if case == "deposed" else None, killed))
+    out["deposed_declared_dead"] = sorted(run.deaths() - set(out["dead"]))
+    out["deposed_records"] = run.deposed_records()
+    out["generations"] = [field(s, "generation") for c in run.coords for s in c.lines()
+                          if " leader " in s]
+    out.update(run.coverage())
+    return out
+
+
+@contextmanager
+def maybe_etcd(root: Path, wanted: bool) -> Iterator[EtcdServer | None]:
+    if not wanted:
+        yield None
+        return
+    with EtcdServer(root) as etcd:
+        yield etcd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 runs of each takeover case")
+    parser.add_argument("--runs", type=int, default=None, help="runs per takeover case (5)")
+    parser.add_argument("--cases", default="embedded,etcd,etcd standby,deposed,relay kill",
+                        help="comma-separated subset of the cases")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    runs = args.runs or (2 if args.quick else 5)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    needs_etcd = any(c.startswith("etcd") or c == "deposed" for c in cases)
+    if needs_etcd and etcd_binary() is None:
+        sys.exit("etcd is not installed (Debian: apt-get install etcd-server)")
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="flodl-failover-") as tmp, \
+            maybe_etcd(Path(tmp), needs_etcd) as etcd:
+        for case in cases:
+            repeat = 1 if case in ("deposed", "relay kill") else runs
+            for i in range(repeat):
+                outcome = one_run(case, Path(tmp), etcd)
+                results.setdefault(case, []).append(outcome)
+                if args.verbose:
+                    print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
+    kill_cases = [c for c in results if c != "relay kill"]
+    every = [r for c in results for r in results[c]]
+    rows = []
+    for case, outcomes in results.items():
+        takeovers = [r["takeover_s"] for r in outcomes if "takeover_s" in r]
+        leading = [r["leader_s"] for r in outcomes if "leader_s" in r]
+        starting = [r["start_s"] for r in outcomes if "start_s" in r]
+        rows.append({
+            "case": case, "runs": len(outcomes),
+            "start_s": rep.median(starting) if starting else None,
+            "leader_s": rep.median(leading) if leading else None,
+            "takeover_s": rep.median(takeovers) if takeovers else None,
+            "p90_s": rep.percentile(takeovers, 0.9) if takeovers else None,
+            "dead": sum(len(r["dead"]) for r in outcomes),
+            "exact": statistics.mean(r["exactly_once"] for r in outcomes),
+            "lost": sum(r["lost"] for r in outcomes),
+            "deposed": sum(r.get("deposed_records", 0) for r in outcomes)})
+    print(f"{rep.machine_note()}; the machine is shared with other work: medians are noisy")
+    print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
+          f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
+    print(rep.table([("case", "case", ""), ("runs", "runs", "d"),
+                     ("process up s", "start_s", ".2f"), ("new leader s", "leader_s", ".2f"),
+                     ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
+                     ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
+                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
+    by_case = {row["case"]: row for row in rows}
+    targets = []
+    for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
+                       ("etcd standby", "etcd: standby takeover s")):
+        if case in by_case:
+            targets.append(rep.target(name, by_case[case]["takeover_s"], "<", 3))
+    if kill_cases:
+        targets.append(rep.target("ranks declared dead",
+                                  sum(by_case[c]["dead"] for c in kill_cases), "<=", 0))
+    if every:
+        exact = statistics.mean(r["exactly_once"] for r in every)
+        targets.append(rep.target("epochs covered exactly once", exact, ">=", 1))
+    if "deposed" in by_case:
+        targets.append(rep.target("deposed coordinator records accepted",
+                                  by_case["deposed"]["deposed"], "<=", 0))
+    if every:
+        targets.append(rep.target("lost updates not re-run", sum(r["lost"] for r in every),
+                                  "<=", 0))
+    rep.finish("coordinator_failover", rows, targets, args.json,
+               runs={c: results[c] for c in results})
+
+
+if __name__ == "__main__":
+    main()
