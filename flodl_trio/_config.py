@@ -190,6 +190,11 @@ class CoordinatorConfig:
         allow_rank_takeover: after formation, a relay of a *different* host may take over
             ranks that are all currently dead (a spare host); off, only the host that
             announced them may bring them back (a restarted relay always may).
+        deliver_heartbeats: deliver a ``Heartbeat`` to ``coord.timing`` for each rank a
+            relay's ``Liveness`` record reports (the relays verify the ranks' heartbeats and
+            coalesce them, issue 23), as when every rank's frame came through. Off, those
+            heartbeats only refresh liveness and the status board's step counts: the
+            cheapest idle coordinator, for consumers that do not read heartbeats.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -208,6 +213,7 @@ class CoordinatorConfig:
     metrics_buffer: int = attrs.field(default=1024, validator=_positive_int)
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
     allow_rank_takeover: bool = attrs.field(default=False, converter=bool)
+    deliver_heartbeats: bool = attrs.field(default=True, converter=bool)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -243,6 +249,9 @@ class RelayConfig:
     write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
     shutdown_grace: float = _deadline(T.SHUTDOWN_GRACE)
     queue_size: int = attrs.field(default=64, validator=_positive_int)
+    # Cadence of the relay's Liveness record: the local ranks' verified Heartbeats since the
+    # last one, coalesced (issue 23). Never scaled, like the ranks' own heartbeat_interval.
+    heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
 
 
 @attrs.frozen(kw_only=True)

@@ -70,6 +70,12 @@ class LivenessRules(Generic[M]):
         """A TIMING frame from ``rank`` arrived at ``now``."""
         self._last_seen[rank] = now
 
+    def seen_at(self, rank: int, when: float) -> None:
+        """A relay verified a frame of ``rank`` at ``when`` (a ``Liveness`` record's age
+        before it arrived); an earlier reading never moves the clock back."""
+        if when > self._last_seen.get(rank, -math.inf):
+            self._last_seen[rank] = when
+
     def credit_pause(self, relay: M, seconds: float) -> None:
         """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence."""
         for r in relay.ranks:

@@ -26,23 +26,27 @@ from ..wire import (
     FenceRank,
     Goodbye,
     Invalid,
+    Liveness,
     RankDropped,
     RankExit,
     RankFrame,
+    RankHeartbeat,
     Record,
     RecordOpener,
     RecordSealer,
     UpstreamSession,
 )
 from ._link import RankLink, RelayExit
+from ._liveness import Heartbeats
 from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
-# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
-# notice that its link ended. The queue holds queue_size items; a rank reader waits when it
-# is full, so a slow upstream slows the ranks' sends down (TCP backpressure, end to end).
-Upstream = tuple[int, bytes] | RankExit | RankDropped
+# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), the
+# notice that its link ended, or the ranks' coalesced heartbeats. The queue holds queue_size
+# items; a rank reader waits when it is full, so a slow upstream slows the ranks' sends down
+# (TCP backpressure, end to end).
+Upstream = tuple[int, bytes] | RankExit | RankDropped | Liveness
 
 
 class Pump:
@@ -70,6 +74,10 @@ class Pump:
         self._no_ranks_left = trio.Event()
         self._upstream_done = trio.Event()
         self._dropped = JunkCounter()
+        # The local ranks' verified Heartbeats, one Liveness record per interval (issue 23).
+        self.heartbeats = Heartbeats()
+        self._readers = 0
+        self._readers_gone = trio.Event()
 
     def finish(self, reason: str, clean: bool = True, *, now: bool = True) -> None:
         if not self._outcome:
@@ -89,8 +97,13 @@ class Pump:
                 # once every reader has queued its last frame and its RankExit.
                 with up_send:
                     for link in self.local.links():
+                        self._readers += 1
                         nursery.start_soon(self.rank_reader, link, up_send.clone())
                         nursery.start_soon(self.rank_writer, link)
+                    if not self._readers:
+                        self._readers_gone.set()
+                    nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
+                                       up_send.clone(), self._readers_gone)
         return self._outcome[0] if self._outcome else RelayExit("stopped", True)
 
     @property
@@ -271,13 +284,22 @@ class Pump:
                           up_send: trio.MemorySendChannel[Upstream]) -> None:
         session = link.session
         event = None
+        beats, rank, clock = self.heartbeats, link.rank, trio.current_time
         try:
             if link.early:  # read while accepting ranks
                 session.receive_data(bytes(link.early))
                 link.early.clear()
             if link.early_eof:
                 session.receive_data(b"")
-            while type(event := await receive_event(link.stream, session)) is RankFrame:
+            while True:
+                event = await receive_event(link.stream, session)
+                if type(event) is RankHeartbeat:
+                    beats.record(rank, event.step_count, clock())  # in the next Liveness
+                    continue
+                if type(event) is not RankFrame:
+                    break
+                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                    await up_send.send(liveness)  # never after this rank's later frames
                 await up_send.send((event.rank, event.blob))
         except STREAM_GONE:
             pass
@@ -292,6 +314,12 @@ class Pump:
             gone = RankDropped(rank=link.rank, reason=link.dropped)
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
+                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                    await up_send.send(liveness)  # its last heartbeat before its RankExit
                 await up_send.send(gone)
             except STREAM_GONE:
                 pass
+            finally:
+                self._readers -= 1
+                if not self._readers:
+                    self._readers_gone.set()

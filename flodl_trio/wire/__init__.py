@@ -90,6 +90,7 @@ from ._messages import (
     HelloAck,
     Intent,
     IntentKind,
+    Liveness,
     LrUpdate,
     Metrics,
     NewNcclIdGenerated,
@@ -123,6 +124,7 @@ from ._messages import (
     decode_relay,
     decode_timing,
     encode,
+    liveness_heartbeat,
 )
 from ._rank_handshake import (
     RankAcceptHandshake,
@@ -131,7 +133,7 @@ from ._rank_handshake import (
     RankHandshakeEvent,
     RankHelloReceived,
 )
-from ._rank_session import RankFrame, RankLinkSession, RankSession
+from ._rank_session import RankFrame, RankHeartbeat, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._relay_handshake import RelayHandshake
 from ._schema import WireMessage
@@ -216,6 +218,7 @@ __all__ = [
     "IntentKind",
     "Invalid",
     "LenFrameDecoder",
+    "Liveness",
     "LrUpdate",
     "Mac64",
     "Metrics",
@@ -230,6 +233,7 @@ __all__ = [
     "RankExit",
     "RankFrame",
     "RankHandshakeEvent",
+    "RankHeartbeat",
     "RankHelloReceived",
     "RankLinkSession",
     "RankSession",
@@ -283,6 +287,7 @@ __all__ = [
     "hs_key",
     "kind_of",
     "len_frame",
+    "liveness_heartbeat",
     "mac64",
     "max_hello_payload",
     "ranks_text",

@@ -58,11 +58,13 @@ from ._msg_relay import (
     Goodbye,
     Hello,
     HelloAck,
+    Liveness,
     RankDropped,
     RankExit,
     Ready,
     Refused,
     RelayControlMsg,
+    liveness_heartbeat,
 )
 from ._msg_timing import (
     TIMING_MSG,
@@ -130,6 +132,7 @@ __all__ = [
     "HostName",
     "Intent",
     "IntentKind",
+    "Liveness",
     "LrUpdate",
     "Metrics",
     "NewNcclIdGenerated",
@@ -164,6 +167,7 @@ __all__ = [
     "decode_relay",
     "decode_timing",
     "encode",
+    "liveness_heartbeat",
 ]
 
 _ALL: list[type[WireMessage]] = [
