@@ -10,7 +10,9 @@ through), then:
     run never counts against the coordinator;
   - optionally writes pre-sealed DATA records carrying rank frames, as fast as asked (a
     *source*): records are sealed ahead of time (``seal N``) and, if the run outlives them,
-    sealed on the fly in batches.
+    sealed on the fly in batches. With ``--frame liveness`` each record is instead the CONTROL
+    ``Liveness`` record a library relay sends once per heartbeat interval for all its ranks
+    (issue 23: the relay verifies its ranks' Heartbeats and coalesces them).
 ``--raw`` skips the handshake (the bare-trio floor servers in the benchmarks).
 
 Commands on stdin, one per line; every answer is one JSON object per stdout line:
@@ -75,6 +77,13 @@ def rank_frame(salt: ft.SessionSalt, kind: str, rank: int) -> bytes:
                                               batch_loss=0.125))
 
 
+def liveness_payload(ranks: Sequence[int]) -> bytes:
+    """The CBOR of the ``Liveness`` record a relay of ``ranks`` sends once per interval (each
+    rank heard from once, its heartbeat verified half an interval ago)."""
+    return wire.encode(wire.Liveness(ranks=tuple(ranks), steps=(7,) * len(ranks),
+                                     ages=(0.5,) * len(ranks)))
+
+
 async def drive_handshake(stream: trio.abc.Stream,
                           machine: wire.RelayHandshake | wire.CoordinatorHandshake) -> object:
     """Run a sans-IO handshake machine over ``stream`` until its next event that is not
@@ -91,8 +100,10 @@ async def drive_handshake(stream: trio.abc.Stream,
 class LoadRelay:
     """One upstream connection of a load process."""
 
-    def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int) -> None:
+    def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int,
+                 liveness: bytes | None = None) -> None:
         self.host = host
+        self.liveness = liveness  # a Liveness payload: every record is that CONTROL record
         self.world_size = world_size
         self.redials = 0
         self.ranks = ranks
@@ -142,6 +153,10 @@ class LoadRelay:
 
     def seal_ahead(self, n: int) -> None:
         assert self.sealer is not None
+        if self.liveness is not None:
+            control, payload = wire.RecordKind.CONTROL, self.liveness
+            self.sealed.extend(self.sealer.seal(control, 0, payload) for _ in range(n))
+            return
         seal, frames, k = self.sealer.seal, self.frames, len(self.frames)
         data = wire.RecordKind.DATA
         ranks = self.ranks
@@ -255,7 +270,8 @@ async def child_main(args: argparse.Namespace) -> None:
         first = args.first_rank + i * args.per_relay
         ranks = list(range(first, first + args.per_relay))
         frames = [rank_frame(salt, args.frame, r) for r in ranks]
-        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames, args.world_size))
+        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames, args.world_size,
+                                liveness_payload(ranks) if args.frame == "liveness" else None))
     pace = Pace()
     lines = _stdin_lines()
     async with trio.open_nursery() as nursery:
@@ -455,7 +471,7 @@ def cli() -> None:
     p.add_argument("--relays", type=int, required=True)
     p.add_argument("--per-relay", type=int, required=True)
     p.add_argument("--id", type=int, default=0)
-    p.add_argument("--frame", choices=("batch", "heartbeat"), default="batch")
+    p.add_argument("--frame", choices=("batch", "heartbeat", "liveness"), default="batch")
     p.add_argument("--raw", action="store_true", help="no handshake (bare-trio floor servers)")
     trio.run(child_main, p.parse_args())
 

@@ -1,8 +1,10 @@
 """Scale benchmark (SPEC §13): formation time, coordinator RSS and idle CPU at 1k-64k ranks.
 
 Sink relays with 8 ranks each (scripts/_wireload.py, two processes of their own) do the real
-handshake; once formed, every relay sends one Heartbeat per rank per second (the ranks of a relay
-in one write, as a relay forwards ranks that started together) and reads the CoordHeartbeats.
+handshake; once formed, every relay sends its ranks' liveness once a second as a library relay
+does (issue 23): one sealed ``Liveness`` record naming its 8 ranks (``--load heartbeat``: one
+Heartbeat frame per rank per second instead, the ranks of a relay in one write, which is what a
+relay sent before coalescing) and reads the CoordHeartbeats.
   - formation: from the first relay's dial to ``open_coordinator`` returning;
   - RSS: this process (the coordinator only) after the idle window;
   - idle CPU: this process's CPU time over the idle window / its wall time (heartbeats only);
@@ -10,11 +12,14 @@ in one write, as a relay forwards ranks that started together) and reads the Coo
     per-connection handshake work (the library's sans-IO ``CoordinatorHandshake`` driven to
     ``Established``), without any coordinator state.
 
+  - with ``--quiet-heartbeats``: ``CoordinatorConfig.deliver_heartbeats=False`` (the
+    coalesced heartbeats refresh liveness and the board, nothing goes to ``coord.timing``);
   - with ``--viewer``: one status page viewer (scripts/_sse_viewer.py, a process of its own)
     reads ``/events`` through the idle window, so idle CPU includes building and sending the
     page's document once a second; the time to build one document is measured too.
 
-    .venv/bin/python scripts/bench_scale.py [--quick] [--json] [--viewer]
+    .venv/bin/python scripts/bench_scale.py [--quick] [--json] [--viewer] [--load KIND]
+        [--quiet-heartbeats]
 """
 
 from __future__ import annotations
@@ -92,13 +97,14 @@ def document_build_ms(coord: ft.Coordinator, rounds: int = 5) -> tuple[float, in
 
 
 async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
-                   viewer: bool = False) -> dict[str, Any]:
+                   viewer: bool = False, kind: str = "liveness",
+                   deliver: bool = True) -> dict[str, Any]:
     relays = ranks // per_relay
     floor_s = await floor_formation(relays, per_relay, procs)
     cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
-                               shutdown_grace=10)
+                               shutdown_grace=10, deliver_heartbeats=deliver)
     async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
-                                           procs=procs, frame="heartbeat") as cluster, \
+                                           procs=procs, frame=kind) as cluster, \
             trio.open_nursery() as nursery:
         formation_s = cluster.formation_s
         coord = cluster.coord
@@ -118,8 +124,10 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                     pass
 
         nursery.start_soon(drain)
-        await cluster.command(f"seal {per_relay * int(idle_s + 5)}")
-        await cluster.command(f"rate {per_relay} {per_relay}")  # 1 Heartbeat/s per rank
+        # One Heartbeat per rank per second: one Liveness record per relay, or a frame per rank.
+        beats = 1 if kind == "liveness" else per_relay
+        await cluster.command(f"seal {beats * int(idle_s + 5)}")
+        await cluster.command(f"rate {beats} {beats}")
         await trio.sleep(1.5)  # settle: every relay has sent a round
         watcher: trio.Process | None = None
         if viewer:
@@ -173,11 +181,13 @@ async def main(args: argparse.Namespace) -> None:
     idle_s = 3.0 if args.quick else 6.0
     worlds = [int(w) for w in args.world] if args.world else [1024, 4096, 16384, 65536]
     print(f"{rep.machine_note()}\nscale: 8 ranks per relay, idle window {idle_s:g} s, {reps} runs "
-          f"per case, {args.procs} load processes"
+          f"per case, {args.procs} load processes, load {args.load}"
+          + (", heartbeats not delivered" if args.quiet_heartbeats else "")
           + (", one /events viewer" if args.viewer else ""))
     rows, medians = [], []
     for world in worlds:
-        runs = [await run_case(world, 8, idle_s, args.procs, args.viewer) for _ in range(reps)]
+        runs = [await run_case(world, 8, idle_s, args.procs, args.viewer, args.load,
+                               not args.quiet_heartbeats) for _ in range(reps)]
         rows += runs
         medians.append(rep.medians(runs))
     print(rep.table(COLUMNS, medians))
@@ -208,6 +218,12 @@ if __name__ == "__main__":
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--viewer", action="store_true",
                    help="one status page viewer reads /events through the idle window")
+    p.add_argument("--load", choices=("liveness", "heartbeat"), default="liveness",
+                   help="what each relay sends once a second: one Liveness record for its "
+                        "ranks (a library relay, issue 23) or one Heartbeat frame per rank "
+                        "(a relay before coalescing)")
+    p.add_argument("--quiet-heartbeats", action="store_true",
+                   help="CoordinatorConfig.deliver_heartbeats=False")
     p.add_argument("--profile", default=None,
                    help="write a cProfile of the coordinator's idle windows here")
     ns = p.parse_args()
