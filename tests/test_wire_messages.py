@@ -136,6 +136,7 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (6, wire.FenceRank, [U32, TEXT]),
     (7, wire.RankDropped, [U32, TEXT]),
     (8, wire.Refused, [NONCE, TEXT]),
+    (11, wire.Liveness, [seq(U32), seq(U64), seq(F64)]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),

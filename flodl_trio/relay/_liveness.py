@@ -4,9 +4,10 @@ The rank links' sessions verify each local rank's ``Heartbeat`` (salt MAC, its o
 the pump records it here instead of forwarding the frame; once per ``heartbeat_interval`` the
 ticker queues one ``Liveness`` record naming every rank heard from since the last one, with
 the step count of its latest ``Heartbeat`` and how long ago it was verified. A rank's pending
-entry is queued before any other record of that rank (the rank reader calls
-:meth:`Heartbeats.take` first), so the coordinator never sees a rank's heartbeat after that
-rank's later frames or its ``RankExit``.
+entry is queued before anything else from that rank (the rank reader calls
+:meth:`Heartbeats.take` first): the coordinator never sees a rank's heartbeat after that rank's
+later frames or its ``RankExit``, and a rank that beats faster than the relay's
+``heartbeat_interval`` is reported at its own pace (its next heartbeat sends the pending one).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ log = logging.getLogger("flodl_trio.relay")
 # items; a rank reader waits when it is full, so a slow upstream slows the ranks' sends down
 # (TCP backpressure, end to end).
 Upstream = tuple[int, bytes] | RankExit | RankDropped | Liveness
+_FROM_RANK = (RankFrame, RankHeartbeat)
 
 
 class Pump:
@@ -291,16 +292,15 @@ class Pump:
                 link.early.clear()
             if link.early_eof:
                 session.receive_data(b"")
-            while True:
-                event = await receive_event(link.stream, session)
+            while type(event := await receive_event(link.stream, session)) in _FROM_RANK:
+                # The rank's pending heartbeat goes first: never after its later frames, and a
+                # rank beating faster than heartbeat_interval is reported at its own pace.
+                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                    await up_send.send(liveness)
                 if type(event) is RankHeartbeat:
                     beats.record(rank, event.step_count, clock())  # in the next Liveness
-                    continue
-                if type(event) is not RankFrame:
-                    break
-                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
-                    await up_send.send(liveness)  # never after this rank's later frames
-                await up_send.send((event.rank, event.blob))
+                else:
+                    await up_send.send((event.rank, event.blob))
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
