@@ -252,6 +252,9 @@ class CoordinatorSession(_RecordSession):
         self.host = host
         self.ranks = tuple(ranks)
         self.rank_set = frozenset(self.ranks)
+        # The last FANOUT payload: the same frame to the same ranks (the CoordHeartbeat every
+        # interval) is encoded once, then only sealed.
+        self._fanout: tuple[list[int], bytes, bytes] | None = None
 
     def send(self, msg: Goodbye | FenceRank) -> bytes:
         """The sealed CONTROL record of ``msg``: a Goodbye, or a FenceRank of a rank the relay
@@ -272,11 +275,16 @@ class CoordinatorSession(_RecordSession):
     def send_fanout(self, ranks: Sequence[int], frame: bytes) -> bytes:
         """The sealed FANOUT record of one ``ControlMsg`` frame for ``ranks`` (at least one;
         otherwise as :meth:`send_frame`)."""
+        last = self._fanout
+        if last is not None and last[1] == frame and last[0] == ranks:
+            return self.sealer.seal(_FANOUT, 0, last[2])
         if not ranks or not self.rank_set.issuperset(ranks):
             raise self._not_carried("coordinator→relay", "FANOUT record", ranks)
         if frame[16:20] != _CONTROL_FRAME_KIND:
             raise _wrong_frame(frame, f"coordinator→{self.peer}")
-        return self.sealer.seal(_FANOUT, 0, encode_fanout(ranks, frame))
+        payload = encode_fanout(ranks, frame)
+        self._fanout = (list(ranks), bytes(frame), payload)
+        return self.sealer.seal(_FANOUT, 0, payload)
 
     def _event(self, rec: Record) -> Any:
         # The ingest hot path (SPEC §13): one call per record, no helper below it.
