@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import subprocess
 import sys
@@ -136,10 +137,12 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                 [sys.executable, str(Path(__file__).with_name("_sse_viewer.py")),
                  f"{host}:{port}", str(idle_s + 1.0)], stdout=subprocess.PIPE)
             await trio.sleep(0.5)  # connected, first document sent
+        gc_clock = GcClock()
         w0, c0 = time.monotonic(), time.process_time()
         if PROFILE is not None:
             PROFILE.enable()
-        await trio.sleep(idle_s)
+        with gc_clock:
+            await trio.sleep(idle_s)
         if PROFILE is not None:
             PROFILE.disable()
         cpu = (time.process_time() - c0) / (time.monotonic() - w0)
@@ -161,17 +164,43 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
             "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
             "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead,
             "redials": redials, "viewer_msgs": seen.get("messages", 0),
+            "gc_ms": gc_clock.ms, "gc_full": gc_clock.full,
             "doc_kb": doc_bytes / 1024, "doc_ms": build_ms}
 
 
 PROFILE: cProfile.Profile | None = None  # --profile: the idle windows only
 
+
+class GcClock:
+    """CPU the cyclic garbage collector took while in the block (it counts in the idle CPU: a
+    full collection of the objects formation left can cost a large part of a short window),
+    and how many full (generation 2) collections ran."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self.full = 0
+        self._t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.process_time()
+            return
+        self.ms += (time.process_time() - self._t0) * 1000
+        self.full += info.get("generation") == 2
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
 COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
     ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
-    ("viewer msgs", "viewer_msgs", "d"), ("doc KB", "doc_kb", ".0f"),
-    ("doc CPU ms", "doc_ms", ".1f"),
+    ("GC ms", "gc_ms", ".0f"), ("full GCs", "gc_full", "d"), ("viewer msgs", "viewer_msgs", "d"),
+    ("doc KB", "doc_kb", ".0f"), ("doc CPU ms", "doc_ms", ".1f"),
 ]
 
 

@@ -276,3 +276,43 @@ async def test_a_relay_cannot_keep_another_relays_rank_alive_with_liveness_recor
             assert "Liveness for ranks [1], which relay 'host-0' does not carry [0]" in \
                 invalid[0].reason
             nursery.cancel_scope.cancel()
+
+
+async def test_a_liveness_record_never_revives_or_reports_a_rank_declared_dead_since(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=2, formation_timeout=10, heartbeat_timeout=4)
+    relay: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        async def host() -> None:
+            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-0",
+                                            [0, 1], world_size=2)
+            relay.append(raw)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(raw.stream)
+
+        nursery.start_soon(host)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=cfg) as coord:
+            await coord.declare_dead(1, "its GPU fell off the bus")
+            # The relay heard rank 1's heartbeat just before it learned of the death.
+            (raw,) = relay
+            for step in (5, 6):
+                msg = wire.Liveness(ranks=(0, 1), steps=(step, step), ages=(0.0, 0.0))
+                await raw.stream.send_all(raw.sealer.seal(CONTROL, 0, wire.encode(msg)))
+                await trio.sleep(2)
+            beats = []
+            while True:
+                try:
+                    beats.append(coord.timing.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            assert beats == [wire.Heartbeat(rank=0, step_count=5),
+                             wire.Heartbeat(rank=0, step_count=6)]
+            assert board_steps(coord) == {0: 6, 1: None}
+            assert coord.dead_ranks == {1} and coord.live_ranks == {0}
+            assert "its GPU fell off the bus" in (coord.dead_reason(1) or "")
+            nursery.cancel_scope.cancel()

@@ -11,6 +11,7 @@ waits, and that time does not count towards heartbeat staleness.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, cast
 
 import attrs
@@ -140,19 +141,22 @@ class Readers:
 
     async def apply_liveness(self, conn: RelayConn, msg: LivenessRecord, now: float) -> float:
         """A relay's coalesced heartbeats: each listed rank is seen when the relay verified its
-        heartbeat (``now`` less its age), its step count
-        goes on the board and (``deliver_heartbeats``) its ``Heartbeat`` to ``coord.timing``,
-        as if its frame had come in this read. Returns the clock reading to go on with (taken
-        again after waiting for room in the channel)."""
-        roster, steps, send = self._roster, self._board.steps, self._timing
-        deliver = self._deliver_heartbeats
-        for rank, step, age in zip(msg.ranks, msg.steps, msg.ages, strict=True):
-            if roster.is_dead(rank) or not roster.carries(conn, rank):
-                continue  # declared dead (or rejoined elsewhere) since the relay heard it
-            roster.seen_at(rank, now - age)
-            steps[rank] = step
-            if not deliver:
-                continue
+        heartbeat (``now`` less its age), its step count goes on the board and
+        (``deliver_heartbeats``) its ``Heartbeat`` to ``coord.timing``, as if its frame had
+        come in this read. Returns the clock reading to go on with (taken again after waiting
+        for room in the channel)."""
+        roster, ranks, steps = self._roster, msg.ranks, msg.steps
+        if roster.seen_by(conn, ranks, [now - age for age in msg.ages]):
+            self._board.steps.update(zip(ranks, steps, strict=True))
+            pairs: Iterable[tuple[int, int]] = zip(ranks, steps, strict=True)
+        else:  # a rank declared dead (or rejoined elsewhere) since the relay heard it
+            pairs = [(rank, step) for rank, step in zip(ranks, steps, strict=True)
+                     if not roster.is_dead(rank) and roster.carries(conn, rank)]
+            self._board.steps.update(pairs)
+        if not self._deliver_heartbeats:
+            return now
+        send = self._timing
+        for rank, step in pairs:
             beat = liveness_heartbeat(rank, step)
             try:
                 send.send_nowait(beat)

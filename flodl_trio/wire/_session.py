@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from itertools import pairwise
 from typing import Any, NamedTuple
 
 from .._errors import AuthError, WireError
@@ -345,9 +344,10 @@ class CoordinatorSession(_RecordSession):
             return Invalid("foreign rank", f"Liveness for ranks {ranks_text(foreign)}, which "
                            f"relay {self.host!r} does not carry {ranks_text(self.ranks)}",
                            foreign[0])
-        if any(age < 0 or age != age for age in msg.ages):
-            return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {msg.ages}", ranks[0])
-        if any(a >= b for a, b in pairwise(ranks)):
+        ages = msg.ages  # NaN compares false both ways: only the sum shows it
+        if not min(ages) >= 0 or (total := sum(ages)) != total:
+            return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}", ranks[0])
+        if list(ranks) != sorted(set(ranks)):  # C loops: once per relay per interval
             return Invalid("malformed", f"Liveness: expected ranks ascending without "
                            f"duplicates, got {ranks_text(ranks)}", ranks[0])
         return msg
