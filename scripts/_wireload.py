@@ -19,9 +19,13 @@ Commands on stdin, one per line; every answer is one JSON object per stdout line
     dial                  connect every relay
                           -> {"dialed": n, "go_t": t, "done_t": t, "errors": [..]}
     seal N                seal N records per relay ahead -> {"sealed": total}
-    rate R [BURST]        write R records/s per relay (inf: flat out), BURST records per write
+    rate R [BURST] [spread]
+                          write R records/s per relay (inf: flat out), BURST records per write;
+                          with "spread" the relays' writes are spread evenly over one period
+                          instead of all at once (relays that joined at different moments)
                           -> {"rate": R, "t": now}
-    report                -> {"arrivals": [[t, ...] per relay], "bytes": n, "written": n}
+    report                -> {"arrivals": [[t, ...] per relay], "bytes": n, "written": n,
+                              "t": monotonic time of the counts}
                           (arrival lists are cleared after each report)
     exit (or EOF)         close everything and exit
 """
@@ -232,21 +236,29 @@ class Pace:
         self.burst = 64
         self.since = 0.0
         self.base: dict[int, int] = {}  # id(relay) -> written when the rate was set
+        self.phase: dict[int, float] = {}  # id(relay) -> its offset into the period (spread)
         self.changed = trio.Event()
 
-    def set(self, rate: float, burst: int, relays: Sequence[LoadRelay]) -> None:
+    def set(self, rate: float, burst: int, relays: Sequence[LoadRelay],
+            spread: bool = False) -> None:
         self.rate, self.burst, self.since = rate, burst, time.monotonic()
         self.base = {id(r): r.written for r in relays}
+        period = burst / rate if spread and rate and not math.isinf(rate) else 0.0
+        self.phase = {id(r): period * i / len(relays) for i, r in enumerate(relays)} \
+            if period else {}
         self.changed.set()
         self.changed = trio.Event()
+
+    def _sent(self, relay: LoadRelay) -> int:
+        return relay.written - self.base.get(id(relay), relay.written)
 
     def due(self, relay: LoadRelay) -> int:
         if self.rate == 0:
             return 0
         if math.isinf(self.rate):
             return self.burst
-        owed = int((time.monotonic() - self.since) * self.rate) - (
-            relay.written - self.base.get(id(relay), relay.written))
+        elapsed = time.monotonic() - self.since - self.phase.get(id(relay), 0.0)
+        owed = int(elapsed * self.rate) - self._sent(relay)
         return max(0, min(owed, self.burst))
 
     async def changed_or_due(self, relay: LoadRelay) -> None:
@@ -254,6 +266,12 @@ class Pace:
             await self.changed.wait()
         elif math.isinf(self.rate):
             await trio.lowlevel.checkpoint()
+        elif self.phase:
+            # Until this relay's next burst is due (a period after the last, without drift).
+            due_at = (self.since + self.phase.get(id(relay), 0.0)
+                      + (self._sent(relay) + self.burst) / self.rate)
+            with trio.move_on_after(max(0.0, due_at - time.monotonic())):
+                await self.changed.wait()
         else:
             wait = self.burst / self.rate
             with trio.move_on_after(wait):
@@ -301,12 +319,13 @@ async def child_main(args: argparse.Namespace) -> None:
                     relay.seal_ahead(int(rest[0]))
                 emit({"sealed": sum(len(r.sealed) for r in relays)})
             elif cmd == "rate":
-                pace.set(float(rest[0]), int(rest[1]) if len(rest) > 1 else 64, relays)
+                pace.set(float(rest[0]), int(rest[1]) if len(rest) > 1 else 64, relays,
+                         spread=rest[2:] == ["spread"])
                 emit({"rate": rest[0], "t": time.monotonic()})
             elif cmd == "report":
                 emit({"arrivals": [r.arrivals for r in relays],
                       "bytes": sum(r.bytes for r in relays),
-                      "written": sum(r.written for r in relays)})
+                      "written": sum(r.written for r in relays), "t": time.monotonic()})
                 for relay in relays:
                     relay.arrivals = []
             elif cmd == "exit":

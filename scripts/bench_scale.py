@@ -102,8 +102,10 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                    deliver: bool = True) -> dict[str, Any]:
     relays = ranks // per_relay
     floor_s = await floor_formation(relays, per_relay, procs)
+    # deliver_heartbeats only when off: this script also measures a coordinator from before it.
+    quiet: dict[str, Any] = {} if deliver else {"deliver_heartbeats": False}
     cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
-                               shutdown_grace=10, deliver_heartbeats=deliver)
+                               shutdown_grace=10, **quiet)
     async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
                                            procs=procs, frame=kind) as cluster, \
             trio.open_nursery() as nursery:
@@ -128,7 +130,8 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
         # One Heartbeat per rank per second: one Liveness record per relay, or a frame per rank.
         beats = 1 if kind == "liveness" else per_relay
         await cluster.command(f"seal {beats * int(idle_s + 5)}")
-        await cluster.command(f"rate {beats} {beats}")
+        # Spread over the second: relays joined at different moments, so their tickers are too.
+        await cluster.command(f"rate {beats} {beats} spread")
         await trio.sleep(1.5)  # settle: every relay has sent a round
         watcher: trio.Process | None = None
         if viewer:
@@ -138,6 +141,7 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                  f"{host}:{port}", str(idle_s + 1.0)], stdout=subprocess.PIPE)
             await trio.sleep(0.5)  # connected, first document sent
         gc_clock = GcClock()
+        before = await cluster.command("report")
         w0, c0 = time.monotonic(), time.process_time()
         if PROFILE is not None:
             PROFILE.enable()
@@ -146,6 +150,12 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
         if PROFILE is not None:
             PROFILE.disable()
         cpu = (time.process_time() - c0) / (time.monotonic() - w0)
+        # What the load relays wrote meanwhile (loaded machines make them fall behind): the
+        # heartbeats per second the coordinator was actually offered.
+        after = await cluster.command("report")
+        records_s = sum((a["written"] - b["written"]) / (a["t"] - b["t"])
+                        for a, b in zip(after, before, strict=True))
+        beats_s = records_s * (per_relay if kind == "liveness" else 1)
         rss, peak = rep.rss_mb()
         dead = len(coord.dead_ranks)
         seen: dict[str, Any] = {}
@@ -164,7 +174,9 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
             "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
             "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead,
             "redials": redials, "viewer_msgs": seen.get("messages", 0),
-            "gc_ms": gc_clock.ms, "gc_full": gc_clock.full,
+            "gc_ms": gc_clock.ms, "gc_full": gc_clock.full, "beats_s": beats_s,
+            "us_per_beat": cpu * 1e6 / beats_s if beats_s else float("nan"),
+            "nominal_cpu_pct": cpu * 100 * ranks / beats_s if beats_s else float("nan"),
             "doc_kb": doc_bytes / 1024, "doc_ms": build_ms}
 
 
@@ -195,10 +207,13 @@ class GcClock:
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._on_gc)
 
+
 COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
-    ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
+    ("idle CPU %", "idle_cpu_pct", ".1f"), ("beats/s", "beats_s", ".0f"),
+    ("CPU us/beat", "us_per_beat", ".1f"), ("at 1 beat/s/rank %", "nominal_cpu_pct", ".1f"),
+    ("dead", "dead", "d"), ("re-dials", "redials", "d"),
     ("GC ms", "gc_ms", ".0f"), ("full GCs", "gc_full", "d"), ("viewer msgs", "viewer_msgs", "d"),
     ("doc KB", "doc_kb", ".0f"), ("doc CPU ms", "doc_ms", ".1f"),
 ]
@@ -222,7 +237,9 @@ async def main(args: argparse.Namespace) -> None:
     print(rep.table(COLUMNS, medians))
     print("formation: first dial -> open_coordinator returned; floor: bare Trio accepts + the "
           "same handshake work;\nidle CPU: coordinator process CPU / wall while every rank "
-          "heartbeats once a second")
+          "heartbeats once a second;\nbeats/s: heartbeats the load relays sent in the window "
+          "(they fall behind on a loaded machine); at 1 beat/s/rank: idle CPU scaled to one "
+          "heartbeat per rank per second")
     targets = []
     for m in medians:
         what = f"scale {m['ranks']:.0f} ranks"
