@@ -208,6 +208,11 @@ class CoordinatorConfig:
         resume_timeout: with a session store (``open_coordinator(store=...)``), a coordinator
             that adopted a running session waits this long for each relay of its roster to
             resume; the ranks of a relay that has not are then declared dead.
+        deliver_heartbeats: deliver a ``Heartbeat`` to ``coord.timing`` for each rank a
+            relay's ``Liveness`` record reports (the relays verify the ranks' heartbeats and
+            coalesce them, issue 23), as when every rank's frame came through. Off, those
+            heartbeats only refresh liveness and the status board's step counts: the
+            cheapest idle coordinator, for consumers that do not read heartbeats.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -227,6 +232,7 @@ class CoordinatorConfig:
     declare_dead_on_relay_loss: bool = attrs.field(default=True, converter=bool)
     allow_rank_takeover: bool = attrs.field(default=False, converter=bool)
     resume_timeout: float = _deadline(T.RESUME_TIMEOUT)
+    deliver_heartbeats: bool = attrs.field(default=True, converter=bool)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -272,6 +278,9 @@ class RelayConfig:
     coordinator_grace: float = _grace(T.COORDINATOR_GRACE)
     coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
     reconnect_queue: int = attrs.field(default=4096, validator=_non_negative_int)
+    # Cadence of the relay's Liveness record: the local ranks' verified Heartbeats since the
+    # last one, coalesced (issue 23). Never scaled, like the ranks' own heartbeat_interval.
+    heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
 
 
 @attrs.frozen(kw_only=True)

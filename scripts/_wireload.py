@@ -10,16 +10,22 @@ through), then:
     run never counts against the coordinator;
   - optionally writes pre-sealed DATA records carrying rank frames, as fast as asked (a
     *source*): records are sealed ahead of time (``seal N``) and, if the run outlives them,
-    sealed on the fly in batches.
+    sealed on the fly in batches. With ``--frame liveness`` each record is instead the CONTROL
+    ``Liveness`` record a library relay sends once per heartbeat interval for all its ranks
+    (issue 23: the relay verifies its ranks' Heartbeats and coalesces them).
 ``--raw`` skips the handshake (the bare-trio floor servers in the benchmarks).
 
 Commands on stdin, one per line; every answer is one JSON object per stdout line:
     dial                  connect every relay
                           -> {"dialed": n, "go_t": t, "done_t": t, "errors": [..]}
     seal N                seal N records per relay ahead -> {"sealed": total}
-    rate R [BURST]        write R records/s per relay (inf: flat out), BURST records per write
+    rate R [BURST] [spread]
+                          write R records/s per relay (inf: flat out), BURST records per write;
+                          with "spread" the relays' writes are spread evenly over one period
+                          instead of all at once (relays that joined at different moments)
                           -> {"rate": R, "t": now}
-    report                -> {"arrivals": [[t, ...] per relay], "bytes": n, "written": n}
+    report                -> {"arrivals": [[t, ...] per relay], "bytes": n, "written": n,
+                              "t": monotonic time of the counts}
                           (arrival lists are cleared after each report)
     exit (or EOF)         close everything and exit
 """
@@ -75,6 +81,13 @@ def rank_frame(salt: ft.SessionSalt, kind: str, rank: int) -> bytes:
                                               batch_loss=0.125))
 
 
+def liveness_payload(ranks: Sequence[int]) -> bytes:
+    """The CBOR of the ``Liveness`` record a relay of ``ranks`` sends once per interval (each
+    rank heard from once, its heartbeat verified half an interval ago)."""
+    return wire.encode(wire.Liveness(ranks=tuple(ranks), steps=(7,) * len(ranks),
+                                     ages=(0.5,) * len(ranks)))
+
+
 async def drive_handshake(stream: trio.abc.Stream,
                           machine: wire.RelayHandshake | wire.CoordinatorHandshake) -> object:
     """Run a sans-IO handshake machine over ``stream`` until its next event that is not
@@ -91,8 +104,10 @@ async def drive_handshake(stream: trio.abc.Stream,
 class LoadRelay:
     """One upstream connection of a load process."""
 
-    def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int) -> None:
+    def __init__(self, host: str, ranks: list[int], frames: list[bytes], world_size: int,
+                 liveness: bytes | None = None) -> None:
         self.host = host
+        self.liveness = liveness  # a Liveness payload: every record is that CONTROL record
         self.world_size = world_size
         self.redials = 0
         self.ranks = ranks
@@ -142,6 +157,10 @@ class LoadRelay:
 
     def seal_ahead(self, n: int) -> None:
         assert self.sealer is not None
+        if self.liveness is not None:
+            control, payload = wire.RecordKind.CONTROL, self.liveness
+            self.sealed.extend(self.sealer.seal(control, 0, payload) for _ in range(n))
+            return
         seal, frames, k = self.sealer.seal, self.frames, len(self.frames)
         data = wire.RecordKind.DATA
         ranks = self.ranks
@@ -217,21 +236,29 @@ class Pace:
         self.burst = 64
         self.since = 0.0
         self.base: dict[int, int] = {}  # id(relay) -> written when the rate was set
+        self.phase: dict[int, float] = {}  # id(relay) -> its offset into the period (spread)
         self.changed = trio.Event()
 
-    def set(self, rate: float, burst: int, relays: Sequence[LoadRelay]) -> None:
+    def set(self, rate: float, burst: int, relays: Sequence[LoadRelay],
+            spread: bool = False) -> None:
         self.rate, self.burst, self.since = rate, burst, time.monotonic()
         self.base = {id(r): r.written for r in relays}
+        period = burst / rate if spread and rate and not math.isinf(rate) else 0.0
+        self.phase = {id(r): period * i / len(relays) for i, r in enumerate(relays)} \
+            if period else {}
         self.changed.set()
         self.changed = trio.Event()
+
+    def _sent(self, relay: LoadRelay) -> int:
+        return relay.written - self.base.get(id(relay), relay.written)
 
     def due(self, relay: LoadRelay) -> int:
         if self.rate == 0:
             return 0
         if math.isinf(self.rate):
             return self.burst
-        owed = int((time.monotonic() - self.since) * self.rate) - (
-            relay.written - self.base.get(id(relay), relay.written))
+        elapsed = time.monotonic() - self.since - self.phase.get(id(relay), 0.0)
+        owed = int(elapsed * self.rate) - self._sent(relay)
         return max(0, min(owed, self.burst))
 
     async def changed_or_due(self, relay: LoadRelay) -> None:
@@ -239,6 +266,12 @@ class Pace:
             await self.changed.wait()
         elif math.isinf(self.rate):
             await trio.lowlevel.checkpoint()
+        elif self.phase:
+            # Until this relay's next burst is due (a period after the last, without drift).
+            due_at = (self.since + self.phase.get(id(relay), 0.0)
+                      + (self._sent(relay) + self.burst) / self.rate)
+            with trio.move_on_after(max(0.0, due_at - time.monotonic())):
+                await self.changed.wait()
         else:
             wait = self.burst / self.rate
             with trio.move_on_after(wait):
@@ -255,7 +288,8 @@ async def child_main(args: argparse.Namespace) -> None:
         first = args.first_rank + i * args.per_relay
         ranks = list(range(first, first + args.per_relay))
         frames = [rank_frame(salt, args.frame, r) for r in ranks]
-        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames, args.world_size))
+        relays.append(LoadRelay(f"load{args.id}-{i}", ranks, frames, args.world_size,
+                                liveness_payload(ranks) if args.frame == "liveness" else None))
     pace = Pace()
     lines = _stdin_lines()
     async with trio.open_nursery() as nursery:
@@ -285,12 +319,13 @@ async def child_main(args: argparse.Namespace) -> None:
                     relay.seal_ahead(int(rest[0]))
                 emit({"sealed": sum(len(r.sealed) for r in relays)})
             elif cmd == "rate":
-                pace.set(float(rest[0]), int(rest[1]) if len(rest) > 1 else 64, relays)
+                pace.set(float(rest[0]), int(rest[1]) if len(rest) > 1 else 64, relays,
+                         spread=rest[2:] == ["spread"])
                 emit({"rate": rest[0], "t": time.monotonic()})
             elif cmd == "report":
                 emit({"arrivals": [r.arrivals for r in relays],
                       "bytes": sum(r.bytes for r in relays),
-                      "written": sum(r.written for r in relays)})
+                      "written": sum(r.written for r in relays), "t": time.monotonic()})
                 for relay in relays:
                     relay.arrivals = []
             elif cmd == "exit":
@@ -455,7 +490,7 @@ def cli() -> None:
     p.add_argument("--relays", type=int, required=True)
     p.add_argument("--per-relay", type=int, required=True)
     p.add_argument("--id", type=int, default=0)
-    p.add_argument("--frame", choices=("batch", "heartbeat"), default="batch")
+    p.add_argument("--frame", choices=("batch", "heartbeat", "liveness"), default="batch")
     p.add_argument("--raw", action="store_true", help="no handshake (bare-trio floor servers)")
     trio.run(child_main, p.parse_args())
 

@@ -1,8 +1,10 @@
 """Scale benchmark (SPEC §13): formation time, coordinator RSS and idle CPU at 1k-64k ranks.
 
 Sink relays with 8 ranks each (scripts/_wireload.py, two processes of their own) do the real
-handshake; once formed, every relay sends one Heartbeat per rank per second (the ranks of a relay
-in one write, as a relay forwards ranks that started together) and reads the CoordHeartbeats.
+handshake; once formed, every relay sends its ranks' liveness once a second as a library relay
+does (issue 23): one sealed ``Liveness`` record naming its 8 ranks (``--load heartbeat``: one
+Heartbeat frame per rank per second instead, the ranks of a relay in one write, which is what a
+relay sent before coalescing) and reads the CoordHeartbeats.
   - formation: from the first relay's dial to ``open_coordinator`` returning;
   - RSS: this process (the coordinator only) after the idle window;
   - idle CPU: this process's CPU time over the idle window / its wall time (heartbeats only);
@@ -10,17 +12,21 @@ in one write, as a relay forwards ranks that started together) and reads the Coo
     per-connection handshake work (the library's sans-IO ``CoordinatorHandshake`` driven to
     ``Established``), without any coordinator state.
 
+  - with ``--quiet-heartbeats``: ``CoordinatorConfig.deliver_heartbeats=False`` (the
+    coalesced heartbeats refresh liveness and the board, nothing goes to ``coord.timing``);
   - with ``--viewer``: one status page viewer (scripts/_sse_viewer.py, a process of its own)
     reads ``/events`` through the idle window, so idle CPU includes building and sending the
     page's document once a second; the time to build one document is measured too.
 
-    .venv/bin/python scripts/bench_scale.py [--quick] [--json] [--viewer]
+    .venv/bin/python scripts/bench_scale.py [--quick] [--json] [--viewer] [--load KIND]
+        [--quiet-heartbeats]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import subprocess
 import sys
@@ -92,13 +98,16 @@ def document_build_ms(coord: ft.Coordinator, rounds: int = 5) -> tuple[float, in
 
 
 async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
-                   viewer: bool = False) -> dict[str, Any]:
+                   viewer: bool = False, kind: str = "liveness",
+                   deliver: bool = True) -> dict[str, Any]:
     relays = ranks // per_relay
     floor_s = await floor_formation(relays, per_relay, procs)
+    # deliver_heartbeats only when off: this script also measures a coordinator from before it.
+    quiet: dict[str, Any] = {} if deliver else {"deliver_heartbeats": False}
     cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
-                               shutdown_grace=10)
+                               shutdown_grace=10, **quiet)
     async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
-                                           procs=procs, frame="heartbeat") as cluster, \
+                                           procs=procs, frame=kind) as cluster, \
             trio.open_nursery() as nursery:
         formation_s = cluster.formation_s
         coord = cluster.coord
@@ -118,8 +127,11 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                     pass
 
         nursery.start_soon(drain)
-        await cluster.command(f"seal {per_relay * int(idle_s + 5)}")
-        await cluster.command(f"rate {per_relay} {per_relay}")  # 1 Heartbeat/s per rank
+        # One Heartbeat per rank per second: one Liveness record per relay, or a frame per rank.
+        beats = 1 if kind == "liveness" else per_relay
+        await cluster.command(f"seal {beats * int(idle_s + 5)}")
+        # Spread over the second: relays joined at different moments, so their tickers are too.
+        await cluster.command(f"rate {beats} {beats} spread")
         await trio.sleep(1.5)  # settle: every relay has sent a round
         watcher: trio.Process | None = None
         if viewer:
@@ -128,13 +140,22 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                 [sys.executable, str(Path(__file__).with_name("_sse_viewer.py")),
                  f"{host}:{port}", str(idle_s + 1.0)], stdout=subprocess.PIPE)
             await trio.sleep(0.5)  # connected, first document sent
+        gc_clock = GcClock()
+        before = await cluster.command("report")
         w0, c0 = time.monotonic(), time.process_time()
         if PROFILE is not None:
             PROFILE.enable()
-        await trio.sleep(idle_s)
+        with gc_clock:
+            await trio.sleep(idle_s)
         if PROFILE is not None:
             PROFILE.disable()
         cpu = (time.process_time() - c0) / (time.monotonic() - w0)
+        # What the load relays wrote meanwhile (loaded machines make them fall behind): the
+        # heartbeats per second the coordinator was actually offered.
+        after = await cluster.command("report")
+        records_s = sum((a["written"] - b["written"]) / (a["t"] - b["t"])
+                        for a, b in zip(after, before, strict=True))
+        beats_s = records_s * (per_relay if kind == "liveness" else 1)
         rss, peak = rep.rss_mb()
         dead = len(coord.dead_ranks)
         seen: dict[str, Any] = {}
@@ -153,17 +174,48 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
             "floor_ms": floor_s * 1000, "ratio": formation_s / floor_s,
             "rss_mb": rss, "peak_rss_mb": peak, "idle_cpu_pct": cpu * 100, "dead": dead,
             "redials": redials, "viewer_msgs": seen.get("messages", 0),
+            "gc_ms": gc_clock.ms, "gc_full": gc_clock.full, "beats_s": beats_s,
+            "us_per_beat": cpu * 1e6 / beats_s if beats_s else float("nan"),
+            "nominal_cpu_pct": cpu * 100 * ranks / beats_s if beats_s else float("nan"),
             "doc_kb": doc_bytes / 1024, "doc_ms": build_ms}
 
 
 PROFILE: cProfile.Profile | None = None  # --profile: the idle windows only
 
+
+class GcClock:
+    """CPU the cyclic garbage collector took while in the block (it counts in the idle CPU: a
+    full collection of the objects formation left can cost a large part of a short window),
+    and how many full (generation 2) collections ran."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self.full = 0
+        self._t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.process_time()
+            return
+        self.ms += (time.process_time() - self._t0) * 1000
+        self.full += info.get("generation") == 2
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 COLUMNS = [
     ("ranks", "ranks", "d"), ("relays", "relays", "d"), ("formation ms", "formation_ms", ".0f"),
     ("floor ms", "floor_ms", ".0f"), ("ratio", "ratio", ".2f"), ("RSS MB", "rss_mb", ".1f"),
-    ("idle CPU %", "idle_cpu_pct", ".1f"), ("dead", "dead", "d"), ("re-dials", "redials", "d"),
-    ("viewer msgs", "viewer_msgs", "d"), ("doc KB", "doc_kb", ".0f"),
-    ("doc CPU ms", "doc_ms", ".1f"),
+    ("idle CPU %", "idle_cpu_pct", ".1f"), ("beats/s", "beats_s", ".0f"),
+    ("CPU us/beat", "us_per_beat", ".1f"), ("at 1 beat/s/rank %", "nominal_cpu_pct", ".1f"),
+    ("dead", "dead", "d"), ("re-dials", "redials", "d"),
+    ("GC ms", "gc_ms", ".0f"), ("full GCs", "gc_full", "d"), ("viewer msgs", "viewer_msgs", "d"),
+    ("doc KB", "doc_kb", ".0f"), ("doc CPU ms", "doc_ms", ".1f"),
 ]
 
 
@@ -173,17 +225,21 @@ async def main(args: argparse.Namespace) -> None:
     idle_s = 3.0 if args.quick else 6.0
     worlds = [int(w) for w in args.world] if args.world else [1024, 4096, 16384, 65536]
     print(f"{rep.machine_note()}\nscale: 8 ranks per relay, idle window {idle_s:g} s, {reps} runs "
-          f"per case, {args.procs} load processes"
+          f"per case, {args.procs} load processes, load {args.load}"
+          + (", heartbeats not delivered" if args.quiet_heartbeats else "")
           + (", one /events viewer" if args.viewer else ""))
     rows, medians = [], []
     for world in worlds:
-        runs = [await run_case(world, 8, idle_s, args.procs, args.viewer) for _ in range(reps)]
+        runs = [await run_case(world, 8, idle_s, args.procs, args.viewer, args.load,
+                               not args.quiet_heartbeats) for _ in range(reps)]
         rows += runs
         medians.append(rep.medians(runs))
     print(rep.table(COLUMNS, medians))
     print("formation: first dial -> open_coordinator returned; floor: bare Trio accepts + the "
           "same handshake work;\nidle CPU: coordinator process CPU / wall while every rank "
-          "heartbeats once a second")
+          "heartbeats once a second;\nbeats/s: heartbeats the load relays sent in the window "
+          "(they fall behind on a loaded machine); at 1 beat/s/rank: idle CPU scaled to one "
+          "heartbeat per rank per second")
     targets = []
     for m in medians:
         what = f"scale {m['ranks']:.0f} ranks"
@@ -208,6 +264,12 @@ if __name__ == "__main__":
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--viewer", action="store_true",
                    help="one status page viewer reads /events through the idle window")
+    p.add_argument("--load", choices=("liveness", "heartbeat"), default="liveness",
+                   help="what each relay sends once a second: one Liveness record for its "
+                        "ranks (a library relay, issue 23) or one Heartbeat frame per rank "
+                        "(a relay before coalescing)")
+    p.add_argument("--quiet-heartbeats", action="store_true",
+                   help="CoordinatorConfig.deliver_heartbeats=False")
     p.add_argument("--profile", default=None,
                    help="write a cProfile of the coordinator's idle windows here")
     ns = p.parse_args()

@@ -246,10 +246,14 @@ async def test_silent_coordinator_is_caught_by_the_ranks_watchdog_behind_a_real_
         assert "coord_liveness_timeout=3s" in str(run.outcome)
         assert run.ended_at == pytest.approx(3, abs=1e-9)
         assert run.endpoint is not None and run.endpoint.dead_peers == {1 - run.rank}
-    # Until then the relay carried the ranks' heartbeats up; then it ended with its ranks.
-    heartbeats = [wire.frame_message(wire.decode_frame(salt, rec.payload)) for rec in records
-                  if rec.kind == wire.RecordKind.DATA]
-    assert len(heartbeats) >= 4 and all(isinstance(m, wire.Heartbeat) for m in heartbeats)
+    # Until then the relay carried the ranks' heartbeats up, coalesced: Liveness records (their
+    # frames are not forwarded); then it ended with its ranks.
+    assert not [rec for rec in records if rec.kind == wire.RecordKind.DATA]
+    liveness = [msg for rec in records if rec.kind == wire.RecordKind.CONTROL
+                and isinstance(msg := wire.decode_relay(rec.payload), wire.Liveness)]
+    beats = [(r, s) for msg in liveness for r, s in zip(msg.ranks, msg.steps, strict=True)]
+    assert {r for r, _ in beats} == {0, 1} and len(beats) >= 4
+    assert all(step == 0 for _, step in beats)
     assert exit_ == ft.RelayExit("all ranks exited")
 
 

@@ -199,9 +199,10 @@ async def test_upstream_eof_closes_every_rank_connection(
         assert isinstance(host.ranks[rank].outcome, ft.CoordinatorLost)
         assert "without Shutdown" in str(host.ranks[rank].outcome)
     assert isinstance(host.exit, ft.RelayExit)
-    exits = sorted(wire.decode_relay(r.payload).rank for r in got
-                   if r.kind == wire.RecordKind.CONTROL)
+    control = [wire.decode_relay(r.payload) for r in got if r.kind == wire.RecordKind.CONTROL]
+    exits = sorted(m.rank for m in control if isinstance(m, wire.RankExit))
     assert exits == [0, 1, 2]
+    assert all(isinstance(m, wire.RankExit | wire.Liveness) for m in control)
     frames = [wire.frame_message(wire.decode_frame(salt, r.payload)) for r in got
               if r.kind == wire.RecordKind.DATA]
     # Rank 0 left cleanly after its Shutdown; the others did not get one.

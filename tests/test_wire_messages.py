@@ -140,6 +140,7 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (8, wire.Refused, [NONCE, TEXT]),
     (9, wire.Resume, [HOST, U32, text_map(BLOB), seq(U32), NONCE, U64]),
     (10, wire.Generation, [U64]),
+    (11, wire.Liveness, [seq(U32), seq(U64), seq(F64)]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),

@@ -88,7 +88,8 @@ class Coordinator:
         self._board = Board(config.world_size)
         self._readers = Readers(roster=self._roster, liveness=self._liveness, codec=codec,
                                 timeline=self.timeline, timing=self._timing_send,
-                                metrics=self._metrics_send, board=self._board)
+                                metrics=self._metrics_send, board=self._board,
+                                deliver_heartbeats=config.deliver_heartbeats)
         self._formation = Formation(
             roster=self._roster, sender=self._sender, liveness=self._liveness,
             readers=self._readers, config=config, salt=salt, timeline=self.timeline, tls=tls)

@@ -5,7 +5,7 @@ in. Also the :class:`Member` protocol the roster is generic over."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from .._config import MaxFailure
@@ -72,6 +72,19 @@ class LivenessRules(Generic[M]):
     def seen(self, rank: int, now: float) -> None:
         """A TIMING frame from ``rank`` arrived at ``now``."""
         self._last_seen[rank] = now
+
+    def seen_by(self, relay: M, ranks: Sequence[int], whens: Iterable[float]) -> bool:
+        """``relay`` verified a heartbeat of each of ``ranks`` at the matching ``whens`` (a
+        ``Liveness`` record): each rank it carries that is not dead is seen then (an earlier
+        reading never moves a clock back). True when that was every one of ``ranks``."""
+        relay_of, dead, last_seen = self._relay_of, self._dead, self._last_seen
+        everyone = True
+        for rank, when in zip(ranks, whens, strict=True):
+            if rank in dead or relay_of.get(rank) is not relay:
+                everyone = False  # declared dead (or rejoined elsewhere) since the relay heard
+            elif when > last_seen.get(rank, -math.inf):
+                last_seen[rank] = when
+        return everyone
 
     def credit_pause(self, relay: M, seconds: float) -> None:
         """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence."""

@@ -1,13 +1,17 @@
 """Readers (SPEC §4.3): one task per relay connection turns records into messages.
 
 TIMING goes to ``coord.timing`` (refreshing the sender's liveness clock first), METRICS to
-``coord.metrics``; a message that speaks for a rank its relay does not carry is dropped. When a
-channel is full the reader waits, and that time does not count towards heartbeat staleness.
+``coord.metrics``; a message that speaks for a rank its relay does not carry is dropped. A
+relay's ``Liveness`` record (its ranks' verified heartbeats, coalesced) refreshes each listed
+rank's clock and step count as their ``Heartbeat`` frames would have, and delivers a
+``Heartbeat`` for each (unless ``deliver_heartbeats`` is off). When a channel is full the reader
+waits, and that time does not count towards heartbeat staleness.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, cast
 
 import attrs
@@ -24,11 +28,13 @@ from ..wire import (
     Exiting,
     FrameCodec,
     Invalid,
+    Liveness as LivenessRecord,
     Metrics,
     NeedData,
     RankDropped,
     RankExit,
     TimingMsg,
+    liveness_heartbeat,
 )
 from ._board import Board
 from ._relayconn import RelayConn
@@ -55,6 +61,7 @@ class Readers:
     _timing: trio.MemorySendChannel[TimingMsg]
     _metrics: trio.MemorySendChannel[Metrics]
     _board: Board
+    _deliver_heartbeats: bool = True
     _active: int = attrs.field(default=0, init=False)
     _idle: trio.Event = attrs.field(factory=_idle_event, init=False)
 
@@ -105,6 +112,9 @@ class Readers:
             if kind is RankExit or kind is RankDropped:
                 self.rank_gone(conn, event)
                 continue
+            if kind is LivenessRecord:
+                now = await self.apply_liveness(conn, event, now)
+                continue
             rank = event.rank
             if roster.is_dead(rank) or not roster.carries(conn, rank):
                 log.debug("rank %d was declared dead (or rejoined on another relay); its late "
@@ -128,6 +138,35 @@ class Readers:
                 # else: nobody is reading any more; never block shutdown on it
             except STREAM_GONE:
                 pass
+
+    async def apply_liveness(self, conn: RelayConn, msg: LivenessRecord, now: float) -> float:
+        """A relay's coalesced heartbeats: each listed rank is seen when the relay verified its
+        heartbeat (``now`` less its age), its step count goes on the board and
+        (``deliver_heartbeats``) its ``Heartbeat`` to ``coord.timing``, as if its frame had
+        come in this read. Returns the clock reading to go on with (taken again after waiting
+        for room in the channel)."""
+        roster, ranks, steps = self._roster, msg.ranks, msg.steps
+        if roster.seen_by(conn, ranks, [now - age for age in msg.ages]):
+            self._board.steps.update(zip(ranks, steps, strict=True))
+            pairs: Iterable[tuple[int, int]] = zip(ranks, steps, strict=True)
+        else:  # a rank declared dead (or rejoined elsewhere) since the relay heard it
+            pairs = [(rank, step) for rank, step in zip(ranks, steps, strict=True)
+                     if not roster.is_dead(rank) and roster.carries(conn, rank)]
+            self._board.steps.update(pairs)
+        if not self._deliver_heartbeats:
+            return now
+        send = self._timing
+        for rank, step in pairs:
+            beat = liveness_heartbeat(rank, step)
+            try:
+                send.send_nowait(beat)
+            except trio.WouldBlock:
+                if not roster.shutting_down:
+                    await self.deliver_when_room(conn, send, beat)
+                    now = trio.current_time()
+            except STREAM_GONE:
+                pass
+        return now
 
     def invalid(self, conn: RelayConn, rank: int, reason: str, *, category: str) -> None:
         """Count a dropped frame; only a rate-limited few become a WARNING and an event (one

@@ -10,7 +10,7 @@ import trio
 
 from .._config import RelayConfig
 from ..net._transport import StreamWriter
-from ..wire import RankLinkSession
+from ..wire import FrameCodec, RankLinkSession
 
 # Bytes a rank may send before the pump starts that the relay reads ahead (SPEC §5 phase 1).
 EARLY_LIMIT = 1 << 20
@@ -33,11 +33,12 @@ class RankLink:
     """
 
     def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig, *,
-                 host: str = "") -> None:
+                 host: str = "", codec: FrameCodec | None = None) -> None:
         self.rank = rank
-        # The rank's frames in (the pump's rank reader feeds it): where they are cut, and
-        # whether they are still forwarded (not once the coordinator fenced the rank).
-        self.session = RankLinkSession(rank, host=host)
+        # The rank's frames in (the pump's rank reader feeds it): where they are cut, whether
+        # they are still forwarded (not once the coordinator fenced the rank), and, with a
+        # codec, which are the rank's verified Heartbeats (coalesced into Liveness records).
+        self.session = RankLinkSession(rank, host=host, codec=codec)
         self.stream = stream
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self.queue_size = config.queue_size

@@ -34,21 +34,24 @@ from ..wire import (
     RankDropped,
     RankExit,
     RankFrame,
+    RankHeartbeat,
     Record,
     RecordOpener,
     RecordSealer,
     UpstreamSession,
 )
 from ._link import RankLink, RelayExit
+from ._liveness import Heartbeats
 from .ranks import LocalRanks
 from .resume import Reconnector, Upstream
 
 log = logging.getLogger("flodl_trio.relay")
 
-# The rank readers queue Upstream items (resume.Upstream: a rank's frame (rank, blob), or the
-# notice that its link ended) for the upstream writer. The queue holds queue_size items; a rank
-# reader waits when it is full, so a slow upstream slows the ranks' sends down (TCP
-# backpressure, end to end).
+# The rank readers queue Upstream items (resume.Upstream: a rank's frame (rank, blob), the
+# notice that its link ended, or the ranks' coalesced heartbeats) for the upstream writer. The
+# queue holds queue_size items; a rank reader waits when it is full, so a slow upstream slows the
+# ranks' sends down (TCP backpressure, end to end).
+_FROM_RANK = (RankFrame, RankHeartbeat)
 
 
 class Pump:
@@ -85,6 +88,10 @@ class Pump:
         self._leg_lost: str | None = None
         self._in_flight: list[Upstream] = []  # the batch being written upstream
         self._heard = 0.0  # when the durable coordinator's last record arrived
+        # The local ranks' verified Heartbeats, one Liveness record per interval (issue 23).
+        self.heartbeats = Heartbeats()
+        self._readers = 0
+        self._readers_gone = trio.Event()
 
     def finish(self, reason: str, clean: bool = True, *, now: bool = True) -> None:
         if not self._outcome:
@@ -103,8 +110,13 @@ class Pump:
                 # once every reader has queued its last frame and its RankExit.
                 with up_send:
                     for link in self.local.links():
+                        self._readers += 1
                         nursery.start_soon(self.rank_reader, link, up_send.clone())
                         nursery.start_soon(self.rank_writer, link)
+                    if not self._readers:
+                        self._readers_gone.set()
+                    nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
+                                       up_send.clone(), self._readers_gone)
         return self._outcome[0] if self._outcome else RelayExit("stopped", True)
 
     @property
@@ -376,14 +388,22 @@ class Pump:
                           up_send: trio.MemorySendChannel[Upstream]) -> None:
         session = link.session
         event = None
+        beats, rank, clock = self.heartbeats, link.rank, trio.current_time
         try:
             if link.early:  # read while accepting ranks
                 session.receive_data(bytes(link.early))
                 link.early.clear()
             if link.early_eof:
                 session.receive_data(b"")
-            while type(event := await receive_event(link.stream, session)) is RankFrame:
-                await up_send.send((event.rank, event.blob))
+            while type(event := await receive_event(link.stream, session)) in _FROM_RANK:
+                # The rank's pending heartbeat goes first: never after its later frames, and a
+                # rank beating faster than heartbeat_interval is reported at its own pace.
+                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                    await up_send.send(liveness)
+                if type(event) is RankHeartbeat:
+                    beats.record(rank, event.step_count, clock())  # in the next Liveness
+                else:
+                    await up_send.send((event.rank, event.blob))
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
@@ -397,6 +417,12 @@ class Pump:
             gone = RankDropped(rank=link.rank, reason=link.dropped)
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
+                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                    await up_send.send(liveness)  # its last heartbeat before its RankExit
                 await up_send.send(gone)
             except STREAM_GONE:
                 pass
+            finally:
+                self._readers -= 1
+                if not self._readers:
+                    self._readers_gone.set()

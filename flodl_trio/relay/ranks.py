@@ -22,7 +22,14 @@ from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
 from ..net._ratelimit import JunkCounter
 from ..net._transport import STREAM_GONE, close_all, peer_of
-from ..wire import READ_SIZE, RankAcceptHandshake, RankConfirmed, RankHelloReceived, SessionSalt
+from ..wire import (
+    READ_SIZE,
+    FrameCodec,
+    RankAcceptHandshake,
+    RankConfirmed,
+    RankHelloReceived,
+    SessionSalt,
+)
 from ._link import EARLY_LIMIT, RankLink
 
 log = logging.getLogger("flodl_trio.relay")
@@ -38,6 +45,8 @@ class LocalRanks:
         self.ranks = ranks
         self.world_size = world_size
         self.salt = salt
+        # Verifies the ranks' Heartbeats, which the pump coalesces into Liveness records.
+        self.codec = FrameCodec(salt)
         self.config = config
         self.rank_set = frozenset(ranks)
         self._links: dict[int, RankLink] = {}
@@ -202,7 +211,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
             local.release(reserved, attempt)
         await trio.aclose_forcefully(stream)
         return
-    link = RankLink(rank, stream, local.config, host=local.host)
+    link = RankLink(rank, stream, local.config, host=local.host, codec=local.codec)
     link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):

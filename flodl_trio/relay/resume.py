@@ -31,6 +31,7 @@ from ..wire import (
     CoordinatorResumed,
     Established,
     FrameCodec,
+    Liveness,
     RankDropped,
     RankExit,
     RelayWaiting,
@@ -42,7 +43,7 @@ log = logging.getLogger("flodl_trio.relay")
 
 # What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
 # notice that its link ended.
-Upstream = tuple[int, bytes] | RankExit | RankDropped
+Upstream = tuple[int, bytes] | RankExit | RankDropped | Liveness
 
 # Re-dial a durable coordinator: (generation seen, deadline) -> the new stream, handshake done.
 Redial = Callable[[int, float], Awaitable[tuple[trio.abc.Stream, Established]]]

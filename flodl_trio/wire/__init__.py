@@ -93,6 +93,7 @@ from ._messages import (
     HelloAck,
     Intent,
     IntentKind,
+    Liveness,
     LrUpdate,
     Metrics,
     NewNcclIdGenerated,
@@ -127,6 +128,7 @@ from ._messages import (
     decode_relay,
     decode_timing,
     encode,
+    liveness_heartbeat,
 )
 from ._rank_handshake import (
     RankAcceptHandshake,
@@ -135,7 +137,7 @@ from ._rank_handshake import (
     RankHandshakeEvent,
     RankHelloReceived,
 )
-from ._rank_session import RankFrame, RankLinkSession, RankSession
+from ._rank_session import RankFrame, RankHeartbeat, RankLinkSession, RankSession
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._relay_handshake import RelayHandshake
 from ._schema import WireMessage
@@ -223,6 +225,7 @@ __all__ = [
     "IntentKind",
     "Invalid",
     "LenFrameDecoder",
+    "Liveness",
     "LrUpdate",
     "Mac64",
     "Metrics",
@@ -237,6 +240,7 @@ __all__ = [
     "RankExit",
     "RankFrame",
     "RankHandshakeEvent",
+    "RankHeartbeat",
     "RankHelloReceived",
     "RankLinkSession",
     "RankSession",
@@ -291,6 +295,7 @@ __all__ = [
     "hs_key",
     "kind_of",
     "len_frame",
+    "liveness_heartbeat",
     "mac64",
     "max_hello_payload",
     "ranks_text",

@@ -61,12 +61,14 @@ from ._msg_relay import (
     Goodbye,
     Hello,
     HelloAck,
+    Liveness,
     RankDropped,
     RankExit,
     Ready,
     Refused,
     RelayControlMsg,
     Resume,
+    liveness_heartbeat,
 )
 from ._msg_timing import (
     TIMING_MSG,
@@ -137,6 +139,7 @@ __all__ = [
     "HostName",
     "Intent",
     "IntentKind",
+    "Liveness",
     "LrUpdate",
     "Metrics",
     "NewNcclIdGenerated",
@@ -172,6 +175,7 @@ __all__ = [
     "decode_relay",
     "decode_timing",
     "encode",
+    "liveness_heartbeat",
 ]
 
 _ALL: list[type[WireMessage]] = [

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from ._schema import U32, U64, Family, HostName, Nonce, WireMessage, variant
+from ._msg_timing import Heartbeat
+from ._schema import F64, U32, U64, Family, HostName, Nonce, WireMessage, variant
 
 RELAY_CONTROL_MSG = Family("RelayControlMsg")
 
@@ -169,3 +170,43 @@ class Generation(RelayControlMsg):
         generation: the coordinator's generation (its fencing token).
     """
     generation: U64
+@variant(RELAY_CONTROL_MSG, 11)
+@attrs.frozen
+class Liveness(RelayControlMsg):
+    """Relay → coordinator (beyond flodl): the local ranks the relay heard a verified
+    ``Heartbeat`` from since its last ``Liveness``, with the step count of each one's latest.
+
+    The relay opens each rank's ``Heartbeat`` (salt-verified, its ``rank`` field the link's
+    rank) instead of forwarding it, and sends one of these per ``heartbeat_interval``; the
+    coordinator refreshes those ranks' liveness as if each ``Heartbeat`` had arrived, so it
+    costs one sealed record per relay per interval instead of one frame per rank. A rank's
+    pending ``Liveness`` is sent before any other record of that rank (its frames, its
+    ``RankExit``), so it never arrives after them.
+
+    Attributes:
+        ranks: local ranks, ascending, without duplicates, at least one.
+        steps: ``steps[i]`` is the ``step_count`` of ``ranks[i]``'s latest ``Heartbeat``.
+        ages: ``ages[i]`` is how long ago, in seconds (≥ 0), the relay verified that
+            ``Heartbeat`` when it sealed this record: the coordinator counts the rank as seen
+            that long before the record arrived, so coalescing does not delay the detection
+            of a rank that went silent.
+    """
+
+    ranks: tuple[U32, ...]
+    steps: tuple[U64, ...]
+    ages: tuple[F64, ...]
+
+
+_new = object.__new__
+_set_rank = Heartbeat.__dict__["rank"].__set__  # a frozen slots class, filled without __init__
+_set_step = Heartbeat.__dict__["step_count"].__set__
+
+
+def liveness_heartbeat(rank: int, step_count: int) -> Heartbeat:
+    """The ``Heartbeat`` a ``Liveness`` record reports for ``rank`` (what the relay verified),
+    built without re-checking fields the record's decoding checked already: the coordinator
+    delivers one per rank to ``coord.timing`` at a third of the cost of the constructor."""
+    beat = _new(Heartbeat)
+    _set_rank(beat, rank)
+    _set_step(beat, step_count)
+    return beat

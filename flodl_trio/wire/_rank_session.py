@@ -1,7 +1,10 @@
 """The relay ↔ rank leg after the handshake, sans-IO (SPEC §5, §6): length-prefixed frames.
 
-The relay does not open a rank's frames (the coordinator verifies them); it only cuts the
-stream into frames and stops forwarding those of a fenced rank. The rank opens what the relay
+The relay forwards a rank's frames unopened (the coordinator verifies them); it only cuts the
+stream into frames and stops forwarding those of a fenced rank. The one exception is the rank's
+own ``Heartbeat``: given the session's codec, the relay verifies it and reports it as a
+:class:`RankHeartbeat`, which the relay coalesces with its siblings' into one ``Liveness``
+record per interval (issue 23). The rank opens what the relay
 forwards: ``ControlMsg`` frames, verified with the session salt. See :mod:`._session` for the
 event loop every session shares.
 """
@@ -13,10 +16,22 @@ from typing import Any, NamedTuple
 from .._errors import WireError
 from ._constants import MAX_LEN_FRAME, MsgKind
 from ._frames import FrameCodec, LenFrameDecoder, len_frame
-from ._messages import Metrics, Shutdown, ShutdownWithSave, TimingMsg, decode_control
-from ._session import _CONTROL_FRAME_KIND, Invalid, _Session, _wrong_frame
+from ._messages import (
+    Heartbeat,
+    Metrics,
+    Shutdown,
+    ShutdownWithSave,
+    TimingMsg,
+    decode_control,
+    decode_timing,
+)
+from ._session import _CONTROL_FRAME_KIND, _FRAME_KIND, Invalid, _Session, _wrong_frame
 
 _CONTROL_KIND = int(MsgKind.CONTROL)
+_TIMING_FRAME_KIND = _FRAME_KIND.pack(int(MsgKind.TIMING))
+# A Heartbeat's CBOR payload starts [5, ...]: an array of 3, variant index 5 (SPEC §2.7). Only
+# frames that start so are opened by the relay; every other frame goes through untouched.
+_HEARTBEAT_HEAD = b"\x83\x05"
 
 
 class RankFrame(NamedTuple):
@@ -26,17 +41,31 @@ class RankFrame(NamedTuple):
     blob: bytes
 
 
+class RankHeartbeat(NamedTuple):
+    """Rank → relay: the rank's own ``Heartbeat``, verified with the salt (its ``rank`` field is
+    the link's rank); the relay reports it in its next ``Liveness`` record instead of
+    forwarding the frame."""
+
+    rank: int
+    step_count: int
+
+
 class RankLinkSession(_Session):
     """The relay's side of one local rank: the rank's frames in, length-framed blobs out.
 
-    Events: :class:`RankFrame` (none once the rank is fenced), :class:`EndOfStream` (clean at
-    a frame boundary; a declared length over ``max_len`` ends it with the error).
+    Events: :class:`RankFrame` (none once the rank is fenced), :class:`RankHeartbeat` (with a
+    ``codec``: a ``Heartbeat`` of this rank that verified; one that does not verify, or that
+    speaks for another rank, is a :class:`RankFrame` like any other frame, for the coordinator
+    to judge), :class:`EndOfStream` (clean at a frame boundary; a declared length over
+    ``max_len`` ends it with the error).
     """
 
-    def __init__(self, rank: int, *, host: str, max_len: int = MAX_LEN_FRAME) -> None:
+    def __init__(self, rank: int, *, host: str, max_len: int = MAX_LEN_FRAME,
+                 codec: FrameCodec | None = None) -> None:
         super().__init__(f"rank {rank} (relay {host!r})")
         self.rank = rank
         self.host = host
+        self.codec = codec
         self.fenced: str | None = None  # the coordinator's reason, once it fenced the rank
         self._decoder = LenFrameDecoder(max_len=max_len)
 
@@ -62,6 +91,14 @@ class RankLinkSession(_Session):
     def _event(self, blob: bytes) -> Any:
         if self.fenced is not None:
             return None
+        if (self.codec is not None and blob[16:20] == _TIMING_FRAME_KIND
+                and blob[24:26] == _HEARTBEAT_HEAD):
+            try:
+                msg = decode_timing(self.codec.open(blob).payload)
+            except WireError:  # forwarded: the coordinator verifies, counts and reports it
+                return RankFrame(self.rank, blob)
+            if type(msg) is Heartbeat and msg.rank == self.rank:
+                return RankHeartbeat(self.rank, msg.step_count)
         return RankFrame(self.rank, blob)
 
     def _fatal_reason(self, exc: WireError) -> str:

@@ -27,6 +27,7 @@ from ._handshake import NEED_DATA
 from ._messages import (
     FenceRank,
     Goodbye,
+    Liveness,
     Metrics,
     RankDropped,
     RankExit,
@@ -238,8 +239,9 @@ class CoordinatorSession(_RecordSession):
     the relay carries, its ``RankExit`` / ``RankDropped`` notices; ``Goodbye`` and
     ``FenceRank`` go the other way.
 
-    Events: ``TimingMsg``, ``Metrics``, ``RankExit``, ``RankDropped`` (each for a rank the
-    relay carries), :class:`Invalid`, :class:`EndOfStream`.
+    Events: ``TimingMsg``, ``Metrics``, ``RankExit``, ``RankDropped``, ``Liveness`` (each for
+    ranks the relay carries; a ``Liveness`` whose ranks are not ascending, not the relay's, or
+    not one step count each is an :class:`Invalid`), :class:`Invalid`, :class:`EndOfStream`.
     """
 
     def __init__(self, opener: RecordOpener, sealer: RecordSealer, codec: FrameCodec, *,
@@ -249,6 +251,9 @@ class CoordinatorSession(_RecordSession):
         self.host = host
         self.ranks = tuple(ranks)
         self.rank_set = frozenset(self.ranks)
+        # The last FANOUT payload: the same frame to the same ranks (the CoordHeartbeat every
+        # interval) is encoded once, then only sealed.
+        self._fanout: tuple[list[int], bytes, bytes] | None = None
 
     def send(self, msg: Goodbye | FenceRank) -> bytes:
         """The sealed CONTROL record of ``msg``: a Goodbye, or a FenceRank of a rank the relay
@@ -269,11 +274,16 @@ class CoordinatorSession(_RecordSession):
     def send_fanout(self, ranks: Sequence[int], frame: bytes) -> bytes:
         """The sealed FANOUT record of one ``ControlMsg`` frame for ``ranks`` (at least one;
         otherwise as :meth:`send_frame`)."""
+        last = self._fanout
+        if last is not None and last[1] == frame and last[0] == ranks:
+            return self.sealer.seal(_FANOUT, 0, last[2])
         if not ranks or not self.rank_set.issuperset(ranks):
             raise self._not_carried("coordinator→relay", "FANOUT record", ranks)
         if frame[16:20] != _CONTROL_FRAME_KIND:
             raise _wrong_frame(frame, f"coordinator→{self.peer}")
-        return self.sealer.seal(_FANOUT, 0, encode_fanout(ranks, frame))
+        payload = encode_fanout(ranks, frame)
+        self._fanout = (list(ranks), bytes(frame), payload)
+        return self.sealer.seal(_FANOUT, 0, payload)
 
     def _event(self, rec: Record) -> Any:
         # The ingest hot path (SPEC §13): one call per record, no helper below it.
@@ -313,12 +323,33 @@ class CoordinatorSession(_RecordSession):
             msg = decode_relay(payload)
         except WireError as exc:
             return Invalid("undecodable", f"relay control record: {exc}")
+        if type(msg) is Liveness:
+            return self._liveness(msg)
         if not isinstance(msg, RankExit | RankDropped):
             return Invalid("unexpected control", f"{type(msg).__name__} after the handshake")
         rank = int(msg.rank)
         if rank not in self.rank_set:
             return Invalid("foreign rank", f"{type(msg).__name__} for rank {rank}, which relay "
                            f"{self.host!r} does not carry", rank)
+        return msg
+
+    def _liveness(self, msg: Liveness) -> Any:
+        ranks = msg.ranks
+        if not ranks or not len(ranks) == len(msg.steps) == len(msg.ages):
+            return Invalid("malformed", f"Liveness: expected at least one rank and a step count "
+                           f"and an age each; got {len(ranks)} ranks, {len(msg.steps)} step "
+                           f"counts, {len(msg.ages)} ages")
+        if not self.rank_set.issuperset(ranks):
+            foreign = sorted(set(ranks) - self.rank_set)
+            return Invalid("foreign rank", f"Liveness for ranks {ranks_text(foreign)}, which "
+                           f"relay {self.host!r} does not carry {ranks_text(self.ranks)}",
+                           foreign[0])
+        ages = msg.ages  # NaN compares false both ways: only the sum shows it
+        if not min(ages) >= 0 or (total := sum(ages)) != total:
+            return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}", ranks[0])
+        if list(ranks) != sorted(set(ranks)):  # C loops: once per relay per interval
+            return Invalid("malformed", f"Liveness: expected ranks ascending without "
+                           f"duplicates, got {ranks_text(ranks)}", ranks[0])
         return msg
 
     def _fatal_reason(self, exc: WireError) -> str:
@@ -351,9 +382,12 @@ class UpstreamSession(_RecordSession):
         """Records the handshake opened already (the coordinator's welcome); events first."""
         self._units[self._index:self._index] = list(records)
 
-    def send(self, msg: RankExit | RankDropped) -> bytes:
-        """The sealed CONTROL record of ``msg`` (relay → coordinator: RankExit, RankDropped)."""
-        return self._send_control(msg, (RankExit, RankDropped), "relay→coordinator")
+    def send(self, msg: RankExit | RankDropped | Liveness) -> bytes:
+        """The sealed CONTROL record of ``msg`` (relay → coordinator: RankExit, RankDropped,
+        Liveness of local ranks)."""
+        if type(msg) is Liveness and not self.rank_set.issuperset(msg.ranks):
+            raise self._not_carried("relay→coordinator", "Liveness", msg.ranks)
+        return self._send_control(msg, (RankExit, RankDropped, Liveness), "relay→coordinator")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
         """The sealed DATA record of a frame of local ``rank`` (WireError for another rank),
