@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import trio
-from durable_peer import RANK_CFG, accept_leg, finish, joined_durably, relay_of
+from durable_peer import RANK_CFG, accept_leg, finish, joined_durably, relay_of, send_snapshots
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -29,6 +29,10 @@ async def test_every_way_of_losing_a_durable_coordinator_is_ridden_out(
     async with trio.open_nursery() as nursery:
         listener, host, first = await joined_durably(nursery, net, salt,
                                                      write_stall_timeout=2)
+        if how == "write stall":
+            # The ranks' frames fill the 64-byte buffer at once (their heartbeats no longer
+            # do: the relay coalesces them into one Liveness record per second, issue 23).
+            await send_snapshots(host, 0, [1, 2, 3])
         if how == "eof":
             await first.stream.aclose()
         elif how == "reset":
@@ -39,14 +43,14 @@ async def test_every_way_of_losing_a_durable_coordinator_is_ridden_out(
         lost_at = trio.current_time()
         leg = await accept_leg(listener, salt, generation=2)
         assert leg is not None and leg.received.resumed
-        expected = 2 if how == "write stall" else 0
-        assert expected <= trio.current_time() - lost_at < expected + 1
+        elapsed = trio.current_time() - lost_at
+        assert (2 if how == "write stall" else 0) <= elapsed < (3 if how == "write stall" else 1)
         await wait_until(lambda: relay_of(host).reconnects == 1)
         await finish(host, leg, listener)
         if how != "reset":
             await first.stream.aclose()
     net.assert_all_closed()
-    assert all(run.outcome == "ended" for run in host.ranks.values())
+    assert all(run.outcome == "ended" for run in host.ranks.values()), host.ranks
     assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
 
 
@@ -170,7 +174,9 @@ async def test_ranks_that_leave_while_the_coordinator_is_away_are_reported_to_th
         await wait_until(lambda: host.all_done)
     exiting = [wire.frame_message(wire.decode_frame(salt, r.payload)) for r in got
                if r.kind == wire.RecordKind.DATA]
-    exits = [wire.decode_relay(r.payload) for r in got if r.kind == wire.RecordKind.CONTROL]
+    exits = [m for m in (wire.decode_relay(r.payload) for r in got
+                         if r.kind == wire.RecordKind.CONTROL)
+             if not isinstance(m, wire.Liveness)]  # the ranks' coalesced heartbeats
     assert sorted(int(m.rank) for m in exiting if isinstance(m, wire.Exiting)) == [0, 1]
     assert sorted(int(m.rank) for m in exits) == [0, 1]
     assert all(isinstance(m, wire.RankExit) for m in exits)

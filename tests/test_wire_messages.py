@@ -254,13 +254,13 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, [25], ["ControlMsg", "unknown variant index 25"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [11, 0], ["RelayControlMsg", "unknown variant index 11"]),
+        (wire.decode_relay, [12, 0], ["RelayControlMsg", "unknown variant index 12"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-25", "ctl-neg", "timing-15", "relay-11", "bool-index", "empty", "int", "map"],
+    ids=["ctl-25", "ctl-neg", "timing-15", "relay-12", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]
