@@ -176,6 +176,11 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
     await _hold_until_all_exit(coord)
     summary = {"exited": sorted(coord.exited_ranks), "dead": sorted(coord.dead_ranks)}
     if coord.dead_ranks:
+        # The last death may still be on its way through the failure policy, which then
+        # cancels this block with the ClusterFailure the run really ended in: give it a moment.
+        # The sleep is cancelled as soon as it does; it ends on its own when none follows.
+        if coord.failure is None:
+            await trio.sleep(1.0)
         return summary, (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
                          f"{len(coord.exited_ranks)} exited cleanly")
     return summary, None
