@@ -5,95 +5,12 @@ stop on SIGINT / SIGTERM; operating-system errors are one line naming the addres
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-CLI = [sys.executable, "-m", "flodl_trio"]
-PATIENCE = 30.0  # real seconds for a child to print a line or exit; each takes ~1 s alone
-
-
-class Proc:
-    """A CLI child whose stdout and stderr lines are collected by two reader threads."""
-
-    def __init__(self, *args: str, env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                      text=True, env=env)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._collect, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.popen.stdout, self.out),
-                                               (self.popen.stderr, self.err))]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _collect(stream: object, lines: list[str]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            lines.append(line.rstrip("\n"))
-
-    def line_with(self, text: str) -> str:
-        deadline = time.monotonic() + PATIENCE
-        while time.monotonic() < deadline:
-            for line in list(self.out):
-                if text in line:
-                    return line
-            if self.popen.poll() is not None and not any(r.is_alive() for r in self._readers):
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line with {text!r}: out={self.out} err={self.err}")
-
-    def wait(self) -> int:
-        code = self.popen.wait(timeout=PATIENCE)
-        for reader in self._readers:
-            reader.join(timeout=5)
-        return code
-
-    def signal(self, signum: int) -> None:
-        self.popen.send_signal(signum)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(timeout=PATIENCE)
-        for reader in self._readers:
-            reader.join(timeout=5)
-        for stream in (self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                stream.close()
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    out = dict(os.environ, FLODL_SALT_HEX="ab" * 16)
-    out.pop("FLODL_NET_TIMEOUT_SCALE", None)
-    return out
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
-def one_line(proc: Proc) -> str:
-    """The one error line (log records at WARNING may precede it; a traceback may not)."""
-    assert not any("Traceback" in line for line in proc.err), proc.err
-    lines = [ln for ln in proc.err if ln.startswith("flodl-trio")]
-    assert len(lines) == 1, proc.err
-    assert len(lines[0]) < 200, lines[0]  # the cause to act on, not the whole story
-    return lines[0]
+from cli_procs import PATIENCE, Proc, one_line
 
 
 @pytest.mark.slow

@@ -16,26 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli_exit_codes import Proc
+from cli_procs import Proc
 
 from helpers import load_script
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def env() -> dict[str, str]:
-    out = dict(os.environ, FLODL_SALT_HEX="ab" * 16)
-    out.pop("FLODL_NET_TIMEOUT_SCALE", None)
-    return out
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(

@@ -4,34 +4,16 @@ not one, or an etcd nobody answers on, is one line naming it, exit 1, fast."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from test_cli_exit_codes import Proc, one_line
+from cli_procs import Proc, one_line
 
 from helpers import load_script
 
 PATIENCE = 20.0  # real seconds, only a bound
-
-
-@pytest.fixture
-def env() -> dict[str, str]:
-    out = dict(os.environ, FLODL_SALT_HEX="ab" * 16)
-    out.pop("FLODL_NET_TIMEOUT_SCALE", None)
-    return out
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def coordinator(env: dict[str, str], store: str, *extra: str) -> Proc:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from test_cli_exit_codes import Proc, one_line
+from cli_procs import Proc, one_line
 
 import flodl_trio as ft
 
@@ -27,14 +26,6 @@ def env(tmp_path: Path) -> dict[str, str]:
     out = dict(os.environ, FLODL_SALT_HEX=SALT_HEX)
     out.pop("FLODL_NET_TIMEOUT_SCALE", None)  # the default deadlines: connect_timeout is 30 s
     return out
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def ranks_until_their_relays_give_up(relay_addresses: list[str], *, salt_hex: str,
