@@ -9,7 +9,7 @@ It never hosts the coordinator. Protocol with the parent (one JSON object per st
                                          and how many ranks of this process saw it; with it
                                          "cpu_s": this process's CPU seconds per phase (setup:
                                          until "go"; formation: until every local relay joined;
-                                         values: the rest)
+                                         values: until a rank got Shutdown; shutdown: the rest)
 
 With ``--profile F`` the formation and the values phases are profiled separately (cProfile,
 ``F.formation`` and ``F.values``).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import resource
 import sys
 import time
 
@@ -76,6 +77,7 @@ async def main(args: argparse.Namespace) -> None:
                         slot = arrivals.setdefault(int(msg.global_step), [0.0, 0])
                         slot[0] = max(slot[0], now)
                         slot[1] += 1
+                phases.enter("shutdown")  # the first rank told to shut down
         except ft.CoordinatorLost as exc:
             lost.append(str(exc))
 
@@ -121,11 +123,18 @@ class Phases:
         self._profile = profile
         self._name = "setup"
         self._t = time.process_time()
+        self._sys = resource.getrusage(resource.RUSAGE_SELF).ru_stime
         self._prof: cProfile.Profile | None = None
 
     def enter(self, name: str) -> None:
+        if name == self._name:
+            return
         now = time.process_time()
         self.cpu[self._name] = self.cpu.get(self._name, 0.0) + now - self._t
+        sys_now = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        key = f"{self._name}_sys"
+        self.cpu[key] = self.cpu.get(key, 0.0) + sys_now - self._sys
+        self._sys = sys_now
         if self._prof is not None:
             self._prof.disable()
             self._prof.dump_stats(f"{self._profile}.{self._name}")

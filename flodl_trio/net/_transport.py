@@ -233,6 +233,13 @@ class StreamWriter:
         self.write_stall_timeout = write_stall_timeout
         self._lock = trio.Lock()
 
+    @property
+    def idle(self) -> bool:
+        """No write in progress (nor waiting): the caller may write directly to the socket,
+        as long as it does not checkpoint before its bytes are written or handed to
+        :meth:`send`."""
+        return not self._lock.locked()
+
     async def send(self, data: bytes | Callable[[], bytes]) -> None:
         """Write ``data`` (or what ``data()`` returns, computed under the lock).
 
