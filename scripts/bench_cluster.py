@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import statistics
@@ -84,6 +85,15 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int,
                 pass
 
         prof = cProfile.Profile() if profile else None
+        gc_s = [0.0, 0.0]  # seconds in the garbage collector, and when the current pass began
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_s[1] = time.perf_counter()
+            else:
+                gc_s[0] += time.perf_counter() - gc_s[1]
+
+        gc.callbacks.append(on_gc)
         cpu_t = time.process_time()
         if prof is not None:
             prof.enable()
@@ -93,6 +103,7 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int,
         async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
             formed_t = time.monotonic()
             coord_cpu["formation"] = time.process_time() - cpu_t
+            coord_cpu["formation_gc"], gc_s[0] = gc_s[0], 0.0
             if prof is not None:
                 prof.disable()
                 prof.dump_stats(f"{profile}.coord.formation")
@@ -115,6 +126,8 @@ async def run_case(world: int, per_relay: int, broadcasts: int, procs: int,
                     await trio.sleep(0.02 + world * 0.0003)
                 rss = rss_mb()
                 coord_cpu["values"] = time.process_time() - cpu_t
+                coord_cpu["values_gc"] = gc_s[0]
+                gc.callbacks.remove(on_gc)
                 if prof is not None:
                     prof.disable()
                     prof.dump_stats(f"{profile}.coord.values")
@@ -182,12 +195,14 @@ async def main() -> None:
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{world:>6} {per:>9} {med['formation_ms']:>13.1f} {med['p50_ms']:>13.2f} "
               f"{med['p99_ms']:>13.2f} {med['call_ms']:>12.2f} {med['rss_mb']:>13.1f}")
-        print("       CPU ms, formation: coordinator {:.0f}, load generators {:.0f}; values: "
-              "coordinator {:.0f}, load generators {:.0f}".format(
-                  *(1000 * med.get(k, float("nan")) for k in (
-                      "cpu_coord_formation_s", "cpu_lg_formation_s", "cpu_coord_values_s",
-                      "cpu_lg_values_s"))), f"(system {1000 * med['cpu_lg_values_sys_s']:.0f})"
-              f"; broadcast_control CPU p50 {med['call_cpu_ms']:.2f} ms")
+        ms = {k: 1000 * v for k, v in med.items() if k.startswith("cpu_")}
+        print(f"       CPU ms, formation: coordinator {ms['cpu_coord_formation_s']:.0f} (GC "
+              f"{ms['cpu_coord_formation_gc_s']:.0f}), load generators "
+              f"{ms['cpu_lg_formation_s']:.0f} (GC {ms['cpu_lg_formation_gc_s']:.0f}); values: "
+              f"coordinator {ms['cpu_coord_values_s']:.0f} (GC {ms['cpu_coord_values_gc_s']:.0f}),"
+              f" load generators {ms['cpu_lg_values_s']:.0f} (system "
+              f"{ms['cpu_lg_values_sys_s']:.0f}, GC {ms['cpu_lg_values_gc_s']:.0f}); "
+              f"broadcast_control CPU p50 {med['call_cpu_ms']:.2f} ms")
     print("bcast p50/p99: broadcast_control called -> SetGlobalStep seen by the LAST rank's user "
           "code;\ncall p50: time inside broadcast_control (FANOUT records written to every relay)")
     print("targets (SPEC §13): formation of 1024 < 300 ms; broadcast p50 < 5 ms, p99 < 20 ms; "
