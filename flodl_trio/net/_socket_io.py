@@ -73,14 +73,16 @@ class Reader:
             return bytes(await self.stream.receive_some(max_bytes))
         wait = self._drained
         while True:
-            if sock.fileno() < 0:
+            fd = sock.fileno()
+            if fd < 0:
                 raise trio.ClosedResourceError("the stream was closed")
             if wait:
-                # Raises ClosedResourceError when another task closes the stream meanwhile.
-                await trio.lowlevel.wait_readable(sock)
+                # Raises ClosedResourceError when another task closes the stream meanwhile
+                # (trio's close notifies the waiters of its descriptor).
+                await trio.lowlevel.wait_readable(fd)
             else:
                 await trio.lowlevel.checkpoint()
-            fd = sock.fileno()
+            fd = sock.fileno()  # again: it may have been closed while this task was waking
             if fd < 0:
                 raise trio.ClosedResourceError("the stream was closed")
             try:
