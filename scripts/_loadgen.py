@@ -11,8 +11,8 @@ It never hosts the coordinator. Protocol with the parent (one JSON object per st
                                          until "go"; formation: until every local relay joined;
                                          values: until a rank got Shutdown; shutdown: the rest)
 
-With ``--profile F`` the formation and the values phases are profiled separately (cProfile,
-``F.formation`` and ``F.values``).
+With ``--profile F`` each phase after "go" is profiled separately (cProfile: ``F.formation``,
+``F.values``, ``F.shutdown``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ async def main(args: argparse.Namespace) -> None:
     lost: list[str] = []
     phases = Phases(args.profile)
     joined = 0
-    all_joined = trio.Event()
 
     async def dial_when_released() -> trio.abc.Stream:
         await go.wait()
@@ -83,6 +82,7 @@ async def main(args: argparse.Namespace) -> None:
             lost.append(str(exc))
 
     async def relay_task(index: int, nursery: trio.Nursery) -> None:
+        nonlocal joined
         first = args.first_rank + index * args.per_relay
         ranks = list(range(first, first + args.per_relay))
         cfg = ft.RelayConfig(rank_accept_timeout=120, connect_timeout=120, handshake_timeout=60)
@@ -91,11 +91,9 @@ async def main(args: argparse.Namespace) -> None:
             for r in ranks:
                 nursery.start_soon(rank_task, relay.rank_address, r)
             await relay.wait_connected()
-            nonlocal joined
             joined += 1
             if joined == args.relays:
                 phases.enter("values")
-                all_joined.set()
             await relay.wait_closed()
 
     async def read_go() -> None:
