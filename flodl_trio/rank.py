@@ -31,9 +31,9 @@ from ._errors import (
     WireError,
 )
 from ._lifecycle import open_lifecycle
-from .net._handshake_io import receive_event, run_handshake
 from .net._keepalive import KeepAlive
 from .net._ratelimit import JunkCounter
+from .net._socket_io import Reader, next_event, plain_socket, run_handshake_on, write_now
 from .net._transport import (
     STREAM_GONE,
     DialTarget,
@@ -83,7 +83,8 @@ class RankEndpoint:
     """
 
     def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
-                 config: RankConfig, relay: str, leftover: bytes = b"") -> None:
+                 config: RankConfig, relay: str, leftover: bytes = b"",
+                 reader: Reader | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.step_count = 0
@@ -92,6 +93,8 @@ class RankEndpoint:
         self._relay = relay
         self._session = RankSession(FrameCodec(salt), rank=rank, relay=relay)
         self._stream = stream
+        self._reader = reader if reader is not None else Reader(stream)
+        self._socket = plain_socket(stream)  # for direct writes while the writer is idle
         self._writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self._inbox_send, self._inbox = trio.open_memory_channel[ControlMsg](INBOX_SIZE)
         self._ended = False
@@ -170,6 +173,19 @@ class RankEndpoint:
                             f"lost ({self._lost})")
         blob = self._session.send(msg)
         try:
+            if self._socket is not None and self._writer.idle:
+                # The writer is idle: hand the frame to the kernel now (one system call, no
+                # lock, cancel scope or task switch), as the relay does towards its ranks.
+                written = write_now(self._socket, blob)
+                if written == len(blob):
+                    await trio.lowlevel.checkpoint()
+                    return
+                if written:
+                    # The rest goes through the writer (nothing wrote since: no checkpoint),
+                    # never abandoned half-way: a cut frame would corrupt the link.
+                    with trio.CancelScope(shield=True):
+                        await self._writer.send(blob[written:])
+                    return
             await self._writer.send(blob)
         except trio.TooSlowError:
             self._set_lost(f"write stall: no progress for {self.config.write_stall_timeout:g}s")
@@ -206,7 +222,7 @@ class RankEndpoint:
             session.receive_data(self._leftover)
             self._leftover = b""
         try:
-            while not isinstance(event := await receive_event(self._stream, session),
+            while not isinstance(event := await next_event(self._reader, session),
                                  EndOfStream):
                 if type(event) is Invalid and event.category == "invalid frame":
                     self._drop(event.category, event.detail)  # it did not verify
@@ -316,15 +332,16 @@ class RankEndpoint:
 
 
 async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size: int,
-                   config: RankConfig) -> tuple[trio.abc.Stream, bytes]:
+                   config: RankConfig) -> tuple[trio.abc.Stream, Reader, bytes]:
     where = format_address(target) if not callable(target) else "the relay"
 
-    async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, bytes]:
+    async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, Reader, bytes]:
         machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
+        reader = Reader(stream)
         with trio.fail_after(config.handshake_timeout):
-            confirmed = await run_handshake(stream, machine)
+            confirmed = await run_handshake_on(stream, reader, machine)
         assert isinstance(confirmed, RankConfirmed)
-        return stream, confirmed.leftover
+        return stream, reader, confirmed.leftover
 
     # A HandshakeError (the relay answered, and said no) is final; a relay that is not up yet,
     # or dropped the attempt, is retried.
@@ -371,10 +388,10 @@ async def open_rank(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_rank: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RankConfig()
-    stream, leftover = await _connect(relay, salt, rank, world_size, cfg)
+    stream, reader, leftover = await _connect(relay, salt, rank, world_size, cfg)
     where = format_address(relay) if not callable(relay) else "in-process"
     ep = RankEndpoint(rank=rank, world_size=world_size, salt=salt, stream=stream, config=cfg,
-                      relay=where, leftover=leftover)
+                      relay=where, leftover=leftover, reader=reader)
     async with open_lifecycle(f"rank {rank}", failure=lambda: None) as life:
         life.nursery.start_soon(ep.run_reader)
         life.nursery.start_soon(ep.run_watchdog)

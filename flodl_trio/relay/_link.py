@@ -9,6 +9,7 @@ import attrs
 import trio
 
 from .._config import RelayConfig
+from ..net._socket_io import Reader
 from ..net._transport import StreamWriter
 from ..wire import FrameCodec, RankLinkSession
 
@@ -33,13 +34,17 @@ class RankLink:
     """
 
     def __init__(self, rank: int, stream: trio.abc.Stream, config: RelayConfig, *,
-                 host: str = "", codec: FrameCodec | None = None) -> None:
+                 host: str = "", codec: FrameCodec | None = None,
+                 reader: Reader | None = None) -> None:
         self.rank = rank
         # The rank's frames in (the pump's rank reader feeds it): where they are cut, whether
         # they are still forwarded (not once the coordinator fenced the rank), and, with a
         # codec, which are the rank's verified Heartbeats (coalesced into Liveness records).
         self.session = RankLinkSession(rank, host=host, codec=codec)
         self.stream = stream
+        # The stream's reads (the handshake's reader carries on: it knows whether the socket
+        # was drained).
+        self.reader = reader if reader is not None else Reader(stream)
         self.writer = StreamWriter(stream, write_stall_timeout=config.write_stall_timeout)
         self.queue_size = config.queue_size
         self.write_stall_timeout = config.write_stall_timeout

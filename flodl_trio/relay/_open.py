@@ -27,8 +27,8 @@ from .._errors import (
     WrongSession,
 )
 from .._lifecycle import open_lifecycle
-from ..net._handshake_io import run_handshake
 from ..net._keepalive import KeepAlive
+from ..net._socket_io import Reader, run_handshake_on
 from ..net._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
 from ..timeline import Timeline
 from ..wire import (
@@ -188,7 +188,7 @@ class Relay:
                                                 server_hostname=self._server_hostname,
                                                 https_compatible=False)
                         await stream.do_handshake()
-                    done = await run_handshake(stream, machine)
+                    done = await run_handshake_on(stream, Reader(stream), machine)
             except BaseException as exc:
                 wrong_salt = wrong_salt + 1 if machine.failure_category == "wrong salt" else 0
                 if wrong_salt >= WRONG_SALT_ATTEMPTS:

@@ -19,8 +19,8 @@ import trio
 from .._config import RelayConfig
 from .._errors import FlodlError
 from ..events import RelayDroppedRank
-from ..net._handshake_io import receive_event
 from ..net._ratelimit import JunkCounter
+from ..net._socket_io import Reader, next_event
 from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
@@ -71,6 +71,7 @@ class Pump:
         self.host = local.host
         self.config: RelayConfig = local.config
         self.stream = stream
+        self.reader = Reader(stream)  # the upstream reader's (one per leg)
         self.session = UpstreamSession(opener, sealer, host=local.host, ranks=local.ranks)
         self.session.feed_opened(first)  # opened with the handshake (the welcome)
         self.error: FlodlError | None = None
@@ -148,6 +149,7 @@ class Pump:
                 self._scope.cancel()
                 return
             self.stream, established = joined
+            self.reader = Reader(self.stream)
             self.session = UpstreamSession(established.opener, established.sealer,
                                            host=self.host, ranks=self.local.ranks)
             self.session.feed_opened(established.records)
@@ -183,17 +185,20 @@ class Pump:
 
     async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
         send_frame, send = self.session.send_frame, self.session.send
+        send_all, stall = self.stream.send_all, self.config.write_stall_timeout
         while (batch := await self.next_upstream(up_recv)) is not None:
             self._in_flight = batch
             data = b"".join(send_frame(*item) if isinstance(item, tuple) else send(item)
                             for item in batch)
             try:
-                with trio.fail_after(self.config.write_stall_timeout):
-                    await self.stream.send_all(data)
-            except trio.TooSlowError:
-                await self.upstream_lost(f"upstream write stall: no progress for "
-                                         f"{self.config.write_stall_timeout:g}s")
-                return
+                # A bare CancelScope: fail_after costs a generator-based context manager more
+                # per batch.
+                with trio.CancelScope(deadline=trio.current_time() + stall) as scope:
+                    await send_all(data)
+                if scope.cancelled_caught:
+                    await self.upstream_lost(f"upstream write stall: no progress for "
+                                             f"{stall:g}s")
+                    return
             except STREAM_GONE as exc:
                 await self.upstream_lost(f"upstream connection lost while writing "
                                          f"({type(exc).__name__})")
@@ -234,6 +239,7 @@ class Pump:
 
     async def read_upstream(self) -> None:
         session = self.session
+        reader = self.reader
         durable = self.resume is not None
         try:
             while True:
@@ -245,7 +251,7 @@ class Pump:
                             return
                         session.receive_data(data)
                     else:
-                        session.receive_data(await self.stream.receive_some(READ_SIZE))
+                        session.receive_data(await reader.receive_some(READ_SIZE))
                     continue
                 if durable:
                     self._heard = trio.current_time()
@@ -297,7 +303,7 @@ class Pump:
         after ``coord_liveness_timeout`` without a record from it."""
         timeout = self.config.coord_liveness_timeout
         with trio.move_on_at(self._heard + timeout):
-            return await self.stream.receive_some(READ_SIZE)
+            return await self.reader.receive_some(READ_SIZE)
         reason = self.session.close(f"no record from the coordinator within "
                                     f"coord_liveness_timeout={timeout:g}s")
         if self.resumable():
@@ -395,7 +401,7 @@ class Pump:
                 link.early.clear()
             if link.early_eof:
                 session.receive_data(b"")
-            while type(event := await receive_event(link.stream, session)) in _FROM_RANK:
+            while type(event := await next_event(link.reader, session)) in _FROM_RANK:
                 # The rank's pending heartbeat goes first: never after its later frames, and a
                 # rank beating faster than heartbeat_interval is reported at its own pace.
                 if beats.pending(rank) and (liveness := beats.take(clock())) is not None:

@@ -17,10 +17,10 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
-from ..net._handshake_io import run_handshake
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
 from ..net._ratelimit import JunkCounter
+from ..net._socket_io import Reader, run_handshake_on
 from ..net._transport import STREAM_GONE, close_all, peer_of
 from ..wire import (
     READ_SIZE,
@@ -175,16 +175,17 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
     machine = RankAcceptHandshake(local.salt, world_size=local.world_size, host=local.host,
                                   ranks=local.rank_set, peer=peer)
     confirmed: RankConfirmed | None = None
+    reader = Reader(stream)
     try:
         with trio.CancelScope() as attempt:
             with trio.fail_after(local.config.handshake_timeout):
-                hello = await run_handshake(stream, machine)
+                hello = await run_handshake_on(stream, reader, machine)
                 assert isinstance(hello, RankHelloReceived)
                 rank = hello.rank
                 local.reserve(rank, peer, attempt)
                 reserved = rank
                 machine.accept()
-                event = await run_handshake(stream, machine)
+                event = await run_handshake_on(stream, reader, machine)
                 assert isinstance(event, RankConfirmed)
                 confirmed = event
     except (trio.TooSlowError, WireError, HandshakeError, *STREAM_GONE) as exc:
@@ -211,7 +212,8 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
             local.release(reserved, attempt)
         await trio.aclose_forcefully(stream)
         return
-    link = RankLink(rank, stream, local.config, host=local.host, codec=local.codec)
+    link = RankLink(rank, stream, local.config, host=local.host, codec=local.codec,
+                    reader=reader)
     link.early += confirmed.leftover
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):
@@ -228,7 +230,7 @@ async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
     """
     try:
         while len(link.early) < EARLY_LIMIT:
-            data = await link.stream.receive_some(READ_SIZE)
+            data = await link.reader.receive_some(READ_SIZE)
             if not data:
                 break
             link.early += data

@@ -283,6 +283,20 @@ def encode_fanout(ranks: Iterable[int], frame: bytes | bytearray | memoryview) -
     Raises:
         WireError: a rank that is not a u32, ``ranks`` not iterable, or ``frame`` not bytes-like.
     """
+    if type(frame) is bytes and isinstance(ranks, list | tuple) and ranks:
+        # The broadcast hot path (one payload per relay per broadcast): ranks that are already
+        # strictly ascending u32s are written straight into the CBOR cbor2 would produce
+        # (tests/test_wire_fast_paths.py checks the bytes are the same), about 3x cheaper.
+        prev = -1
+        for r in ranks:
+            if type(r) is not int or r <= prev:
+                break
+            prev = r
+        else:
+            if prev < _U32_LIMIT:
+                return b"".join([b"\x82", _cbor_head(0x80, len(ranks)),
+                                 *[_cbor_head(0, r) for r in ranks],
+                                 _cbor_head(0x40, len(frame)), frame])
     try:
         listed = list(ranks)
     except TypeError:
@@ -296,6 +310,19 @@ def encode_fanout(ranks: Iterable[int], frame: bytes | bytearray | memoryview) -
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise WireError(f"FANOUT: frame must be bytes, got {type(frame).__name__}")
     return cbor_dumps([sorted({int(r) for r in listed}), bytes(frame)])
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """A CBOR item head with its argument ``n`` in the fewest bytes (as cbor2 writes it)."""
+    if n < 24:
+        return bytes((major | n,))
+    if n < 0x100:
+        return bytes((major | 24, n))
+    if n < 0x10000:
+        return bytes((major | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((major | 26,)) + n.to_bytes(4, "big")
+    return bytes((major | 27,)) + n.to_bytes(8, "big")
 
 
 def decode_fanout(payload: bytes) -> tuple[tuple[int, ...], bytes]:
