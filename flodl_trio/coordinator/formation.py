@@ -22,7 +22,7 @@ from .._errors import FlodlError, FormationAborted, FormationError, FormationTim
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
-from ..net._pending import PendingHandshakes
+from ..net._pending import PendingHandshakes, min_shed_age
 from ..net._ratelimit import JunkReport
 from ..net._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..timeline import Timeline
@@ -67,7 +67,8 @@ class Formation:
         self._tls = tls
         self._warned_hosts: set[str] = set()
         self._conn_counter = 0
-        self._pending = PendingHandshakes(config.max_pending_handshakes)
+        self._pending = PendingHandshakes(config.max_pending_handshakes,
+                                          min_age=min_shed_age(config.handshake_timeout))
         self._max_hello = max_hello_payload(config.world_size)
         self._settled = trio.Event()
         self._started = 0.0
@@ -85,11 +86,17 @@ class Formation:
         return len(self._pending)
 
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
-        """Accept relay connections from ``listener``; one handshake task each."""
+        """Accept relay connections from ``listener``; one handshake task each. While
+        ``max_pending_handshakes`` are unauthenticated and none is stale, it stops accepting
+        (``PendingHandshakes.room``)."""
         await serve_each(listener, self.serve_connection, what="coordinator",
                          keepalive=KeepAlive.within(
                              self._config.heartbeat_timeout,
-                             write_stall=self._config.write_stall_timeout))
+                             write_stall=self._config.write_stall_timeout),
+                         room=self._pending.room, on_accept=self._admit)
+
+    def _admit(self, stream: trio.abc.Stream) -> None:
+        self._pending.admit()
 
     def reject(self, peer: str, category: str, detail: str) -> None:
         """Count a connection that failed before authenticating.
@@ -141,13 +148,13 @@ class Formation:
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)
-        if self._roster.shutting_down:
-            await trio.aclose_forcefully(stream)
-            self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
-                        "shuts down")
-            return
         handshake = None
-        with self._pending.slot() as shed_scope:
+        with self._pending.slot() as shed_scope:  # first: the slot admit() counted is taken
+            if self._roster.shutting_down:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
+                            "shuts down")
+                return
             try:
                 with shed_scope, trio.fail_after(self._config.handshake_timeout):
                     handshake = await coordinator_handshake(stream, self._salt, peer,
@@ -167,9 +174,9 @@ class Formation:
                 raise
         if handshake is None:  # shed: the oldest of more than max_pending_handshakes
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "shed", f"{peer}: still unauthenticated when "
-                        f"max_pending_handshakes={self._pending.limit} newer connections "
-                        "were pending; the oldest is shed")
+            self.reject(peer, "shed", f"{peer}: still unauthenticated after "
+                        f"{self._pending.min_age:g}s when max_pending_handshakes="
+                        f"{self._pending.limit} connections were pending; the oldest is shed")
             return
         machine, received = handshake
         hello = received.hello

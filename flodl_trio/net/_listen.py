@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +23,10 @@ log = logging.getLogger("flodl_trio.transport")
 # The errnos trio.serve_listeners also treats as "back off and retry" rather than fatal.
 ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_SLEEP = 0.1
+# As trio.open_tcp_listeners: the kernel truncates it to its own ceiling (net.core.somaxconn,
+# 4,096 on current Linux), which is what a burst of relays waiting for a pending-handshake slot
+# needs; socket.SOMAXCONN is only what this Python was built with (128 on some builds).
+LISTEN_BACKLOG = 0xFFFF
 
 
 async def serve_each(
@@ -34,6 +37,7 @@ async def serve_each(
     handler_nursery: trio.Nursery | None = None,
     on_accept: Callable[[Any], None] | None = None,
     keepalive: KeepAlive | None = None,
+    room: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept from ``listener`` until it is closed; run ``handler(stream)`` in a task each.
@@ -46,6 +50,8 @@ async def serve_each(
             returns only once they are done).
         on_accept: called with each stream before its handler starts.
         keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
+        room: awaited before each ``accept``: while it waits, connections stay in the
+            listener's backlog (a bound on pending handshakes, ``_pending``).
         task_status: ``started()`` once the loop runs.
 
     Raises:
@@ -55,6 +61,8 @@ async def serve_each(
         nursery = handler_nursery if handler_nursery is not None else own
         task_status.started()
         while True:
+            if room is not None:
+                await room()
             try:
                 stream = await listener.accept()
             except STREAM_GONE:
@@ -117,7 +125,7 @@ async def _listen_on(family: int, sockaddr: tuple[Any, ...]) -> trio.SocketListe
         if family == trio.socket.AF_INET6:
             sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
         await sock.bind(sockaddr)
-        sock.listen(socket.SOMAXCONN)
+        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise

@@ -1,0 +1,183 @@
+"""The pre-auth bound sheds only the stale and queues the fresh (issue 23, SPEC §4.2 FT/2): a
+burst of honest relays beyond ``max_pending_handshakes`` waits in the backlog instead of being
+shed and re-dialing; silent connections are still shed, once ``min_shed_age`` old."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.net._pending import PendingHandshakes, min_shed_age
+from flodl_trio.port_mux import open_port_mux
+from flodl_trio.testing import MemoryNetwork
+
+from helpers import COORD
+
+LINK_DELAY = 0.03  # each write of a relay on a slow link arrives this late
+
+
+async def slow_relay(stream: trio.abc.Stream, salt: ft.SessionSalt, host: str, rank: int,
+                     world: int, joined: list[str]) -> None:
+    """A relay on a slow link: the real handshake, every write LINK_DELAY late; holds the
+    connection open once joined (until the coordinator closes it)."""
+    machine = wire.RelayHandshake(salt, host=host, ranks=(rank,), world_size=world,
+                                  coordinator=COORD)
+    try:
+        for _ in range(10):  # a handshake is 4 steps
+            event = machine.next_event()
+            if out := machine.data_to_send():
+                await trio.sleep(LINK_DELAY)
+                await stream.send_all(out)
+            if not isinstance(event, wire.NeedData):
+                break
+            machine.receive_data(bytes(await stream.receive_some(65536)))
+        assert isinstance(event, wire.Established), event
+        joined.append(host)
+        with trio.move_on_after(30):
+            while await stream.receive_some(65536):
+                pass
+    except (ft.WireError, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # shed (the rule before issue 23): counted by the coordinator's rejects
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+@pytest.mark.parametrize("limit", [4, 10])
+async def test_a_burst_of_honest_relays_beyond_max_pending_forms_without_a_shed(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, limit: int
+) -> None:
+    world = 30
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=world, formation_timeout=60, handshake_timeout=10,
+                               max_pending_handshakes=limit)
+    joined: list[str] = []
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+        for rank in range(world):  # all at once: 3 to 7 times the bound
+            stream = await memory_network.connect(COORD)
+            nursery.start_soon(slow_relay, stream, salt, f"host-{rank}", rank, world, joined)
+        started = trio.current_time()
+        async with ft.open_coordinator(listener, salt=salt,
+                                       config=cfg) as coord:
+            formed_after = trio.current_time() - started
+            state = coord.state()
+    assert state["rejected_handshakes"] == {}  # no shed, no other reject
+    assert sorted(joined) == sorted(f"host-{r}" for r in range(world))
+    # Waves of `limit` relays, each two link delays long: no re-dial (0.5 s) in it.
+    assert formed_after < 0.5
+
+
+async def test_silent_connections_hold_a_slot_for_the_minimum_age_then_a_relay_gets_in(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=60, handshake_timeout=10,
+                               max_pending_handshakes=5)
+    min_age = min_shed_age(cfg.handshake_timeout)
+    closed_at: list[float] = []
+    joined: list[str] = []
+    listener = memory_network.listener(COORD)
+    async with trio.open_nursery() as nursery:
+
+        async def silent(stream: trio.abc.Stream) -> None:
+            await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)  # then nothing
+            with trio.move_on_after(5):
+                while await stream.receive_some(65536):
+                    pass
+                closed_at.append(trio.current_time())
+            await stream.aclose()
+
+        for _ in range(5):
+            nursery.start_soon(silent, await memory_network.connect(COORD))
+        await trio.sleep(0.01)
+        nursery.start_soon(slow_relay, await memory_network.connect(COORD), salt, "host-a", 0,
+                           1, joined)
+        async with ft.open_coordinator(listener, salt=salt,
+                                       config=cfg) as coord:
+            formed_at = trio.current_time()
+            rejects = coord.state()["rejected_handshakes"]
+            await trio.sleep(6)
+    assert joined == ["host-a"]
+    assert rejects == {"shed": 1}  # the oldest silent one, for the relay
+    # Not before it was min_age old, and the relay was in soon after.
+    assert len(closed_at) == 1 and min_age <= closed_at[0] < min_age + 0.05
+    assert formed_at < min_age + 4 * LINK_DELAY
+
+
+async def test_the_pending_bound_waits_for_a_free_slot_and_sheds_only_the_stale(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pending = PendingHandshakes(2, min_age=1.0)
+    admitted: list[float] = []
+    shed: list[int] = []
+
+    async def connection(index: int, hold: float) -> None:
+        with pending.slot() as scope, scope:
+            await trio.sleep(hold)
+        if scope.cancelled_caught:
+            shed.append(index)
+
+    async with trio.open_nursery() as nursery:
+        for index, hold in enumerate([0.3, 100.0, 100.0, 100.0]):
+            await pending.room()
+            admitted.append(trio.current_time())
+            nursery.start_soon(connection, index, hold)
+            await trio.testing.wait_all_tasks_blocked()
+        # The third waited for the first to finish (0.3 s), the fourth for the second to be
+        # stale (1 s after it was admitted), which it then shed.
+        assert admitted == pytest.approx([0.0, 0.0, 0.3, 1.0])
+        await trio.testing.wait_all_tasks_blocked()
+        assert shed == [1]
+        assert pending.waits == 2 and pending.shed == 1 and len(pending) == 2
+        assert pending.max_age == pytest.approx(0.3)  # the first, which finished
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_port_mux_queues_a_burst_beyond_max_peeking_without_a_shed(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    routed: list[trio.abc.Stream] = []
+    clients: list[trio.abc.Stream] = []
+    async with open_port_mux(memory_network.listener("mux"), peek_timeout=5,
+                             max_peeking=4) as mux, trio.open_nursery() as nursery:
+
+        async def late_magic(stream: trio.abc.Stream) -> None:
+            await trio.sleep(LINK_DELAY)  # a relay on a slow link
+            await stream.send_all(wire.CHANNEL_MAGIC_CONTROL)
+
+        for _ in range(20):  # five times the bound, all at once
+            clients.append(await memory_network.connect("mux"))
+            nursery.start_soon(late_magic, clients[-1])
+        with trio.fail_after(1):
+            while len(routed) < 20:
+                routed.append(await mux.control.accept())
+        assert mux.stats.dropped["shed"] == 0
+        assert mux.stats.routed["control"] == 20
+    for stream in [*routed, *clients]:
+        await stream.aclose()
+
+
+async def test_a_full_leg_queue_stops_the_port_mux_accepting_instead_of_dropping(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    clients: list[trio.abc.Stream] = []
+    routed: list[trio.abc.Stream] = []
+    async with open_port_mux(memory_network.listener("mux"), peek_timeout=5,
+                             queue_size=2) as mux:
+        for _ in range(10):
+            clients.append(await memory_network.connect("mux"))
+            await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
+        await trio.sleep(1)  # nobody takes the control leg's connections yet
+        # The queue holds two; a few more wait for room; the rest are still in the backlog.
+        assert mux.stats.routed["control"] == 2
+        assert mux.stats.accepted < 10
+        with trio.fail_after(1):
+            while len(routed) < 10:
+                routed.append(await mux.control.accept())
+        assert mux.stats.dropped["queue_full"] == 0
+        assert mux.stats.accepted == 10
+    for stream in [*routed, *clients]:
+        await stream.aclose()
