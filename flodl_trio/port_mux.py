@@ -23,7 +23,7 @@ import trio
 from ._errors import ConfigError
 from .net._keepalive import KeepAlive
 from .net._listen import serve_each
-from .net._pending import PendingHandshakes, min_shed_age
+from .net._pending import PendingHandshakes, min_shed_age, unread_probe
 from .net._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
 from .net._transport import STREAM_GONE
 
@@ -312,7 +312,8 @@ class PortMux:
             # At most max_peeking connections wait for their magic (the accept loop waits for
             # room); the oldest is shed once stale, so silent dialers cannot pile up (or keep a
             # relay out) until peek_timeout.
-            with self._peeking.slot() as shed, shed, trio.move_on_after(self.peek_timeout):
+            with self._peeking.slot(unread=unread_probe(stream)) as pending, \
+                    pending.scope, trio.move_on_after(self.peek_timeout):
                 while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
                     try:
                         chunk = await stream.receive_some(_PEEK_CHUNK)
@@ -322,7 +323,7 @@ class PortMux:
                         saw_eof = True
                         break
                     received += chunk
-            if shed.cancelled_caught:
+            if pending.scope.cancelled_caught:
                 reason = "shed"
             elif len(received) >= MAGIC_LEN:
                 leg_name = leg_for_magic(bytes(received))

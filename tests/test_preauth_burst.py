@@ -115,15 +115,16 @@ async def test_the_pending_bound_waits_for_a_free_slot_and_sheds_only_the_stale(
     shed: list[int] = []
 
     async def connection(index: int, hold: float) -> None:
-        with pending.slot() as scope, scope:
+        with pending.slot() as slot, slot.scope:
             await trio.sleep(hold)
-        if scope.cancelled_caught:
+        if slot.scope.cancelled_caught:
             shed.append(index)
 
     async with trio.open_nursery() as nursery:
         for index, hold in enumerate([0.3, 100.0, 100.0, 100.0]):
-            await pending.room()
+            await pending.room()  # what an acceptor does (serve_each's room and on_accept)
             admitted.append(trio.current_time())
+            pending.admit()
             nursery.start_soon(connection, index, hold)
             await trio.testing.wait_all_tasks_blocked()
         # The third waited for the first to finish (0.3 s), the fourth for the second to be
@@ -181,3 +182,37 @@ async def test_a_full_leg_queue_stops_the_port_mux_accepting_instead_of_dropping
         assert mux.stats.accepted == 10
     for stream in [*routed, *clients]:
         await stream.aclose()
+
+
+async def test_a_stale_connection_whose_answer_waits_unread_is_not_shed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The coordinator is behind, not the peer: its bytes wait in the kernel (FIONREAD), or
+    # the coordinator wrote to it only now (touch: the peer's turn starts then).
+    pending = PendingHandshakes(3, min_age=1.0)
+    answered = {0: True, 1: False, 2: False}
+    shed: list[int] = []
+
+    async def connection(index: int) -> None:
+        with pending.slot(unread=lambda: answered[index]) as slot, slot.scope:
+            await trio.sleep(0.5)
+            if index == 1:
+                slot.touch()  # e.g. its Challenge written half a second late
+            await trio.sleep(100)
+        if slot.scope.cancelled_caught:
+            shed.append(index)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(3):
+            await pending.room()
+            pending.admit()
+            nursery.start_soon(connection, index)
+        await trio.testing.wait_all_tasks_blocked()
+        await pending.room()  # full: waits until one is stale and silent
+        # 0 is stale at 1.0 but its answer waits unread; 1 was touched at 0.5, so it is stale
+        # at 1.5; 2 (silent since 0.0) is the one shed, at 1.0.
+        assert trio.current_time() == pytest.approx(1.0)
+        pending.admit()
+        await trio.testing.wait_all_tasks_blocked()
+        assert shed == [2]
+        nursery.cancel_scope.cancel()

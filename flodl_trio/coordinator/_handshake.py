@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from typing import TypeVar
 
 import trio
@@ -39,11 +40,12 @@ class Rejected(Exception):
 
 async def coordinator_handshake(
     stream: trio.abc.Stream, salt: SessionSalt, peer: str, *, max_hello: int,
-    generation: int | None = None,
+    generation: int | None = None, on_sent: Callable[[], None] | None = None,
 ) -> tuple[CoordinatorHandshake, HelloReceived]:
     """Magic, Challenge, then an authenticated Hello (or Resume). The caller bounds it by
     handshake_timeout. With ``generation`` (a coordinator with a session store) the machine
-    sends ``Generation`` before the welcome.
+    sends ``Generation`` before the welcome. ``on_sent`` is called once the Challenge is
+    written (the relay's turn begins: ``PendingSlot.touch``).
 
     Raises:
         Rejected: anything that goes wrong before the Hello's MAC verified.
@@ -52,7 +54,7 @@ async def coordinator_handshake(
     # stranger cannot make us buffer more than that before the MAC.
     machine = CoordinatorHandshake(salt, peer=peer, max_hello=max_hello, generation=generation)
     try:
-        event = await drive(stream, machine, replayed=True)
+        event = await drive(stream, machine, replayed=True, on_sent=on_sent)
     except FlodlError as exc:
         raise Rejected(machine.failure_category or "malformed", str(exc)) from None
     except STREAM_GONE as exc:
@@ -85,7 +87,7 @@ def tcp_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
 
 
 async def drive(stream: trio.abc.Stream, machine: HandshakeMachine[Event], *,
-                replayed: bool = False) -> Event:
+                replayed: bool = False, on_sent: Callable[[], None] | None = None) -> Event:
     """``run_handshake`` for the coordinator's end, with the socket's system calls made
     directly on a plain TCP stream.
 
@@ -95,7 +97,8 @@ async def drive(stream: trio.abc.Stream, machine: HandshakeMachine[Event], *,
     ``os.write`` (its rest, if the kernel took part of it, through ``send_all``) and a read
     waits for the socket to be readable, then makes one ``recv``. With ``replayed`` the first
     read goes through the stream (the port mux's replayed magic and what came with it, all in
-    one read). TLS and in-memory streams use ``run_handshake``.
+    one read). ``on_sent`` is called after each write. TLS and in-memory streams use
+    ``run_handshake`` (and ``on_sent`` is not called).
 
     Raises:
         WireError / HandshakeError: from the machine.
@@ -116,6 +119,8 @@ async def drive(stream: trio.abc.Stream, machine: HandshakeMachine[Event], *,
             raise
         if out := machine.data_to_send():
             await _write(stream, sock, out)
+            if on_sent is not None:
+                on_sent()
         if not isinstance(event, NeedData):
             return event
         if first:

@@ -22,7 +22,7 @@ from .._errors import FlodlError, FormationAborted, FormationError, FormationTim
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
-from ..net._pending import PendingHandshakes, min_shed_age
+from ..net._pending import PendingHandshakes, min_shed_age, unread_probe
 from ..net._ratelimit import JunkReport
 from ..net._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
 from ..port_mux import MuxLeg
@@ -150,7 +150,9 @@ class Formation:
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)
         handshake = None
-        with self._pending.slot() as scope:  # first: the slot admit() counted is taken
+        # First: the slot admit() counted is taken.
+        with self._pending.slot(unread=unread_probe(stream)) as pending:
+            scope = pending.scope
             if self._roster.shutting_down:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
@@ -162,7 +164,8 @@ class Formation:
                 with scope:
                     handshake = await coordinator_handshake(stream, self._salt, peer,
                                                             max_hello=self._max_hello,
-                                                            generation=self.generation)
+                                                            generation=self.generation,
+                                                            on_sent=pending.touch)
             except Rejected as rej:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, rej.category, rej.detail)
