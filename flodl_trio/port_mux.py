@@ -63,7 +63,10 @@ _LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_JOIN, "join"),
 )
 _HTTP_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_PEEK_CHUNK = 4096
+# What one peek reads: a relay's magic (4 bytes) or a status request's head (all of it, so a
+# connection dropped unserved ends with a FIN, not a reset for unread bytes), and little enough
+# that thousands of routed connections queued for a leg hold little of their peers' bytes.
+_PEEK_CHUNK = 512
 
 def leg_for_magic(prefix: bytes) -> str | None:
     """The leg name for a connection's first 4 bytes, or None when they match no leg.

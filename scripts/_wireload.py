@@ -18,7 +18,8 @@ through), then:
 Commands on stdin, one per line; every answer is one JSON object per stdout line:
     dial                  connect every relay (one selectors loop, see ``dial_all``)
                           -> {"dialed": n, "go_t": t, "done_t": t, "errors": [..],
-                              "redials": n, "attempts": n, "cpu_s": this process's CPU}
+                              "redials": n, "attempts": n, "cpu_s": this process's CPU,
+                              "failures": {exception type: count}}
     seal N                seal N records per relay ahead -> {"sealed": total}
     rate R [BURST] [spread]
                           write R records/s per relay (inf: flat out), BURST records per write;
@@ -223,12 +224,13 @@ class _Attempt:
 
 
 def dial_all(relays: Sequence[LoadRelay], target: tuple[str, int], salt: ft.SessionSalt,
-             raw: bool) -> list[str]:
+             raw: bool, failures: dict[str, int] | None = None) -> list[str]:
     """Dial and handshake every relay at once: one non-blocking socket each, driven by one
     ``selectors`` loop (no Trio task, cancel scope or wrapper per connection, so this process's
     own CPU is as small as the handshake allows), each through the library's sans-IO
     ``wire.RelayHandshake``. A failed attempt (a connection the coordinator shed) is retried
-    ``REDIAL_AFTER`` later, for ``DIAL_PATIENCE`` at most. Leaves each joined relay's
+    ``REDIAL_AFTER`` later, for ``DIAL_PATIENCE`` at most (``failures`` counts why, by
+    exception type). Leaves each joined relay's
     non-blocking socket in ``relay.sock`` and its ``sealer`` set; returns the errors.
 
     Blocks this process's Trio loop while it runs: the process does nothing else meanwhile."""
@@ -261,6 +263,9 @@ def dial_all(relays: Sequence[LoadRelay], target: tuple[str, int], salt: ft.Sess
         attempt.sock.close()
         relay = attempt.relay
         relay.redials += 1
+        if failures is not None:
+            why = type(exc).__name__
+            failures[why] = failures.get(why, 0) + 1
         now = time.monotonic()
         if now + REDIAL_AFTER > deadline:
             errors.append(f"{relay.host}: {exc!r}")
@@ -426,7 +431,8 @@ async def child_main(args: argparse.Namespace) -> None:
             if cmd == "dial":
                 go_t = time.monotonic()
                 cpu0 = time.process_time()
-                errors = dial_all(relays, target, salt, args.raw)
+                failures: dict[str, int] = {}
+                errors = dial_all(relays, target, salt, args.raw, failures)
                 cpu_s = time.process_time() - cpu0
                 done_t = time.monotonic()
                 for relay in relays:
@@ -437,7 +443,7 @@ async def child_main(args: argparse.Namespace) -> None:
                 redials = sum(r.redials for r in relays)
                 emit({"dialed": len(relays) - len(errors), "go_t": go_t, "done_t": done_t,
                       "errors": errors[:5], "redials": redials, "cpu_s": cpu_s,
-                      "attempts": len(relays) + redials})
+                      "attempts": len(relays) + redials, "failures": failures})
             elif cmd == "seal":
                 for relay in relays:
                     relay.seal_ahead(int(rest[0]))

@@ -121,7 +121,13 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
         coord = cluster.coord
         # Relays shed while more than max_pending_handshakes were unauthenticated, re-dialed.
         redials = sum(int(d.get("redials", 0)) for d in cluster.dialed)
+        why: dict[str, int] = {}
+        for d in cluster.dialed:
+            for name, n in d.get("failures", {}).items():
+                why[name] = why.get(name, 0) + n
         formation = {"coord_cpu_ms": cluster.formation_cpu_s * 1000 / relays,
+                     "redial_causes": " ".join(f"{k}={v}" for k, v in sorted(why.items())),
+                     "shed": coord.state()["rejected_handshakes"].get("shed", 0),
                      "load_us": load.dial_cpu_us(cluster.dialed),
                      "floor_cpu_ms": floor["cpu_ms"], "floor_load_us": floor["load_us"]}
 
@@ -235,10 +241,10 @@ COLUMNS = [
 # load processes' CPU per handshake attempt.
 FORMATION_COLUMNS = [
     ("ranks", "ranks", "d"), ("formation ms", "formation_ms", ".0f"),
-    ("floor ms", "floor_ms", ".0f"), ("re-dials", "redials", "d"),
+    ("floor ms", "floor_ms", ".0f"), ("re-dials", "redials", "d"), ("shed", "shed", "d"),
     ("coord CPU ms/relay", "coord_cpu_ms", ".3f"), ("floor CPU ms/relay", "floor_cpu_ms", ".3f"),
     ("load CPU us/handshake", "load_us", ".0f"),
-    ("floor load us/handshake", "floor_load_us", ".0f"),
+    ("floor load us/handshake", "floor_load_us", ".0f"), ("re-dial causes", "redial_causes", ""),
 ]
 
 
