@@ -63,10 +63,7 @@ _LEG_BY_PREFIX = (
     (CHANNEL_MAGIC_JOIN, "join"),
 )
 _HTTP_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-# What one peek reads: a relay's magic (4 bytes) or a status request's head (all of it, so a
-# connection dropped unserved ends with a FIN, not a reset for unread bytes), and little enough
-# that thousands of routed connections queued for a leg hold little of their peers' bytes.
-_PEEK_CHUNK = 512
+_PEEK_CHUNK = 4096
 
 def leg_for_magic(prefix: bytes) -> str | None:
     """The leg name for a connection's first 4 bytes, or None when they match no leg.
@@ -315,18 +312,13 @@ class PortMux:
             # At most max_peeking connections wait for their magic (the accept loop waits for
             # room); the oldest is shed once stale, so silent dialers cannot pile up (or keep a
             # relay out) until peek_timeout.
-            with self._peeking.slot(unread=unread_probe(stream)) as pending, \
-                    pending.scope, trio.move_on_after(self.peek_timeout):
-                while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
-                    try:
-                        chunk = await stream.receive_some(_PEEK_CHUNK)
-                    except trio.BrokenResourceError:  # reset before sending the magic
-                        chunk = b""
-                    if not chunk:
-                        saw_eof = True
-                        break
-                    received += chunk
-            if pending.scope.cancelled_caught:
+            with self._peeking.slot(unread=unread_probe(stream)) as pending:
+                # One scope for both ends of the wait: shed (cancelled) or peek_timeout.
+                scope = pending.scope
+                scope.deadline = trio.current_time() + self.peek_timeout
+                with scope:
+                    saw_eof = await _peek(stream, received)
+            if scope.cancelled_caught and trio.current_time() < scope.deadline:
                 reason = "shed"
             elif len(received) >= MAGIC_LEN:
                 leg_name = leg_for_magic(bytes(received))
@@ -349,6 +341,19 @@ class PortMux:
         finally:
             if not routed:
                 await trio.aclose_forcefully(stream)
+
+
+async def _peek(stream: trio.abc.Stream, received: bytearray) -> bool:
+    """Read into ``received`` until it holds the magic; True if the stream ended first."""
+    while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
+        try:
+            chunk = await stream.receive_some(_PEEK_CHUNK)
+        except trio.BrokenResourceError:  # reset before sending the magic
+            chunk = b""
+        if not chunk:
+            return True
+        received += chunk
+    return False
 
 
 def _check_legs(legs: Sequence[str]) -> tuple[str, ...]:

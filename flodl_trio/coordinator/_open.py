@@ -28,7 +28,8 @@ from ._core import Coordinator
 
 log = logging.getLogger("flodl_trio.coordinator")
 
-# Connections routed to a leg but not yet accepted (each a socket and the 4 bytes of its magic).
+# Connections routed to a leg but not yet accepted (each a socket and what its peek read: a
+# relay's 4-byte magic, at most 4 KiB from anyone).
 # Formation takes them as max_pending_handshakes allows; while a leg's queue is full the mux
 # stops accepting, and a kernel backlog (net.core.somaxconn, 4,096 here) that overflows delays
 # a dialer by TCP retransmits (its magic arrives 0.2 to 1 s late, or its SYN is retried 1 s
