@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -288,8 +289,7 @@ class PortMux:
     ) -> None:
         # Ends when the listener closes or the mux is cancelled.
         await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
-                         on_accept=self._count_accept, keepalive=self.keepalive,
-                         room=self._room)
+                         keepalive=self.keepalive, room=self._room, dispatch=self._dispatch)
 
     async def _room(self) -> None:
         # Accept only while a connection can wait for its magic without shedding a fresh one,
@@ -299,9 +299,26 @@ class PortMux:
         for leg in self._legs.values():
             await leg.wait_not_full()
 
-    def _count_accept(self, stream: trio.abc.Stream) -> None:
+    def _dispatch(self, stream: trio.abc.Stream) -> trio.abc.Stream | None:
+        """Route a connection whose magic is already here at once, without a task of its own
+        (a relay sends it as it connects, so in a burst it waits in the backlog with it);
+        else the stream (holding what was read) for a ``_route`` task, which waits for it."""
         self.stats.accepted += 1
+        if isinstance(stream, trio.SocketStream) and (fd := stream.socket.fileno()) >= 0:
+            try:
+                data = os.read(fd, _PEEK_CHUNK)
+            except OSError:  # nothing yet (EAGAIN), or an error _route's read meets again
+                data = b""
+            if data:
+                remote = remote_address_of(stream)
+                leg_name = leg_for_magic(data) if len(data) >= MAGIC_LEN else None
+                routed = PrefixedStream(stream, data, remote_address=remote)
+                if leg_name is not None and self._legs[leg_name]._offer(routed) is None:
+                    self.stats.routed[leg_name] += 1
+                    return None
+                stream = routed  # _route reads the rest of the magic, or drops it
         self._peeking.admit()
+        return stream
 
     async def _route(self, stream: trio.abc.Stream) -> None:
         remote: PeerAddress | None = remote_address_of(stream)
@@ -325,7 +342,10 @@ class PortMux:
                 if leg_name is None:
                     reason = "unknown_magic"
                 else:
-                    routed_stream = PrefixedStream(stream, bytes(received), remote_address=remote)
+                    # What _dispatch read is in ``received`` now: wrap the socket's stream.
+                    base = stream.transport_stream if isinstance(stream, PrefixedStream) \
+                        else stream
+                    routed_stream = PrefixedStream(base, bytes(received), remote_address=remote)
                     # A leg filled since this connection was accepted: wait for its taker.
                     dropped = await self._legs[leg_name]._offer_within(routed_stream,
                                                                        self.peek_timeout)

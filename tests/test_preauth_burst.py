@@ -216,3 +216,34 @@ async def test_a_stale_connection_whose_answer_waits_unread_is_not_shed(
         await trio.testing.wait_all_tasks_blocked()
         assert shed == [2]
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("first", [b"", b"\xe2\x17", wire.CHANNEL_MAGIC_CONTROL + b"hello"])
+async def test_a_tcp_connection_is_routed_whole_whether_its_magic_came_with_it_or_later(
+    first: bytes,
+) -> None:
+    # The mux routes a connection whose magic is already here without a task of its own, and
+    # gives one the rest of the bytes it read; the leg sees exactly what the peer sent.
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with open_port_mux(listeners, peek_timeout=5) as mux:
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(first)
+        for _ in range(100):  # until the mux accepted it (bounded)
+            if mux.stats.accepted:
+                break
+            await trio.testing.wait_all_tasks_blocked(0.01)
+        sent = first
+        if len(first) < len(wire.CHANNEL_MAGIC_CONTROL):
+            rest = wire.CHANNEL_MAGIC_CONTROL[len(first):] + b"hello"
+            await client.send_all(rest)
+            sent += rest
+        with trio.fail_after(5):
+            routed = await mux.control.accept()
+            got = b""
+            while len(got) < len(sent):
+                got += await routed.receive_some(65536)
+        assert got == sent
+        assert mux.stats.routed["control"] == 1
+        await routed.aclose()
+        await client.aclose()

@@ -38,6 +38,7 @@ async def serve_each(
     on_accept: Callable[[Any], None] | None = None,
     keepalive: KeepAlive | None = None,
     room: Callable[[], Awaitable[object]] | None = None,
+    dispatch: Callable[[Any], Any] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept from ``listener`` until it is closed; run ``handler(stream)`` in a task each.
@@ -52,6 +53,8 @@ async def serve_each(
         keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
         room: awaited before each ``accept``: while it waits, connections stay in the
             listener's backlog (a bound on pending handshakes, ``_pending``).
+        dispatch: called with each stream (after ``on_accept``): returns None when it dealt
+            with the connection itself (no task), else the stream to give ``handler``.
         task_status: ``started()`` once the loop runs.
 
     Raises:
@@ -78,6 +81,10 @@ async def serve_each(
             enable_keepalive(stream, keepalive)
             if on_accept is not None:
                 on_accept(stream)
+            if dispatch is not None:
+                stream = dispatch(stream)
+                if stream is None:
+                    continue
             nursery.start_soon(handler, stream)
 
 
