@@ -289,7 +289,12 @@ class PortMux:
     ) -> None:
         # Ends when the listener closes or the mux is cancelled.
         await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
-                         keepalive=self.keepalive, room=self._room, dispatch=self._dispatch)
+                         keepalive=self.keepalive, room=self._room, dispatch=self._dispatch,
+                         drain_while=self._has_room)
+
+    def _has_room(self) -> bool:
+        # _room's condition, without waiting.
+        return self._peeking.has_room() and not any(leg.full for leg in self._legs.values())
 
     async def _room(self) -> None:
         # Accept only while a connection can wait for its magic without shedding a fresh one,

@@ -254,7 +254,19 @@ def dial_all(relays: Sequence[LoadRelay], target: tuple[str, int], salt: ft.Sess
         if err not in (0, errno.EINPROGRESS):
             failed(attempt, OSError(err, os.strerror(err)), registered=False)
             return
-        sel.register(sock, selectors.EVENT_WRITE, attempt)
+        if machine is not None:
+            # The magic at once, as a relay sends it: on loopback the connection is usually
+            # up before connect_ex returns. If not, it goes once the socket is writable.
+            magic = machine.data_to_send()
+            try:
+                sent = sock.send(magic)
+            except OSError:  # not connected yet
+                sent = 0
+            attempt.out = magic[sent:]
+            if not attempt.out:
+                attempt.state = "handshake"
+                attempt.mask = selectors.EVENT_READ
+        sel.register(sock, attempt.mask, attempt)
 
     def failed(attempt: _Attempt, exc: BaseException, *, registered: bool = True) -> None:
         nonlocal left

@@ -169,6 +169,10 @@ class PendingHandshakes:
             with trio.move_on_at(recheck_at):
                 await self._changed.wait()
 
+    def has_room(self) -> bool:
+        """True while one more connection may be admitted without shedding one."""
+        return len(self) < self.limit
+
     def _stale(self, now: float) -> tuple[PendingSlot | None, float]:
         """The oldest stale slot, else None and when to look again."""
         for probed, slot in enumerate(self._slots.values()):
