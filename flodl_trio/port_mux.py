@@ -147,6 +147,16 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
         self._wake()
         return stream
 
+    def accept_nowait(self) -> PrefixedStream | None:
+        """The next connection routed to this leg if one is queued, else None (no checkpoint:
+        an accept loop takes a burst of them in one pass through the scheduler)."""
+        try:
+            stream = self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        self._wake()
+        return stream
+
     def _wake(self) -> None:
         if self._taken is not None:
             self._taken.set()

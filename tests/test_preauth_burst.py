@@ -247,3 +247,23 @@ async def test_a_tcp_connection_is_routed_whole_whether_its_magic_came_with_it_o
         assert mux.stats.routed["control"] == 1
         await routed.aclose()
         await client.aclose()
+
+
+async def test_an_accept_loop_takes_every_queued_routed_connection_without_waiting(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    clients: list[trio.abc.Stream] = []
+    async with open_port_mux(memory_network.listener("mux"), peek_timeout=5) as mux:
+        for _ in range(3):
+            clients.append(await memory_network.connect("mux"))
+            await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
+        await trio.testing.wait_all_tasks_blocked()
+        assert mux.stats.routed["control"] == 3
+        taken = [mux.control.accept_nowait() for _ in range(4)]
+        assert all(stream is not None for stream in taken[:3]) and taken[3] is None
+        for stream in taken[:3]:
+            assert stream is not None
+            assert await stream.receive_some(4) == wire.CHANNEL_MAGIC_CONTROL
+            await stream.aclose()
+    for client in clients:
+        await client.aclose()

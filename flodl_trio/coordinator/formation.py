@@ -94,7 +94,8 @@ class Formation:
         keepalive = None if isinstance(listener, MuxLeg) else KeepAlive.within(
             self._config.heartbeat_timeout, write_stall=self._config.write_stall_timeout)
         await serve_each(listener, self.serve_connection, what="coordinator",
-                         keepalive=keepalive, room=self._pending.room, on_accept=self._admit)
+                         keepalive=keepalive, room=self._pending.room, on_accept=self._admit,
+                         drain_while=self._pending.has_room)
 
     def _admit(self, stream: trio.abc.Stream) -> None:
         self._pending.admit()
