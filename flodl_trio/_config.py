@@ -191,12 +191,13 @@ class CoordinatorConfig:
         strict_formation: make every pre-auth reject fatal (flodl's behaviour).
         max_pending_handshakes: at most this many connections may be unauthenticated at once
             in each stage (waiting for their channel magic in the port mux; between routing and
-            a verified Hello in formation); a new one beyond it sheds the *oldest*
-            pending one (counted as ``shed``), so a slow or silent dialer holding slots cannot
-            keep a relay out, while a genuine relay, whose handshake takes one round trip,
-            finishes long before it becomes the oldest. Pre-auth memory is bounded by this
-            times the Hello ceiling (``wire.max_hello_payload(world_size)``). Raise it when
-            more relays than this dial at the same instant.
+            a verified Hello in formation). With that many pending the stage stops accepting
+            (the kernel's listen backlog holds the dialers, so a burst of relays waits instead
+            of re-dialing) until one finishes or the oldest is *stale*: its peer silent for
+            ``min(0.15 s, the stage's timeout / 20)`` with none of its bytes waiting unread.
+            That one is shed (counted as ``shed``) for the next, so silent dialers holding
+            slots cannot keep a relay out. Pre-auth memory is bounded by this times the Hello
+            ceiling (``wire.max_hello_payload(world_size)``).
         max_rejected_handshakes: **deprecated, ignored** (a ``DeprecationWarning`` when set):
             since FT/2 no number of pre-auth rejects fails formation, or anyone who can reach
             the port could kill it; use ``strict_formation=True`` for flodl's behaviour.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -23,7 +24,7 @@ import trio
 from ._errors import ConfigError
 from .net._keepalive import KeepAlive
 from .net._listen import serve_each
-from .net._pending import PendingHandshakes
+from .net._pending import PendingHandshakes, min_shed_age, unread_probe
 from .net._prefixed_stream import PeerAddress, PrefixedStream, remote_address_of
 from .net._transport import STREAM_GONE
 
@@ -127,8 +128,10 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
     def __init__(self, name: str, *, queue_size: int, wanted: bool) -> None:
         self.name = name
         self.wanted = wanted
+        self._queue_size = queue_size
         self._send, self._receive = trio.open_memory_channel[PrefixedStream](queue_size)
         self._closed = False
+        self._taken: trio.Event | None = None  # set when accept takes one, while someone waits
 
     async def accept(self) -> PrefixedStream:
         """Wait for the next connection routed to this leg.
@@ -138,9 +141,51 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
         """
         self.wanted = True
         try:
-            return await self._receive.receive()
+            stream = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise trio.ClosedResourceError(f"port mux leg {self.name!r} is closed") from None
+        self._wake()
+        return stream
+
+    def accept_nowait(self) -> PrefixedStream | None:
+        """The next connection routed to this leg if one is queued, else None (no checkpoint:
+        an accept loop takes a burst of them in one pass through the scheduler)."""
+        try:
+            stream = self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        self._wake()
+        return stream
+
+    def _wake(self) -> None:
+        if self._taken is not None:
+            self._taken.set()
+            self._taken = None
+
+    @property
+    def full(self) -> bool:
+        """True while the leg queues as many routed connections as it may (its taker is
+        behind): the mux then stops accepting, so the kernel's backlog holds the dialers."""
+        return (not self._closed and self.wanted
+                and self._send.statistics().current_buffer_used >= self._queue_size)
+
+    async def wait_not_full(self) -> None:
+        """Return once :attr:`full` is False (the taker took one, or the leg closed)."""
+        while self.full:  # each round ends when accept takes a stream or the leg closes
+            if self._taken is None:
+                self._taken = trio.Event()
+            await self._taken.wait()
+
+    async def _offer_within(self, stream: PrefixedStream, seconds: float) -> str | None:
+        """Queue ``stream``, waiting up to ``seconds`` for room; the drop reason when it was
+        not queued."""
+        reason = self._offer(stream)
+        if reason != "queue_full":
+            return reason
+        with trio.move_on_after(seconds):
+            while (reason := self._offer(stream)) == "queue_full":  # ends at the deadline
+                await self.wait_not_full()
+        return reason
 
     def _offer(self, stream: PrefixedStream) -> str | None:
         """Queue ``stream``; returns the drop reason when it was not queued."""
@@ -160,6 +205,7 @@ class MuxLeg(trio.abc.Listener[PrefixedStream]):
         Idempotent; the mux keeps routing other legs and drops this one's connections.
         """
         self._closed = True
+        self._wake()
         queued: list[PrefixedStream] = []
         while True:  # bounded by the queue size
             try:
@@ -199,7 +245,8 @@ class PortMux:
         self.listeners = tuple(listeners)
         self.keepalive = keepalive
         self.peek_timeout = peek_timeout
-        self._peeking = PendingHandshakes(max_peeking if max_peeking is not None else 1 << 62)
+        self._peeking = PendingHandshakes(max_peeking if max_peeking is not None else 1 << 62,
+                                          min_age=min_shed_age(peek_timeout))
         self.stats = MuxStats()
         self._legs = {
             name: MuxLeg(name, queue_size=queue_size, wanted=name in legs) for name in LEG_NAMES
@@ -252,10 +299,41 @@ class PortMux:
     ) -> None:
         # Ends when the listener closes or the mux is cancelled.
         await serve_each(listener, self._route, what="port mux", handler_nursery=nursery,
-                         on_accept=self._count_accept, keepalive=self.keepalive)
+                         keepalive=self.keepalive, room=self._room, dispatch=self._dispatch,
+                         drain_while=self._has_room)
 
-    def _count_accept(self, stream: trio.abc.Stream) -> None:
+    def _has_room(self) -> bool:
+        # _room's condition, without waiting.
+        return self._peeking.has_room() and not any(leg.full for leg in self._legs.values())
+
+    async def _room(self) -> None:
+        # Accept only while a connection can wait for its magic without shedding a fresh one,
+        # and no leg's queue is full: otherwise the kernel's listen backlog holds the dialers
+        # (a burst of relays waits there instead of being shed and re-dialing).
+        await self._peeking.room()
+        for leg in self._legs.values():
+            await leg.wait_not_full()
+
+    def _dispatch(self, stream: trio.abc.Stream) -> trio.abc.Stream | None:
+        """Route a connection whose magic is already here at once, without a task of its own
+        (a relay sends it as it connects, so in a burst it waits in the backlog with it);
+        else the stream (holding what was read) for a ``_route`` task, which waits for it."""
         self.stats.accepted += 1
+        if isinstance(stream, trio.SocketStream) and (fd := stream.socket.fileno()) >= 0:
+            try:
+                data = os.read(fd, _PEEK_CHUNK)
+            except OSError:  # nothing yet (EAGAIN), or an error _route's read meets again
+                data = b""
+            if data:
+                remote = remote_address_of(stream)
+                leg_name = leg_for_magic(data) if len(data) >= MAGIC_LEN else None
+                routed = PrefixedStream(stream, data, remote_address=remote)
+                if leg_name is not None and self._legs[leg_name]._offer(routed) is None:
+                    self.stats.routed[leg_name] += 1
+                    return None
+                stream = routed  # _route reads the rest of the magic, or drops it
+        self._peeking.admit()
+        return stream
 
     async def _route(self, stream: trio.abc.Stream) -> None:
         remote: PeerAddress | None = remote_address_of(stream)
@@ -263,27 +341,29 @@ class PortMux:
         try:
             received = bytearray()
             saw_eof = False
-            # At most max_peeking connections wait for their magic; one more sheds the oldest,
-            # so silent dialers cannot pile up (or keep a relay out) until peek_timeout.
-            with self._peeking.slot() as shed, shed, trio.move_on_after(self.peek_timeout):
-                while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
-                    try:
-                        chunk = await stream.receive_some(_PEEK_CHUNK)
-                    except trio.BrokenResourceError:  # reset before sending the magic
-                        chunk = b""
-                    if not chunk:
-                        saw_eof = True
-                        break
-                    received += chunk
-            if shed.cancelled_caught:
+            # At most max_peeking connections wait for their magic (the accept loop waits for
+            # room); the oldest is shed once stale, so silent dialers cannot pile up (or keep a
+            # relay out) until peek_timeout.
+            with self._peeking.slot(unread=unread_probe(stream)) as pending:
+                # One scope for both ends of the wait: shed (cancelled) or peek_timeout.
+                scope = pending.scope
+                scope.deadline = trio.current_time() + self.peek_timeout
+                with scope:
+                    saw_eof = await _peek(stream, received)
+            if scope.cancelled_caught and trio.current_time() < scope.deadline:
                 reason = "shed"
             elif len(received) >= MAGIC_LEN:
                 leg_name = leg_for_magic(bytes(received))
                 if leg_name is None:
                     reason = "unknown_magic"
                 else:
-                    routed_stream = PrefixedStream(stream, bytes(received), remote_address=remote)
-                    dropped = self._legs[leg_name]._offer(routed_stream)
+                    # What _dispatch read is in ``received`` now: wrap the socket's stream.
+                    base = stream.transport_stream if isinstance(stream, PrefixedStream) \
+                        else stream
+                    routed_stream = PrefixedStream(base, bytes(received), remote_address=remote)
+                    # A leg filled since this connection was accepted: wait for its taker.
+                    dropped = await self._legs[leg_name]._offer_within(routed_stream,
+                                                                       self.peek_timeout)
                     if dropped is None:
                         routed = True
                         self.stats.routed[leg_name] += 1
@@ -296,6 +376,19 @@ class PortMux:
         finally:
             if not routed:
                 await trio.aclose_forcefully(stream)
+
+
+async def _peek(stream: trio.abc.Stream, received: bytearray) -> bool:
+    """Read into ``received`` until it holds the magic; True if the stream ended first."""
+    while len(received) < MAGIC_LEN:  # at most 4 rounds: each adds >= 1 byte
+        try:
+            chunk = await stream.receive_some(_PEEK_CHUNK)
+        except trio.BrokenResourceError:  # reset before sending the magic
+            chunk = b""
+        if not chunk:
+            return True
+        received += chunk
+    return False
 
 
 def _check_legs(legs: Sequence[str]) -> tuple[str, ...]:
@@ -327,9 +420,13 @@ async def open_port_mux(
         abort: when set, the mux stops as if the block had been left.
         legs: the legs served from the start. Connections to any other leg are dropped
             (``no_listener``) until someone calls that leg's ``accept``.
-        queue_size: routed connections each leg queues before dropping (``queue_full``).
-        max_peeking: at most this many connections may be waiting for their magic; one more
-            sheds the oldest (dropped as ``shed``). None: no limit.
+        queue_size: routed connections each leg queues. While a leg's queue is full the mux
+            stops accepting; a connection routed to a full leg waits up to ``peek_timeout`` for
+            room, then is dropped (``queue_full``).
+        max_peeking: at most this many connections may be waiting for their magic. With that
+            many, the mux stops accepting (the kernel's listen backlog holds the dialers) until
+            one is routed or the oldest has waited ``min(0.5, peek_timeout / 20)`` seconds;
+            that one is then shed (dropped as ``shed``) for the next. None: no limit.
         keepalive: TCP keepalive for every accepted TCP connection (see ``_keepalive``).
 
     Yields:

@@ -16,8 +16,10 @@ through), then:
 ``--raw`` skips the handshake (the bare-trio floor servers in the benchmarks).
 
 Commands on stdin, one per line; every answer is one JSON object per stdout line:
-    dial                  connect every relay
-                          -> {"dialed": n, "go_t": t, "done_t": t, "errors": [..]}
+    dial                  connect every relay (one selectors loop, see ``dial_all``)
+                          -> {"dialed": n, "go_t": t, "done_t": t, "errors": [..],
+                              "redials": n, "attempts": n, "cpu_s": this process's CPU,
+                              "failures": {exception type: count}}
     seal N                seal N records per relay ahead -> {"sealed": total}
     rate R [BURST] [spread]
                           write R records/s per relay (inf: flat out), BURST records per write;
@@ -33,9 +35,15 @@ Commands on stdin, one per line; every answer is one JSON object per stdout line
 from __future__ import annotations
 
 import argparse
+import cProfile
+import errno
+import heapq
+import itertools
 import json
 import math
+import os
 import resource
+import selectors
 import socket
 import struct
 import subprocess
@@ -112,7 +120,8 @@ class LoadRelay:
         self.redials = 0
         self.ranks = ranks
         self.frames = frames  # one per rank, cycled through
-        self.stream: trio.SocketStream | None = None
+        self.sock: socket.socket | None = None  # the joined connection (dial_all)
+        self.stream: trio.SocketStream | None = None  # the same, once handed to Trio
         self.sealer: wire.RecordSealer | None = None
         self.arrivals: list[float] = []
         self.bytes = 0
@@ -121,39 +130,6 @@ class LoadRelay:
         self.sealed: list[bytes] = []  # pre-sealed records, oldest first
         self.taken = 0
         self._pending = bytearray()  # received bytes not yet forming a whole record
-
-    async def dial(self, target: tuple[str, int], salt: ft.SessionSalt, raw: bool) -> None:
-        """Dial and handshake; like the library's relay, a failed attempt (a connection shed
-        by the coordinator's ``max_pending_handshakes`` when thousands dial at once) is
-        retried every 0.5 s, for 30 s at most."""
-        deadline = trio.current_time() + 30
-        while True:
-            self.stream = await trio.open_tcp_stream(*target)
-            if raw:
-                self.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
-                return
-            machine = wire.RelayHandshake(salt, host=self.host, ranks=tuple(self.ranks),
-                                          world_size=self.world_size,
-                                          coordinator=f"{target[0]}:{target[1]}")
-            try:
-                done = await drive_handshake(self.stream, machine)
-                break
-            except (trio.BrokenResourceError, ft.WireError):
-                await trio.aclose_forcefully(self.stream)
-                self.redials += 1
-                if trio.current_time() + 0.5 > deadline:
-                    raise
-                await trio.sleep(0.5)
-        assert isinstance(done, wire.Established)
-        self.sealer = done.sealer
-        # Records that followed the welcome in its read (a CoordHeartbeat when this process
-        # read late, under load): open them through the handshake's opener until it is at a
-        # record boundary, so ``on_bytes`` starts on one.
-        while not done.opener.at_boundary:
-            if done.opener.next_record() is None:
-                done.opener.push(await self.stream.receive_some(65536))
-            else:
-                self.arrivals.append(time.time())
 
     def seal_ahead(self, n: int) -> None:
         assert self.sealer is not None
@@ -228,6 +204,175 @@ class LoadRelay:
             pass
 
 
+REDIAL_AFTER = 0.5  # like the library's relay: a failed attempt is retried this much later
+DIAL_PATIENCE = 30.0  # ... for this long at most
+
+
+class _Attempt:
+    """One connection attempt of a load relay in ``dial_all``'s loop."""
+
+    __slots__ = ("machine", "mask", "out", "relay", "sock", "state")
+
+    def __init__(self, relay: LoadRelay, sock: socket.socket,
+                 machine: wire.RelayHandshake | None) -> None:
+        self.relay = relay
+        self.sock = sock
+        self.machine = machine
+        self.state = "connect"  # then "handshake", "tail" (records after the welcome), "done"
+        self.out = b""  # bytes the kernel did not take yet
+        self.mask = selectors.EVENT_WRITE  # what the selector waits for (connect: writable)
+
+
+def dial_all(relays: Sequence[LoadRelay], target: tuple[str, int], salt: ft.SessionSalt,
+             raw: bool, failures: dict[str, int] | None = None) -> list[str]:
+    """Dial and handshake every relay at once: one non-blocking socket each, driven by one
+    ``selectors`` loop (no Trio task, cancel scope or wrapper per connection, so this process's
+    own CPU is as small as the handshake allows), each through the library's sans-IO
+    ``wire.RelayHandshake``. A failed attempt (a connection the coordinator shed) is retried
+    ``REDIAL_AFTER`` later, for ``DIAL_PATIENCE`` at most (``failures`` counts why, by
+    exception type). Leaves each joined relay's
+    non-blocking socket in ``relay.sock`` and its ``sealer`` set; returns the errors.
+
+    Blocks this process's Trio loop while it runs: the process does nothing else meanwhile."""
+    sel = selectors.DefaultSelector()
+    coordinator = f"{target[0]}:{target[1]}"
+    errors: list[str] = []
+    retry: list[tuple[float, int, LoadRelay]] = []  # (due, tie-break, relay), a heap
+    ties = itertools.count()
+    deadline = time.monotonic() + DIAL_PATIENCE
+    left = len(relays)
+
+    def start(relay: LoadRelay) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        machine = None if raw else wire.RelayHandshake(
+            salt, host=relay.host, ranks=tuple(relay.ranks), world_size=relay.world_size,
+            coordinator=coordinator)
+        attempt = _Attempt(relay, sock, machine)
+        err = sock.connect_ex(target)
+        if err not in (0, errno.EINPROGRESS):
+            failed(attempt, OSError(err, os.strerror(err)), registered=False)
+            return
+        if machine is not None:
+            # The magic at once, as a relay sends it: on loopback the connection is usually
+            # up before connect_ex returns. If not, it goes once the socket is writable.
+            magic = machine.data_to_send()
+            try:
+                sent = sock.send(magic)
+            except OSError:  # not connected yet
+                sent = 0
+            attempt.out = magic[sent:]
+            if not attempt.out:
+                attempt.state = "handshake"
+                attempt.mask = selectors.EVENT_READ
+        sel.register(sock, attempt.mask, attempt)
+
+    def failed(attempt: _Attempt, exc: BaseException, *, registered: bool = True) -> None:
+        nonlocal left
+        if registered:
+            sel.unregister(attempt.sock)
+        attempt.sock.close()
+        relay = attempt.relay
+        relay.redials += 1
+        if failures is not None:
+            why = type(exc).__name__
+            failures[why] = failures.get(why, 0) + 1
+        now = time.monotonic()
+        if now + REDIAL_AFTER > deadline:
+            errors.append(f"{relay.host}: {exc!r}")
+            left -= 1
+        else:
+            heapq.heappush(retry, (now + REDIAL_AFTER, next(ties), relay))
+
+    def joined(attempt: _Attempt) -> None:
+        nonlocal left
+        sel.unregister(attempt.sock)
+        attempt.state = "done"
+        attempt.relay.sock = attempt.sock
+        left -= 1
+
+    def send(attempt: _Attempt, data: bytes) -> None:
+        data = attempt.out + data
+        sent = attempt.sock.send(data) if data else 0
+        attempt.out = data[sent:]
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if attempt.out else 0)
+        if mask != attempt.mask:  # one epoll_ctl only when it changes
+            attempt.mask = mask
+            sel.modify(attempt.sock, mask, attempt)
+
+    def advance(attempt: _Attempt, data: bytes | None) -> None:
+        machine = attempt.machine
+        assert machine is not None
+        if attempt.state == "tail":
+            # Records that followed the welcome in its read (a CoordHeartbeat when this
+            # process read late): open them until the opener is at a record boundary, so the
+            # reader (``on_bytes``) starts on one.
+            opener = machine.opener
+            if data is not None:
+                if not data:
+                    raise ft.WireError("EOF right after the welcome")
+                opener.push(data)
+            while not opener.at_boundary:
+                if opener.next_record() is None:
+                    return
+                attempt.relay.arrivals.append(time.time())
+            joined(attempt)
+            return
+        if data is not None:
+            machine.receive_data(data)
+        event = machine.next_event()
+        send(attempt, machine.data_to_send())
+        if isinstance(event, wire.NeedData):
+            return
+        if not isinstance(event, wire.Established):
+            raise ft.HandshakeError(f"{attempt.relay.host}: expected Established, got {event}")
+        attempt.relay.sealer = event.sealer
+        attempt.state = "tail"
+        advance(attempt, None)
+
+    for relay in relays:
+        start(relay)
+    while left:  # every round handles ready sockets or a due re-dial; bounded by the deadline
+        now = time.monotonic()
+        while retry and retry[0][0] <= now:
+            start(heapq.heappop(retry)[2])
+        if not left:
+            break
+        wait = (retry[0][0] if retry else deadline) - now
+        if now > deadline + 5:  # a socket that never answers: give up on what is left
+            for key in list(sel.get_map().values()):
+                failed(key.data, TimeoutError("no answer"))
+            continue
+        for key, mask in sel.select(max(0.0, min(wait, 1.0))):
+            attempt: _Attempt = key.data
+            try:
+                if attempt.state == "connect":
+                    err = attempt.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    if raw:
+                        attempt.relay.sealer = wire.RecordSealer(bytes(32), wire.RELAY_TO_COORD)
+                        joined(attempt)
+                        continue
+                    attempt.state = "handshake"
+                    advance(attempt, None)  # the magic
+                    continue
+                if mask & selectors.EVENT_WRITE and attempt.out:
+                    send(attempt, b"")
+                if mask & selectors.EVENT_READ:
+                    try:
+                        data = attempt.sock.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    advance(attempt, data)
+            except (OSError, ft.FlodlError) as exc:
+                if attempt.state != "done":
+                    failed(attempt, exc)
+    sel.close()
+    return errors
+
+
 class Pace:
     """The write rate every relay of this process follows (records/s per relay)."""
 
@@ -297,23 +442,20 @@ async def child_main(args: argparse.Namespace) -> None:
             cmd, *rest = line.split()
             if cmd == "dial":
                 go_t = time.monotonic()
-                errors: list[str] = []
-
-                async def dial_one(relay: LoadRelay, errors: list[str] = errors) -> None:
-                    try:
-                        await relay.dial(target, salt, args.raw)
-                    except (OSError, ft.FlodlError, RuntimeError) as exc:
-                        errors.append(f"{relay.host}: {exc!r}")
-                        return
-                    nursery.start_soon(relay.read)
-                    nursery.start_soon(relay.write, pace)
-
-                async with trio.open_nursery() as dialers:
-                    for relay in relays:
-                        dialers.start_soon(dial_one, relay)
-                emit({"dialed": len(relays) - len(errors), "go_t": go_t,
-                      "done_t": time.monotonic(), "errors": errors[:5],
-                      "redials": sum(r.redials for r in relays)})
+                cpu0 = time.process_time()
+                failures: dict[str, int] = {}
+                errors = dial_all(relays, target, salt, args.raw, failures)
+                cpu_s = time.process_time() - cpu0
+                done_t = time.monotonic()
+                for relay in relays:
+                    if relay.sock is not None:
+                        relay.stream = trio.SocketStream(trio.socket.from_stdlib_socket(relay.sock))
+                        nursery.start_soon(relay.read)
+                        nursery.start_soon(relay.write, pace)
+                redials = sum(r.redials for r in relays)
+                emit({"dialed": len(relays) - len(errors), "go_t": go_t, "done_t": done_t,
+                      "errors": errors[:5], "redials": redials, "cpu_s": cpu_s,
+                      "attempts": len(relays) + redials, "failures": failures})
             elif cmd == "seal":
                 for relay in relays:
                     relay.seal_ahead(int(rest[0]))
@@ -431,11 +573,12 @@ class Cluster:
     """A coordinator of this process, formed by load relays of other processes."""
 
     def __init__(self, coord: ft.Coordinator, loads: list[LoadProcess],
-                 dialed: list[dict[str, Any]], formed_t: float) -> None:
+                 dialed: list[dict[str, Any]], formed_t: float, formation_cpu_s: float) -> None:
         self.coord = coord
         self.loads = loads
         self.dialed = dialed
         self.formed_t = formed_t  # time.monotonic() when open_coordinator returned
+        self.formation_cpu_s = formation_cpu_s  # this process's CPU from the dial to then
 
     @property
     def formation_s(self) -> float:
@@ -448,8 +591,12 @@ class Cluster:
 
 @asynccontextmanager
 async def coordinator_under_load(config: ft.CoordinatorConfig, *, relays: int, per_relay: int,
-                                 procs: int, frame: str = "batch") -> AsyncIterator[Cluster]:
-    """Start the load processes, let them dial, and run a coordinator until they formed it."""
+                                 procs: int, frame: str = "batch",
+                                 profile: cProfile.Profile | None = None) -> AsyncIterator[Cluster]:
+    """Start the load processes, let them dial, and run a coordinator until they formed it.
+
+    With ``profile``, it is enabled from the dial until formation completed (the coordinator's
+    formation, this process only)."""
     salt = ft.SessionSalt.generate()
     bound = await ft.bind_coordinator(("127.0.0.1", 0))
     loads = await start_load(bound.address, salt, world=config.world_size, relays=relays,
@@ -463,17 +610,34 @@ async def coordinator_under_load(config: ft.CoordinatorConfig, *, relays: int, p
                 dialed.extend(await all_command(loads, "dial"))
                 all_dialed.set()
 
+            cpu0 = time.process_time()
             nursery.start_soon(dial)
-            async with ft.open_coordinator(bound, salt=salt, config=config) as coord:
-                formed_t = time.monotonic()
-                with trio.fail_after(60):
-                    await all_dialed.wait()
-                errors = [e for d in dialed for e in d["errors"]]
-                if errors:
-                    raise RuntimeError(f"load relays failed to dial: {errors}")
-                yield Cluster(coord, loads, dialed, formed_t)
+            if profile is not None:
+                profile.enable()
+            try:
+                async with ft.open_coordinator(bound, salt=salt, config=config) as coord:
+                    formed_t = time.monotonic()
+                    formation_cpu_s = time.process_time() - cpu0
+                    if profile is not None:
+                        profile.disable()
+                    with trio.fail_after(60):
+                        await all_dialed.wait()
+                    errors = [e for d in dialed for e in d["errors"]]
+                    if errors:
+                        raise RuntimeError(f"load relays failed to dial: {errors}")
+                    yield Cluster(coord, loads, dialed, formed_t, formation_cpu_s)
+            finally:
+                if profile is not None:
+                    profile.disable()  # formation failed: the profile ends anyway
     finally:
         await stop_all(loads)
+
+
+def dial_cpu_us(answers: Sequence[dict[str, Any]]) -> float:
+    """The load processes' CPU per handshake attempt (µs) in their ``dial`` answers."""
+    attempts = sum(int(a.get("attempts", 0)) for a in answers)
+    return sum(float(a.get("cpu_s", 0.0)) for a in answers) * 1e6 / attempts if attempts \
+        else math.nan
 
 
 def relay_arrivals(answers: Sequence[dict[str, Any]]) -> list[list[float]]:

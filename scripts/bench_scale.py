@@ -45,10 +45,13 @@ from flodl_trio import wire
 LIMITS = {16384: (1.5, 150.0, 0.10), 65536: (5.0, 300.0, 0.25)}
 
 
-async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
-    """Seconds from the first dial until bare Trio has completed every relay's handshake."""
+async def floor_formation(relays: int, per_relay: int, procs: int) -> dict[str, float]:
+    """Bare Trio completing every relay's handshake (one task per connection, the library's
+    sans-IO ``CoordinatorHandshake`` to ``Established``), driven by the same load processes:
+    seconds from the first dial until done, this process's CPU per relay (ms) and the load
+    processes' CPU per handshake (µs)."""
     salt = ft.SessionSalt.generate()
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     address = listeners[0].socket.getsockname()[:2]
     loads = await load.start_load(address, salt, world=relays * per_relay, relays=relays,
                                   per_relay=per_relay, procs=procs)
@@ -75,15 +78,18 @@ async def floor_formation(relays: int, per_relay: int, procs: int) -> float:
         async with trio.open_nursery() as nursery:
             for lst in listeners:
                 nursery.start_soon(trio.serve_listeners, serve, [lst])
+            cpu0 = time.process_time()
             answers = await load.all_command(loads, "dial")
             with trio.fail_after(120):
                 await all_done.wait()
+            cpu_s = time.process_time() - cpu0
             nursery.cancel_scope.cancel()
     finally:
         for s in streams:
             await trio.aclose_forcefully(s)
         await load.stop_all(loads)
-    return done_t - min(a["go_t"] for a in answers)
+    return {"s": done_t - min(a["go_t"] for a in answers), "cpu_ms": cpu_s * 1000 / relays,
+            "load_us": load.dial_cpu_us(answers)}
 
 
 def document_build_ms(coord: ft.Coordinator, rounds: int = 5) -> tuple[float, int]:
@@ -101,18 +107,29 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                    viewer: bool = False, kind: str = "liveness",
                    deliver: bool = True) -> dict[str, Any]:
     relays = ranks // per_relay
-    floor_s = await floor_formation(relays, per_relay, procs)
+    floor = await floor_formation(relays, per_relay, procs)
+    floor_s = floor["s"]
     # deliver_heartbeats only when off: this script also measures a coordinator from before it.
     quiet: dict[str, Any] = {} if deliver else {"deliver_heartbeats": False}
     cfg = ft.CoordinatorConfig(world_size=ranks, formation_timeout=120, handshake_timeout=60,
                                shutdown_grace=10, **quiet)
     async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
-                                           procs=procs, frame=kind) as cluster, \
+                                           procs=procs, frame=kind,
+                                           profile=FORMATION_PROFILE) as cluster, \
             trio.open_nursery() as nursery:
         formation_s = cluster.formation_s
         coord = cluster.coord
         # Relays shed while more than max_pending_handshakes were unauthenticated, re-dialed.
         redials = sum(int(d.get("redials", 0)) for d in cluster.dialed)
+        why: dict[str, int] = {}
+        for d in cluster.dialed:
+            for name, n in d.get("failures", {}).items():
+                why[name] = why.get(name, 0) + n
+        formation = {"coord_cpu_ms": cluster.formation_cpu_s * 1000 / relays,
+                     "redial_causes": " ".join(f"{k}={v}" for k, v in sorted(why.items())),
+                     "shed": coord.state()["rejected_handshakes"].get("shed", 0),
+                     "load_us": load.dial_cpu_us(cluster.dialed),
+                     "floor_cpu_ms": floor["cpu_ms"], "floor_load_us": floor["load_us"]}
 
         async def drain() -> None:
             # Like bench_ingest.py's consumer: everything queued, then wait (an ``async for``
@@ -177,10 +194,11 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
             "gc_ms": gc_clock.ms, "gc_full": gc_clock.full, "beats_s": beats_s,
             "us_per_beat": cpu * 1e6 / beats_s if beats_s else float("nan"),
             "nominal_cpu_pct": cpu * 100 * ranks / beats_s if beats_s else float("nan"),
-            "doc_kb": doc_bytes / 1024, "doc_ms": build_ms}
+            "doc_kb": doc_bytes / 1024, "doc_ms": build_ms, **formation}
 
 
 PROFILE: cProfile.Profile | None = None  # --profile: the idle windows only
+FORMATION_PROFILE: cProfile.Profile | None = None  # --profile-formation: formations only
 
 
 class GcClock:
@@ -219,6 +237,17 @@ COLUMNS = [
 ]
 
 
+# Formation's cost, per relay: this process's CPU (coordinator; bare Trio for the floor) and the
+# load processes' CPU per handshake attempt.
+FORMATION_COLUMNS = [
+    ("ranks", "ranks", "d"), ("formation ms", "formation_ms", ".0f"),
+    ("floor ms", "floor_ms", ".0f"), ("re-dials", "redials", "d"), ("shed", "shed", "d"),
+    ("coord CPU ms/relay", "coord_cpu_ms", ".3f"), ("floor CPU ms/relay", "floor_cpu_ms", ".3f"),
+    ("load CPU us/handshake", "load_us", ".0f"),
+    ("floor load us/handshake", "floor_load_us", ".0f"), ("re-dial causes", "redial_causes", ""),
+]
+
+
 async def main(args: argparse.Namespace) -> None:
     load.raise_fd_limit()
     reps = args.runs or 3
@@ -235,6 +264,7 @@ async def main(args: argparse.Namespace) -> None:
         rows += runs
         medians.append(rep.medians(runs))
     print(rep.table(COLUMNS, medians))
+    print(rep.table(FORMATION_COLUMNS, medians))
     print("formation: first dial -> open_coordinator returned; floor: bare Trio accepts + the "
           "same handshake work;\nidle CPU: coordinator process CPU / wall while every rank "
           "heartbeats once a second;\nbeats/s: heartbeats the load relays sent in the window "
@@ -272,9 +302,16 @@ if __name__ == "__main__":
                    help="CoordinatorConfig.deliver_heartbeats=False")
     p.add_argument("--profile", default=None,
                    help="write a cProfile of the coordinator's idle windows here")
+    p.add_argument("--profile-formation", default=None,
+                   help="write a cProfile of the coordinator's formations (first dial to "
+                        "open_coordinator returned) here")
     ns = p.parse_args()
     if ns.profile:
         PROFILE = cProfile.Profile()
+    if ns.profile_formation:
+        FORMATION_PROFILE = cProfile.Profile()
     trio.run(main, ns)
     if PROFILE is not None:
         PROFILE.dump_stats(ns.profile)
+    if FORMATION_PROFILE is not None:
+        FORMATION_PROFILE.dump_stats(ns.profile_formation)

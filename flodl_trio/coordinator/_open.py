@@ -28,10 +28,13 @@ from ._core import Coordinator
 
 log = logging.getLogger("flodl_trio.coordinator")
 
-# Connections routed to a leg but not yet accepted. The accept loop spawns a handshake task per
-# connection at once, but a burst of hundreds of relays can route faster than one scheduler pass
-# lets it run; a dropped relay would only re-dial 0.5 s later.
-MUX_QUEUE = 4096
+# Connections routed to a leg but not yet accepted (each a socket and what its peek read: a
+# relay's 4-byte magic, at most 4 KiB from anyone).
+# Formation takes them as max_pending_handshakes allows; while a leg's queue is full the mux
+# stops accepting, and a kernel backlog (net.core.somaxconn, 4,096 here) that overflows delays
+# a dialer by TCP retransmits (its magic arrives 0.2 to 1 s late, or its SYN is retried 1 s
+# later). Room for a burst of 8,192 relays (65,536 ranks at 8 per host) and then some.
+MUX_QUEUE = 16384
 
 ListenSpec = int | tuple[str, int] | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 

@@ -22,9 +22,10 @@ from .._errors import FlodlError, FormationAborted, FormationError, FormationTim
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
-from ..net._pending import PendingHandshakes
+from ..net._pending import PendingHandshakes, min_shed_age, unread_probe
 from ..net._ratelimit import JunkReport
 from ..net._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
+from ..port_mux import MuxLeg
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareDead, Hello, SessionSalt, max_hello_payload
 from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
@@ -65,9 +66,10 @@ class Formation:
         self._salt = salt
         self._timeline = timeline
         self._tls = tls
-        self._warned_hosts: set[str] = set()
+        self._checked_hosts: set[str] = set()
         self._conn_counter = 0
-        self._pending = PendingHandshakes(config.max_pending_handshakes)
+        self._pending = PendingHandshakes(config.max_pending_handshakes,
+                                          min_age=min_shed_age(config.handshake_timeout))
         self._max_hello = max_hello_payload(config.world_size)
         self._settled = trio.Event()
         self._started = 0.0
@@ -85,11 +87,18 @@ class Formation:
         return len(self._pending)
 
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
-        """Accept relay connections from ``listener``; one handshake task each."""
+        """Accept relay connections from ``listener``; one handshake task each. While
+        ``max_pending_handshakes`` are unauthenticated and none is stale, it stops accepting
+        (``PendingHandshakes.room``)."""
+        # The port mux already set keepalive on the connections it routes.
+        keepalive = None if isinstance(listener, MuxLeg) else KeepAlive.within(
+            self._config.heartbeat_timeout, write_stall=self._config.write_stall_timeout)
         await serve_each(listener, self.serve_connection, what="coordinator",
-                         keepalive=KeepAlive.within(
-                             self._config.heartbeat_timeout,
-                             write_stall=self._config.write_stall_timeout))
+                         keepalive=keepalive, room=self._pending.room, on_accept=self._admit,
+                         drain_while=self._pending.has_room)
+
+    def _admit(self, stream: trio.abc.Stream) -> None:
+        self._pending.admit()
 
     def reject(self, peer: str, category: str, detail: str) -> None:
         """Count a connection that failed before authenticating.
@@ -141,23 +150,23 @@ class Formation:
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         peer = peer_of(stream)
-        if self._roster.shutting_down:
-            await trio.aclose_forcefully(stream)
-            self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
-                        "shuts down")
-            return
         handshake = None
-        with self._pending.slot() as shed_scope:
+        # First: the slot admit() counted is taken.
+        with self._pending.slot(unread=unread_probe(stream)) as pending:
+            scope = pending.scope
+            if self._roster.shutting_down:
+                await trio.aclose_forcefully(stream)
+                self.reject(peer, "shutting down", f"{peer}: connection while the coordinator "
+                            "shuts down")
+                return
+            # One scope for both ends of the wait: shed (cancelled) or handshake_timeout.
+            scope.deadline = trio.current_time() + self._config.handshake_timeout
             try:
-                with shed_scope, trio.fail_after(self._config.handshake_timeout):
+                with scope:
                     handshake = await coordinator_handshake(stream, self._salt, peer,
                                                             max_hello=self._max_hello,
-                                                            generation=self.generation)
-            except trio.TooSlowError:
-                await trio.aclose_forcefully(stream)
-                self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
-                            f"handshake_timeout={self._config.handshake_timeout:g}s")
-                return
+                                                            generation=self.generation,
+                                                            on_sent=pending.touch)
             except Rejected as rej:
                 await trio.aclose_forcefully(stream)
                 self.reject(peer, rej.category, rej.detail)
@@ -165,11 +174,16 @@ class Formation:
             except BaseException:
                 await close_all([stream])  # cancelled mid-handshake: the stream must not leak
                 raise
-        if handshake is None:  # shed: the oldest of more than max_pending_handshakes
+        if handshake is None and trio.current_time() >= scope.deadline:
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "shed", f"{peer}: still unauthenticated when "
-                        f"max_pending_handshakes={self._pending.limit} newer connections "
-                        "were pending; the oldest is shed")
+            self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
+                        f"handshake_timeout={self._config.handshake_timeout:g}s")
+            return
+        if handshake is None:  # shed: the oldest of max_pending_handshakes, and stale
+            await trio.aclose_forcefully(stream)
+            self.reject(peer, "shed", f"{peer}: still unauthenticated after "
+                        f"{self._pending.min_age:g}s when max_pending_handshakes="
+                        f"{self._pending.limit} connections were pending; the oldest is shed")
             return
         machine, received = handshake
         hello = received.hello
@@ -276,11 +290,12 @@ class Formation:
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")
-        if self._tls or host in self._warned_hosts or is_local_or_private(host):
+        # Each address once (thousands of relays join from a few): parsed, warned or not.
+        if self._tls or host in self._checked_hosts:
             return
-        if host.startswith("<") or host.startswith("mem:"):
+        self._checked_hosts.add(host)
+        if is_local_or_private(host) or host.startswith("<") or host.startswith("mem:"):
             return
-        self._warned_hosts.add(host)
         log.warning("relay at %s joined over cleartext from outside loopback/private ranges: "
                     "frames are authenticated but readable on the network; use TLS "
                     "(ssl_context=)", peer)

@@ -24,6 +24,12 @@ log = logging.getLogger("flodl_trio.transport")
 # The errnos trio.serve_listeners also treats as "back off and retry" rather than fatal.
 ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_SLEEP = 0.1
+# As trio.open_tcp_listeners: the kernel truncates it to its own ceiling (net.core.somaxconn,
+# 4,096 on current Linux), which is what a burst of relays waiting for a pending-handshake slot
+# needs; socket.SOMAXCONN is only what this Python was built with (128 on some builds).
+LISTEN_BACKLOG = 0xFFFF
+# Connections accepted at most per pass through the scheduler with ``drain_while``.
+DRAIN_MAX = 256
 
 
 async def serve_each(
@@ -34,6 +40,9 @@ async def serve_each(
     handler_nursery: trio.Nursery | None = None,
     on_accept: Callable[[Any], None] | None = None,
     keepalive: KeepAlive | None = None,
+    room: Callable[[], Awaitable[object]] | None = None,
+    dispatch: Callable[[Any], Any] | None = None,
+    drain_while: Callable[[], bool] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept from ``listener`` until it is closed; run ``handler(stream)`` in a task each.
@@ -46,31 +55,84 @@ async def serve_each(
             returns only once they are done).
         on_accept: called with each stream before its handler starts.
         keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
+        room: awaited before each ``accept``: while it waits, connections stay in the
+            listener's backlog (a bound on pending handshakes, ``_pending``).
+        dispatch: called with each stream (after ``on_accept``): returns None when it dealt
+            with the connection itself (no task), else the stream to give ``handler``.
+        drain_while: with a ``trio.SocketListener``: after each ``accept``, also accept the
+            connections already waiting, while this returns True, without a pass through the
+            scheduler each (``SocketListener.accept`` makes one per connection, so a burst
+            of thousands overflows the kernel's backlog: dialers then wait for TCP
+            retransmits, a second and more).
         task_status: ``started()`` once the loop runs.
 
     Raises:
         OSError: an accept error other than running out of descriptors or memory.
     """
-    async with trio.open_nursery() as own:
-        nursery = handler_nursery if handler_nursery is not None else own
-        task_status.started()
-        while True:
-            try:
-                stream = await listener.accept()
-            except STREAM_GONE:
+    def take(stream: Any) -> None:
+        enable_keepalive(stream, keepalive)
+        if on_accept is not None:
+            on_accept(stream)
+        if dispatch is not None:
+            stream = dispatch(stream)
+            if stream is None:
                 return
-            except OSError as exc:
-                if exc.errno not in ACCEPT_RETRY_ERRNOS:
-                    raise
-                # Out of file descriptors and the like: back off instead of spinning.
-                log.warning("%s: accept failed (%r); retrying in %gs", what, exc,
-                            ACCEPT_RETRY_SLEEP)
-                await trio.sleep(ACCEPT_RETRY_SLEEP)
-                continue
-            enable_keepalive(stream, keepalive)
-            if on_accept is not None:
-                on_accept(stream)
-            nursery.start_soon(handler, stream)
+        nursery.start_soon(handler, stream)
+
+    raw = _shared_socket(listener) if drain_while is not None else None
+    try:
+        async with trio.open_nursery() as own:
+            nursery = handler_nursery if handler_nursery is not None else own
+            task_status.started()
+            await _accept_loop(listener, take, what=what, room=room, raw=raw,
+                               drain_while=drain_while)
+    finally:
+        if raw is not None:
+            raw.detach()  # the listener owns the descriptor
+
+
+def _shared_socket(listener: Any) -> socket.socket | None:
+    """A stdlib socket object on the listening descriptor of a ``trio.SocketListener`` (not
+    owning it: detach it, never close it), to accept without a checkpoint; else None."""
+    if not isinstance(listener, trio.SocketListener):
+        return None
+    fd = listener.socket.fileno()
+    if fd < 0:
+        return None
+    # The descriptor stays non-blocking (trio's): accept() raises BlockingIOError when none wait.
+    return socket.socket(fileno=fd)
+
+
+async def _accept_loop(listener: trio.abc.Listener[Any], take: Callable[[Any], None], *,
+                       what: str, room: Callable[[], Awaitable[object]] | None,
+                       raw: socket.socket | None,
+                       drain_while: Callable[[], bool] | None) -> None:
+    while True:
+        if room is not None:
+            await room()
+        try:
+            stream = await listener.accept()
+        except STREAM_GONE:
+            return
+        except OSError as exc:
+            if exc.errno not in ACCEPT_RETRY_ERRNOS:
+                raise
+            # Out of file descriptors and the like: back off instead of spinning.
+            log.warning("%s: accept failed (%r); retrying in %gs", what, exc,
+                        ACCEPT_RETRY_SLEEP)
+            await trio.sleep(ACCEPT_RETRY_SLEEP)
+            continue
+        take(stream)
+        if raw is None or drain_while is None:
+            continue
+        for _ in range(DRAIN_MAX):  # bounded: then the scheduler's turn again
+            if not drain_while():
+                break
+            try:
+                conn, _ = raw.accept()
+            except OSError:  # none waiting (EAGAIN), or an error the next accept meets
+                break
+            take(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
 
 
 async def listen_tcp(port: int, *, host: str | None,
@@ -117,7 +179,7 @@ async def _listen_on(family: int, sockaddr: tuple[Any, ...]) -> trio.SocketListe
         if family == trio.socket.AF_INET6:
             sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
         await sock.bind(sockaddr)
-        sock.listen(socket.SOMAXCONN)
+        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise
