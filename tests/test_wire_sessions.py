@@ -134,6 +134,7 @@ def test_coordinator_skips_the_reserved_frame_kinds_silently() -> None:
 @pytest.mark.parametrize(("kind", "payload", "category"), [
     (FANOUT, wire.encode_fanout([2], b"x"), "wrong direction"),
     (CONTROL, wire.encode(wire.Goodbye(reason="no")), "unexpected control"),
+    (CONTROL, wire.encode(wire.Cadence(interval=5.0)), "unexpected control"),
     (CONTROL, b"\xff", "undecodable"),
 ])
 def test_coordinator_drops_what_only_flows_to_the_relay(kind: int, payload: bytes,
@@ -173,13 +174,14 @@ def test_the_loops_close_reason_wins_over_a_later_eof_which_is_then_not_clean() 
     assert session.close_reason == "upstream write stall: no progress for 5s"
 
 
-def test_coordinator_sends_only_goodbye_and_fencerank() -> None:
+def test_coordinator_sends_only_goodbye_fencerank_and_cadence() -> None:
     session = coordinator_side()
     opener = wire.RecordOpener(KEY, wire.COORD_TO_RELAY)
     record = session.send(wire.FenceRank(rank=2, reason="dead"))
     assert opener.feed(record) == [wire.Record(CONTROL, 0, wire.encode(
         wire.FenceRank(rank=2, reason="dead")))]
-    with pytest.raises(WireError, match="expected one of Goodbye, FenceRank, got RankExit"):
+    with pytest.raises(WireError, match="expected one of Goodbye, FenceRank, Cadence, got "
+                       "RankExit"):
         session.send(wire.RankExit(rank=2))  # type: ignore[arg-type]
 
 
@@ -279,7 +281,8 @@ def test_coordinator_sends_only_control_frames_goodbye_and_fencerank_of_its_rank
     beat = CODEC.encode(wire.Heartbeat(rank=2, step_count=1))
     refused = [
         (lambda: session.send(wire.RankExit(rank=2)),  # type: ignore[arg-type]
-         "coordinator→relay CONTROL record: expected one of Goodbye, FenceRank, got RankExit"),
+         "coordinator→relay CONTROL record: expected one of Goodbye, FenceRank, Cadence, got "
+         "RankExit"),
         (lambda: session.send(wire.FenceRank(rank=9, reason="x")),
          r"FenceRank: expected ranks of relay 'h1' \[2, 3\], got \[9\]"),
         (lambda: session.send_frame(2, beat), r"coordinator→relay 'h1' frame: expected a "
@@ -302,8 +305,40 @@ def test_coordinator_sends_only_control_frames_goodbye_and_fencerank_of_its_rank
 def test_relay_upstream_events_do_not_depend_on_how_reads_were_cut() -> None:
     stream = coordinator_records(
         (DATA, 2, b"a"), (FANOUT, 0, wire.encode_fanout([3, 4], b"b")),
+        (CONTROL, 0, wire.encode(wire.Cadence(interval=4.0))),
         (CONTROL, 0, wire.encode(wire.Goodbye(reason="bye"))))
     every_cut(relay_side, stream)
+
+
+def test_relay_takes_the_coordinators_cadence_and_the_coordinator_seals_it() -> None:
+    coordinator = coordinator_side()
+    relay = relay_side()
+    relay.receive_data(coordinator.send(wire.Cadence(interval=5.0)))
+    assert drain(relay) == [wire.Cadence(interval=5.0)]
+
+
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), 0.0, -1.0, 3600.5])
+def test_a_cadence_the_relay_cannot_pace_by_ends_its_upstream_naming_the_value(
+        interval: float) -> None:
+    stream = coordinator_records((DATA, 2, b"before"),
+                                 (CONTROL, 0, wire.encode(wire.Cadence(interval=interval))),
+                                 (DATA, 2, b"after"))
+    events = events_of(relay_side(), [stream])
+    assert events[0] == Deliver((2,), wire.len_frame(b"before"))  # what came before is kept
+    (end,) = events[1:]
+    assert isinstance(end, EndOfStream) and not end.clean and isinstance(end.error, WireError)
+    assert end.reason == ("upstream protocol error: Cadence from the coordinator (relay 'h1'): "
+                          f"expected an interval in (0, 3600] seconds, got {interval!r}")
+
+
+def test_the_coordinator_never_seals_a_cadence_the_relay_would_refuse() -> None:
+    session = coordinator_side()
+    with pytest.raises(WireError, match=r"coordinator→relay Cadence to relay 'h1': expected an "
+                       r"interval in \(0, 3600\] seconds, got nan"):
+        session.send(wire.Cadence(interval=float("nan")))
+    relay = relay_side()  # nothing was sealed: the next record is the first the relay opens
+    relay.receive_data(session.send(wire.Cadence(interval=3600.0)))
+    assert drain(relay) == [wire.Cadence(interval=3600.0)]
 
 
 # -- relay side of a rank --------------------------------------------------------------------

@@ -236,6 +236,15 @@ class Coordinator:
         return self._roster.phase
 
     @property
+    def heartbeat_period(self) -> float:
+        """Seconds between two ``CoordHeartbeat`` to each relay and, once it was told
+        (``Cadence``), between two ``Liveness`` records of each relay: ``heartbeat_interval``
+        up to ``relay_heartbeat_rate`` connected relays, then ``relays /
+        relay_heartbeat_rate`` up to ``heartbeat_timeout / 6`` (see
+        :class:`~flodl_trio.CoordinatorConfig`); re-paced once per period."""
+        return self._liveness.heartbeat_period
+
+    @property
     def lost_broadcasts(self) -> int:
         """Broadcasts that did not reach every live rank."""
         return self._sender.lost_broadcasts

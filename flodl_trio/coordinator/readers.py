@@ -74,6 +74,7 @@ class Readers:
         self._idle = trio.Event() if self._active == 1 else self._idle
         # The session the writer seals with (opened when it started): one per connection.
         session = conn.open_session(self._codec)
+        self._liveness.joined(conn)  # its welcome is written: the heartbeat period, if paced
         cause: str | None = None
         try:
             while not isinstance(end := await self.act_on(conn, session), EndOfStream):
