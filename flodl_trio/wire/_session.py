@@ -272,9 +272,11 @@ class CoordinatorSession(_RecordSession):
         sealed)."""
         if type(msg) is FenceRank and int(msg.rank) not in self.rank_set:
             raise self._not_carried("coordinator→relay", "FenceRank", (int(msg.rank),))
-        if type(msg) is Cadence and (problem := cadence_problem(msg.interval)) is not None:
-            raise WireError(f"coordinator→relay Cadence to {self.peer}: {problem}")
-        return self._send_control(msg, (Goodbye, FenceRank, Cadence), "coordinator→relay")
+        if type(msg) is Cadence:  # the coordinator's pacing, not one of the relay's notices
+            if (problem := cadence_problem(msg.interval)) is not None:
+                raise WireError(f"coordinator→relay Cadence to {self.peer}: {problem}")
+            return self.sealer.seal(_CONTROL, 0, encode(msg))
+        return self._send_control(msg, (Goodbye, FenceRank), "coordinator→relay")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
         """The sealed DATA record of one ``ControlMsg`` frame for ``rank``, which the relay
