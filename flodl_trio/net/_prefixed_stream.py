@@ -152,6 +152,7 @@ class IdleReceiver:
         self.stream = stream
         self.max_bytes = max_bytes
         self._full = False  # the last read filled max_bytes
+        self._sock: trio.socket.SocketType | None = None  # once found: it stays the same
 
     def _socket(self) -> trio.socket.SocketType | None:
         stream = self.stream
@@ -159,12 +160,14 @@ class IdleReceiver:
             if stream.replaying:
                 return None
             stream = stream.transport_stream
-        return stream.socket if isinstance(stream, trio.SocketStream) else None
+        if isinstance(stream, trio.SocketStream):
+            self._sock = stream.socket
+        return self._sock
 
     async def receive_some(self) -> bytes | bytearray:
         """The next bytes (at most ``max_bytes``), ``b""`` at EOF."""
-        sock = self._socket()
-        if sock is None:
+        sock = self._sock
+        if sock is None and (sock := self._socket()) is None:
             return await self.stream.receive_some(self.max_bytes)
         if self._full:
             await trio.lowlevel.checkpoint_if_cancelled()
