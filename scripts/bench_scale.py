@@ -146,7 +146,9 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
         await cluster.command(f"seal {beats * int(idle_s + period + 5)}")
         # Spread over the period: relays joined at different moments, so their tickers are too.
         await cluster.command(f"rate {per_s!r} {beats} spread")
-        await trio.sleep(max(1.5, period + 0.5))  # settle: every relay has sent a round
+        # Settle: a load relay writes its first record one period after its offset, so after
+        # two periods every relay has sent a round (and the coordinator built its Heartbeats).
+        await trio.sleep(max(1.5, 2 * beats / per_s + 0.5))
         watcher: trio.Process | None = None
         if viewer:
             host, port = coord.address
