@@ -315,7 +315,8 @@ class RelayConfig:
     coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
     reconnect_queue: int = attrs.field(default=4096, validator=_non_negative_int)
     # Cadence of the relay's Liveness record: the local ranks' verified Heartbeats since the
-    # last one, coalesced (issue 23). Never scaled, like the ranks' own heartbeat_interval.
+    # last one, coalesced (issue 23); a coordinator of many relays asks for a slower one
+    # (Cadence). Never scaled, like the ranks' own heartbeat_interval.
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
 
 
