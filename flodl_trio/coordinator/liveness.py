@@ -88,7 +88,6 @@ class Liveness:
         self.failure: ClusterFailure | None = None
         # What the relays were told (Cadence); CoordHeartbeat goes out at this pace too.
         self.heartbeat_period = config.heartbeat_interval
-        self.cadences = 0  # Cadence records queued so far
         self.fenced = 0
         self.write_stalls = 0
         self.retired = 0
@@ -277,7 +276,6 @@ class Liveness:
         # RelayConn.submit_control seals through the connection's CoordinatorSession, whose
         # send takes a Cadence; its annotation names only Goodbye and FenceRank.
         conn.submit_control(cast(Any, Cadence(interval=self.heartbeat_period)), None)
-        self.cadences += 1
 
     async def coord_heartbeats(self) -> None:
         while True:
