@@ -472,3 +472,13 @@ def test_a_tampered_stream_ends_the_same_way_however_it_was_cut() -> None:
     every_cut(coordinator_side, bytes(stream))
     (last,) = events_of(coordinator_side(), [bytes(stream)])[-1:]
     assert last.reason.startswith("authentication failure: record #2")
+
+
+def test_a_relays_liveness_is_checked_every_time_even_when_it_lists_the_same_ranks() -> None:
+    good = wire.Liveness(ranks=(2, 3), steps=(1, 1), ages=(0.5, 0.0))
+    stale = wire.Liveness(ranks=(2, 3), steps=(2, 2), ages=(-1.0, 0.0))
+    nan = wire.Liveness(ranks=(2, 3), steps=(2, 2), ages=(float("nan"), 0.0))
+    events = events_of(coordinator_side(), [relay_records(
+        *[(CONTROL, 0, wire.encode(m)) for m in (good, good, stale, nan, good)])])
+    assert events[:2] == [good, good] and events[4] == good
+    assert [(e.category, e.rank) for e in events[2:4]] == [("malformed", 2), ("malformed", 2)]

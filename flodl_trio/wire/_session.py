@@ -265,6 +265,7 @@ class CoordinatorSession(_RecordSession):
         # The last FANOUT payload: the same frame to the same ranks (the CoordHeartbeat every
         # interval) is encoded once, then only sealed.
         self._fanout: tuple[list[int], bytes, bytes] | None = None
+        self._liveness_ranks: tuple[int, ...] = ()  # the last Liveness ranks that checked out
 
     def send(self, msg: Goodbye | FenceRank | Cadence) -> bytes:
         """The sealed CONTROL record of ``msg``: a Goodbye, a FenceRank of a rank the relay
@@ -355,17 +356,23 @@ class CoordinatorSession(_RecordSession):
             return Invalid("malformed", f"Liveness: expected at least one rank and a step count "
                            f"and an age each; got {len(ranks)} ranks, {len(msg.steps)} step "
                            f"counts, {len(msg.ages)} ages")
+        ages = msg.ages  # NaN compares false both ways: only the sum shows it
+        if ranks == self._liveness_ranks:  # an idle relay lists the same ranks every period
+            if not min(ages) >= 0 or (total := sum(ages)) != total:
+                return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}",
+                               ranks[0])
+            return msg
         if not self.rank_set.issuperset(ranks):
             foreign = sorted(set(ranks) - self.rank_set)
             return Invalid("foreign rank", f"Liveness for ranks {ranks_text(foreign)}, which "
                            f"relay {self.host!r} does not carry {ranks_text(self.ranks)}",
                            foreign[0])
-        ages = msg.ages  # NaN compares false both ways: only the sum shows it
         if not min(ages) >= 0 or (total := sum(ages)) != total:
             return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}", ranks[0])
         if list(ranks) != sorted(set(ranks)):  # C loops: once per relay per interval
             return Invalid("malformed", f"Liveness: expected ranks ascending without "
                            f"duplicates, got {ranks_text(ranks)}", ranks[0])
+        self._liveness_ranks = ranks  # carried, ascending, no duplicate: checked once
         return msg
 
     def _fatal_reason(self, exc: WireError) -> str:
