@@ -31,6 +31,11 @@ def _cadence(default: float) -> Any:
     return attrs.field(default=default, converter=_SECONDS, validator=_check_cadence)
 
 
+def _rate(default: float) -> Any:
+    """An attrs field holding a rate per second (> 0; ``math.inf`` for unbounded)."""
+    return attrs.field(default=default, converter=_PER_SECOND, validator=_check_rate)
+
+
 def _to_seconds(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
     # A bare float() converter let "abc" or None escape as ValueError/TypeError, not ConfigError,
     # and turned True into 1.0 s: a bool is a flag, not a duration.
@@ -50,6 +55,20 @@ def _to_seconds(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float
 _SECONDS = attrs.Converter(_to_seconds, takes_self=True, takes_field=True)
 
 
+def _to_rate(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name}: expected a number per "
+                          f"second, got {value!r} (a bool is not a rate)")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name}: expected a number per "
+                          f"second, got {value!r}") from None
+
+
+_PER_SECOND = attrs.Converter(_to_rate, takes_self=True, takes_field=True)
+
+
 def _check_deadline(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
     if math.isnan(value) or value <= 0:
         raise ConfigError(
@@ -63,6 +82,14 @@ def _check_cadence(inst: Any, attribute: attrs.Attribute[Any], value: float) -> 
         raise ConfigError(
             f"{type(inst).__name__}.{attribute.name}: expected a finite number of seconds > 0, "
             f"got {value!r}"
+        )
+
+
+def _check_rate(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if math.isnan(value) or value <= 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name}: expected a rate > 0 per second "
+            f"(math.inf: no pacing), got {value!r}"
         )
 
 
@@ -214,6 +241,14 @@ class CoordinatorConfig:
             coalesce them, issue 23), as when every rank's frame came through. Off, those
             heartbeats only refresh liveness and the status board's step counts: the
             cheapest idle coordinator, for consumers that do not read heartbeats.
+        relay_heartbeat_rate: relay ↔ coordinator heartbeat exchanges per second the
+            coordinator aims to stay under (issue 23). It paces them: each relay sends its
+            ``Liveness`` record, and gets a ``CoordHeartbeat``, once per
+            ``max(heartbeat_interval, min(relays / relay_heartbeat_rate,
+            heartbeat_timeout / 6))`` seconds (``Coordinator.heartbeat_period``), so up to
+            400 relays (at the default) nothing changes and 2,048 relays exchange every 5 s.
+            Ranks still heartbeat to their relay every second and their silence is still
+            detected at ``heartbeat_timeout``. ``math.inf``: always ``heartbeat_interval``.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -234,6 +269,7 @@ class CoordinatorConfig:
     allow_rank_takeover: bool = attrs.field(default=False, converter=bool)
     resume_timeout: float = _deadline(T.RESUME_TIMEOUT)
     deliver_heartbeats: bool = attrs.field(default=True, converter=bool)
+    relay_heartbeat_rate: float = _rate(400.0)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -280,7 +316,8 @@ class RelayConfig:
     coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
     reconnect_queue: int = attrs.field(default=4096, validator=_non_negative_int)
     # Cadence of the relay's Liveness record: the local ranks' verified Heartbeats since the
-    # last one, coalesced (issue 23). Never scaled, like the ranks' own heartbeat_interval.
+    # last one, coalesced (issue 23); a coordinator of many relays asks for a slower one
+    # (Cadence). Never scaled, like the ranks' own heartbeat_interval.
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
 
 

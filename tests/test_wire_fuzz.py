@@ -53,7 +53,7 @@ SEED_MESSAGES: list[wire.WireMessage] = [
     wire.Metrics(0, 1, 0.5, 2, 3.0, 4, 1.0, 1.0, 1.0, {"x": (1.0, 2)},
                  wire.ResourceSample(1.0, 2, 3, None, 4, 5, 0, (GPU,))),
     wire.Challenge(b"c" * 16), wire.Hello("host-a", 4, {}, (0, 1, 2), b"r" * 16),
-    wire.HelloAck(b"r" * 16), wire.RankExit(2),
+    wire.HelloAck(b"r" * 16), wire.RankExit(2), wire.Cadence(5.0),
 ]  # fmt: skip
 SEED_PAYLOADS = [wire.encode(m) for m in SEED_MESSAGES]
 PAYLOAD_DECODERS: list[Callable[[bytes], Any]] = [
@@ -296,4 +296,4 @@ def test_seed_corpus_is_valid() -> None:
             assert wire.decode_relay(payload) == msg
         else:
             assert wire.decode_metrics(payload) == msg
-    assert len({type(m) for m in SEED_MESSAGES}) == 20 + 15 + 1 + 4
+    assert len({type(m) for m in SEED_MESSAGES}) == 20 + 15 + 1 + 5

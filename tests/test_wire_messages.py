@@ -141,6 +141,7 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (9, wire.Resume, [HOST, U32, text_map(BLOB), seq(U32), NONCE, U64]),
     (10, wire.Generation, [U64]),
     (11, wire.Liveness, [seq(U32), seq(U64), seq(F64)]),
+    (12, wire.Cadence, [F64]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),
@@ -254,13 +255,13 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, [25], ["ControlMsg", "unknown variant index 25"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [12, 0], ["RelayControlMsg", "unknown variant index 12"]),
+        (wire.decode_relay, [13, 0], ["RelayControlMsg", "unknown variant index 13"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-25", "ctl-neg", "timing-15", "relay-12", "bool-index", "empty", "int", "map"],
+    ids=["ctl-25", "ctl-neg", "timing-15", "relay-13", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

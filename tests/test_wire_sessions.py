@@ -134,6 +134,7 @@ def test_coordinator_skips_the_reserved_frame_kinds_silently() -> None:
 @pytest.mark.parametrize(("kind", "payload", "category"), [
     (FANOUT, wire.encode_fanout([2], b"x"), "wrong direction"),
     (CONTROL, wire.encode(wire.Goodbye(reason="no")), "unexpected control"),
+    (CONTROL, wire.encode(wire.Cadence(interval=5.0)), "unexpected control"),
     (CONTROL, b"\xff", "undecodable"),
 ])
 def test_coordinator_drops_what_only_flows_to_the_relay(kind: int, payload: bytes,
@@ -302,8 +303,40 @@ def test_coordinator_sends_only_control_frames_goodbye_and_fencerank_of_its_rank
 def test_relay_upstream_events_do_not_depend_on_how_reads_were_cut() -> None:
     stream = coordinator_records(
         (DATA, 2, b"a"), (FANOUT, 0, wire.encode_fanout([3, 4], b"b")),
+        (CONTROL, 0, wire.encode(wire.Cadence(interval=4.0))),
         (CONTROL, 0, wire.encode(wire.Goodbye(reason="bye"))))
     every_cut(relay_side, stream)
+
+
+def test_relay_takes_the_coordinators_cadence_and_the_coordinator_seals_it() -> None:
+    coordinator = coordinator_side()
+    relay = relay_side()
+    relay.receive_data(coordinator.send(wire.Cadence(interval=5.0)))
+    assert drain(relay) == [wire.Cadence(interval=5.0)]
+
+
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), 0.0, -1.0, 3600.5])
+def test_a_cadence_the_relay_cannot_pace_by_ends_its_upstream_naming_the_value(
+        interval: float) -> None:
+    stream = coordinator_records((DATA, 2, b"before"),
+                                 (CONTROL, 0, wire.encode(wire.Cadence(interval=interval))),
+                                 (DATA, 2, b"after"))
+    events = events_of(relay_side(), [stream])
+    assert events[0] == Deliver((2,), wire.len_frame(b"before"))  # what came before is kept
+    (end,) = events[1:]
+    assert isinstance(end, EndOfStream) and not end.clean and isinstance(end.error, WireError)
+    assert end.reason == ("upstream protocol error: Cadence from the coordinator (relay 'h1'): "
+                          f"expected an interval in (0, 3600] seconds, got {interval!r}")
+
+
+def test_the_coordinator_never_seals_a_cadence_the_relay_would_refuse() -> None:
+    session = coordinator_side()
+    with pytest.raises(WireError, match=r"coordinator→relay Cadence to relay 'h1': expected an "
+                       r"interval in \(0, 3600\] seconds, got nan"):
+        session.send(wire.Cadence(interval=float("nan")))
+    relay = relay_side()  # nothing was sealed: the next record is the first the relay opens
+    relay.receive_data(session.send(wire.Cadence(interval=3600.0)))
+    assert drain(relay) == [wire.Cadence(interval=3600.0)]
 
 
 # -- relay side of a rank --------------------------------------------------------------------
@@ -439,3 +472,13 @@ def test_a_tampered_stream_ends_the_same_way_however_it_was_cut() -> None:
     every_cut(coordinator_side, bytes(stream))
     (last,) = events_of(coordinator_side(), [bytes(stream)])[-1:]
     assert last.reason.startswith("authentication failure: record #2")
+
+
+def test_a_relays_liveness_is_checked_every_time_even_when_it_lists_the_same_ranks() -> None:
+    good = wire.Liveness(ranks=(2, 3), steps=(1, 1), ages=(0.5, 0.0))
+    stale = wire.Liveness(ranks=(2, 3), steps=(2, 2), ages=(-1.0, 0.0))
+    nan = wire.Liveness(ranks=(2, 3), steps=(2, 2), ages=(float("nan"), 0.0))
+    events = events_of(coordinator_side(), [relay_records(
+        *[(CONTROL, 0, wire.encode(m)) for m in (good, good, stale, nan, good)])])
+    assert events[:2] == [good, good] and events[4] == good
+    assert [(e.category, e.rank) for e in events[2:4]] == [("malformed", 2), ("malformed", 2)]

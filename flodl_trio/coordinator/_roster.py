@@ -74,6 +74,10 @@ class Roster(LivenessRules[M]):
         """Registered relays, in join order."""
         return tuple(self._relays)
 
+    def connected(self) -> int:
+        """How many registered relays are connected now (not lost, not awaiting a resume)."""
+        return sum(1 for relay in self._relays if relay.alive)
+
     @property
     def covered(self) -> frozenset[int]:
         """Ranks of relays whose join both sides confirmed (``Ready`` verified)."""

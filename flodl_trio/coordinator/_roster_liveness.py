@@ -73,16 +73,18 @@ class LivenessRules(Generic[M]):
         """A TIMING frame from ``rank`` arrived at ``now``."""
         self._last_seen[rank] = now
 
-    def seen_by(self, relay: M, ranks: Sequence[int], whens: Iterable[float]) -> bool:
-        """``relay`` verified a heartbeat of each of ``ranks`` at the matching ``whens`` (a
-        ``Liveness`` record): each rank it carries that is not dead is seen then (an earlier
-        reading never moves a clock back). True when that was every one of ``ranks``."""
+    def seen_by(self, relay: M, ranks: Sequence[int], ages: Iterable[float],
+                now: float) -> bool:
+        """``relay`` verified a heartbeat of each of ``ranks`` the matching ``ages`` before
+        ``now`` (a ``Liveness`` record that arrived at ``now``): each rank it carries that is
+        not dead is seen then (an earlier reading never moves a clock back). True when that
+        was every one of ``ranks``."""
         relay_of, dead, last_seen = self._relay_of, self._dead, self._last_seen
         everyone = True
-        for rank, when in zip(ranks, whens, strict=True):
+        for rank, age in zip(ranks, ages, strict=True):
             if rank in dead or relay_of.get(rank) is not relay:
                 everyone = False  # declared dead (or rejoined elsewhere) since the relay heard
-            elif when > last_seen.get(rank, -math.inf):
+            elif (when := now - age) > last_seen.get(rank, -math.inf):
                 last_seen[rank] = when
         return everyone
 

@@ -6,7 +6,11 @@
   time in which the coordinator could not read a relay (its reader waiting on a full channel) does
   not count, so a slow consumer never kills healthy ranks.
 - ``relay_lost`` handles an upstream connection that ended.
-- ``coord_heartbeats`` sends ``CoordHeartbeat`` on its cadence.
+- ``coord_heartbeats`` sends ``CoordHeartbeat`` once per ``heartbeat_period``, which it paces
+  to the number of relays (issue 23): ``max(heartbeat_interval, min(relays /
+  relay_heartbeat_rate, heartbeat_timeout / 6))``. A period that moved by more than 10 % is
+  told to every relay (``Cadence``), and to each relay that joins while it is not
+  ``heartbeat_interval`` (``joined``); the relays then send their ``Liveness`` at that pace.
 
 No send here waits on a relay: ``DeclareDead``, ``ShutdownWithSave`` from the policy, the
 heartbeats and the fencing records are queued on each relay's writer (``Sender.post``), so one
@@ -17,6 +21,7 @@ relay that stopped reading delays nobody else; its writer gives up after
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import trio
 
@@ -31,13 +36,25 @@ from ..events import (
     RelayStalled,
 )
 from ..timeline import Timeline
-from ..wire import CoordHeartbeat, DeclareDead, SaveReason, ShutdownWithSave
+from ..wire import Cadence, CoordHeartbeat, DeclareDead, SaveReason, ShutdownWithSave
 from ._relayconn import RelayConn
 from ._roster import Roster
 from ._sending import Sender
 
 log = logging.getLogger("flodl_trio.coordinator.liveness")
 _RECHECK = -1  # on the death channel: apply the failure policy again, nobody died
+# A period within 10 % of the one the relays were told is not told again: one relay joining or
+# leaving must not send a record to each of 8k relays.
+_RETELL = 0.1
+
+
+def heartbeat_period(config: CoordinatorConfig, relays: int) -> float:
+    """The relay ↔ coordinator heartbeat period for ``relays`` connected relays: their
+    exchanges stay under ``relay_heartbeat_rate`` a second, but never slower than six periods
+    per ``heartbeat_timeout`` (the relays' and ranks' coordinator-silence deadlines keep that
+    margin at the defaults) and never faster than ``heartbeat_interval``."""
+    paced = min(relays / config.relay_heartbeat_rate, config.heartbeat_timeout / 6)
+    return max(config.heartbeat_interval, paced)
 
 
 class Liveness:
@@ -69,6 +86,8 @@ class Liveness:
         self._save_latched = False
         self._body_scope: trio.CancelScope | None = None
         self.failure: ClusterFailure | None = None
+        # What the relays were told (Cadence); CoordHeartbeat goes out at this pace too.
+        self.heartbeat_period = config.heartbeat_interval
         self.fenced = 0
         self.write_stalls = 0
         self.retired = 0
@@ -230,12 +249,40 @@ class Liveness:
             with trio.move_on_at(next_check):
                 await self._wake_event.wait()
 
+    def repace(self) -> None:
+        """Pace the heartbeat exchange to the relays connected now; tell every relay when the
+        period moved by more than 10 % of the one they were told."""
+        relays = self._roster.connected()
+        period = heartbeat_period(self._config, relays)
+        told = self.heartbeat_period
+        if abs(period - told) <= _RETELL * told:
+            return
+        log.info("heartbeat period %gs -> %gs (%d relays connected)", told, period, relays)
+        self.heartbeat_period = period
+        for conn in self._roster.relays:
+            self.tell_cadence(conn)
+
+    def joined(self, conn: RelayConn) -> None:
+        """``conn`` joined, rejoined or resumed (after its welcome): it learns the period, if
+        it is not the ``heartbeat_interval`` it starts with."""
+        if self.heartbeat_period != self._config.heartbeat_interval:
+            self.tell_cadence(conn)
+
+    def tell_cadence(self, conn: RelayConn) -> None:
+        """Queue ``Cadence{heartbeat_period}`` for ``conn`` (never waits on it; nothing for a
+        connection that ended or has not joined)."""
+        if not conn.alive or conn.session is None:
+            return
+        # RelayConn.submit_control seals through the connection's CoordinatorSession, whose
+        # send takes a Cadence; its annotation names only Goodbye and FenceRank.
+        conn.submit_control(cast(Any, Cadence(interval=self.heartbeat_period)), None)
+
     async def coord_heartbeats(self) -> None:
-        interval = self._config.heartbeat_interval
         while True:
-            await trio.sleep(interval)
+            await trio.sleep(self.heartbeat_period)
             if self._roster.shutting_down:
                 return
+            self.repace()
             if not self._roster.live:
                 continue
             # Each relay gets what it can take: one behind a backlog (or stalled) is skipped,

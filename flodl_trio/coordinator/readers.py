@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from ..events import InvalidFrame, RankExited
+from ..net._prefixed_stream import IdleReceiver
 from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
@@ -27,6 +28,7 @@ from ..wire import (
     EndOfStream,
     Exiting,
     FrameCodec,
+    Heartbeat,
     Invalid,
     Liveness as LivenessRecord,
     Metrics,
@@ -63,6 +65,7 @@ class Readers:
     _board: Board
     _deliver_heartbeats: bool = True
     _active: int = attrs.field(default=0, init=False)
+    _beats: dict[int, Heartbeat] = attrs.field(factory=dict, init=False)  # last delivered
     _idle: trio.Event = attrs.field(factory=_idle_event, init=False)
 
     async def wait_idle(self) -> None:
@@ -74,10 +77,13 @@ class Readers:
         self._idle = trio.Event() if self._active == 1 else self._idle
         # The session the writer seals with (opened when it started): one per connection.
         session = conn.open_session(self._codec)
+        self._liveness.joined(conn)  # its welcome is written: the heartbeat period, if paced
         cause: str | None = None
         try:
+            # One recv per wake-up (most reads bring one Liveness record; see IdleReceiver).
+            receive_some = IdleReceiver(conn.stream, READ_SIZE).receive_some
             while not isinstance(end := await self.act_on(conn, session), EndOfStream):
-                session.receive_data(await conn.stream.receive_some(READ_SIZE))
+                session.receive_data(await receive_some())
             cause = end.reason
         except trio.BrokenResourceError as exc:
             cause = session.close(f"connection reset ({exc.__cause__!r})" if exc.__cause__
@@ -146,7 +152,7 @@ class Readers:
         come in this read. Returns the clock reading to go on with (taken again after waiting
         for room in the channel)."""
         roster, ranks, steps = self._roster, msg.ranks, msg.steps
-        if roster.seen_by(conn, ranks, [now - age for age in msg.ages]):
+        if roster.seen_by(conn, ranks, msg.ages, now):
             self._board.steps.update(zip(ranks, steps, strict=True))
             pairs: Iterable[tuple[int, int]] = zip(ranks, steps, strict=True)
         else:  # a rank declared dead (or rejoined elsewhere) since the relay heard it
@@ -155,14 +161,18 @@ class Readers:
             self._board.steps.update(pairs)
         if not self._deliver_heartbeats:
             return now
-        send = self._timing
+        send_nowait, beats = self._timing.send_nowait, self._beats
         for rank, step in pairs:
-            beat = liveness_heartbeat(rank, step)
+            # A rank's Heartbeat (frozen) is built again only when its step count moved: an
+            # idle cluster reports the same one every period.
+            beat = beats.get(rank)
+            if beat is None or beat.step_count != step:
+                beat = beats[rank] = liveness_heartbeat(rank, step)
             try:
-                send.send_nowait(beat)
+                send_nowait(beat)
             except trio.WouldBlock:
                 if not roster.shutting_down:
-                    await self.deliver_when_room(conn, send, beat)
+                    await self.deliver_when_room(conn, self._timing, beat)
                     now = trio.current_time()
             except STREAM_GONE:
                 pass

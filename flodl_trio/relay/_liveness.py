@@ -8,6 +8,12 @@ entry is queued before anything else from that rank (the rank reader calls
 :meth:`Heartbeats.take` first): the coordinator never sees a rank's heartbeat after that rank's
 later frames or its ``RankExit``, and a rank that beats faster than the relay's
 ``heartbeat_interval`` is reported at its own pace (its next heartbeat sends the pending one).
+
+A coordinator of many relays paces the records (``Cadence{interval}``, issue 23): the ticker
+then runs every ``max(heartbeat_interval, interval)`` seconds, from its next tick, and a rank's
+later ``Heartbeat`` replaces its pending one instead of sending it (only a frame of another
+kind, or the rank's end, sends it early). The ages in each record keep the coordinator's clocks
+exact at any pace.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ class Heartbeats:
         self._pending: dict[int, tuple[int, float]] = {}
         self.records = 0  # Liveness records taken so far
         self.beats = 0  # heartbeats they carried
+        self.cadence = 0.0  # the coordinator's Cadence on this connection (0: none)
+        self._interval = 0.0  # the relay's own heartbeat_interval, once the ticker runs
+
+    def follow(self, interval: float) -> None:
+        """The coordinator asked for one ``Liveness`` per ``interval`` seconds (``Cadence``;
+        0 on a new connection: the relay's own ``heartbeat_interval`` again)."""
+        self.cadence = interval
 
     def record(self, rank: int, step_count: int, now: float) -> None:
         """``rank``'s Heartbeat verified at ``now``; a later one replaces it."""
@@ -36,6 +49,15 @@ class Heartbeats:
     def pending(self, rank: int) -> bool:
         """``rank`` has a heartbeat that no ``Liveness`` carried yet."""
         return rank in self._pending
+
+    def due_before(self, rank: int, *, heartbeat: bool) -> bool:
+        """``rank``'s pending heartbeat must be sent before its next frame: always before one
+        of another kind (order), and before its next ``Heartbeat`` unless the coordinator
+        paced the records slower than the relay's own interval (then the later one replaces
+        it)."""
+        if rank not in self._pending:
+            return False
+        return not heartbeat or self.cadence <= self._interval
 
     def take(self, now: float) -> Liveness | None:
         """The ``Liveness`` at ``now`` of every pending heartbeat (ranks ascending), which are
@@ -54,11 +76,13 @@ class Heartbeats:
 
     async def ticker(self, interval: float, up_send: trio.MemorySendChannel[Any],
                      readers_gone: trio.Event) -> None:
-        """Queue the pending heartbeats every ``interval`` until the last rank reader ended
-        (each reader takes its own rank's before its last record), then close ``up_send``."""
+        """Queue the pending heartbeats every ``interval`` (or the coordinator's slower
+        ``Cadence``) until the last rank reader ended (each reader takes its own rank's before
+        its last record), then close ``up_send``."""
+        self._interval = interval
         with up_send:
             while not readers_gone.is_set():
-                with trio.move_on_after(interval):
+                with trio.move_on_after(max(interval, self.cadence)):
                     await readers_gone.wait()
                 msg = self.take(trio.current_time())
                 if msg is not None:

@@ -26,6 +26,7 @@ from ..timeline import Timeline
 from ..wire import (
     NEED_DATA,
     READ_SIZE,
+    Cadence,
     Deliver,
     EndOfStream,
     FenceRank,
@@ -153,6 +154,7 @@ class Pump:
             self.session = UpstreamSession(established.opener, established.sealer,
                                            host=self.host, ranks=self.local.ranks)
             self.session.feed_opened(established.records)
+            self.heartbeats.follow(0.0)  # a Cadence was the old connection's
 
     def resumable(self) -> bool:
         """A lost upstream connection is ridden out (a durable coordinator, a grace > 0, the
@@ -262,6 +264,8 @@ class Pump:
                     self.drop(event.category, event.detail)
                 elif type(event) is FenceRank:
                     self.fence(event)
+                elif type(event) is Cadence:
+                    self.heartbeats.follow(event.interval)  # Liveness at the coordinator's pace
                 elif type(event) is Goodbye:
                     log.info("relay %r: the coordinator is shutting down: %s", self.host,
                              event.reason)
@@ -403,8 +407,10 @@ class Pump:
                 session.receive_data(b"")
             while type(event := await next_event(link.reader, session)) in _FROM_RANK:
                 # The rank's pending heartbeat goes first: never after its later frames, and a
-                # rank beating faster than heartbeat_interval is reported at its own pace.
-                if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
+                # rank beating faster than heartbeat_interval is reported at its own pace
+                # (unless the coordinator paced the Liveness records: see Heartbeats).
+                if (beats.due_before(rank, heartbeat=type(event) is RankHeartbeat)
+                        and (liveness := beats.take(clock())) is not None):
                     await up_send.send(liveness)
                 if type(event) is RankHeartbeat:
                     beats.record(rank, event.step_count, clock())  # in the next Liveness

@@ -60,7 +60,9 @@ from ._limits import (
     max_hello_payload,
 )
 from ._messages import (
+    MAX_CADENCE,
     Batch,
+    Cadence,
     Challenge,
     Checkpoint,
     CheckpointResult,
@@ -159,6 +161,7 @@ __all__ = [
     "CONTROL_FRAME_MAGIC",
     "COORD_TO_RELAY",
     "FRAME_HEADER_LEN",
+    "MAX_CADENCE",
     "MAX_CONTROL_PAYLOAD",
     "MAX_HANDSHAKE_PAYLOAD",
     "MAX_HOST_BYTES",
@@ -181,6 +184,7 @@ __all__ = [
     "RELAY_TO_COORD",
     "STATUS_PREFIXES",
     "Batch",
+    "Cadence",
     "Challenge",
     "Checkpoint",
     "CheckpointResult",

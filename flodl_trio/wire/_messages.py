@@ -54,7 +54,9 @@ from ._msg_metrics import (
     ResourceSample,
 )
 from ._msg_relay import (
+    MAX_CADENCE,
     RELAY_CONTROL_MSG,
+    Cadence,
     Challenge,
     FenceRank,
     Generation,
@@ -99,6 +101,7 @@ __all__ = [
     "CONTROL_MSG",
     "F32",
     "F64",
+    "MAX_CADENCE",
     "RELAY_CONTROL_MSG",
     "TIMING_MSG",
     "U8",
@@ -106,6 +109,7 @@ __all__ = [
     "U32",
     "U64",
     "Batch",
+    "Cadence",
     "Challenge",
     "Checkpoint",
     "CheckpointResult",

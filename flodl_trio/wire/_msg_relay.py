@@ -170,6 +170,8 @@ class Generation(RelayControlMsg):
         generation: the coordinator's generation (its fencing token).
     """
     generation: U64
+
+
 @variant(RELAY_CONTROL_MSG, 11)
 @attrs.frozen
 class Liveness(RelayControlMsg):
@@ -195,6 +197,29 @@ class Liveness(RelayControlMsg):
     ranks: tuple[U32, ...]
     steps: tuple[U64, ...]
     ages: tuple[F64, ...]
+
+
+@variant(RELAY_CONTROL_MSG, 12)
+@attrs.frozen
+class Cadence(RelayControlMsg):
+    """Coordinator → relay (beyond flodl, issue 23): how often the coordinator wants this
+    relay's ``Liveness`` record. A coordinator of many relays paces the relay ↔ coordinator
+    exchange (its ``heartbeat_period``) so that its cost stays under
+    ``CoordinatorConfig.relay_heartbeat_rate`` exchanges a second; it sends this after the
+    welcome to a relay that joins while the period is not ``heartbeat_interval``, and to every
+    relay when the period moves by more than 10 %. The relay then sends its ``Liveness`` every
+    ``max(RelayConfig.heartbeat_interval, interval)`` seconds, from its next one, on this
+    connection. An interval that is not finite, ≤ 0 or over :data:`MAX_CADENCE` seconds is a
+    protocol error.
+
+    Attributes:
+        interval: seconds between two ``Liveness`` records of the relay.
+    """
+
+    interval: F64
+
+
+MAX_CADENCE = 3600.0  # seconds: a Cadence above this is a coordinator's bug, not a wish
 
 
 _new = object.__new__

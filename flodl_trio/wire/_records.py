@@ -185,8 +185,10 @@ class RecordOpener:
             buf = data if type(data) is bytes else bytes(data)
             pos = 0
         out: list[Record] = []
+        size = len(buf)
         try:
-            while (rec := self._open(buf, pos)) is not None:
+            # (pos < size: a read that ends on a record's end, the usual one, costs no call)
+            while pos < size and (rec := self._open(buf, pos)) is not None:
                 out.append(rec)
                 pos += RECORD_HEADER_LEN + len(rec.payload)
         except WireError as exc:

@@ -16,6 +16,7 @@ the first of the peer's end (EOF, a protocol error) and what the loop reports wi
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -25,6 +26,8 @@ from ._constants import FRAME_HEADER_LEN, MsgKind, RecordKind
 from ._frames import FrameCodec, frames_before, len_frame
 from ._handshake import NEED_DATA
 from ._messages import (
+    MAX_CADENCE,
+    Cadence,
     FenceRank,
     Goodbye,
     Liveness,
@@ -72,6 +75,14 @@ def ranks_text(ranks: Iterable[int]) -> str:
     if len(ranks) <= 8:
         return str(list(ranks))
     return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
+
+
+def cadence_problem(interval: float) -> str | None:
+    """Why ``interval`` is no ``Cadence`` (not finite, ≤ 0 or over :data:`MAX_CADENCE`
+    seconds), or None."""
+    if math.isfinite(interval) and 0 < interval <= MAX_CADENCE:
+        return None
+    return f"expected an interval in (0, {MAX_CADENCE:g}] seconds, got {interval!r}"
 
 
 class Invalid(NamedTuple):
@@ -236,8 +247,8 @@ class _RecordSession(_Session):
 
 class CoordinatorSession(_RecordSession):
     """The coordinator's side of one relay (SPEC §4.3): TIMING and METRICS frames of the ranks
-    the relay carries, its ``RankExit`` / ``RankDropped`` notices; ``Goodbye`` and
-    ``FenceRank`` go the other way.
+    the relay carries, its ``RankExit`` / ``RankDropped`` notices and ``Liveness`` records;
+    ``Goodbye``, ``FenceRank`` and ``Cadence`` go the other way.
 
     Events: ``TimingMsg``, ``Metrics``, ``RankExit``, ``RankDropped``, ``Liveness`` (each for
     ranks the relay carries; a ``Liveness`` whose ranks are not ascending, not the relay's, or
@@ -254,12 +265,18 @@ class CoordinatorSession(_RecordSession):
         # The last FANOUT payload: the same frame to the same ranks (the CoordHeartbeat every
         # interval) is encoded once, then only sealed.
         self._fanout: tuple[list[int], bytes, bytes] | None = None
+        self._liveness_ranks: tuple[int, ...] = ()  # the last Liveness ranks that checked out
 
-    def send(self, msg: Goodbye | FenceRank) -> bytes:
-        """The sealed CONTROL record of ``msg``: a Goodbye, or a FenceRank of a rank the relay
-        carries (WireError for anything else; nothing is sealed)."""
+    def send(self, msg: Goodbye | FenceRank | Cadence) -> bytes:
+        """The sealed CONTROL record of ``msg``: a Goodbye, a FenceRank of a rank the relay
+        carries, or a Cadence the relay accepts (WireError for anything else; nothing is
+        sealed)."""
         if type(msg) is FenceRank and int(msg.rank) not in self.rank_set:
             raise self._not_carried("coordinator→relay", "FenceRank", (int(msg.rank),))
+        if type(msg) is Cadence:  # the coordinator's pacing, not one of the relay's notices
+            if (problem := cadence_problem(msg.interval)) is not None:
+                raise WireError(f"coordinator→relay Cadence to {self.peer}: {problem}")
+            return self.sealer.seal(_CONTROL, 0, encode(msg))
         return self._send_control(msg, (Goodbye, FenceRank), "coordinator→relay")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
@@ -339,17 +356,23 @@ class CoordinatorSession(_RecordSession):
             return Invalid("malformed", f"Liveness: expected at least one rank and a step count "
                            f"and an age each; got {len(ranks)} ranks, {len(msg.steps)} step "
                            f"counts, {len(msg.ages)} ages")
+        ages = msg.ages  # NaN compares false both ways: only the sum shows it
+        if ranks == self._liveness_ranks:  # an idle relay lists the same ranks every period
+            if not min(ages) >= 0 or (total := sum(ages)) != total:
+                return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}",
+                               ranks[0])
+            return msg
         if not self.rank_set.issuperset(ranks):
             foreign = sorted(set(ranks) - self.rank_set)
             return Invalid("foreign rank", f"Liveness for ranks {ranks_text(foreign)}, which "
                            f"relay {self.host!r} does not carry {ranks_text(self.ranks)}",
                            foreign[0])
-        ages = msg.ages  # NaN compares false both ways: only the sum shows it
         if not min(ages) >= 0 or (total := sum(ages)) != total:
             return Invalid("malformed", f"Liveness: expected ages ≥ 0 s, got {ages}", ranks[0])
         if list(ranks) != sorted(set(ranks)):  # C loops: once per relay per interval
             return Invalid("malformed", f"Liveness: expected ranks ascending without "
                            f"duplicates, got {ranks_text(ranks)}", ranks[0])
+        self._liveness_ranks = ranks  # carried, ascending, no duplicate: checked once
         return msg
 
     def _fatal_reason(self, exc: WireError) -> str:
@@ -363,10 +386,13 @@ class CoordinatorSession(_RecordSession):
 
 
 class UpstreamSession(_RecordSession):
-    """The relay's side of the coordinator (SPEC §5): frames for its local ranks, ``Goodbye``
-    and ``FenceRank``; ``RankExit`` / ``RankDropped`` and the ranks' frames go the other way.
+    """The relay's side of the coordinator (SPEC §5): frames for its local ranks, ``Goodbye``,
+    ``FenceRank`` and ``Cadence``; ``RankExit`` / ``RankDropped`` / ``Liveness`` and the ranks'
+    frames go the other way.
 
-    Events: :class:`Deliver`, ``Goodbye``, ``FenceRank`` (of a local rank), :class:`Invalid`,
+    Events: :class:`Deliver`, ``Goodbye``, ``FenceRank`` (of a local rank), ``Cadence`` (a
+    finite interval in (0, ``MAX_CADENCE``] seconds; any other ends the connection with a
+    protocol error naming the coordinator and the value), :class:`Invalid`,
     :class:`EndOfStream` (clean only after a ``Goodbye``: FT/2 tells a coordinator that shut
     down from one that died).
     """
@@ -419,6 +445,11 @@ class UpstreamSession(_RecordSession):
             return Invalid("undecodable", f"control record from the coordinator: {exc}")
         if isinstance(msg, Goodbye):
             self.goodbye = msg.reason
+            return msg
+        if type(msg) is Cadence:
+            problem = cadence_problem(msg.interval)
+            if problem is not None:  # a coordinator's bug: nothing sane to pace by
+                raise WireError(f"Cadence from {self.peer}: {problem}")
             return msg
         if not isinstance(msg, FenceRank):
             return Invalid("unexpected control", f"{type(msg).__name__} from the coordinator")

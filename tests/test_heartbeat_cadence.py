@@ -1,0 +1,215 @@
+"""The scaled relay cadence (issue 23): a coordinator of many relays paces the relay ↔
+coordinator heartbeat exchange (``heartbeat_period``) and tells the relays (``Cadence``); the
+relays send their ``Liveness`` records at that pace, ranks still beat every second, and a silent
+rank is still declared ``heartbeat_timeout`` after its last heartbeat. All on ``MockClock``:
+8 one-rank relays at ``relay_heartbeat_rate=2`` stand for 2,048 relays at 400."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import RankDeclaredDead
+from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
+
+from helpers import (
+    COORD,
+    Recorder,
+    raw_relay_handshake,
+    read_one_record,
+    start_host,
+    wait_until,
+)
+
+CONTROL = int(wire.RecordKind.CONTROL)
+EIGHT = {f"host-{r}": [r] for r in range(8)}
+
+
+def paced(**kw: Any) -> ft.CoordinatorConfig:
+    """8 relays at 2 exchanges a second: a 4 s period (under heartbeat_timeout / 6 = 5 s)."""
+    return ft.CoordinatorConfig(world_size=8, formation_timeout=10,
+                                relay_heartbeat_rate=kw.pop("relay_heartbeat_rate", 2.0), **kw)
+
+
+async def beat_times(coord: ft.Coordinator, rank: int, seconds: float) -> list[float]:
+    """When ``coord.timing`` got a Heartbeat of ``rank`` in the next ``seconds`` (what it
+    holds already is dropped first)."""
+    for _ in range(100_000):
+        try:
+            coord.timing.receive_nowait()
+        except trio.WouldBlock:
+            break
+    times: list[float] = []
+    with trio.move_on_after(seconds):
+        while True:
+            msg = await coord.timing.receive()
+            if isinstance(msg, wire.Heartbeat) and msg.rank == rank:
+                times.append(trio.current_time())
+    return times
+
+
+def gaps(times: Sequence[float]) -> list[float]:
+    return [round(b - a, 6) for a, b in itertools.pairwise(times)]
+
+
+@pytest.mark.parametrize(("relays", "rate", "stale_after", "period"), [
+    (8, 2.0, 30.0, 4.0),  # relays / rate
+    (8, 1.0, 30.0, 5.0),  # capped at heartbeat_timeout / 6
+    (8, 1.0, 12.0, 2.0),
+    (8, 16.0, 30.0, 1.0),  # never faster than heartbeat_interval
+    (8, math.inf, 30.0, 1.0),  # inf: today's behaviour
+])
+async def test_the_period_is_relays_over_rate_between_the_interval_and_a_sixth_of_the_timeout(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, relays: int, rate: float,
+        stale_after: float, period: float) -> None:
+    cfg = ft.CoordinatorConfig(world_size=relays, formation_timeout=10,
+                               heartbeat_timeout=stale_after, relay_heartbeat_rate=rate)
+    async with open_local_cluster({f"host-{r}": [r] for r in range(relays)},
+                                  network=memory_network, coord_config=cfg) as c:
+        await trio.sleep(12)
+        assert c.coord.heartbeat_period == period
+        assert c.coord.dead_ranks == frozenset()
+
+
+async def test_paced_relays_report_every_period_and_a_silent_rank_is_still_declared_at_the_timeout(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    log = EventLog()
+    rec = Recorder(raw={1: 1.0})  # rank 1 beats every second, by hand, until the test stops it
+    async with open_local_cluster(EIGHT, network=memory_network, timeline=log, rank_main=rec,
+                                  raw_ranks=rec.raw_mains, coord_config=paced()) as c:
+        await wait_until(lambda: c.coord.heartbeat_period == 4.0, limit=5)
+        await trio.sleep(8)  # every relay had a tick at the new pace
+        # Each relay's Liveness (one Heartbeat per rank on coord.timing) every 4 s, not 1 s.
+        times = await beat_times(c.coord, 0, 17)
+        assert 4 <= len(times) <= 5
+        assert all(g == pytest.approx(4.0, abs=0.01) for g in gaps(times)), gaps(times)
+        raw = rec.raw[1]
+        raw.beating = False
+        await trio.sleep(0.5)  # a heartbeat due at this very moment may have been on its way
+        assert raw.last_sent is not None
+        silent_since = raw.last_sent
+        await wait_until(lambda: 1 in c.coord.dead_ranks, limit=40)
+        ((declared_at, event),) = log.of(RankDeclaredDead)
+        # The record that carried its last heartbeat came up to 4 s later, with its age: the
+        # coordinator counts the rank as seen when its relay verified that heartbeat.
+        assert declared_at == pytest.approx(silent_since + 30, abs=1e-6)
+        assert event.reason == "heartbeat stale (>30s)"
+        assert c.coord.live_ranks == {0, 2, 3, 4, 5, 6, 7}
+
+
+async def test_at_an_infinite_rate_every_relay_reports_every_second_as_before(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    async with open_local_cluster(EIGHT, network=memory_network,
+                                  coord_config=paced(relay_heartbeat_rate=math.inf)) as c:
+        await trio.sleep(8)
+        times = await beat_times(c.coord, 0, 10.5)
+        assert c.coord.heartbeat_period == 1.0
+        assert 10 <= len(times) <= 11
+        assert all(g == pytest.approx(1.0, abs=0.01) for g in gaps(times)), gaps(times)
+
+
+class Freezable(trio.abc.HalfCloseableStream):
+    """A relay's upstream that can be frozen like a SIGSTOPped host: once ``frozen``, nothing
+    more is sent or read (the calls block, cancellably), and the connection stays open."""
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
+        self.stream = stream
+        self.frozen = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.frozen.is_set():
+            await trio.sleep_forever()
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.stream.receive_some(max_bytes)
+        if self.frozen.is_set():
+            await trio.sleep_forever()
+        return data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_a_frozen_relays_ranks_are_declared_at_most_a_period_and_a_second_early(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    frozen: list[Freezable] = []
+
+    async def dial_freezable() -> trio.abc.Stream:
+        stream = Freezable(await memory_network.connect(COORD))
+        frozen.append(stream)
+        return stream
+
+    async def frozen_host() -> None:
+        # The relay and its rank never give up first: only the coordinator's staleness acts.
+        async with ft.open_relay(dial_freezable, salt=salt, host="host-5", ranks=[5],
+                                 world_size=8, rank_listen=memory_network.listener("relay:host-5"),
+                                 config=ft.RelayConfig(write_stall_timeout=300)) as r, \
+                ft.open_rank(lambda: memory_network.connect("relay:host-5"), salt=salt, rank=5,
+                             world_size=8, config=ft.RankConfig(coord_liveness_timeout=300)):
+            await r.wait_closed()
+
+    async with trio.open_nursery() as nursery:
+        for r in (0, 1, 2, 3, 4, 6, 7):
+            await start_host(nursery, memory_network, f"host-{r}", [r], salt=salt, world=8)
+        nursery.start_soon(frozen_host)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=paced(), timeline=log) as coord:
+            await wait_until(lambda: coord.heartbeat_period == 4.0, limit=5)
+            await trio.sleep(9.5)
+            frozen_at = trio.current_time()
+            frozen[0].frozen.set()
+            await wait_until(lambda: coord.dead_ranks, limit=40)
+            ((declared_at, event),) = log.of(RankDeclaredDead)
+            assert event.rank == 5 and event.reason == "heartbeat stale (>30s)"
+            # Its last record was up to a period old, its last heartbeat up to a second more.
+            assert frozen_at + 30 - (4 + 1) <= declared_at <= frozen_at + 30
+            assert coord.live_ranks == {0, 1, 2, 3, 4, 6, 7}
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_that_joins_late_gets_the_period_right_after_its_welcome(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    salt = ft.SessionSalt.generate()
+    seen: list[Any] = []
+
+    async def late_relay() -> None:
+        await trio.sleep(6)  # the seven others' period is 3.5 s by then
+        raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-7",
+                                        [7], world_size=8)
+        assert raw.acked  # the welcome came before anything else: the join is confirmed
+        try:
+            for _ in range(3):
+                got = await read_one_record(raw.stream, raw.opener)
+                if got is None:
+                    return
+                seen.append(wire.decode_relay(got.payload) if got.kind == CONTROL else got.kind)
+        finally:
+            await trio.aclose_forcefully(raw.stream)
+
+    async with trio.open_nursery() as nursery:
+        for r in range(7):
+            await start_host(nursery, memory_network, f"host-{r}", [r], salt=salt, world=8)
+        nursery.start_soon(late_relay)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=paced()) as coord:
+            assert coord.heartbeat_period == 3.5
+            await wait_until(lambda: len(seen) == 3, limit=10)
+            nursery.cancel_scope.cancel()
+    assert seen[0] == wire.Cadence(interval=3.5)
