@@ -245,8 +245,9 @@ class CoordinatorConfig:
             coordinator aims to stay under (issue 23). It paces them: each relay sends its
             ``Liveness`` record, and gets a ``CoordHeartbeat``, once per
             ``max(heartbeat_interval, min(relays / relay_heartbeat_rate,
-            heartbeat_timeout / 6))`` seconds (``Coordinator.heartbeat_period``), so up to
-            400 relays (at the default) nothing changes and 2,048 relays exchange every 5 s.
+            heartbeat_timeout / 4))`` seconds (``Coordinator.heartbeat_period``), so up to
+            400 relays (at the default) nothing changes, 2,048 relays exchange every 5.12 s
+            and 3,000 or more every 7.5 s.
             Ranks still heartbeat to their relay every second and their silence is still
             detected at ``heartbeat_timeout``. ``math.inf``: always ``heartbeat_interval``.
     """

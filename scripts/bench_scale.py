@@ -149,7 +149,7 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
         # The coordinator paces the relays (issue 23): wait until it told them the period its
         # relays call for (it re-paces once per period, so formation may leave an older one).
         rate, timeout = cfg.relay_heartbeat_rate, cfg.heartbeat_timeout
-        settled = max(cfg.heartbeat_interval, min(relays / rate, timeout / 6))
+        settled = max(cfg.heartbeat_interval, min(relays / rate, timeout / 4))
         await wait_until(lambda: coord.heartbeat_period == settled, limit=30, step=0.1,
                          what="the coordinator paced its relays")
         period = coord.heartbeat_period

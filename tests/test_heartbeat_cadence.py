@@ -34,7 +34,7 @@ EIGHT = {f"host-{r}": [r] for r in range(8)}
 
 
 def paced(**kw: Any) -> ft.CoordinatorConfig:
-    """8 relays at 2 exchanges a second: a 4 s period (under heartbeat_timeout / 6 = 5 s)."""
+    """8 relays at 2 exchanges a second: a 4 s period (under heartbeat_timeout / 4 = 7.5 s)."""
     return ft.CoordinatorConfig(world_size=8, formation_timeout=10,
                                 relay_heartbeat_rate=kw.pop("relay_heartbeat_rate", 2.0), **kw)
 
@@ -62,12 +62,12 @@ def gaps(times: Sequence[float]) -> list[float]:
 
 @pytest.mark.parametrize(("relays", "rate", "stale_after", "period"), [
     (8, 2.0, 30.0, 4.0),  # relays / rate
-    (8, 1.0, 30.0, 5.0),  # capped at heartbeat_timeout / 6
-    (8, 1.0, 12.0, 2.0),
+    (8, 0.5, 30.0, 7.5),  # capped at heartbeat_timeout / 4
+    (8, 1.0, 12.0, 3.0),
     (8, 16.0, 30.0, 1.0),  # never faster than heartbeat_interval
     (8, math.inf, 30.0, 1.0),  # inf: today's behaviour
 ])
-async def test_the_period_is_relays_over_rate_between_the_interval_and_a_sixth_of_the_timeout(
+async def test_the_period_is_relays_over_rate_between_the_interval_and_a_quarter_of_the_timeout(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, relays: int, rate: float,
         stale_after: float, period: float) -> None:
     cfg = ft.CoordinatorConfig(world_size=relays, formation_timeout=10,

@@ -1,9 +1,11 @@
 """The relay's and the rank endpoint's socket fast paths (issue 23) behave as the streams do.
 
 ``net._socket_io.Reader`` reads a plain TCP socket with one read per wake-up, ``write_now`` /
-``send_direct`` hand bytes to the kernel without Trio's stream machinery, ``open_tcp`` dials a
-numeric address with one socket, and FANOUT payloads are CBOR-encoded by hand: each must give
-what the generic path gives (bytes, end of stream, errors), on real loopback sockets.
+``send_direct`` hand bytes to the kernel without Trio's stream machinery (the coordinator's
+reader of each relay and its handshakes use them too, through the port mux's
+``PrefixedStream``), ``open_tcp`` dials a numeric address with one socket, and FANOUT payloads
+are CBOR-encoded by hand: each must give what the generic path gives (bytes, end of stream,
+errors), on real loopback sockets.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 import flodl_trio as ft
 from flodl_trio.net import _transport
+from flodl_trio.net._prefixed_stream import PrefixedStream
 from flodl_trio.net._socket_io import Reader, plain_socket, send_direct, write_now
 from flodl_trio.wire import (
     MAX_LEN_FRAME,
@@ -104,6 +107,35 @@ async def test_reader_of_a_stream_that_is_not_plain_tcp_uses_the_streams_own_rea
     assert await reader.receive_some(100) == b"hello"
     await left.aclose()
     assert await reader.receive_some(100) == b""
+
+
+async def test_reader_of_a_port_mux_stream_gives_back_the_peeked_bytes_then_reads_its_socket(
+) -> None:
+    # The coordinator's handshake and relay reader read PrefixedStreams (issue 23).
+    client, server = await _connected_pair()
+    stream = PrefixedStream(server, b"MAGIC")
+    reader = Reader(stream, drained=True)
+    assert plain_socket(stream) is None  # still replaying
+    async with client, server:
+        await client.send_all(b"after")
+        with trio.fail_after(5):
+            assert await reader.receive_some(3) == b"MAG"
+            assert await reader.receive_some(3) == b"IC"
+            assert plain_socket(stream) is server.socket  # read back: its socket from now on
+            assert await reader.receive_some(3) == b"aft"
+            assert await reader.receive_some(3) == b"er"
+
+
+async def test_a_cancelled_wait_of_the_reader_loses_nothing() -> None:
+    client, server = await _connected_pair()
+    reader = Reader(PrefixedStream(server, b""), drained=True)
+    async with client, server:
+        with trio.move_on_after(0.05) as scope:
+            await reader.receive_some(100)
+        assert scope.cancelled_caught
+        await client.send_all(b"late")
+        with trio.fail_after(5):
+            assert await reader.receive_some(100) == b"late"
 
 
 async def test_direct_writes_arrive_whole_and_a_closed_socket_takes_nothing() -> None:

@@ -239,7 +239,7 @@ class Coordinator:
     def heartbeat_period(self) -> float:
         """Seconds between two ``CoordHeartbeat`` to each relay and, once it was told
         (``Cadence``), between two ``Liveness`` records of each relay: ``max(heartbeat_interval,
-        min(relays / relay_heartbeat_rate, heartbeat_timeout / 6))`` for the relays connected
+        min(relays / relay_heartbeat_rate, heartbeat_timeout / 4))`` for the relays connected
         when it was last re-paced (once per period; a change within 10 % is not made), see
         :class:`~flodl_trio.CoordinatorConfig`. ``heartbeat_interval`` until then."""
         return self._liveness.heartbeat_period

@@ -8,7 +8,7 @@
 - ``relay_lost`` handles an upstream connection that ended.
 - ``coord_heartbeats`` sends ``CoordHeartbeat`` once per ``heartbeat_period``, which it paces
   to the number of relays (issue 23): ``max(heartbeat_interval, min(relays /
-  relay_heartbeat_rate, heartbeat_timeout / 6))``. A period that moved by more than 10 % is
+  relay_heartbeat_rate, heartbeat_timeout / 4))``. A period that moved by more than 10 % is
   told to every relay (``Cadence``), and to each relay that joins while it is not
   ``heartbeat_interval`` (``joined``); the relays then send their ``Liveness`` at that pace.
 
@@ -50,10 +50,11 @@ _RETELL = 0.1
 
 def heartbeat_period(config: CoordinatorConfig, relays: int) -> float:
     """The relay ↔ coordinator heartbeat period for ``relays`` connected relays: their
-    exchanges stay under ``relay_heartbeat_rate`` a second, but never slower than six periods
+    exchanges stay under ``relay_heartbeat_rate`` a second, but never slower than four periods
     per ``heartbeat_timeout`` (the relays' and ranks' coordinator-silence deadlines keep that
-    margin at the defaults) and never faster than ``heartbeat_interval``."""
-    paced = min(relays / config.relay_heartbeat_rate, config.heartbeat_timeout / 6)
+    margin at the defaults: four chances, as a Kubernetes node lease renewed every 10 s of its
+    40 s) and never faster than ``heartbeat_interval``."""
+    paced = min(relays / config.relay_heartbeat_rate, config.heartbeat_timeout / 4)
     return max(config.heartbeat_interval, paced)
 
 

@@ -18,12 +18,11 @@ import attrs
 import trio
 
 from ..events import InvalidFrame, RankExited
-from ..net._prefixed_stream import IdleReceiver
+from ..net._socket_io import Reader
 from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
     NEED_DATA,
-    READ_SIZE,
     CoordinatorSession,
     EndOfStream,
     Exiting,
@@ -80,8 +79,8 @@ class Readers:
         self._liveness.joined(conn)  # its welcome is written: the heartbeat period, if paced
         cause: str | None = None
         try:
-            # One recv per wake-up (most reads bring one Liveness record; see IdleReceiver).
-            receive_some = IdleReceiver(conn.stream, READ_SIZE).receive_some
+            # One recv per wake-up (most reads bring one Liveness record; see Reader).
+            receive_some = Reader(conn.stream, drained=True).receive_some
             while not isinstance(end := await self.act_on(conn, session), EndOfStream):
                 session.receive_data(await receive_some())
             cause = end.reason

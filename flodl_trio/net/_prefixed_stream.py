@@ -4,19 +4,15 @@
 where the connection goes; :class:`PrefixedStream` gives those bytes back, so code behind a leg
 reads exactly what it would have read from a direct listener. Re-exported by
 :mod:`flodl_trio.port_mux`, where users find it.
-
-:class:`IdleReceiver` reads such a stream the way a mostly idle reader should: one ``recv`` per
-wake-up (see there).
 """
 
 from __future__ import annotations
 
 import operator
-import os
 
 import trio
 
-__all__ = ["IdleReceiver", "PeerAddress", "PrefixedStream", "remote_address_of"]
+__all__ = ["PeerAddress", "PrefixedStream", "remote_address_of"]
 
 PeerAddress = tuple[str, int] | str
 
@@ -130,73 +126,3 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     def __repr__(self) -> str:
         return f"<PrefixedStream from {self.remote_address!r} over {self.transport_stream!r}>"
 
-
-class IdleReceiver:
-    """``receive_some(max_bytes)`` of one stream for a reader that mostly waits (the
-    coordinator's reader of a relay: one ``Liveness`` record per relay per period).
-
-    Trio's socket receive tries ``recv`` first and, on ``EAGAIN``, waits until the socket is
-    readable and calls ``recv`` again: two system calls, an exception and two stream layers per
-    record when records come one at a time. For plain TCP (a :class:`trio.SocketStream`, or a
-    :class:`PrefixedStream` over one whose prefix was read) this waits first and then reads
-    once; after a read that filled ``max_bytes`` (more is likely waiting) it reads first, as
-    Trio does. Any other stream (TLS, in-memory) is read with its own ``receive_some``.
-
-    The same outcomes as ``receive_some``: ``b""`` at EOF, :class:`trio.BrokenResourceError`
-    (from the ``OSError``) on a reset, :class:`trio.ClosedResourceError` once the stream was
-    closed (a close while waiting wakes the wait). Only one task may use it, and nothing else
-    may read the stream meanwhile.
-    """
-
-    def __init__(self, stream: trio.abc.Stream, max_bytes: int) -> None:
-        self.stream = stream
-        self.max_bytes = max_bytes
-        self._full = False  # the last read filled max_bytes
-        self._sock: trio.socket.SocketType | None = None  # once found: it stays the same
-
-    def _socket(self) -> trio.socket.SocketType | None:
-        stream = self.stream
-        if isinstance(stream, PrefixedStream):
-            if stream.replaying:
-                return None
-            stream = stream.transport_stream
-        if isinstance(stream, trio.SocketStream):
-            self._sock = stream.socket
-        return self._sock
-
-    async def receive_some(self) -> bytes | bytearray:
-        """The next bytes (at most ``max_bytes``), ``b""`` at EOF."""
-        sock = self._sock
-        if sock is None and (sock := self._socket()) is None:
-            return await self.stream.receive_some(self.max_bytes)
-        if self._full:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            data = self._read(sock)
-            if data is not None:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return data
-        while True:
-            await trio.lowlevel.wait_readable(_open_fd(sock))
-            data = self._read(sock)
-            if data is not None:
-                return data
-
-    def _read(self, sock: trio.socket.SocketType) -> bytes | None:
-        """One ``read``; None when there is nothing yet."""
-        fd = _open_fd(sock)  # never read a number the OS may have reused since a close
-        try:
-            data = os.read(fd, self.max_bytes)
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            raise trio.BrokenResourceError(f"socket read failed: {exc!r}") from exc
-        self._full = len(data) == self.max_bytes
-        return data
-
-
-def _open_fd(sock: trio.socket.SocketType) -> int:
-    """``sock``'s descriptor; ``trio.ClosedResourceError`` once it was closed (-1)."""
-    fd = sock.fileno()
-    if fd < 0:
-        raise trio.ClosedResourceError("the socket was closed")
-    return fd

@@ -9,15 +9,18 @@ hundreds of connections per process those were a large share of the relay's CPU 
 
 :class:`Reader` waits for readability *before* reading once a read found the socket drained,
 so a read is one ``read`` system call; :func:`write_now` hands bytes to the kernel without
-waiting and says how many it took (the caller queues the rest for its writer). Anything that is
-not a plain ``trio.SocketStream`` (TLS, in-memory, a user's wrapper) goes through the stream's
-own methods, unchanged.
+waiting and says how many it took (the caller queues the rest for its writer). The
+coordinator's reader of each relay and its handshakes use them too, through the port mux's
+:class:`~._prefixed_stream.PrefixedStream` once its peeked bytes were read back. Anything that
+is not plain TCP (TLS, in-memory, a user's wrapper) goes through the stream's own methods,
+unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -25,11 +28,17 @@ import trio
 from .._errors import FlodlError
 from ..wire import NEED_DATA, READ_SIZE, NeedData
 from ._handshake_io import HANDSHAKE_READ, Event, HandshakeMachine, Session
+from ._prefixed_stream import PrefixedStream
 from ._transport import STREAM_GONE
 
 
 def plain_socket(stream: object) -> trio.socket.SocketType | None:
-    """The socket under a plain ``trio.SocketStream`` (exactly that type), else None."""
+    """The socket under a plain ``trio.SocketStream`` (exactly that type), directly or under a
+    port mux's ``PrefixedStream`` whose peeked bytes were all read back; else None."""
+    if type(stream) is PrefixedStream:
+        if stream.replaying:
+            return None
+        stream = stream.transport_stream
     return stream.socket if type(stream) is trio.SocketStream else None
 
 
@@ -51,15 +60,19 @@ class Reader:
 
     On a plain TCP socket, once a read returned less than it asked for (the socket is drained)
     the next read waits for readability first and then reads once; a read that filled its
-    buffer reads again at once (more may be waiting). Every read is a checkpoint.
+    buffer reads again at once (more may be waiting). Every read is a checkpoint. With
+    ``drained`` the first read waits too (the caller just wrote a request and nothing can have
+    come yet). A ``PrefixedStream`` still giving back what the port mux peeked is read through
+    its own ``receive_some`` until those bytes are read back, then through its socket.
     """
 
-    __slots__ = ("_drained", "_sock", "stream")
+    __slots__ = ("_drained", "_sock", "_unwrap", "stream")
 
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+    def __init__(self, stream: trio.abc.ReceiveStream, *, drained: bool = False) -> None:
         self.stream = stream
         self._sock = plain_socket(stream)
-        self._drained = False
+        self._unwrap = self._sock is None and type(stream) is PrefixedStream
+        self._drained = drained
 
     async def receive_some(self, max_bytes: int = READ_SIZE) -> bytes:
         """Up to ``max_bytes`` bytes; ``b""`` at the end of the stream.
@@ -70,7 +83,10 @@ class Reader:
         """
         sock = self._sock
         if sock is None:
-            return bytes(await self.stream.receive_some(max_bytes))
+            data = bytes(await self.stream.receive_some(max_bytes))
+            if self._unwrap and (sock := plain_socket(self.stream)) is not None:
+                self._sock, self._unwrap = sock, False  # the peeked bytes are read back
+            return data
         wait = self._drained
         while True:
             fd = sock.fileno()
@@ -114,9 +130,11 @@ async def send_direct(stream: trio.abc.SendStream, data: bytes) -> None:
 
 
 async def run_handshake_on(stream: trio.abc.Stream, reader: Reader,
-                           machine: HandshakeMachine[Event]) -> Event:
+                           machine: HandshakeMachine[Event], *,
+                           on_sent: Callable[[], None] | None = None) -> Event:
     """:func:`~._handshake_io.run_handshake` with ``reader`` for the reads and
-    :func:`send_direct` for the writes (one system call each on a plain TCP socket).
+    :func:`send_direct` for the writes (one system call each on a plain TCP socket);
+    ``on_sent`` is called after each write.
 
     Raises:
         WireError / HandshakeError: from the machine.
@@ -134,6 +152,8 @@ async def run_handshake_on(stream: trio.abc.Stream, reader: Reader,
         out = machine.data_to_send()
         if out:
             await send_direct(stream, out)
+            if on_sent is not None:
+                on_sent()
         if not isinstance(event, NeedData):
             return event
         machine.receive_data(await reader.receive_some(HANDSHAKE_READ))
