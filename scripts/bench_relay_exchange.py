@@ -19,21 +19,11 @@ import os
 import time
 
 import _report as rep
+import _wireload as load
 import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
-
-
-async def drive(stream: trio.SocketStream, machine: wire.RelayHandshake) -> object:
-    """Run the relay's handshake machine until its next event that is not NEED_DATA."""
-    while True:
-        event = machine.next_event()
-        if out := machine.data_to_send():
-            await stream.send_all(out)
-        if not isinstance(event, wire.NeedData):
-            return event
-        machine.receive_data(bytes(await stream.receive_some(65536)))
 
 
 async def run(relays: int, rounds: int) -> dict[str, float]:
@@ -51,7 +41,7 @@ async def run(relays: int, rounds: int) -> dict[str, float]:
             ranks = tuple(range(i * 8, i * 8 + 8))
             machine = wire.RelayHandshake(salt, host=f"relay-{i}", ranks=ranks,
                                           world_size=relays * 8, coordinator="bench")
-            done = await drive(stream, machine)
+            done = await load.drive_handshake(stream, machine)
             assert isinstance(done, wire.Established), done
             payload = wire.encode(wire.Liveness(ranks=ranks, steps=(7,) * 8, ages=(0.5,) * 8))
             control = wire.RecordKind.CONTROL

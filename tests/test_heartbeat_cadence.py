@@ -2,7 +2,8 @@
 coordinator heartbeat exchange (``heartbeat_period``) and tells the relays (``Cadence``); the
 relays send their ``Liveness`` records at that pace, ranks still beat every second, and a silent
 rank is still declared ``heartbeat_timeout`` after its last heartbeat. All on ``MockClock``:
-8 one-rank relays at ``relay_heartbeat_rate=2`` stand for 2,048 relays at the default 300 (a period of some seconds)."""
+8 one-rank relays at ``relay_heartbeat_rate=2`` stand for 2,048 relays at the default 300 (a
+period of some seconds)."""
 
 from __future__ import annotations
 

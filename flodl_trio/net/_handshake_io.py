@@ -9,6 +9,7 @@ loops only move bytes. The caller bounds them with its deadline.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -31,16 +32,27 @@ class HandshakeMachine(Protocol[Event]):
     def data_to_send(self) -> bytes: ...
 
 
-async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event]) -> Event:
+async def run_handshake(
+    stream: trio.abc.Stream, machine: HandshakeMachine[Event], *,
+    receive: Callable[[], Awaitable[bytes | bytearray]] | None = None,
+    send: Callable[[bytes], Awaitable[None]] | None = None,
+    on_sent: Callable[[], None] | None = None,
+) -> Event:
     """Drive ``machine`` over ``stream`` until it has an event other than NEED_DATA.
 
     Whatever the machine queued is written first, the event's answer included (the relay's
-    Ready goes out before its Established is returned).
+    Ready goes out before its Established is returned). ``receive`` and ``send`` replace the
+    stream's own ``receive_some`` and ``send_all`` (:mod:`._socket_io`'s one-system-call
+    versions); ``on_sent`` is called after each write.
 
     Raises:
         WireError / HandshakeError: from the machine.
         trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
     """
+    if receive is None:
+        async def receive() -> bytes | bytearray:
+            return await stream.receive_some(HANDSHAKE_READ)
+    send = stream.send_all if send is None else send
     while True:
         try:
             event = machine.next_event()
@@ -49,14 +61,16 @@ async def run_handshake(stream: trio.abc.Stream, machine: HandshakeMachine[Event
             # ahead of a replayed Hello that arrived in the same chunk): the peer sees it.
             with contextlib.suppress(*STREAM_GONE):
                 if out := machine.data_to_send():
-                    await stream.send_all(out)
+                    await send(out)
             raise
         out = machine.data_to_send()
         if out:
-            await stream.send_all(out)
+            await send(out)
+            if on_sent is not None:
+                on_sent()
         if not isinstance(event, NeedData):
             return event
-        machine.receive_data(bytes(await stream.receive_some(HANDSHAKE_READ)))
+        machine.receive_data(bytes(await receive()))
 
 
 class Session(Protocol):

@@ -18,18 +18,15 @@ unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from .._errors import FlodlError
-from ..wire import NEED_DATA, READ_SIZE, NeedData
-from ._handshake_io import HANDSHAKE_READ, Event, HandshakeMachine, Session
+from ..wire import NEED_DATA, READ_SIZE
+from ._handshake_io import HANDSHAKE_READ, Event, HandshakeMachine, Session, run_handshake
 from ._prefixed_stream import PrefixedStream
-from ._transport import STREAM_GONE
 
 
 def plain_socket(stream: object) -> trio.socket.SocketType | None:
@@ -140,23 +137,13 @@ async def run_handshake_on(stream: trio.abc.Stream, reader: Reader,
         WireError / HandshakeError: from the machine.
         trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
     """
-    while True:
-        try:
-            event = machine.next_event()
-        except FlodlError:
-            # What the machine queued before it failed was due: the peer sees it.
-            with contextlib.suppress(*STREAM_GONE):
-                if out := machine.data_to_send():
-                    await send_direct(stream, out)
-            raise
-        out = machine.data_to_send()
-        if out:
-            await send_direct(stream, out)
-            if on_sent is not None:
-                on_sent()
-        if not isinstance(event, NeedData):
-            return event
-        machine.receive_data(await reader.receive_some(HANDSHAKE_READ))
+    async def receive() -> bytes:
+        return await reader.receive_some(HANDSHAKE_READ)
+
+    async def send(data: bytes) -> None:
+        await send_direct(stream, data)
+
+    return await run_handshake(stream, machine, receive=receive, send=send, on_sent=on_sent)
 
 
 async def next_event(reader: Reader, session: Session) -> Any:
