@@ -295,9 +295,17 @@ class RelayConn:
         if fd >= 0:  # -1 once closed: never write to a number the OS may have reused
             try:
                 written = os.write(fd, record)
-            except OSError:
-                # Full (EAGAIN) or broken: the writer writes it, or meets and reports the error.
-                written = 0
+            except BlockingIOError:
+                written = 0  # full: the writer writes it
+            except OSError as exc:
+                # The socket's error (ETIMEDOUT from TCP_USER_TIMEOUT, a reset, EHOSTUNREACH)
+                # is reported once, to whichever call asks first: say it now, or the reader's
+                # end of stream that follows would be taken for the relay closing.
+                failure = f"connection reset ({exc!r})"
+                if delivery is not None:
+                    delivery.settle(self, failure)
+                self.on_lost(self, failure, False)
+                return
         if written == len(record):
             if delivery is not None:
                 delivery.settle(self, None)
