@@ -49,7 +49,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -587,6 +587,26 @@ class Cluster:
 
     async def command(self, text: str) -> list[dict[str, Any]]:
         return await all_command(self.loads, text)
+
+
+async def drain(channel: trio.MemoryReceiveChannel[Any],
+                on_batch: Callable[[int], None] | None = None) -> None:
+    """Consume ``channel`` (``coord.timing``) as the benchmarks do: take everything queued
+    before waiting again (an ``async for`` step is one scheduler pass per message, the
+    consumer's cost, not the coordinator's); ``on_batch(n)`` after each wake-up, with how many
+    it took."""
+    receive, receive_nowait = channel.receive, channel.receive_nowait
+    while True:
+        await receive()
+        taken = 1
+        try:
+            while True:
+                receive_nowait()
+                taken += 1
+        except trio.WouldBlock:
+            pass
+        if on_batch is not None:
+            on_batch(taken)
 
 
 @asynccontextmanager

@@ -43,20 +43,11 @@ async def run(step_s: float, procs: int) -> list[dict[str, Any]]:
             trio.open_nursery() as nursery:
         coord = cluster.coord
 
-        async def drain() -> None:
+        def count(taken: int) -> None:
             nonlocal delivered
-            receive, receive_nowait = coord.timing.receive, coord.timing.receive_nowait
-            while True:
-                await receive()
-                delivered += 1
-                try:
-                    while True:
-                        receive_nowait()
-                        delivered += 1
-                except trio.WouldBlock:
-                    pass
+            delivered += taken
 
-        nursery.start_soon(drain)
+        nursery.start_soon(load.drain, coord.timing, count)
         # Every rank speaks at once (heartbeat_timeout is 3 s); the records for the run are
         # sealed in slices meanwhile, so no slice stalls a load process for long.
         await cluster.command(f"rate {PER_RELAY} {PER_RELAY}")

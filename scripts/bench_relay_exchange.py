@@ -56,22 +56,13 @@ async def run(relays: int, rounds: int) -> dict[str, float]:
             got, target = 0, 0
             arrived = trio.Event()
 
-            async def consume() -> None:
+            def count(taken: int) -> None:
                 nonlocal got
-                receive, receive_nowait = coord.timing.receive, coord.timing.receive_nowait
-                while True:
-                    await receive()
-                    got += 1
-                    try:
-                        while True:
-                            receive_nowait()
-                            got += 1
-                    except trio.WouldBlock:
-                        pass
-                    if got >= target:
-                        arrived.set()
+                got += taken
+                if got >= target:
+                    arrived.set()
 
-            nursery.start_soon(consume)
+            nursery.start_soon(load.drain, coord.timing, count)
 
             async def one_round(k: int) -> None:
                 nonlocal target, arrived

@@ -133,19 +133,7 @@ async def run_case(ranks: int, per_relay: int, idle_s: float, procs: int,
                      "load_us": load.dial_cpu_us(cluster.dialed),
                      "floor_cpu_ms": floor["cpu_ms"], "floor_load_us": floor["load_us"]}
 
-        async def drain() -> None:
-            # Like bench_ingest.py's consumer: everything queued, then wait (an ``async for``
-            # step is one scheduler pass per message, the consumer's cost, not the coordinator's).
-            receive, receive_nowait = coord.timing.receive, coord.timing.receive_nowait
-            while True:
-                await receive()
-                try:
-                    while True:
-                        receive_nowait()
-                except trio.WouldBlock:
-                    pass
-
-        nursery.start_soon(drain)
+        nursery.start_soon(load.drain, coord.timing)
         # The coordinator paces the relays (issue 23): wait until it told them the period its
         # relays call for (it re-paces once per period, so formation may leave an older one).
         rate, timeout = cfg.relay_heartbeat_rate, cfg.heartbeat_timeout

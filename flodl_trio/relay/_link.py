@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import attrs
 import trio
 
 from .._config import RelayConfig
-from ..net._socket_io import Reader
+from ..net._socket_io import Reader, write_now
 from ..net._transport import StreamWriter
 from ..wire import FrameCodec, RankLinkSession
 
@@ -78,7 +77,7 @@ class RankLink:
         if self.gone or self._ending:
             return True
         if not self._pending and not self.writing and self._socket is not None:
-            blob = self._write_now(self._socket, blob)
+            blob = blob[write_now(self._socket, blob):]
             if not blob:
                 return True
         self._pending.append(blob)
@@ -89,20 +88,6 @@ class RankLink:
             elif now - self.full_since >= self.write_stall_timeout:
                 return False
         return True
-
-    @staticmethod
-    def _write_now(sock: trio.socket.SocketType, blob: bytes) -> bytes:
-        """Write ``blob`` without waiting (nothing queued, no write in flight) and return what
-        did not fit, which the writer sends next: one task wake-up, lock and cancel scope
-        fewer per frame for a rank that keeps up. Errors are left for the writer to meet."""
-        fd = sock.fileno()
-        if fd < 0:  # closed: never write to a number the OS may have reused
-            return blob
-        try:
-            written = os.write(fd, blob)
-        except OSError:  # full (EAGAIN) or broken: the writer writes it or reports the error
-            return blob
-        return blob[written:]
 
     def end_queue(self) -> None:
         """No more frames: the writer delivers what is queued, then half-closes."""
