@@ -1,4 +1,5 @@
-"""Formation (SPEC §4.2): accept, one handshake task per connection, coverage, rejects.
+"""Formation (SPEC §4.2): accept, the handshakes (one hub task for plain TCP connections), coverage,
+rejects.
 
 A connection that fails before authenticating is rejected, recorded and dropped; an
 authenticated Hello that contradicts the world fails formation at once; a relay that lost its
@@ -13,6 +14,7 @@ re-dialing.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import trio
@@ -20,14 +22,23 @@ import trio
 from .._config import CoordinatorConfig
 from .._errors import FlodlError, FormationAborted, FormationError, FormationTimeout
 from ..events import FormationComplete, FormationFailed, HandshakeRejected, RelayJoined
+from ..net._handshake_hub import HandshakeHub, HubConn, hub_socket
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
-from ..net._pending import PendingHandshakes, min_shed_age, unread_probe
+from ..net._pending import PendingHandshakes, PendingSlot, min_shed_age, unread_probe
 from ..net._ratelimit import JunkReport
 from ..net._transport import STREAM_GONE, close_all, is_local_or_private, peer_of
-from ..port_mux import MuxLeg
+from ..port_mux import MuxLeg, PrefixedStream
 from ..timeline import Timeline
-from ..wire import CoordinatorHandshake, DeclareDead, Hello, SessionSalt, max_hello_payload
+from ..wire import (
+    CoordinatorHandshake,
+    DeclareDead,
+    Established,
+    Hello,
+    HelloReceived,
+    SessionSalt,
+    max_hello_payload,
+)
 from ._handshake import Rejected, coordinator_handshake, finish_handshake, refuse
 from ._rejoin import Rejoins, announce_takeovers, rejoin_problem
 from ._relayconn import RelayConn
@@ -37,6 +48,24 @@ from .liveness import Liveness
 from .readers import Readers
 
 log = logging.getLogger("flodl_trio.coordinator")
+
+
+class HubJoining:
+    """What formation keeps of a relay whose handshake the hub advances, between its steps."""
+
+    __slots__ = ("conn", "hub", "nursery", "peer", "pending", "slot", "sock", "stream", "taken")
+
+    def __init__(self, hub: HandshakeHub, nursery: trio.Nursery, stream: trio.abc.Stream,
+                 sock: trio.socket.SocketType, peer: str) -> None:
+        self.hub = hub
+        self.nursery = nursery
+        self.stream = stream
+        self.sock = sock
+        self.peer = peer
+        self.pending: HubConn
+        self.slot: PendingSlot
+        self.conn: RelayConn | None = None
+        self.taken: dict[int, str | None] = {}
 
 
 class Formation:
@@ -87,15 +116,32 @@ class Formation:
         return len(self._pending)
 
     async def accept_loop(self, listener: trio.abc.Listener[Any]) -> None:
-        """Accept relay connections from ``listener``; one handshake task each. While
-        ``max_pending_handshakes`` are unauthenticated and none is stale, it stops accepting
-        (``PendingHandshakes.room``)."""
+        """Accept relay connections from ``listener``. While ``max_pending_handshakes`` are
+        unauthenticated and none is stale, it stops accepting (``PendingHandshakes.room``).
+
+        A plain TCP connection's handshake is advanced by one :class:`HandshakeHub` task with
+        every other one's (issue 23: a task per connection was most of formation's CPU); it
+        gets a task of its own only once its Hello needs more than the common checks (a
+        rejoin, a refusal, a re-dial) or it joined (its reader). Any other stream (TLS,
+        in-memory) runs :meth:`serve_connection` in a task from the start.
+        """
         # The port mux already set keepalive on the connections it routes.
         keepalive = None if isinstance(listener, MuxLeg) else KeepAlive.within(
             self._config.heartbeat_timeout, write_stall=self._config.write_stall_timeout)
-        await serve_each(listener, self.serve_connection, what="coordinator",
-                         keepalive=keepalive, room=self._pending.room, on_accept=self._admit,
-                         drain_while=self._pending.has_room)
+        async with trio.open_nursery() as nursery:
+            hub = HandshakeHub() if HandshakeHub.supported() else None
+            if hub is not None:
+                nursery.start_soon(hub.run)
+            try:
+                await serve_each(listener, self.serve_connection, what="coordinator",
+                                 keepalive=keepalive, room=self._pending.room,
+                                 on_accept=self._admit, drain_while=self._pending.has_room,
+                                 handler_nursery=nursery,
+                                 dispatch=None if hub is None else partial(self._to_hub, hub,
+                                                                           nursery))
+            finally:
+                if hub is not None:
+                    hub.drain()  # the handshakes it holds still end, then it returns
 
     def _admit(self, stream: trio.abc.Stream) -> None:
         self._pending.admit()
@@ -149,6 +195,8 @@ class Formation:
             await trio.aclose_forcefully(stream)
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        """One connection's handshake, checks and reads, in its own task (the path of every
+        stream the hub cannot drive)."""
         peer = peer_of(stream)
         handshake = None
         # First: the slot admit() counted is taken.
@@ -176,16 +224,33 @@ class Formation:
                 raise
         if handshake is None and trio.current_time() >= scope.deadline:
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "timeout", f"{peer}: no authenticated Hello within "
-                        f"handshake_timeout={self._config.handshake_timeout:g}s")
+            self.reject(peer, "timeout", self._timeout_text(peer))
             return
         if handshake is None:  # shed: the oldest of max_pending_handshakes, and stale
             await trio.aclose_forcefully(stream)
-            self.reject(peer, "shed", f"{peer}: still unauthenticated after "
-                        f"{self._pending.min_age:g}s when max_pending_handshakes="
-                        f"{self._pending.limit} connections were pending; the oldest is shed")
+            self.reject(peer, "shed", self._shed_text(peer))
             return
         machine, received = handshake
+        await self.after_hello(stream, machine, peer, received)
+
+    def _timeout_text(self, peer: str) -> str:
+        return (f"{peer}: no authenticated Hello within "
+                f"handshake_timeout={self._config.handshake_timeout:g}s")
+
+    def _shed_text(self, peer: str) -> str:
+        return (f"{peer}: still unauthenticated after {self._pending.min_age:g}s when "
+                f"max_pending_handshakes={self._pending.limit} connections were pending; the "
+                "oldest is shed")
+
+    def _no_ready_text(self, host: str, peer: str, exc: BaseException) -> str:
+        detail = (f"no Ready within handshake_timeout={self._config.handshake_timeout:g}s"
+                  if isinstance(exc, trio.TooSlowError) else str(exc) or repr(exc))
+        return f"relay {host!r} at {peer}: HelloAck sent, {detail}; its ranks are uncovered again"
+
+    async def after_hello(self, stream: trio.abc.Stream, machine: CoordinatorHandshake,
+                          peer: str, received: HelloReceived) -> None:
+        """Everything after an authenticated Hello, in the connection's task: the checks
+        against the world, a rejoin or a refusal, the confirmed join, then the relay's reads."""
         hello = received.hello
         ranks = tuple(hello.ranks)
         seen = received.generation
@@ -231,10 +296,8 @@ class Formation:
             return
         # Ranks whose relay was lost are free to their host; to another host only with
         # takeover (a refusal, not a failure: the host may still come back).
-        allow = self._config.allow_rank_takeover
         taken = {r: self._roster.announced_by(r) for r in ranks}
-        refusal = (rejoin_problem(self._roster, hello.host, ranks, peer, allow_takeover=allow)
-                   or self._rejoins.claim_problem(hello.host, ranks, peer))
+        refusal = self._refusal(hello.host, ranks, peer)
         if refusal is not None:
             log.warning("relay refused during formation: %s", refusal)
             await self.refuse(stream, machine, peer, "rejoin refused", refusal)
@@ -256,27 +319,141 @@ class Formation:
             conn.abandon("no Ready")
             await conn.close()
             if not superseded_now:
-                detail = (f"no Ready within handshake_timeout="
-                          f"{self._config.handshake_timeout:g}s"
-                          if isinstance(exc, trio.TooSlowError) else str(exc) or repr(exc))
-                self.reject(peer, "no ready", f"relay {hello.host!r} at {peer}: HelloAck "
-                            f"sent, {detail}; its ranks are uncovered again")
+                self.reject(peer, "no ready", self._no_ready_text(hello.host, peer, exc))
             return
         if not self._roster.is_registered(conn):  # superseded while its Ready was in flight
             await conn.close()
             return
+        self._joined(conn, taken)
+        await self._readers.read_relay(conn)
+
+    def _refusal(self, host: str, ranks: tuple[int, ...], peer: str) -> str | None:
+        allow = self._config.allow_rank_takeover
+        return (rejoin_problem(self._roster, host, ranks, peer, allow_takeover=allow)
+                or self._rejoins.claim_problem(host, ranks, peer))
+
+    def _joined(self, conn: RelayConn, taken: dict[int, str | None]) -> None:
+        """``conn``'s Ready verified and its welcome is written: it covers its ranks."""
         complete = self._roster.confirm(conn)
         conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
-        self.warn_cleartext(peer)
-        log.info("relay %r joined from %s with ranks %s", hello.host, peer, ranks_text(ranks))
-        self._timeline.event(RelayJoined(host=hello.host, ranks=ranks, peer=peer))
-        announce_takeovers(self._timeline, hello.host, taken)
+        self.warn_cleartext(conn.peer)
+        log.info("relay %r joined from %s with ranks %s", conn.host, conn.peer,
+                 ranks_text(conn.ranks))
+        self._timeline.event(RelayJoined(host=conn.host, ranks=conn.ranks, peer=conn.peer))
+        announce_takeovers(self._timeline, conn.host, taken)
         for dead in sorted(self._roster.dead):  # deaths told before it joined
             self._sender.post_to(conn, DeclareDead(rank=dead))
         if complete:
             self.complete()
-        await self._readers.read_relay(conn)
+
+    # ------------------------------------------------------------------ the hub's path
+
+    def _to_hub(self, hub: HandshakeHub, nursery: trio.Nursery,
+                stream: trio.abc.Stream) -> trio.abc.Stream | None:
+        """``serve_each``'s dispatch: hand a plain TCP connection to ``hub`` (None), else
+        give back the stream for :meth:`serve_connection`'s task."""
+        sock = hub_socket(stream)
+        if sock is None or self._roster.shutting_down:
+            return stream
+        peer = peer_of(stream)
+        machine = CoordinatorHandshake(self._salt, peer=peer, max_hello=self._max_hello,
+                                       generation=self.generation)
+        joining = HubJoining(hub, nursery, stream, sock, peer)
+        pending = HubConn(stream, sock, machine,
+                          deadline=trio.current_time() + self._config.handshake_timeout,
+                          on_event=partial(self._hub_hello, joining),
+                          on_error=partial(self._hub_rejected, joining))
+        slot = self._pending.take(unread=unread_probe(stream),
+                                  on_shed=partial(self._hub_shed, joining))
+        pending.on_sent = slot.touch
+        joining.pending, joining.slot = pending, slot
+        replay = stream.take_replay() if isinstance(stream, PrefixedStream) else b""
+        hub.add(pending, replay)
+        return None
+
+    def _hub_shed(self, joining: HubJoining) -> None:
+        # The slot is already given back (shed): the oldest of max_pending_handshakes, stale.
+        joining.hub.drop(joining.pending)
+        joining.sock.close()
+        self.reject(joining.peer, "shed", self._shed_text(joining.peer))
+
+    def _hub_rejected(self, joining: HubJoining, exc: BaseException) -> None:
+        """No authenticated Hello: the connection is rejected and closed."""
+        self._pending.release(joining.slot)
+        joining.sock.close()
+        peer = joining.peer
+        if isinstance(exc, trio.TooSlowError):
+            self.reject(peer, "timeout", self._timeout_text(peer))
+        elif isinstance(exc, FlodlError):
+            category = joining.pending.machine.failure_category  # type: ignore[attr-defined]
+            self.reject(peer, category or "malformed", str(exc))
+        else:
+            self.reject(peer, "connection error", f"{peer}: {exc!r}")
+
+    def _hub_hello(self, joining: HubJoining, received: HelloReceived) -> None:
+        """An authenticated Hello: the common join goes on in the hub (HelloAck, then the
+        relay's Ready); anything else (a rejoin, a refusal, a re-dial, a contradiction)
+        continues in a task of its own (:meth:`after_hello`)."""
+        self._pending.release(joining.slot)
+        pending = joining.pending
+        machine: CoordinatorHandshake = pending.machine  # type: ignore[assignment]
+        hello = received.hello
+        ranks = tuple(hello.ranks)
+        if not self._plain_join(hello, ranks, received, joining.peer):
+            joining.nursery.start_soon(self.after_hello, joining.stream, machine, joining.peer,
+                                       received)
+            return
+        joining.taken = {r: self._roster.announced_by(r) for r in ranks}
+        conn = joining.conn = self.new_conn(joining.stream, machine, joining.peer, hello)
+        now = trio.current_time()
+        self._roster.register(conn, now)
+        # FT/2: the relay covers its ranks only once its Ready verified (as in after_hello).
+        machine.accept()
+        pending.deadline = now + self._config.handshake_timeout
+        pending.on_event = partial(self._hub_ready, joining)
+        pending.on_error = partial(self._hub_no_ready, joining)
+        pending.on_sent = None
+        joining.hub.add(pending)
+
+    def _plain_join(self, hello: Hello, ranks: tuple[int, ...], received: HelloReceived,
+                    peer: str) -> bool:
+        """True when ``after_hello`` would only register the relay and finish its handshake:
+        formation runs, no newer generation, no earlier connection of it, no dead rank, no
+        contradiction and no refusal (each of those is judged again by ``after_hello``)."""
+        seen = received.generation
+        if seen is not None and self.generation is not None and seen > self.generation:
+            return False
+        if not self._roster.forming or self.adopting:
+            return False
+        if self._roster.same_relay(hello.host, ranks):
+            return False
+        if any(self._roster.is_dead(r) for r in ranks):
+            return False
+        if self._roster.hello_problem(hello.host, ranks, peer, world_size=hello.world_size,
+                                      model_sigs=hello.model_sigs) is not None:
+            return False
+        return self._refusal(hello.host, ranks, peer) is None
+
+    def _hub_ready(self, joining: HubJoining, established: Established) -> None:
+        conn = joining.conn
+        assert conn is not None
+        if not self._roster.is_registered(conn):  # superseded while its Ready was in flight
+            joining.nursery.start_soon(conn.close)
+            return
+        self._joined(conn, joining.taken)
+        joining.nursery.start_soon(self._readers.read_relay, conn)
+
+    def _hub_no_ready(self, joining: HubJoining, exc: BaseException) -> None:
+        conn = joining.conn
+        assert conn is not None
+        superseded_now = conn.lost_reason is not None
+        self._roster.unregister(conn)
+        conn.abandon("no Ready")
+        joining.nursery.start_soon(conn.close)
+        if not superseded_now:
+            self.reject(joining.peer, "no ready",
+                        self._no_ready_text(conn.host, joining.peer, exc))
 
     def new_conn(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
                  hello: Hello) -> RelayConn:

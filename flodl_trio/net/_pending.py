@@ -93,17 +93,20 @@ class PendingSlot:
 
     Attributes:
         scope: the cancel scope its handshake runs in; cancelled when it is shed.
+        on_shed: called instead, when given (a handshake without a task of its own).
         since: when its peer's turn began (its slot was taken, or :meth:`touch`).
         entered: when its slot was taken.
     """
 
-    __slots__ = ("_owner", "entered", "scope", "since", "token", "unread")
+    __slots__ = ("_owner", "entered", "on_shed", "scope", "since", "token", "unread")
 
     def __init__(self, owner: PendingHandshakes, token: int, now: float,
-                 unread: Callable[[], bool] | None) -> None:
+                 unread: Callable[[], bool] | None,
+                 on_shed: Callable[[], None] | None = None) -> None:
         self._owner = owner
         self.token = token
         self.scope = trio.CancelScope()
+        self.on_shed = on_shed
         self.since = now
         self.entered = now
         self.unread = unread
@@ -198,8 +201,11 @@ class PendingHandshakes:
 
     def _shed(self, slot: PendingSlot) -> None:
         del self._slots[slot.token]
-        slot.scope.cancel()
         self.shed += 1
+        if slot.on_shed is not None:
+            slot.on_shed()
+        else:
+            slot.scope.cancel()
 
     def _shed_beyond(self, most: int) -> None:
         while self._slots and len(self) > most:
@@ -216,14 +222,16 @@ class PendingHandshakes:
             self._changed.set()
             self._changed = None
 
-    @contextmanager
-    def slot(self, *, unread: Callable[[], bool] | None = None) -> Iterator[PendingSlot]:
-        """Take the slot of one connection (the one :meth:`admit` counted, if any); its
-        handshake runs inside the yielded slot's ``scope``, which is cancelled when it is shed.
+    def take(self, *, unread: Callable[[], bool] | None = None,
+             on_shed: Callable[[], None] | None = None) -> PendingSlot:
+        """Take the slot of one connection (the one :meth:`admit` counted, if any); give it
+        back with :meth:`release`. When it is shed, ``on_shed`` is called (else its ``scope``
+        is cancelled).
 
         Args:
             unread: whether the peer's bytes wait unread (:func:`unread_probe`); None: its age
                 alone decides.
+            on_shed: what sheds it, for a handshake that runs without a task of its own.
         """
         if self._admitted:
             self._admitted -= 1
@@ -231,13 +239,24 @@ class PendingHandshakes:
             self._shed_beyond(self.limit - 1)
         token = self._next
         self._next += 1
-        slot = PendingSlot(self, token, trio.current_time(), unread)
+        slot = PendingSlot(self, token, trio.current_time(), unread, on_shed)
         self._slots[token] = slot
         self.peak = max(self.peak, len(self))
         self._wake()  # an acceptor waiting may now find the oldest's age
+        return slot
+
+    def release(self, slot: PendingSlot) -> None:
+        """Give ``slot`` back (its handshake step ended); nothing if it was shed."""
+        if self._slots.pop(slot.token, None) is not None:  # not shed
+            self.max_age = max(self.max_age, trio.current_time() - slot.entered)
+            self._wake()
+
+    @contextmanager
+    def slot(self, *, unread: Callable[[], bool] | None = None) -> Iterator[PendingSlot]:
+        """:meth:`take` and :meth:`release` around a handshake that runs inside the yielded
+        slot's ``scope``, which is cancelled when it is shed."""
+        slot = self.take(unread=unread)
         try:
             yield slot
         finally:
-            if self._slots.pop(token, None) is not None:  # not shed
-                self.max_age = max(self.max_age, trio.current_time() - slot.entered)
-                self._wake()
+            self.release(slot)

@@ -60,6 +60,12 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         """Some of the peeked bytes have not been read back yet."""
         return bool(self._prefix)
 
+    def take_replay(self) -> bytes:
+        """The peeked bytes not read back yet, which no read returns after this (for a caller
+        that reads the socket itself from here on)."""
+        data, self._prefix = self._prefix, b""
+        return data
+
     def _check_open(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("this routed stream was closed")
