@@ -53,14 +53,13 @@ log = logging.getLogger("flodl_trio.coordinator")
 class HubJoining:
     """What formation keeps of a relay whose handshake the hub advances, between its steps."""
 
-    __slots__ = ("conn", "hub", "nursery", "peer", "pending", "slot", "sock", "stream", "taken")
+    __slots__ = ("conn", "hub", "nursery", "peer", "pending", "slot", "stream", "taken")
 
     def __init__(self, hub: HandshakeHub, nursery: trio.Nursery, stream: trio.abc.Stream,
-                 sock: trio.socket.SocketType, peer: str) -> None:
+                 peer: str) -> None:
         self.hub = hub
         self.nursery = nursery
         self.stream = stream
-        self.sock = sock
         self.peer = peer
         self.pending: HubConn
         self.slot: PendingSlot
@@ -359,7 +358,7 @@ class Formation:
         peer = peer_of(stream)
         machine = CoordinatorHandshake(self._salt, peer=peer, max_hello=self._max_hello,
                                        generation=self.generation)
-        joining = HubJoining(hub, nursery, stream, sock, peer)
+        joining = HubJoining(hub, nursery, stream, peer)
         pending = HubConn(stream, sock, machine,
                           deadline=trio.current_time() + self._config.handshake_timeout,
                           on_event=partial(self._hub_hello, joining),
@@ -375,13 +374,13 @@ class Formation:
     def _hub_shed(self, joining: HubJoining) -> None:
         # The slot is already given back (shed): the oldest of max_pending_handshakes, stale.
         joining.hub.drop(joining.pending)
-        joining.sock.close()
+        joining.pending.sock.close()
         self.reject(joining.peer, "shed", self._shed_text(joining.peer))
 
     def _hub_rejected(self, joining: HubJoining, exc: BaseException) -> None:
         """No authenticated Hello: the connection is rejected and closed."""
         self._pending.release(joining.slot)
-        joining.sock.close()
+        joining.pending.sock.close()
         peer = joining.peer
         if isinstance(exc, trio.TooSlowError):
             self.reject(peer, "timeout", self._timeout_text(peer))
