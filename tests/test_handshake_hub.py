@@ -102,6 +102,46 @@ async def test_the_hub_runs_a_whole_join_and_holds_nothing_after() -> None:
     peer.close()
 
 
+async def test_a_connection_given_back_from_its_callback_goes_on_and_ends_unregistered() -> None:
+    # Formation's path: the Hello's callback accepts and gives the connection straight back
+    # (its socket stays registered in between); once the join ends the hub holds nothing,
+    # and the same socket can be held again (it was unregistered, or add would fail).
+    hub = HandshakeHub()
+    stream, peer = pair()
+    outcome = Outcome()
+    conn = held(stream, outcome, trio.current_time() + 10)
+
+    def on_hello(event: Any) -> None:
+        assert isinstance(event, wire.HelloReceived)
+        conn.machine.accept()  # type: ignore[attr-defined]
+        conn.on_event = outcome.event
+        hub.add(conn)
+
+    conn.on_event = on_hello
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.run)
+        hub.add(conn)
+        relay_machine = relay()
+        with trio.fail_after(10):
+            relay_end = await relay_turn(peer, relay_machine)
+            await outcome.done.wait()
+        assert isinstance(relay_end, wire.Established)
+        [(kind, established)] = outcome.calls
+        assert kind == "event" and isinstance(established, wire.Established)
+        assert len(hub) == 0 and hub.peak == 1
+        # Held again (a fresh machine): the peer's close now ends it with an error.
+        outcome.calls.clear()
+        outcome.done = trio.Event()
+        hub.add(held(stream, outcome, trio.current_time() + 10))
+        peer.close()
+        with trio.fail_after(10):
+            await outcome.done.wait()
+        [(kind, exc)] = outcome.calls
+        assert kind == "error" and isinstance(exc, FlodlError)
+        hub.drain()
+    stream.socket.close()
+
+
 async def test_a_relay_cut_at_every_byte_of_its_first_flight_is_rejected_never_held() -> None:
     # The relay's magic and Hello, cut after each byte (0 .. all but one): the connection is
     # rejected with the machine's own error (an "eof" category) and never waits for its

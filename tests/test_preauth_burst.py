@@ -4,12 +4,15 @@ shed and re-dialing; silent connections are still shed, once ``min_shed_age`` ol
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 import trio.testing
 
 import flodl_trio as ft
 from flodl_trio import wire
+from flodl_trio.net._listen import serve_each
 from flodl_trio.net._pending import PendingHandshakes, min_shed_age
 from flodl_trio.port_mux import open_port_mux
 from flodl_trio.testing import MemoryNetwork
@@ -264,6 +267,53 @@ async def test_an_accept_loop_takes_every_queued_routed_connection_without_waiti
         for stream in taken[:3]:
             assert stream is not None
             assert await stream.receive_some(4) == wire.CHANNEL_MAGIC_CONTROL
+            await stream.aclose()
+    for client in clients:
+        await client.aclose()
+
+
+async def test_formation_s_accept_loop_takes_a_queued_burst_of_routed_connections_in_one_pass(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # serve_each over a port mux leg drains its queue with accept_nowait (issue 23): a burst
+    # the mux routed costs one pass through the scheduler, not one per connection.
+    clients: list[trio.abc.Stream] = []
+    ticks = 0
+    seen: list[int] = []
+    taken: list[trio.abc.Stream] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        for _ in range(10_000):  # bounded: cancelled long before
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    all_taken = trio.Event()
+
+    def dispatch(stream: trio.abc.Stream) -> None:
+        seen.append(ticks)
+        taken.append(stream)
+        if len(taken) == 5:
+            all_taken.set()
+
+    async def never(stream: trio.abc.Stream) -> None:  # dispatch keeps every stream
+        raise AssertionError("no handler task expected")
+
+    async with open_port_mux(memory_network.listener("mux"), peek_timeout=5) as mux:
+        for _ in range(5):
+            clients.append(await memory_network.connect("mux"))
+            await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
+        await trio.testing.wait_all_tasks_blocked()
+        assert mux.stats.routed["control"] == 5
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await nursery.start(partial(serve_each, mux.control, never, what="test",
+                                        dispatch=dispatch, drain_while=lambda: True))
+            with trio.fail_after(5):
+                await all_taken.wait()
+            nursery.cancel_scope.cancel()
+        assert len(set(seen)) == 1, f"expected one pass for the 5 queued, got ticks {seen}"
+        for stream in taken:
             await stream.aclose()
     for client in clients:
         await client.aclose()

@@ -116,6 +116,10 @@ class HandshakeHub:
         self._changed: trio.Event | None = None
         self._draining = False
         self._stopped = False
+        # Descriptors still registered while their connection's event is delivered: a
+        # callback that gives the connection back for its next step keeps the registration
+        # (no epoll_ctl pair per step); the rest are unregistered once the callback returns.
+        self._kept: dict[int, trio.socket.SocketType] = {}
         self.peak = 0
 
     def __len__(self) -> int:
@@ -146,7 +150,10 @@ class HandshakeHub:
             stale.on_error(trio.ClosedResourceError("the connection was closed"))
         conn.fd = fd
         self._conns[fd] = conn
-        self._epoll.register(fd, _IN)
+        if self._kept.get(fd) is conn.sock:  # back for its next step: still registered
+            del self._kept[fd]
+        else:
+            self._epoll.register(fd, _IN)
         self.peak = max(self.peak, len(self._conns))
         heapq.heappush(self._deadlines, (conn.deadline, next(self._seq), conn))
         if self._changed is not None:
@@ -282,8 +289,20 @@ class HandshakeHub:
         if conn.unsent:
             conn.held = event  # delivered once the socket took everything before it
             return
-        self._drop(conn)
-        conn.on_event(event)
+        self._deliver(conn, event)
+
+    def _deliver(self, conn: HubConn, event: Any) -> None:
+        """Forget ``conn`` and call its ``on_event``; its descriptor stays registered for
+        the callback to give it back (:meth:`add`), else it is unregistered afterwards."""
+        fd, sock = conn.fd, conn.sock
+        self._kept[fd] = sock
+        self._forget(conn)
+        try:
+            conn.on_event(event)
+        finally:
+            if self._kept.get(fd) is sock:
+                del self._kept[fd]
+                self._unregister(fd, sock)
 
     def _flush(self, conn: HubConn) -> None:
         written = self._write_some(conn, conn.unsent)
@@ -298,8 +317,7 @@ class HandshakeHub:
             conn.on_sent()
         event, conn.held = conn.held, None
         if event is not None:
-            self._drop(conn)
-            conn.on_event(event)
+            self._deliver(conn, event)
 
     @staticmethod
     def _write_some(conn: HubConn, data: bytes | bytearray) -> int:
@@ -318,13 +336,21 @@ class HandshakeHub:
 
     def _drop(self, conn: HubConn) -> None:
         fd = conn.fd
-        if self._conns.get(fd) is conn:
-            del self._conns[fd]
-            if conn.sock.fileno() == fd:  # closed from outside: the kernel removed it
-                try:
-                    self._epoll.unregister(fd)
-                except OSError:  # pragma: no cover - already gone
-                    pass
+        held = self._conns.get(fd) is conn
+        self._forget(conn)
+        if held:
+            self._unregister(fd, conn.sock)
+
+    def _forget(self, conn: HubConn) -> None:
+        if self._conns.get(conn.fd) is conn:
+            del self._conns[conn.fd]
         conn.fd = -1
         conn.held = None
         conn.unsent.clear()
+
+    def _unregister(self, fd: int, sock: trio.socket.SocketType) -> None:
+        if sock.fileno() == fd:  # closed (from outside, or by a callback): the kernel removed it
+            try:
+                self._epoll.unregister(fd)
+            except OSError:  # pragma: no cover - already gone
+                pass

@@ -59,11 +59,12 @@ async def serve_each(
             listener's backlog (a bound on pending handshakes, ``_pending``).
         dispatch: called with each stream (after ``on_accept``): returns None when it dealt
             with the connection itself (no task), else the stream to give ``handler``.
-        drain_while: with a ``trio.SocketListener``: after each ``accept``, also accept the
-            connections already waiting, while this returns True, without a pass through the
-            scheduler each (``SocketListener.accept`` makes one per connection, so a burst
-            of thousands overflows the kernel's backlog: dialers then wait for TCP
-            retransmits, a second and more).
+        drain_while: with a ``trio.SocketListener`` (or a listener with an
+            ``accept_nowait()`` that returns None when none waits, as the port mux's legs):
+            after each ``accept``, also accept the connections already waiting, while this
+            returns True, without a pass through the scheduler each (``SocketListener.accept``
+            makes one per connection, so a burst of thousands overflows the kernel's backlog:
+            dialers then wait for TCP retransmits, a second and more).
         task_status: ``started()`` once the loop runs.
 
     Raises:
@@ -123,16 +124,22 @@ async def _accept_loop(listener: trio.abc.Listener[Any], take: Callable[[Any], N
             await trio.sleep(ACCEPT_RETRY_SLEEP)
             continue
         take(stream)
-        if raw is None or drain_while is None:
+        if drain_while is None:
             continue
+        queued = getattr(listener, "accept_nowait", None)  # the port mux's legs
         for _ in range(DRAIN_MAX):  # bounded: then the scheduler's turn again
             if not drain_while():
                 break
-            try:
-                conn, _ = raw.accept()
-            except OSError:  # none waiting (EAGAIN), or an error the next accept meets
+            if raw is not None:
+                try:
+                    conn, _ = raw.accept()
+                except OSError:  # none waiting (EAGAIN), or an error the next accept meets
+                    break
+                take(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
+            elif queued is not None and (stream := queued()) is not None:
+                take(stream)
+            else:
                 break
-            take(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
 
 
 async def listen_tcp(port: int, *, host: str | None,
