@@ -214,3 +214,38 @@ async def test_a_relay_that_joins_late_gets_the_period_right_after_its_welcome(
             await wait_until(lambda: len(seen) == 3, limit=10)
             nursery.cancel_scope.cancel()
     assert seen[0] == wire.Cadence(interval=3.5)
+
+
+async def test_a_tcp_relay_that_joins_late_gets_the_period_in_its_welcome_s_write(
+        autojump_clock: trio.abc.Clock) -> None:
+    # Plain TCP (the coordinator's handshake hub): the Cadence rides in the welcome's write,
+    # so the relay has it the moment its join is confirmed, without another read.
+    salt = ft.SessionSalt.generate()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    early: list[Any] = []
+    late: list[Any] = []
+
+    async def relay(r: int, into: list[Any]) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        into.append(await raw_relay_handshake(stream, salt, f"host-{r}", [r], world_size=8))
+
+    async with trio.open_nursery() as nursery:
+        for r in range(7):
+            nursery.start_soon(relay, r, early)
+
+        async def late_relay() -> None:
+            await trio.sleep(6)  # the seven others' period is 3.5 s by then
+            await relay(7, late)
+
+        nursery.start_soon(late_relay)
+        async with ft.open_coordinator(listeners, salt=salt, config=paced()) as coord:
+            assert coord.heartbeat_period == 3.5
+            [raw] = late
+            assert raw.acked
+            [cadence] = raw.opener.feed(b"")  # already here: it came with the welcome
+            assert cadence.kind == CONTROL
+            assert wire.decode_relay(cadence.payload) == wire.Cadence(interval=3.5)
+            nursery.cancel_scope.cancel()
+    for raw in early + late:
+        await trio.aclose_forcefully(raw.stream)

@@ -153,6 +153,36 @@ def test_records_that_arrive_with_the_hello_ack_stay_in_the_relays_opener() -> N
     assert done.opener.feed(b"") == [wire.Record(wire.RecordKind.DATA, 1, b"early")]
 
 
+def test_a_cadence_given_to_accept_follows_the_welcome_in_the_same_flight() -> None:
+    # Issue 23: a coordinator that paces its relays tells a joining one its period right
+    # behind the welcome, in the welcome's own write.
+    relay, coord = hello_received_upstream()
+    coord.accept(cadence=wire.Cadence(interval=5.0))
+    relay.receive_data(coord.data_to_send())  # the HelloAck
+    assert relay.next_event() is wire.NEED_DATA
+    coord.receive_data(relay.data_to_send())  # the Ready
+    established = coord.next_event()
+    assert isinstance(established, wire.Established)
+    relay.receive_data(coord.data_to_send())  # one flight: welcome, Cadence
+    done = relay.next_event()
+    assert isinstance(done, wire.Established)
+    assert [rec.kind for rec in done.records] == [wire.RecordKind.FANOUT]
+    [cadence] = done.opener.feed(b"")
+    assert cadence.kind == wire.RecordKind.CONTROL
+    assert wire.decode_relay(cadence.payload) == wire.Cadence(interval=5.0)
+    # Both ends go on from the same sequence numbers: the next record opens.
+    after = established.sealer.seal(wire.RecordKind.DATA, 1, b"next")
+    assert done.opener.feed(after) == [wire.Record(wire.RecordKind.DATA, 1, b"next")]
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan"), float("inf"), 3601.0])
+def test_accept_refuses_a_cadence_no_relay_accepts_naming_it(interval: float) -> None:
+    _, coord = hello_received_upstream()
+    with pytest.raises(ft.WireError, match=r"Cadence to 10\.0\.0\.7:5000: expected an interval"):
+        coord.accept(cadence=wire.Cadence(interval=interval))
+    assert coord.refusable  # nothing was answered yet: the Hello can still be refused
+
+
 def accepted_upstream() -> tuple[Any, Any]:
     """Both ends driven until the coordinator accepted the Hello (its HelloAck is queued)."""
     relay, coord = hello_received_upstream()

@@ -14,6 +14,7 @@ from ..net._handshake_io import HandshakeMachine
 from ..net._socket_io import Reader, run_handshake_on
 from ..net._transport import STREAM_GONE
 from ..wire import (
+    Cadence,
     CoordinatorHandshake,
     Established,
     HelloReceived,
@@ -57,16 +58,17 @@ async def coordinator_handshake(
     return machine, event
 
 
-async def finish_handshake(stream: trio.abc.Stream,
-                           machine: CoordinatorHandshake) -> Established:
+async def finish_handshake(stream: trio.abc.Stream, machine: CoordinatorHandshake, *,
+                           cadence: Cadence | None = None) -> Established:
     """Accept the Hello: write ``HelloAck`` (both directions then use ``conn_key``), wait for
-    the relay's ``Ready`` and write the welcome (FT/2). The caller bounds it.
+    the relay's ``Ready`` and write the welcome (FT/2), with ``cadence`` after it in the same
+    write. The caller bounds it.
 
     Raises:
         FlodlError: the relay broke the protocol before its Ready verified.
         trio.BrokenResourceError / trio.ClosedResourceError: the stream is gone.
     """
-    machine.accept()
+    machine.accept(cadence=cadence)
     event = await drive(stream, machine)
     assert isinstance(event, Established)
     return event

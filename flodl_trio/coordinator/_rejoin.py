@@ -167,7 +167,8 @@ class Rejoins:
                         await self._admitter.refuse(stream, machine, peer, "rejoin refused",
                                                     problem)
                         return
-                await finish_handshake(stream, machine)
+                await finish_handshake(stream, machine,
+                                       cadence=self._liveness.join_cadence(conn))
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
             conn.abandon("no Ready")
             log.info("relay %r at %s: rejoin abandoned before its Ready (%s)", hello.host, peer,

@@ -124,6 +124,8 @@ class RelayConn:
         self._sealer = sealer
         self._opener = opener
         self.session: CoordinatorSession | None = None  # once joined: see open_session
+        # The heartbeat period this connection was told (Cadence), None: none yet.
+        self.cadence: float | None = None
         self.write_stall_timeout = write_stall_timeout
         self.index = index
         # Told once the connection is lost (liveness.relay_lost); ``stalled`` for a write stall.

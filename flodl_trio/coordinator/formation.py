@@ -311,7 +311,8 @@ class Formation:
         # of the same relay supersedes this connection, and its end un-covers the relay.
         try:
             with trio.fail_after(self._config.handshake_timeout):
-                await finish_handshake(stream, machine)
+                await finish_handshake(stream, machine,
+                                       cadence=self._liveness.join_cadence(conn))
         except (trio.TooSlowError, FlodlError, *STREAM_GONE) as exc:
             superseded_now = conn.lost_reason is not None
             self._roster.unregister(conn)
@@ -408,7 +409,7 @@ class Formation:
         now = trio.current_time()
         self._roster.register(conn, now)
         # FT/2: the relay covers its ranks only once its Ready verified (as in after_hello).
-        machine.accept()
+        machine.accept(cadence=self._liveness.join_cadence(conn))
         pending.deadline = now + self._config.handshake_timeout
         pending.on_event = partial(self._hub_ready, joining)
         pending.on_error = partial(self._hub_no_ready, joining)

@@ -263,10 +263,20 @@ class Liveness:
         for conn in self._roster.relays:
             self.tell_cadence(conn)
 
+    def join_cadence(self, conn: RelayConn) -> Cadence | None:
+        """The ``Cadence`` for ``conn``'s handshake to seal after its welcome, in the same
+        write (``CoordinatorHandshake.accept(cadence=)``), or None while the period is the
+        ``heartbeat_interval`` a relay starts with; ``conn`` counts as told it."""
+        if self.heartbeat_period == self._config.heartbeat_interval:
+            return None
+        conn.cadence = self.heartbeat_period
+        return Cadence(interval=self.heartbeat_period)
+
     def joined(self, conn: RelayConn) -> None:
         """``conn`` joined, rejoined or resumed (after its welcome): it learns the period, if
-        it is not the ``heartbeat_interval`` it starts with."""
-        if self.heartbeat_period != self._config.heartbeat_interval:
+        what it runs at (``heartbeat_interval``, or the Cadence its handshake sent) is not
+        the period now."""
+        if (conn.cadence or self._config.heartbeat_interval) != self.heartbeat_period:
             self.tell_cadence(conn)
 
     def tell_cadence(self, conn: RelayConn) -> None:
@@ -274,6 +284,7 @@ class Liveness:
         connection that ended or has not joined)."""
         if not conn.alive or conn.session is None:
             return
+        conn.cadence = self.heartbeat_period
         # RelayConn.submit_control seals through the connection's CoordinatorSession, whose
         # send takes a Cadence; its annotation names only Goodbye and FenceRank.
         conn.submit_control(cast(Any, Cadence(interval=self.heartbeat_period)), None)

@@ -52,6 +52,7 @@ from ._constants import (
 from ._crypto import SessionSalt, conn_key, hs_key
 from ._frames import encode_frame
 from ._messages import (
+    Cadence,
     Challenge,
     CoordHeartbeat,
     Generation,
@@ -64,6 +65,7 @@ from ._messages import (
     decode_relay,
     encode,
 )
+from ._msg_relay import cadence_problem
 from ._records import Record, RecordOpener, RecordSealer, encode_fanout
 
 # A Hello is small; a stranger must not make the coordinator buffer megabytes before the MAC.
@@ -200,7 +202,8 @@ class CoordinatorHandshake(UpstreamMachine):
     Events: ``HelloReceived`` once the Hello's (or Resume's) MAC verified (the caller validates
     it against the world and calls :meth:`accept`, or :meth:`refuse` and closes), then
     ``Established`` once the relay's ``Ready`` verified (``Generation`` when ``generation`` is
-    given, then the welcome record, are then queued). ``failure_category``
+    given, then the welcome record and the ``Cadence`` given to :meth:`accept`, are then
+    queued). ``failure_category``
     groups a failure for reject reports (``"bad magic"``, ``"bad mac"``, ``"eof before
     hello"``, ...).
 
@@ -233,6 +236,7 @@ class CoordinatorHandshake(UpstreamMachine):
         self._state = "magic"
         self.hello: Hello | None = None
         self.resume: Resume | None = None
+        self._cadence = b""  # accept(cadence=): sealed after the welcome
 
     @property
     def sealer(self) -> RecordSealer:
@@ -307,17 +311,32 @@ class CoordinatorHandshake(UpstreamMachine):
             # record arrives after its Ready.
             welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
             self._out += self._sealer.seal(RecordKind.FANOUT, 0, welcome)
+            if self._cadence:
+                self._out += self._sealer.seal(RecordKind.CONTROL, 0, self._cadence)
             self._state = "done"
             self._done = True
             return Established(self._sealer, self._opener, generation=self.generation)
         raise HandshakeError(f"{self.peer}: the upstream handshake already ended")
 
-    def accept(self) -> None:
+    def accept(self, *, cadence: Cadence | None = None) -> None:
         """Answer the Hello (or Resume) with ``HelloAck`` and switch both directions to
-        ``conn_key``; the machine then waits for the relay's ``Ready`` (FT/2)."""
+        ``conn_key``; the machine then waits for the relay's ``Ready`` (FT/2).
+
+        ``cadence``: a ``Cadence`` sealed right after the welcome, in the same write (a
+        coordinator that paces its relays tells a joining relay its period without a write
+        of its own).
+
+        Raises:
+            HandshakeError: no authenticated Hello awaits an answer.
+            WireError: ``cadence``'s interval is not one a relay accepts.
+        """
         self._check()
         if self._state != "decide" or self.hello is None:
             raise HandshakeError(f"{self.peer}: accept() before an authenticated Hello")
+        if cadence is not None:
+            if (problem := cadence_problem(cadence.interval)) is not None:
+                raise WireError(f"Cadence to {self.peer}: {problem}")
+            self._cadence = encode(cadence)
         ack = HelloAck(self.hello.nonce)
         self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(ack))
         key = conn_key(self._salt, self.coord_nonce, self.hello.nonce)

@@ -6,6 +6,8 @@ variant registers with :data:`RELAY_CONTROL_MSG` on import; ``_messages`` genera
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from ._msg_timing import Heartbeat
@@ -220,6 +222,14 @@ class Cadence(RelayControlMsg):
 
 
 MAX_CADENCE = 3600.0  # seconds: a Cadence above this is a coordinator's bug, not a wish
+
+
+def cadence_problem(interval: float) -> str | None:
+    """Why ``interval`` is no ``Cadence`` (not finite, ≤ 0 or over :data:`MAX_CADENCE`
+    seconds), or None."""
+    if math.isfinite(interval) and 0 < interval <= MAX_CADENCE:
+        return None
+    return f"expected an interval in (0, {MAX_CADENCE:g}] seconds, got {interval!r}"
 
 
 _new = object.__new__

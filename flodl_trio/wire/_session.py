@@ -16,7 +16,6 @@ the first of the peer's end (EOF, a protocol error) and what the loop reports wi
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -26,7 +25,6 @@ from ._constants import FRAME_HEADER_LEN, MsgKind, RecordKind
 from ._frames import FrameCodec, frames_before, len_frame
 from ._handshake import NEED_DATA
 from ._messages import (
-    MAX_CADENCE,
     Cadence,
     FenceRank,
     Goodbye,
@@ -40,6 +38,7 @@ from ._messages import (
     decode_timing,
     encode,
 )
+from ._msg_relay import cadence_problem
 from ._records import Record, RecordOpener, RecordSealer, decode_fanout, encode_fanout
 from ._schema import WireMessage
 
@@ -75,14 +74,6 @@ def ranks_text(ranks: Iterable[int]) -> str:
     if len(ranks) <= 8:
         return str(list(ranks))
     return f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
-
-
-def cadence_problem(interval: float) -> str | None:
-    """Why ``interval`` is no ``Cadence`` (not finite, ≤ 0 or over :data:`MAX_CADENCE`
-    seconds), or None."""
-    if math.isfinite(interval) and 0 < interval <= MAX_CADENCE:
-        return None
-    return f"expected an interval in (0, {MAX_CADENCE:g}] seconds, got {interval!r}"
 
 
 class Invalid(NamedTuple):
