@@ -4,12 +4,14 @@ is what the kernel accepts)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 
 import flodl_trio as ft
 from flodl_trio import wire
 
-from helpers import raw_relay_handshake
+from helpers import raw_relay_handshake, wait_until
 
 UID = 48 * 1024  # a few of these fill a loopback socket's buffers
 
@@ -72,3 +74,69 @@ async def test_records_to_a_relay_that_stops_reading_arrive_whole_and_in_order()
                 with trio.fail_after(10):
                     await sent.wait()
             nursery.cancel_scope.cancel()
+
+
+def writer_tasks() -> list[trio.lowlevel.Task]:
+    """Every relay writer task running in this Trio run."""
+    found: list[trio.lowlevel.Task] = []
+    todo = [trio.lowlevel.current_root_task()]
+    for _ in range(100_000):  # bounded walk of the task tree
+        if not todo:
+            break
+        task = todo.pop()
+        assert task is not None
+        if task.name.endswith("RelayConn.run_writer"):
+            found.append(task)
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return found
+
+
+async def test_a_relay_gets_a_writer_task_only_once_the_kernel_does_not_take_its_records(
+) -> None:
+    # Issue 23: joined relays that take what they are sent cost no writer task; the one whose
+    # socket fills gets one, and every record still arrives whole and in order.
+    salt = ft.SessionSalt.generate()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=10, heartbeat_interval=3600,
+                               heartbeat_timeout=600, write_stall_timeout=30)
+    count = 40
+    async with await ft.bind_coordinator(("127.0.0.1", 0)) as bound:
+        streams = [await trio.open_tcp_stream(*bound.address) for _ in range(4)]
+        async with trio.open_nursery() as nursery:
+            raws: dict[int, object] = {}
+
+            async def join(r: int) -> None:
+                raws[r] = await raw_relay_handshake(streams[r], salt, f"host-{r}", [r],
+                                                    world_size=4)
+
+            for r in range(4):
+                nursery.start_soon(join, r)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                await coord.broadcast_control(wire.Throttle())  # all idle: no task
+                assert writer_tasks() == []
+                sent = trio.Event()
+
+                async def send_to_rank_0() -> None:
+                    for i in range(count):
+                        uid = i.to_bytes(4, "little") * (UID // 4)
+                        await coord.send_control(0, wire.NewNcclSession(
+                            uid=uid, new_rank=i, new_world_size=4))
+                    sent.set()
+
+                nursery.start_soon(send_to_rank_0)
+                await wait_until(lambda: len(writer_tasks()) == 1, limit=10, step=0.05)
+                assert not sent.is_set()  # relay 0 reads nothing yet: its socket is full
+                raw0: Any = raws[0]
+                got = 0
+                with trio.fail_after(20):
+                    while got < count:
+                        data = await streams[0].receive_some(1 << 20)
+                        assert data, f"EOF after {got} records"
+                        for rec in raw0.opener.feed(data):
+                            if rec.kind == wire.RecordKind.DATA:
+                                got += 1
+                    await sent.wait()
+                assert len(writer_tasks()) == 1  # the three others never needed one
+                nursery.cancel_scope.cancel()
+        for stream in streams:
+            await trio.aclose_forcefully(stream)

@@ -21,6 +21,7 @@ from ..wire import (
 from ._roster import ranks_text
 
 _T = TypeVar("_T")
+_Item = tuple[bytes, int, "Delivery | None"]
 _RECORD = 0  # queue item: sealed bytes (a whole record, or the rest of a direct write)
 _EOF = -1  # queue marker: half-close after everything queued before it
 _RETIRE = -2  # queue marker: half-close, give the relay a grace to close first, then close
@@ -28,6 +29,11 @@ _BATCH = 64
 # Records queued for one relay's writer, at most: far beyond any burst a healthy relay sees
 # (the writer takes 64 at a time), so a queue this full is a relay that does not read.
 QUEUE_LIMIT = 65536
+
+
+class _Queue(NamedTuple):
+    send: trio.MemorySendChannel[_Item]
+    receive: trio.MemoryReceiveChannel[_Item]
 
 
 class CloseReason(NamedTuple):
@@ -80,13 +86,14 @@ class RelayConn:
     Every record is sealed by the connection's :class:`~flodl_trio.wire.CoordinatorSession`
     (``session``, opened once the join is confirmed and before the writer starts; the reader
     reads through the same object), which alone decides what may go to a relay. Records go
-    through one writer task (``run_writer``) fed by a queue of at most ``queue_limit``
-    records, so a broadcast costs one ``send_nowait`` per relay, a burst is coalesced into one
-    write, records are sealed when submitted, in the order they are written, and a stalled
-    relay delays nobody but itself: its writer gives up after ``write_stall_timeout`` and the
-    connection is lost. A queue that fills up is a stall too (its relay is not reading at the
-    pace it is sent to): the record that does not fit is settled as lost and the connection is
-    lost with ``queue full``, as after a write stall.
+    through one writer task (``run_writer``, started the first time it is needed: see the fast
+    path) fed by a queue of at most ``queue_limit`` records, so a broadcast costs one
+    ``send_nowait`` per relay, a burst is coalesced into one write, records are sealed when
+    submitted, in the order they are written, and a stalled relay delays nobody but itself:
+    its writer gives up after ``write_stall_timeout`` and the connection is lost. A queue that
+    fills up is a stall too (its relay is not reading at the pace it is sent to): the record
+    that does not fit is settled as lost and the connection is lost with ``queue full``, as
+    after a write stall.
 
     Its end is one :class:`CloseReason` (``close_reason``, the first wins); ``alive``,
     ``lost_reason``, ``retired`` and ``stalled`` are read from it. ``closed`` says whether the
@@ -131,8 +138,11 @@ class RelayConn:
         # Told once the connection is lost (liveness.relay_lost); ``stalled`` for a write stall.
         self.on_lost: Callable[[RelayConn, str, bool], None] = lambda conn, cause, stalled: None
         self.queue_limit = queue_limit
-        self._queue_send, self._queue_recv = trio.open_memory_channel[
-            tuple[bytes, int, Delivery | None]](queue_limit)
+        # The writer's queue and task, made on the first record the kernel did not take at
+        # once (most relays never need either: see the class doc's fast path).
+        self._queue: _Queue | None = None
+        self._writers: trio.Nursery | None = None  # where the writer runs (start_writer)
+        self._writer_started = False
         self.close_reason: CloseReason | None = None
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
@@ -211,8 +221,7 @@ class RelayConn:
     @property
     def idle(self) -> bool:
         """Nothing queued and no write in progress: the relay takes what it is given."""
-        return (self._write_scope is None
-                and self._queue_send.statistics().current_buffer_used == 0)
+        return self._write_scope is None and not self._queued
 
     def open_session(self, codec: FrameCodec) -> CoordinatorSession:
         """The connection's one session, opened once its join is confirmed (its ``Ready``
@@ -274,7 +283,7 @@ class RelayConn:
 
     def _enqueue(self, data: bytes, mark: int, delivery: Delivery | None) -> None:
         try:
-            self._queue_send.send_nowait((data, mark, delivery))
+            self._open_queue().send.send_nowait((data, mark, delivery))
         except trio.WouldBlock:
             # Never wait on one relay: a queue this full is a relay that does not read.
             failure = (f"queue full: {self.queue_limit} records not yet written (the relay "
@@ -288,6 +297,32 @@ class RelayConn:
                 delivery.settle(self, "connection closed")
             return
         self._queued += 1
+        self._spawn_writer()
+
+    def _open_queue(self) -> _Queue:
+        if self._queue is None:
+            send, receive = trio.open_memory_channel[_Item](self.queue_limit)
+            self._queue = _Queue(send, receive)
+            if self.closed or self._ended.is_set():
+                send.close()
+        return self._queue
+
+    def start_writer(self, nursery: trio.Nursery) -> None:
+        """Run this connection's writer (:meth:`run_writer`) in ``nursery`` once it has
+        something to write that the kernel did not take at once, or to close the stream once
+        the connection is abandoned; until then it costs no task."""
+        self._writers = nursery
+        if self._queued or self._ended.is_set():
+            self._spawn_writer()
+
+    def _spawn_writer(self) -> None:
+        if self._writer_started or self._writers is None:
+            return
+        self._writer_started = True
+        try:
+            self._writers.start_soon(self.run_writer)
+        except RuntimeError:  # the writers' nursery closed (after shutdown): nothing to write
+            pass
 
     def _write_now(self, sock: trio.socket.SocketType, record: bytes,
                    delivery: Delivery | None) -> None:
@@ -333,11 +368,13 @@ class RelayConn:
 
     async def run_writer(self) -> None:
         """The single writer of this connection (runs in the coordinator's nursery)."""
-        async for item in self._queue_recv:
+        self._writer_started = True
+        receive = self._open_queue().receive
+        async for item in receive:
             batch = [item]
             while len(batch) < _BATCH:
                 try:
-                    batch.append(self._queue_recv.receive_nowait())
+                    batch.append(receive.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
             self._queued -= len(batch)
@@ -398,15 +435,18 @@ class RelayConn:
         if first:
             self.close_reason = CloseReason("stalled" if stalled else "lost", reason)
         self._ended.set()
-        self._queue_send.close()
+        if self._queue is not None:
+            self._queue.send.close()
         if self._write_scope is not None:
             self._write_scope.cancel()
+        self._spawn_writer()  # its end closes the stream
         return first
 
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._queue_send.close()
+            if self._queue is not None:
+                self._queue.send.close()
             if self._stream is not None:
                 await trio.aclose_forcefully(self._stream)
             else:

@@ -61,11 +61,11 @@ class Sender:
             self.resumes.set()
 
     def start_writer(self, conn: RelayConn) -> None:
-        """Open ``conn``'s session, then start its writer (``host_writers`` must be
-        running)."""
+        """Open ``conn``'s session, then give it the writers' nursery (``host_writers`` must
+        be running): its writer task starts there the first time it is needed."""
         assert self._writers is not None, "host_writers is not running"
         conn.open_session(self._codec)
-        self._writers.start_soon(conn.run_writer)
+        conn.start_writer(self._writers)
 
     def stop_writers(self) -> None:
         if self._writers_scope is not None:
