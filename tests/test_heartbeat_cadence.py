@@ -191,7 +191,7 @@ async def test_a_relay_that_joins_late_gets_the_period_right_after_its_welcome(
     seen: list[Any] = []
 
     async def late_relay() -> None:
-        await trio.sleep(6)  # the seven others' period is 3.5 s by then
+        await trio.sleep(6)  # the seven others' are paced for the world's 8 relays: 4 s
         raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, "host-7",
                                         [7], world_size=8)
         assert raw.acked  # the welcome came before anything else: the join is confirmed
@@ -210,42 +210,52 @@ async def test_a_relay_that_joins_late_gets_the_period_right_after_its_welcome(
         nursery.start_soon(late_relay)
         async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
                                        config=paced()) as coord:
-            assert coord.heartbeat_period == 3.5
+            assert coord.heartbeat_period == 4.0
             await wait_until(lambda: len(seen) == 3, limit=10)
             nursery.cancel_scope.cancel()
-    assert seen[0] == wire.Cadence(interval=3.5)
+    assert seen[0] == wire.Cadence(interval=4.0)
 
 
-async def test_a_tcp_relay_that_joins_late_gets_the_period_in_its_welcome_s_write(
+async def test_tcp_relays_learn_the_world_s_period_in_their_welcome_s_write_once_each(
         autojump_clock: trio.abc.Clock) -> None:
-    # Plain TCP (the coordinator's handshake hub): the Cadence rides in the welcome's write,
-    # so the relay has it the moment its join is confirmed, without another read.
+    # Plain TCP (the coordinator's handshake hub). While forming, the period is paced for the
+    # relays the world will have (8 one-rank relays at 2 a second: 4 s) from the first join,
+    # and each relay's Cadence rides in its welcome's write: it has it the moment its join
+    # is confirmed, without another read, and no round of Cadence records follows.
     salt = ft.SessionSalt.generate()
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
-    early: list[Any] = []
-    late: list[Any] = []
+    raws: list[Any] = []
 
-    async def relay(r: int, into: list[Any]) -> None:
+    async def relay(r: int) -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        into.append(await raw_relay_handshake(stream, salt, f"host-{r}", [r], world_size=8))
+        raws.append(await raw_relay_handshake(stream, salt, f"host-{r}", [r], world_size=8))
 
     async with trio.open_nursery() as nursery:
         for r in range(7):
-            nursery.start_soon(relay, r, early)
+            nursery.start_soon(relay, r)
 
         async def late_relay() -> None:
-            await trio.sleep(6)  # the seven others' period is 3.5 s by then
-            await relay(7, late)
+            await trio.sleep(6)  # several of the coordinator's heartbeat periods later
+            await relay(7)
 
         nursery.start_soon(late_relay)
         async with ft.open_coordinator(listeners, salt=salt, config=paced()) as coord:
-            assert coord.heartbeat_period == 3.5
-            [raw] = late
-            assert raw.acked
-            [cadence] = raw.opener.feed(b"")  # already here: it came with the welcome
-            assert cadence.kind == CONTROL
-            assert wire.decode_relay(cadence.payload) == wire.Cadence(interval=3.5)
+            assert coord.heartbeat_period == 4.0
+            assert len(raws) == 8
+            for raw in raws:
+                assert raw.acked
+                [cadence] = raw.opener.feed(b"")  # already here: it came with the welcome
+                assert cadence.kind == CONTROL
+                assert wire.decode_relay(cadence.payload) == wire.Cadence(interval=4.0)
+            await trio.sleep(10)  # no later Cadence: only CoordHeartbeat fan-outs arrive
+            for raw in raws:
+                with trio.move_on_after(0.5):
+                    while True:
+                        data = await raw.stream.receive_some(65536)
+                        assert data
+                        for rec in raw.opener.feed(data):
+                            assert rec.kind != CONTROL, wire.decode_relay(rec.payload)
             nursery.cancel_scope.cancel()
-    for raw in early + late:
+    for raw in raws:
         await trio.aclose_forcefully(raw.stream)

@@ -78,6 +78,17 @@ class Roster(LivenessRules[M]):
         """How many registered relays are connected now (not lost, not awaiting a resume)."""
         return sum(1 for relay in self._relays if relay.alive)
 
+    def pacing_relays(self) -> int:
+        """The relays to pace the heartbeat exchange for: while forming, the relays the world
+        will have at the ranks per relay registered so far (at least those registered; O(1),
+        as it is asked at every join); then the connected ones."""
+        if self._phase == "forming":
+            registered, claimed = len(self._relays), len(self._relay_of)
+            if not claimed:
+                return registered
+            return max(registered, -(-registered * self.world_size // claimed))
+        return self.connected()
+
     @property
     def covered(self) -> frozenset[int]:
         """Ranks of relays whose join both sides confirmed (``Ready`` verified)."""

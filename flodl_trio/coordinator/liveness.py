@@ -251,14 +251,16 @@ class Liveness:
                 await self._wake_event.wait()
 
     def repace(self) -> None:
-        """Pace the heartbeat exchange to the relays connected now; tell every relay when the
+        """Pace the heartbeat exchange to the relays connected now (while forming: to the
+        relays the world will have, ``Roster.pacing_relays``); tell every relay when the
         period moved by more than 10 % of the one they were told."""
-        relays = self._roster.connected()
+        relays = self._roster.pacing_relays()
         period = heartbeat_period(self._config, relays)
         told = self.heartbeat_period
         if abs(period - told) <= _RETELL * told:
             return
-        log.info("heartbeat period %gs -> %gs (%d relays connected)", told, period, relays)
+        log.info("heartbeat period %gs -> %gs (%d relays %s)", told, period, relays,
+                 "expected" if self._roster.forming else "connected")
         self.heartbeat_period = period
         for conn in self._roster.relays:
             self.tell_cadence(conn)
@@ -266,7 +268,11 @@ class Liveness:
     def join_cadence(self, conn: RelayConn) -> Cadence | None:
         """The ``Cadence`` for ``conn``'s handshake to seal after its welcome, in the same
         write (``CoordinatorHandshake.accept(cadence=)``), or None while the period is the
-        ``heartbeat_interval`` a relay starts with; ``conn`` counts as told it."""
+        ``heartbeat_interval`` a relay starts with; ``conn`` counts as told it. While
+        forming, the period is paced first for the relays the world will have, so the relays
+        of a large world learn it as they join, not in a round of ``Cadence`` records later."""
+        if self._roster.forming:
+            self.repace()
         if self.heartbeat_period == self._config.heartbeat_interval:
             return None
         conn.cadence = self.heartbeat_period
