@@ -14,7 +14,7 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.net._listen import serve_each
 from flodl_trio.net._pending import PendingHandshakes, min_shed_age
-from flodl_trio.port_mux import open_port_mux
+from flodl_trio.port_mux import PortMux, open_port_mux
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import COORD
@@ -252,16 +252,22 @@ async def test_a_tcp_connection_is_routed_whole_whether_its_magic_came_with_it_o
         await client.aclose()
 
 
+async def route_controls(net: MemoryNetwork, mux: PortMux, clients: list[trio.abc.Stream],
+                         count: int) -> None:
+    """Dial ``count`` connections that send the control magic; the mux routed them all."""
+    for _ in range(count):
+        clients.append(await net.connect("mux"))
+        await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
+    await trio.testing.wait_all_tasks_blocked()
+    assert mux.stats.routed["control"] == count
+
+
 async def test_an_accept_loop_takes_every_queued_routed_connection_without_waiting(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     clients: list[trio.abc.Stream] = []
     async with open_port_mux(memory_network.listener("mux"), peek_timeout=5) as mux:
-        for _ in range(3):
-            clients.append(await memory_network.connect("mux"))
-            await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
-        await trio.testing.wait_all_tasks_blocked()
-        assert mux.stats.routed["control"] == 3
+        await route_controls(memory_network, mux, clients, 3)
         taken = [mux.control.accept_nowait() for _ in range(4)]
         assert all(stream is not None for stream in taken[:3]) and taken[3] is None
         for stream in taken[:3]:
@@ -300,11 +306,7 @@ async def test_formation_s_accept_loop_takes_a_queued_burst_of_routed_connection
         raise AssertionError("no handler task expected")
 
     async with open_port_mux(memory_network.listener("mux"), peek_timeout=5) as mux:
-        for _ in range(5):
-            clients.append(await memory_network.connect("mux"))
-            await clients[-1].send_all(wire.CHANNEL_MAGIC_CONTROL)
-        await trio.testing.wait_all_tasks_blocked()
-        assert mux.stats.routed["control"] == 5
+        await route_controls(memory_network, mux, clients, 5)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ticker)
             await nursery.start(partial(serve_each, mux.control, never, what="test",
