@@ -18,6 +18,7 @@ exact at any pace.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -75,10 +76,13 @@ class Heartbeats:
         return msg
 
     async def ticker(self, interval: float, up_send: trio.MemorySendChannel[Any],
-                     readers_gone: trio.Event) -> None:
+                     readers_gone: trio.Event,
+                     send: Callable[[trio.MemorySendChannel[Any], Any], Awaitable[None]]
+                     | None = None) -> None:
         """Queue the pending heartbeats every ``interval`` (or the coordinator's slower
         ``Cadence``) until the last rank reader ended (each reader takes its own rank's before
-        its last record), then close ``up_send``."""
+        its last record), then close ``up_send``. ``send(up_send, msg)`` sends one (the
+        pump's ``send_up``; default: ``up_send.send``)."""
         self._interval = interval
         with up_send:
             while not readers_gone.is_set():
@@ -87,6 +91,9 @@ class Heartbeats:
                 msg = self.take(trio.current_time())
                 if msg is not None:
                     try:
-                        await up_send.send(msg)
+                        if send is None:
+                            await up_send.send(msg)
+                        else:
+                            await send(up_send, msg)
                     except STREAM_GONE:
                         return

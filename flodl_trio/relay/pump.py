@@ -20,7 +20,7 @@ from .._config import RelayConfig
 from .._errors import FlodlError
 from ..events import RelayDroppedRank
 from ..net._ratelimit import JunkCounter
-from ..net._socket_io import Reader, next_event
+from ..net._socket_io import Reader, next_event, plain_socket, write_now
 from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
@@ -89,6 +89,12 @@ class Pump:
         self._leg_scope = trio.CancelScope()
         self._leg_lost: str | None = None
         self._in_flight: list[Upstream] = []  # the batch being written upstream
+        # The direct path (see send_up): the leg's plain TCP socket (None: TLS, in-memory), the
+        # writer parked on an empty queue (its wait is ``_park``), and a record the kernel took
+        # only part of (the item and its sealed rest), which the writer finishes first.
+        self._up_sock: trio.socket.SocketType | None = None
+        self._park: trio.CancelScope | None = None
+        self._rest: tuple[Upstream, bytes] | None = None
         self._heard = 0.0  # when the durable coordinator's last record arrived
         # The local ranks' verified Heartbeats, one Liveness record per interval (issue 23).
         self.heartbeats = Heartbeats()
@@ -118,7 +124,7 @@ class Pump:
                     if not self._readers:
                         self._readers_gone.set()
                     nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
-                                       up_send.clone(), self._readers_gone)
+                                       up_send.clone(), self._readers_gone, self.send_up)
         return self._outcome[0] if self._outcome else RelayExit("stopped", True)
 
     @property
@@ -133,15 +139,20 @@ class Pump:
             self._leg_lost = None
             self._upstream_done = trio.Event()
             self._heard = trio.current_time()
+            self._up_sock = plain_socket(self.stream)
             with trio.CancelScope() as self._leg_scope:
                 async with trio.open_nursery() as leg:
                     leg.start_soon(self.upstream_writer, up_recv)
                     leg.start_soon(self.upstream_reader)
+            self._up_sock = None
             lost = self._leg_lost
             if lost is None or self.resume is None:
                 return
             await trio.aclose_forcefully(self.stream)  # nothing from it is delivered again
             in_flight, self._in_flight = self._in_flight, []
+            if self._rest is not None:  # sealed for the lost connection: sent again, resealed
+                in_flight.insert(0, self._rest[0])
+                self._rest = None
             joined = await self.resume.ride_out(lost, up_recv, in_flight)
             if joined is None:
                 why, self.error = self.resume.gave_up
@@ -167,31 +178,82 @@ class Pump:
             self._leg_lost = reason
         self._leg_scope.cancel()
 
+    async def send_up(self, up_send: trio.MemorySendChannel[Upstream], item: Upstream) -> None:
+        """Send ``item`` upstream: queued for the writer, or, while the writer is parked on an
+        empty queue over plain TCP, sealed and handed to the kernel at once with one ``write``
+        (no task switch: most of a relay's upstream records find the writer idle). What the
+        kernel did not take goes to the writer, which finishes it before anything else, so
+        records still leave whole and in sealing order, and only the writer ever waits on the
+        socket (its stall deadline applies). Records queued before are never overtaken: the
+        writer parks only on an empty queue, and only while it is parked do records skip it.
+
+        Raises:
+            trio.ClosedResourceError / trio.BrokenResourceError: the queue is closed.
+        """
+        park, sock = self._park, self._up_sock
+        if park is None or sock is None:
+            # The writer is busy or the queue holds records: queue behind them (the writer
+            # takes every queued record, a blocked sender's included, before it parks again).
+            await up_send.send(item)
+            return
+        data = self.seal(item)
+        written = write_now(sock, data)
+        if written == len(data):
+            return
+        # The rest (all of it when the socket is full or failed: the writer meets the error).
+        self._rest = (item, data[written:])
+        self._park = None
+        park.cancel()
+
+    def seal(self, item: Upstream) -> bytes:
+        """The record of ``item`` on the current connection (the next sequence number)."""
+        if isinstance(item, tuple):
+            return self.session.send_frame(*item)
+        return self.session.send(item)
+
     async def next_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]
-                            ) -> list[Upstream] | None:
-        """The next batch to write: what was queued while reconnecting first, then a burst of
-        the ranks' queue (each record stays whole); None once every rank reader is done."""
+                            ) -> tuple[list[Upstream], bytes] | None:
+        """The next batch to write and its sealed bytes: the rest of a record the direct path
+        began, what was queued while reconnecting, then a burst of the ranks' queue (each
+        record stays whole); None once every rank reader is done."""
         backlog = self.resume.backlog if self.resume is not None else None
-        if backlog:
-            return [backlog.popleft() for _ in range(min(64, len(backlog)))]
-        try:
-            batch = [await up_recv.receive()]
-        except trio.EndOfChannel:
-            return None
+        batch: list[Upstream] = []
+        if self._rest is None and backlog:
+            batch.extend(backlog.popleft() for _ in range(min(64, len(backlog))))
+            return batch, b"".join(self.seal(item) for item in batch)
+        if self._rest is None:
+            try:
+                batch.append(up_recv.receive_nowait())
+            except trio.WouldBlock:
+                # Parked: send_up may write directly meanwhile (and un-park us with a rest).
+                with trio.CancelScope() as self._park:
+                    try:
+                        batch.append(await up_recv.receive())
+                    except trio.EndOfChannel:
+                        if self._rest is None:
+                            return None
+                    finally:
+                        self._park = None
+            except trio.EndOfChannel:
+                return None
+        head = b""
+        if self._rest is not None:
+            item, head = self._rest
+            self._rest = None
+            batch.insert(0, item)
         while len(batch) < 64:  # coalesce a burst into one write
             try:
                 batch.append(up_recv.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-        return batch
+        start = 1 if head else 0
+        return batch, head + b"".join(self.seal(item) for item in batch[start:])
 
     async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
-        send_frame, send = self.session.send_frame, self.session.send
         send_all, stall = self.stream.send_all, self.config.write_stall_timeout
-        while (batch := await self.next_upstream(up_recv)) is not None:
+        while (taken := await self.next_upstream(up_recv)) is not None:
+            batch, data = taken
             self._in_flight = batch
-            data = b"".join(send_frame(*item) if isinstance(item, tuple) else send(item)
-                            for item in batch)
             try:
                 # A bare CancelScope: fail_after costs a generator-based context manager more
                 # per batch.
@@ -399,6 +461,7 @@ class Pump:
         session = link.session
         event = None
         beats, rank, clock = self.heartbeats, link.rank, trio.current_time
+        send_up = self.send_up
         try:
             if link.early:  # read while accepting ranks
                 session.receive_data(bytes(link.early))
@@ -411,11 +474,11 @@ class Pump:
                 # (unless the coordinator paced the Liveness records: see Heartbeats).
                 if (beats.due_before(rank, heartbeat=type(event) is RankHeartbeat)
                         and (liveness := beats.take(clock())) is not None):
-                    await up_send.send(liveness)
+                    await send_up(up_send, liveness)
                 if type(event) is RankHeartbeat:
                     beats.record(rank, event.step_count, clock())  # in the next Liveness
                 else:
-                    await up_send.send((event.rank, event.blob))
+                    await send_up(up_send, (event.rank, event.blob))
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
@@ -430,8 +493,8 @@ class Pump:
         with up_send:  # closing this reader's clone; the writer ends after the last one
             try:
                 if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
-                    await up_send.send(liveness)  # its last heartbeat before its RankExit
-                await up_send.send(gone)
+                    await send_up(up_send, liveness)  # its last heartbeat before its RankExit
+                await send_up(up_send, gone)
             except STREAM_GONE:
                 pass
             finally:
