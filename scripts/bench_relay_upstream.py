@@ -70,12 +70,21 @@ async def peer(args: argparse.Namespace) -> None:
             all_in.set()
 
 
-async def one_run(args: argparse.Namespace) -> dict[str, Any]:
+def one_run(args: argparse.Namespace) -> dict[str, Any]:
     salt = ft.SessionSalt.generate()
     cmd = [sys.executable, __file__, "--peer", "--salt", salt.hex(), "--relays",
            str(args.relays), "--per", str(args.per), "--rate", str(args.rate), "--seconds",
            str(args.seconds)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        return dict(trio.run(drive, args, proc, salt))
+    finally:
+        proc.wait(timeout=60)
+
+
+async def drive(args: argparse.Namespace, proc: subprocess.Popen[str],
+                salt: ft.SessionSalt) -> dict[str, Any]:
+    """Run the relays against the peer ``proc``; this process's CPU over the window."""
     assert proc.stdin is not None and proc.stdout is not None
     stdout, stdin = proc.stdout, proc.stdin
 
@@ -85,34 +94,31 @@ async def one_run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the peer process ended early")
         return dict(json.loads(text))
 
-    try:
-        with trio.fail_after(args.seconds * 3 + 90):
-            coordinator = tuple((await line())["coordinator"])
-            async with trio.open_nursery() as nursery:
-                relays: list[Any] = []
+    with trio.fail_after(args.seconds * 3 + 90):
+        coordinator = tuple((await line())["coordinator"])
+        async with trio.open_nursery() as nursery:
+            relays: list[Any] = []
 
-                async def relay_task(i: int, ready: trio.Event) -> None:
-                    ranks = list(range(i * args.per, (i + 1) * args.per))
-                    async with ft.open_relay(coordinator, salt=salt, host=f"relay-{i}",
-                                             ranks=ranks,
-                                             world_size=args.relays * args.per) as relay:
-                        relays.append((i, relay.rank_address))
-                        ready.set()
-                        await relay.wait_closed()
+            async def relay_task(i: int, ready: trio.Event) -> None:
+                ranks = list(range(i * args.per, (i + 1) * args.per))
+                async with ft.open_relay(coordinator, salt=salt, host=f"relay-{i}",
+                                         ranks=ranks,
+                                         world_size=args.relays * args.per) as relay:
+                    relays.append((i, relay.rank_address))
+                    ready.set()
+                    await relay.wait_closed()
 
-                for i in range(args.relays):
-                    ready = trio.Event()
-                    nursery.start_soon(relay_task, i, ready)
-                    await ready.wait()
-                addrs = [list(addr) for _, addr in sorted(relays)]
-                stdin.write(json.dumps(addrs) + "\n")
-                stdin.flush()
-                await line()  # go: formed
-                cpu0, wall0 = time.process_time(), time.monotonic()
-                done = await line()
-                cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-    finally:
-        proc.wait(timeout=60)
+            for i in range(args.relays):
+                ready = trio.Event()
+                nursery.start_soon(relay_task, i, ready)
+                await ready.wait()
+            addrs = [list(addr) for _, addr in sorted(relays)]
+            stdin.write(json.dumps(addrs) + "\n")
+            stdin.flush()
+            await line()  # go: formed
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            done = await line()
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     frames = int(done["done"])
     return {"relays": args.relays, "per": args.per, "frames": frames,
             "expected": int(done["expected"]), "frames_s": frames / wall,
@@ -137,7 +143,7 @@ def main() -> None:
     if args.quick:
         args.runs, args.seconds = 1, 2.0
     print(rep.machine_note())
-    runs = [trio.run(one_run, args) for _ in range(args.runs)]
+    runs = [one_run(args) for _ in range(args.runs)]
     row = rep.medians(runs)
     print(rep.table([("relays", "relays", "d"), ("ranks/relay", "per", "d"),
                      ("frames", "frames", "d"), ("frames/s", "frames_s", ".0f"),
