@@ -67,3 +67,77 @@ async def _fill_and_drain(relay_side: trio.SocketStream, rank_side: trio.SocketS
         link.end_queue()  # type: ignore[attr-defined]
     assert bytes(received) == b"".join(frames)
     assert await rank_side.receive_some(10) == b""  # then half-closed, nothing after
+
+
+def _rank_writer_tasks() -> list[trio.lowlevel.Task]:
+    """Every relay rank-writer task running in this Trio run."""
+    found: list[trio.lowlevel.Task] = []
+    todo = [trio.lowlevel.current_root_task()]
+    for _ in range(100_000):  # bounded walk of the task tree
+        if not todo:
+            break
+        task = todo.pop()
+        assert task is not None
+        if task.name.endswith("Pump.rank_writer"):
+            found.append(task)
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return found
+
+
+async def test_a_rank_gets_a_writer_task_only_once_the_kernel_does_not_take_its_frames() -> None:
+    # Issue 23: a rank that reads what it is sent costs the relay no writer task; the one whose
+    # socket fills gets one, its frames still arrive whole and in order, and the end of the
+    # pump half-closes every rank's link, writer or not.
+    from flodl_trio.relay._link import RankLink
+    from flodl_trio.relay.pump import Pump
+    from flodl_trio.relay.ranks import LocalRanks
+    from flodl_trio.wire._session import Deliver
+
+    config = ft.RelayConfig(queue_size=1000, write_stall_timeout=30)
+    local = LocalRanks(host="h", ranks=(0, 1, 2), world_size=3,
+                       salt=ft.SessionSalt.generate(), config=config)
+    pairs = [await _socket_pair() for _ in range(3)]
+    for rank, (relay_side, _) in enumerate(pairs):
+        local.add(RankLink(rank, relay_side, config))
+    up_relay, up_coord = trio.testing.memory_stream_pair()
+    key = b"k" * 32
+    pump = Pump(local, up_relay, wire.RecordSealer(key, wire.RELAY_TO_COORD),
+                wire.RecordOpener(key, wire.COORD_TO_RELAY))
+    frames = [bytes([i % 251]) * 997 for i in range(200)]  # ~200 KB: far over the buffers
+    got: dict[int, bytearray] = {r: bytearray() for r in range(3)}
+
+    async def read_rank(rank: int, total: int) -> None:
+        with trio.fail_after(20):
+            while len(got[rank]) < total:
+                got[rank] += await pairs[rank][1].receive_some(65536)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _rank_writer_tasks() == []  # nothing to write yet
+        for i in range(3):
+            pump.deliver(Deliver((0, 1, 2), frames[i]))
+            for rank in range(3):
+                await read_rank(rank, sum(len(f) for f in frames[:i + 1]))
+        assert _rank_writer_tasks() == []  # every rank took its frames at once
+        for frame in frames[3:]:  # rank 2 stops reading: only its link needs a writer
+            pump.deliver(Deliver((0, 1, 2), frame))
+            for rank in (0, 1):
+                await read_rank(rank, len(got[rank]) + len(frame))
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(_rank_writer_tasks()) == 1
+        await read_rank(2, sum(len(f) for f in frames))
+        pump.finish("test over", now=False)
+        for link in local.links():
+            link.end_queue()  # as the upstream's end does: each link is half-closed
+        with trio.fail_after(10):
+            for _, rank_side in pairs:
+                assert await rank_side.receive_some(10) == b""
+        nursery.cancel_scope.cancel()
+    for rank in range(3):
+        assert bytes(got[rank]) == b"".join(frames)
+    for relay_side, rank_side in pairs:
+        await trio.aclose_forcefully(relay_side)
+        await trio.aclose_forcefully(rank_side)
+    await trio.aclose_forcefully(up_coord)

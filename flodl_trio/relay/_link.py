@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -49,6 +50,10 @@ class RankLink:
         self.write_stall_timeout = config.write_stall_timeout
         self._pending: deque[bytes] = deque()
         self._more = trio.Event()
+        # Starts the pump's writer for this link (attach_writer), called once: the first time
+        # the kernel does not take a frame at once, or when the queue ends. Until then a rank
+        # that keeps up costs no writer task.
+        self._start_writer: Callable[[], None] | None = None
         # The pump's writer has a batch in flight (taken from the queue, not yet written).
         self.writing = False
         # The rank's socket, for writing at once while the writer is idle (loopback only).
@@ -81,7 +86,7 @@ class RankLink:
             if not blob:
                 return True
         self._pending.append(blob)
-        self._more.set()
+        self._wake_writer()
         if len(self._pending) > self.queue_size:
             if self.full_since is None:
                 self.full_since = now
@@ -92,7 +97,21 @@ class RankLink:
     def end_queue(self) -> None:
         """No more frames: the writer delivers what is queued, then half-closes."""
         self._ending = True
+        self._wake_writer()
+
+    def attach_writer(self, start: Callable[[], None]) -> None:
+        """``start()`` runs the pump's writer for this link; it is called once, the first
+        time there is something to write that the kernel did not take at once (or the queue
+        ends) -- at once if that happened already."""
+        self._start_writer = start
+        if self._pending or self._ending:
+            self._wake_writer()
+
+    def _wake_writer(self) -> None:
         self._more.set()
+        start, self._start_writer = self._start_writer, None
+        if start is not None:
+            start()
 
     async def next_batch(self, limit: int = 64) -> list[bytes] | None:
         """Up to ``limit`` queued frames (waiting for one); None once ended and drained."""

@@ -13,6 +13,7 @@ resumed connection. With any other coordinator there is one leg, and losing it e
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import trio
 
@@ -120,7 +121,7 @@ class Pump:
                     for link in self.local.links():
                         self._readers += 1
                         nursery.start_soon(self.rank_reader, link, up_send.clone())
-                        nursery.start_soon(self.rank_writer, link)
+                        link.attach_writer(partial(self.start_rank_writer, nursery, link))
                     if not self._readers:
                         self._readers_gone.set()
                     nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
@@ -431,6 +432,14 @@ class Pump:
         link.end_queue()
         log.warning("relay %r: the coordinator fenced rank %d: %s", self.host, link.rank,
                     msg.reason)
+
+    def start_rank_writer(self, nursery: trio.Nursery, link: RankLink) -> None:
+        """Run ``link``'s writer (the link calls this once it has something the kernel did not
+        take at once, or its queue ended: a rank that keeps up costs no writer task)."""
+        try:
+            nursery.start_soon(self.rank_writer, link)
+        except RuntimeError:  # the pump ended: nothing will be written to the rank any more
+            link.writer_done.set()
 
     async def rank_writer(self, link: RankLink) -> None:
         try:
