@@ -15,6 +15,7 @@ same on both sides of an A/B (``PYTHONPATH=<other checkout>``).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import subprocess
 import sys
@@ -113,14 +114,24 @@ async def drive(args: argparse.Namespace, proc: subprocess.Popen[str],
                 nursery.start_soon(relay_task, i, ready)
                 await ready.wait()
             addrs = [list(addr) for _, addr in sorted(relays)]
+            profile = cProfile.Profile() if args.profile else None
+            form_cpu0, form_wall0 = time.process_time(), time.monotonic()
+            if profile is not None:
+                profile.enable()
             stdin.write(json.dumps(addrs) + "\n")
             stdin.flush()
             await line()  # go: formed
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(args.profile)
+            form_cpu = time.process_time() - form_cpu0
+            form_wall = time.monotonic() - form_wall0
             cpu0, wall0 = time.process_time(), time.monotonic()
             done = await line()
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     frames = int(done["done"])
-    return {"relays": args.relays, "per": args.per, "frames": frames,
+    return {"relays": args.relays, "per": args.per, "join_ms": 1e3 * form_wall,
+            "join_cpu_relay": 1e3 * form_cpu / args.relays, "frames": frames,
             "expected": int(done["expected"]), "frames_s": frames / wall,
             "cpu_pct": 100 * cpu / wall, "us_frame": 1e6 * cpu / max(1, frames)}
 
@@ -134,6 +145,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one run of 2 s")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", help="write a cProfile of the relays' join (last run) here")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--salt", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -146,11 +158,13 @@ def main() -> None:
     runs = [one_run(args) for _ in range(args.runs)]
     row = rep.medians(runs)
     print(rep.table([("relays", "relays", "d"), ("ranks/relay", "per", "d"),
+                     ("join ms", "join_ms", ".0f"), ("join CPU ms/relay", "join_cpu_relay", ".3f"),
                      ("frames", "frames", "d"), ("frames/s", "frames_s", ".0f"),
                      ("relay CPU %", "cpu_pct", ".1f"), ("CPU us/frame", "us_frame", ".1f")],
                     [row]))
-    print("relay CPU: this process (relays only) over the window, rank heartbeats and Liveness "
-          "records included")
+    print("join: the ranks dial their relays, the relays join the coordinator (this process's "
+          "CPU per relay);\nrelay CPU: this process (relays only) over the window, rank "
+          "heartbeats and Liveness records included")
     rep.finish("relay_upstream", [row], [
         rep.target("every frame forwarded", min(r["frames"] / r["expected"] for r in runs),
                    ">=", 1.0)], args.json, runs=runs)
