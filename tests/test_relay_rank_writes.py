@@ -12,6 +12,8 @@ import trio.testing
 import flodl_trio as ft
 from flodl_trio import wire
 
+from helpers import live_task_names
+
 
 def _link_and_pump(stream: trio.abc.Stream, config: ft.RelayConfig) -> tuple[object, object]:
     from flodl_trio.relay._link import RankLink
@@ -69,20 +71,9 @@ async def _fill_and_drain(relay_side: trio.SocketStream, rank_side: trio.SocketS
     assert await rank_side.receive_some(10) == b""  # then half-closed, nothing after
 
 
-def _rank_writer_tasks() -> list[trio.lowlevel.Task]:
-    """Every relay rank-writer task running in this Trio run."""
-    found: list[trio.lowlevel.Task] = []
-    todo = [trio.lowlevel.current_root_task()]
-    for _ in range(100_000):  # bounded walk of the task tree
-        if not todo:
-            break
-        task = todo.pop()
-        assert task is not None
-        if task.name.endswith("Pump.rank_writer"):
-            found.append(task)
-        for nursery in task.child_nurseries:
-            todo.extend(nursery.child_tasks)
-    return found
+def _rank_writer_tasks() -> list[str]:
+    """The names of every Pump rank-writer task running in this Trio run."""
+    return [n for n in live_task_names() if n.endswith("Pump.rank_writer")]
 
 
 async def test_a_rank_gets_a_writer_task_only_once_the_kernel_does_not_take_its_frames() -> None:
