@@ -6,7 +6,7 @@ log line alone is enough to find the misbehaving process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -125,22 +125,63 @@ class BroadcastError(FlodlError):
 class ClusterFailure(FlodlError):
     """The failure policy decided that the run cannot go on.
 
+    The message names the dead ranks and, when the caller knows them (``why``, in the order the
+    ranks died), why each died: ranks with the same reason together, the first few reasons in
+    the order they first happened, and a count of the rest.
+
     Attributes:
         reason: the :class:`~flodl_trio.wire.SaveReason` broadcast in ``ShutdownWithSave``.
         dead: the ranks declared dead when the decision was taken.
+        detail: what decided it (the policy's limit, or who found no live rank left).
+        why: rank -> why it was declared dead (empty when not given).
     """
 
-    def __init__(self, reason: Any, dead: Iterable[int], detail: str = "") -> None:
+    def __init__(self, reason: Any, dead: Iterable[int], detail: str = "", *,
+                 why: Mapping[int, str] | None = None) -> None:
         self.reason = reason
         self.dead = frozenset(dead)
+        self.why = dict(why or {})
+        self.detail = detail
         name = getattr(reason, "name", str(reason))
-        text = f"cluster failure: {name}; dead ranks {sorted(self.dead)}"
+        text = f"cluster failure: {name}; dead ranks {_ranks_text(sorted(self.dead))}"
         if detail:
             text += f" ({detail})"
+        if self.why:
+            text += f"; why: {_grouped_reasons(self.why)}"
         super().__init__(text)
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.reason, self.dead))
+        return (_cluster_failure, (self.reason, self.dead, self.detail, self.why))
+
+
+def _cluster_failure(reason: Any, dead: Iterable[int], detail: str, why: Mapping[int, str]
+                     ) -> ClusterFailure:
+    return ClusterFailure(reason, dead, detail, why=why)
+
+
+_REASONS_SHOWN = 4
+
+
+def _grouped_reasons(why: Mapping[int, str]) -> str:
+    """``rank 0: reason a; ranks [1, 2]: reason b`` -- reasons in the order of ``why`` (the
+    order the ranks died: the first reason is what happened first), at most a few."""
+    groups: dict[str, list[int]] = {}
+    for rank, reason in why.items():
+        groups.setdefault(reason, []).append(rank)
+    ordered = list(groups.items())
+    parts = []
+    for reason, ranks in ordered[:_REASONS_SHOWN]:
+        ranks.sort()
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)}"
+        parts.append(f"{who}: {reason}")
+    if len(ordered) > _REASONS_SHOWN:
+        rest = sum(len(ranks) for _, ranks in ordered[_REASONS_SHOWN:])
+        parts.append(f"{len(ordered) - _REASONS_SHOWN} more reasons ({rest} ranks)")
+    return "; ".join(parts)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}, {len(ranks)} ranks]"
 
 
 class CoordinatorLost(FlodlError):

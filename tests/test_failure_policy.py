@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -101,6 +102,32 @@ async def test_losing_every_rank_without_max_failure_is_all_ranks_lost(
     assert failure.dead == {0, 1, 2, 3}
     assert body == ["cancelled"]
     assert [ev.reason for ev in log.events(ClusterFailed)] == ["ALL_RANKS_LOST"]
+    # The message says why each rank died, the ranks of one lost relay together.
+    assert set(failure.why) == {0, 1, 2, 3}
+    assert failure.why[0] == failure.why[1] != failure.why[2] == failure.why[3]
+    assert "relay 'host-0'" in failure.why[0] and "relay 'host-1'" in failure.why[2]
+    text = str(failure)
+    assert f"ranks [0, 1]: {failure.why[0]}" in text
+    assert f"ranks [2, 3]: {failure.why[2]}" in text
+
+
+def test_a_cluster_failure_of_a_large_world_stays_one_readable_line() -> None:
+    # 65,536 dead ranks: rank 5 went stale first, then every relay of 8 was lost for its own
+    # reason. The message names the rank range, the first reasons in the order they happened
+    # (the root cause first) and a count of the rest, not 8,192 reasons.
+    why = {5: "heartbeat stale (>30s)"}
+    why.update((rank, f"relay 'host-{rank // 8}' lost: EOF") for rank in range(65_536)
+               if rank != 5)
+    failure = ft.ClusterFailure(SaveReason.ALL_RANKS_LOST, why, "no live rank is left", why=why)
+    text = str(failure)
+    assert len(text) < 600, text
+    assert text.startswith("cluster failure: ALL_RANKS_LOST; dead ranks [0..65535, 65536 ranks] "
+                           "(no live rank is left); why: rank 5: heartbeat stale (>30s); "
+                           "ranks [0, 1, 2, 3, 4, 6, 7]: relay 'host-0' lost: EOF; "
+                           "ranks [8, 9, 10, 11, 12, 13, 14, 15]: relay 'host-1' lost: EOF; ")
+    assert text.endswith("8189 more reasons (65512 ranks)")
+    again = pickle.loads(pickle.dumps(failure))
+    assert (str(again), again.why, again.dead) == (text, why, frozenset(why))
 
 
 async def test_shutdown_with_save_is_sent_once_when_a_relay_with_three_ranks_dies(

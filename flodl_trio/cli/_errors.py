@@ -5,6 +5,8 @@ first, under :data:`MAX_LINE` characters; ``--debug`` shows the whole message an
 'a: b; c'
 >>> shorten("first part; " + "x" * 300, 60)
 'first part ... (--debug for the full message)'
+>>> shorten("a failure; dead ranks [0, 1] (no live rank is left); why: " + "x" * 100, 80)
+'a failure; dead ranks [0, 1] ... (--debug for the full message)'
 """
 
 from __future__ import annotations
@@ -57,14 +59,15 @@ def network_cause(exc: BaseException, *, peer: str, address: str) -> str | None:
 
 
 def shorten(text: str, limit: int) -> str:
-    """``text`` if it is under ``limit`` characters, else its leading ``;``-separated clauses
-    (or its start) and a pointer to ``--debug``."""
+    """``text`` if it is under ``limit`` characters, else its leading ``;``-separated clauses,
+    a clause without the parenthesis it did not finish, or its start, and a pointer to
+    ``--debug``."""
     text = " ".join(text.split())  # one line, whatever the message held
     if len(text) < limit:  # under the limit, as the module says (a 200-character line was not)
         return text
     room = limit - 1 - len(_MORE)
     head = text[:room]
-    cut = head.rfind("; ")
+    cut = max(head.rfind("; "), head.rfind(" ("))
     if cut > room // 3:
         head = head[:cut]
     return head.rstrip(" ;,:") + _MORE

@@ -213,9 +213,10 @@ class Liveness:
             else "no live rank is left"
         )
         await self.stop_with_save(reason, wait=False)
-        dead = tuple(sorted(self._roster.dead))
+        why = self._roster.dead
+        dead = tuple(sorted(why))
         self._timeline.event(ClusterFailed(reason=reason.name, dead=dead))
-        self.failure = ClusterFailure(reason, dead, detail)
+        self.failure = ClusterFailure(reason, dead, detail, why=why)
         log.error("%s", self.failure)
         if self._body_scope is not None:
             self._body_scope.cancel()

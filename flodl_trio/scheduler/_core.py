@@ -242,9 +242,12 @@ class SyncScheduler(Resuming):
         return joiners
 
     def _no_rank_left(self) -> ClusterFailure:
-        return ClusterFailure(SaveReason.ALL_RANKS_LOST, self._coord.dead_ranks,
+        coord = self._coord
+        why = {rank: reason for rank in coord.dead_ranks
+               if (reason := coord.dead_reason(rank)) is not None}
+        return ClusterFailure(SaveReason.ALL_RANKS_LOST, coord.dead_ranks,
                               f"scheduler: no live rank left in epoch {self._ledger.epoch} of "
-                              f"{self._num_epochs}")
+                              f"{self._num_epochs}", why=why)
 
     async def _dispatch(self, epoch: int) -> None:
         await self._fold_joiners()
