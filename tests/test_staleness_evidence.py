@@ -223,7 +223,7 @@ def all_ranks(run: Run) -> Iterator[int]:
     return (rank for relay in run.relays for rank in relay.ranks)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans())
 def test_a_healthy_rank_is_never_declared_dead_whatever_the_intervals_and_phases(
         plan: Plan) -> None:
@@ -233,7 +233,7 @@ def test_a_healthy_rank_is_never_declared_dead_whatever_the_intervals_and_phases
     assert run.roster.live == frozenset(all_ranks(run))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.data())
 def test_a_rank_silent_behind_a_live_relay_is_declared_within_one_report_interval(
         plan: Plan, data: st.DataObject) -> None:
@@ -248,7 +248,7 @@ def test_a_rank_silent_behind_a_live_relay_is_declared_within_one_report_interva
     assert last + plan.timeout <= run.declared[rank] <= last + plan.timeout + period
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.data())
 def test_a_frozen_relays_ranks_are_declared_heartbeat_timeout_after_its_last_record(
         plan: Plan, data: st.DataObject) -> None:
