@@ -187,7 +187,7 @@ class Liveness(RelayControlMsg):
     pending ``Liveness`` is sent before any other record of that rank (its frames, its
     ``RankExit``), so it never arrives after them. Every record carries every heartbeat the
     relay held when it sealed it, so it is also the coordinator's evidence that the ranks it
-    does not name are silent (SPEC §4.5); a tick with none pending sends one naming no rank.
+    does not name are silent, not held back; a tick with none pending sends one naming no rank.
 
     Attributes:
         ranks: local ranks, ascending, without duplicates; none in a tick that had none.
