@@ -94,7 +94,8 @@ def applied(*msgs: wire.Liveness) -> list[Any]:
      "expected ranks ascending without duplicates, got [2, 2]"),
     (wire.Liveness(ranks=(2, 3), steps=(1,), ages=(0.0, 0.0)), "malformed",
      "got 2 ranks, 1 step counts, 2 ages"),
-    (wire.Liveness(ranks=(), steps=(), ages=()), "malformed", "got 0 ranks"),
+    (wire.Liveness(ranks=(), steps=(5,), ages=()), "malformed",
+     "expected a step count and an age for each rank; got 0 ranks, 1 step counts, 0 ages"),
     (wire.Liveness(ranks=(2,), steps=(1,), ages=(-0.5,)), "malformed",
      "expected ages ≥ 0 s, got (-0.5,)"),
     (wire.Liveness(ranks=(2,), steps=(1,), ages=(float("nan"),)), "malformed",
@@ -106,6 +107,14 @@ def test_coordinator_drops_a_liveness_record_that_speaks_for_other_ranks_or_is_m
     bad, after = applied(msg, good)
     assert isinstance(bad, Invalid) and bad.category == category and detail in bad.detail
     assert after == good  # one bad record is dropped, the connection goes on
+
+
+def test_an_empty_liveness_is_the_relays_idle_tick_and_is_accepted() -> None:
+    # A tick with no heartbeat pending sends a Liveness naming no rank: the relay is alive and
+    # holds nothing (the coordinator's evidence, SPEC §4.5); it once was dropped as malformed.
+    idle = wire.Liveness(ranks=(), steps=(), ages=())
+    good = wire.Liveness(ranks=(2, 3), steps=(5, 6), ages=(0.25, 0.0))
+    assert applied(idle, good, idle) == [idle, good, idle]
 
 
 def test_relay_side_never_seals_a_liveness_record_for_ranks_that_are_not_local() -> None:

@@ -40,6 +40,11 @@ class Roster(LivenessRules[M]):
         # Covered, not dead, not exited: kept as it changes, since the staleness watch and
         # every broadcast ask for it and the world can be 16k ranks.
         self._live: set[int] = set()
+        # Staleness on evidence (see LivenessRules.stale): per relay, its last record, its
+        # last Liveness, and whether the staleness watch waits for its next report.
+        self._heard: dict[M, float] = {}
+        self._reports: dict[M, float] = {}
+        self._awaited: set[M] = set()
         # Junk is counted by reason and reported rate-limited, never one line or event each.
         self._rejects = JunkCounter()
         self._invalid_frames = JunkCounter()
@@ -230,6 +235,7 @@ class Roster(LivenessRules[M]):
         self._unconfirmed[relay] = None
         for name, digest in relay.model_sigs.items():
             self._sig_owner.setdefault(name, (digest, relay))
+        self._heard[relay] = now
         for r in relay.ranks:
             self._relay_of[r] = relay
             self._last_seen[r] = now
@@ -266,6 +272,9 @@ class Roster(LivenessRules[M]):
                     for name, digest in other.model_sigs.items():
                         self._sig_owner.setdefault(name, (digest, other))
         self._unconfirmed.pop(relay, None)
+        self._heard.pop(relay, None)
+        self._reports.pop(relay, None)
+        self._awaited.discard(relay)
         for r in relay.ranks:
             if self._relay_of.get(r) is relay:
                 del self._relay_of[r]
@@ -282,6 +291,7 @@ class Roster(LivenessRules[M]):
         self._by_host.setdefault(relay.host, []).append(relay)
         for name, digest in relay.model_sigs.items():
             self._sig_owner.setdefault(name, (digest, relay))
+        self._heard[relay] = now
         previous: dict[int, str | None] = {}
         before: dict[M, None] = {}
         for r in relay.ranks:
@@ -332,11 +342,14 @@ class Roster(LivenessRules[M]):
         )
 
     def start_running(self, now: float) -> None:
-        """Formation is complete: staleness counts from ``now`` for every rank."""
+        """Formation is complete: staleness counts from ``now`` for every rank (and every
+        relay's silence)."""
         self._phase = "running"
         self.formed = True
         for r in self._relay_of:
             self._last_seen[r] = now
+        for relay in self._relays:
+            self._heard[relay] = now
         self.on_change(None)
 
     def begin_shutdown(self) -> None:

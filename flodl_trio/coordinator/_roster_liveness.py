@@ -48,6 +48,12 @@ class LivenessRules(Generic[M]):
     _exited: set[int]
     _last_seen: dict[int, float]
     _live: set[int]
+    # Staleness on evidence (SPEC §4.5): when each relay's last record arrived (any record),
+    # when each coalescing relay's last ``Liveness`` arrived (a relay with none forwards its
+    # ranks' heartbeats), and the relays whose next report decides a rank past its deadline.
+    _heard: dict[M, float]
+    _reports: dict[M, float]
+    _awaited: set[M]
     on_change: Callable[[M | None], None]
 
     def mark_dead(self, rank: int, reason: str) -> bool:
@@ -73,12 +79,20 @@ class LivenessRules(Generic[M]):
         """A TIMING frame from ``rank`` arrived at ``now``."""
         self._last_seen[rank] = now
 
+    def heard(self, relay: M, now: float) -> None:
+        """A read from ``relay`` brought at least one record at ``now``: it is not silent."""
+        self._heard[relay] = now
+
     def seen_by(self, relay: M, ranks: Sequence[int], ages: Iterable[float],
                 now: float) -> bool:
         """``relay`` verified a heartbeat of each of ``ranks`` the matching ``ages`` before
         ``now`` (a ``Liveness`` record that arrived at ``now``): each rank it carries that is
         not dead is seen then (an earlier reading never moves a clock back). True when that
-        was every one of ``ranks``."""
+        was every one of ``ranks``.
+
+        The record is also ``relay``'s report at ``now``: it carried every heartbeat the relay
+        held, so a rank of it whose deadline had passed by then is silent (:meth:`stale`)."""
+        self._reports[relay] = now
         relay_of, dead, last_seen = self._relay_of, self._dead, self._last_seen
         everyone = True
         for rank, age in zip(ranks, ages, strict=True):
@@ -89,37 +103,69 @@ class LivenessRules(Generic[M]):
         return everyone
 
     def credit_pause(self, relay: M, seconds: float) -> None:
-        """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence."""
+        """The coordinator did not read ``relay`` for ``seconds``: not its ranks' silence, nor
+        its own (its clocks move on by that much, the pause is taken out of its timeline)."""
         for r in relay.ranks:
             if r in self._last_seen:
                 self._last_seen[r] += seconds
+        if relay in self._heard:
+            self._heard[relay] += seconds
+        if relay in self._reports:
+            self._reports[relay] += seconds
+
+    def awaits(self, relay: M) -> bool:
+        """The staleness watch waits for ``relay``'s next report (a rank of it is past its
+        deadline without evidence yet): wake it when one arrives."""
+        return relay in self._awaited
 
     def stale(self, now: float, timeout: float,
               paused: Callable[[M], bool] = lambda relay: False) -> tuple[list[int], float]:
-        """Live ranks silent for ``timeout`` at ``now`` (ranks on ``paused`` relays excepted),
-        ascending, and when to look again (``inf`` when none is watched). Only while running:
-        formation has its own deadline.
+        """Live ranks stale at ``now`` (ranks on ``paused`` relays excepted), ascending, and
+        when to look again (``inf`` when none is watched). Only while running: formation has
+        its own deadline.
 
-        A paused relay's wait is credited to its ranks when it ends (:meth:`credit_pause`), so
-        their deadlines only move later: they are looked at again at their uncredited
-        deadline, or within ``PAUSED_RECHECK`` seconds when that has passed. Nobody has to
-        wake the watch when a pause ends (one wake per full channel cost a scan of the world
-        per delivered frame).
+        A rank is stale once its last heartbeat is ``timeout`` old (its deadline) *and* there
+        is evidence that its relay does not hold a newer one (SPEC §4.5): the relay reported
+        (a ``Liveness``, which carries every heartbeat it holds) at or after that deadline,
+        or sent no record at all for ``timeout``. A relay that never sent a ``Liveness``
+        forwards each heartbeat as it comes: its ranks are stale at their deadline. A rank
+        past its deadline without evidence is looked at again when its relay's silence
+        reaches ``timeout``, or when the relay reports (:meth:`awaits`: the caller wakes the
+        watch), so the watch declares it the moment the evidence exists.
+
+        A paused relay's wait is credited to it and its ranks when it ends
+        (:meth:`credit_pause`), so their deadlines only move later: they are looked at again
+        at their uncredited deadline, or within ``PAUSED_RECHECK`` seconds when that has
+        passed. Nobody has to wake the watch when a pause ends (one wake per full channel
+        cost a scan of the world per delivered frame).
         """
+        self._awaited = set()
         if self._phase != "running":
             return [], math.inf
         overdue: list[int] = []
         next_due = math.inf
         recheck = now + min(timeout, PAUSED_RECHECK)
-        last_seen, relay_of = self._last_seen, self._relay_of
+        last_seen, relay_of, reports = self._last_seen, self._relay_of, self._reports
         for rank in self._live:
             due = last_seen[rank] + timeout
-            if paused(relay_of[rank]):
-                next_due = min(next_due, max(due, recheck))
-            elif due <= now:
+            if due > now:
+                if due < next_due:
+                    next_due = due
+                continue
+            relay = relay_of[rank]
+            if paused(relay):
+                next_due = min(next_due, recheck)
+                continue
+            reported = reports.get(relay)
+            if reported is None or due <= reported:
                 overdue.append(rank)
-            elif due < next_due:
-                next_due = due
+                continue
+            silent_until = self._heard.get(relay, -math.inf) + timeout
+            if silent_until <= now:
+                overdue.append(rank)
+            else:  # its relay may still hold a heartbeat of it: its next report tells
+                self._awaited.add(relay)
+                next_due = min(next_due, silent_until)
         overdue.sort()
         return overdue, next_due
 

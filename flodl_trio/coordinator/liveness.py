@@ -2,9 +2,11 @@
 
 - ``mark_dead`` records a death synchronously (roster, event) and queues the follow-up.
 - ``death_worker`` tells the survivors (``DeclareDead``) and applies the failure policy.
-- ``staleness_watch`` declares ranks whose last TIMING frame is older than ``heartbeat_timeout``;
-  time in which the coordinator could not read a relay (its reader waiting on a full channel) does
-  not count, so a slow consumer never kills healthy ranks.
+- ``staleness_watch`` declares ranks whose last heartbeat is older than ``heartbeat_timeout``
+  once there is evidence that their relay holds no newer one: it reported since that deadline,
+  or sent nothing for ``heartbeat_timeout`` (SPEC §4.5, ``Roster.stale``); time in which the
+  coordinator could not read a relay (its reader waiting on a full channel) does not count, so
+  a slow consumer never kills healthy ranks.
 - ``relay_lost`` handles an upstream connection that ended.
 - ``coord_heartbeats`` sends ``CoordHeartbeat`` once per ``heartbeat_period``, which it paces
   to the number of relays (issue 23): ``max(heartbeat_interval, min(relays /
@@ -238,6 +240,9 @@ class Liveness:
             pass
 
     async def staleness_watch(self) -> None:
+        """Declare the stale ranks (``Roster.stale``) the moment they are: it sleeps until the
+        next deadline it was given, or until a reader wakes it (a report it waits for, a
+        rejoin, formation's end)."""
         timeout = self._config.heartbeat_timeout
         reason = f"heartbeat stale (>{timeout:g}s)"
         while True:

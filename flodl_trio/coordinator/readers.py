@@ -4,8 +4,10 @@ TIMING goes to ``coord.timing`` (refreshing the sender's liveness clock first), 
 ``coord.metrics``; a message that speaks for a rank its relay does not carry is dropped. A
 relay's ``Liveness`` record (its ranks' verified heartbeats, coalesced) refreshes each listed
 rank's clock and step count as their ``Heartbeat`` frames would have, and delivers a
-``Heartbeat`` for each (unless ``deliver_heartbeats`` is off). When a channel is full the reader
-waits, and that time does not count towards heartbeat staleness.
+``Heartbeat`` for each (unless ``deliver_heartbeats`` is off); it is also the relay's report,
+the evidence the staleness watch may be waiting for (SPEC §4.5), and each read that brings a
+record tells the roster the relay is not silent. When a channel is full the reader waits, and
+that time does not count towards heartbeat staleness.
 """
 
 from __future__ import annotations
@@ -106,14 +108,19 @@ class Readers:
         now = trio.current_time()
         next_event = session.next_event
         roster = self._roster
+        records = False  # this read brought a record: the relay is not silent (SPEC §4.5)
         while True:
             event = next_event()
             kind = type(event)
             if kind is Invalid:
+                records = True
                 self.invalid(conn, event.rank, event.detail, category=event.category)
                 continue
             if event is NEED_DATA or kind is EndOfStream:
+                if records:
+                    roster.heard(conn, now)
                 return cast(EndOfStream | NeedData, event)
+            records = True
             if kind is RankExit or kind is RankDropped:
                 self.rank_gone(conn, event)
                 continue
@@ -151,6 +158,8 @@ class Readers:
         come in this read. Returns the clock reading to go on with (taken again after waiting
         for room in the channel)."""
         roster, ranks, steps = self._roster, msg.ranks, msg.steps
+        if roster.awaits(conn):  # the staleness watch waits for this report (SPEC §4.5)
+            self._liveness.wake()
         if roster.seen_by(conn, ranks, msg.ages, now):
             self._board.steps.update(zip(ranks, steps, strict=True))
             pairs: Iterable[tuple[int, int]] = zip(ranks, steps, strict=True)

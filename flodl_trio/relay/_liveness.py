@@ -8,6 +8,10 @@ entry is queued before anything else from that rank (the rank reader calls
 :meth:`Heartbeats.take` first): the coordinator never sees a rank's heartbeat after that rank's
 later frames or its ``RankExit``, and a rank that beats faster than the relay's
 ``heartbeat_interval`` is reported at its own pace (its next heartbeat sends the pending one).
+A tick with no heartbeat pending still sends a ``Liveness``, naming no rank: the coordinator
+judges staleness on evidence (SPEC §4.5), and this record says that the relay is alive and
+holds no heartbeat of any of its ranks, so a rank whose last heartbeat is ``heartbeat_timeout``
+old is silent, not held back; and the relay is never silent longer than one tick.
 
 A coordinator of many relays paces the records (``Cadence{interval}``, issue 23): the ticker
 then runs every ``max(heartbeat_interval, interval)`` seconds, from its next tick, and a rank's
@@ -26,17 +30,21 @@ import trio
 from ..net._transport import STREAM_GONE
 from ..wire import Liveness
 
+# What a tick sends when no heartbeat is pending (immutable: one for every relay).
+IDLE = Liveness(ranks=(), steps=(), ages=())
+
 
 class Heartbeats:
     """The local ranks' verified heartbeats not yet reported upstream: rank → (step count,
     when it was verified)."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.0) -> None:
         self._pending: dict[int, tuple[int, float]] = {}
-        self.records = 0  # Liveness records taken so far
+        self.records = 0  # Liveness records taken so far (with heartbeats)
         self.beats = 0  # heartbeats they carried
+        self.idle = 0  # ticks that had none (an empty Liveness went instead)
         self.cadence = 0.0  # the coordinator's Cadence on this connection (0: none)
-        self._interval = 0.0  # the relay's own heartbeat_interval, once the ticker runs
+        self._interval = interval  # the relay's own heartbeat_interval
 
     def follow(self, interval: float) -> None:
         """The coordinator asked for one ``Liveness`` per ``interval`` seconds (``Cadence``;
@@ -75,20 +83,31 @@ class Heartbeats:
         self.beats += len(ranks)
         return msg
 
+    def tick(self, now: float) -> Liveness:
+        """What a tick at ``now`` sends: :meth:`take`, or the empty ``Liveness`` when no
+        heartbeat is pending."""
+        msg = self.take(now)
+        if msg is None:
+            self.idle += 1
+            return IDLE
+        return msg
+
     async def ticker(self, interval: float, up_send: trio.MemorySendChannel[Any],
                      readers_gone: trio.Event,
                      send: Callable[[trio.MemorySendChannel[Any], Any], Awaitable[None]]
                      | None = None) -> None:
-        """Queue the pending heartbeats every ``interval`` (or the coordinator's slower
-        ``Cadence``) until the last rank reader ended (each reader takes its own rank's before
-        its last record), then close ``up_send``. ``send(up_send, msg)`` sends one (the
+        """Queue a ``Liveness`` every ``interval`` (or the coordinator's slower ``Cadence``):
+        the pending heartbeats, or an empty one (:meth:`tick`), until the last rank reader
+        ended (each reader takes its own rank's before its last record; what is pending then
+        goes, nothing more), then close ``up_send``. ``send(up_send, msg)`` sends one (the
         pump's ``send_up``; default: ``up_send.send``)."""
         self._interval = interval
         with up_send:
             while not readers_gone.is_set():
                 with trio.move_on_after(max(interval, self.cadence)):
                     await readers_gone.wait()
-                msg = self.take(trio.current_time())
+                now = trio.current_time()
+                msg = self.take(now) if readers_gone.is_set() else self.tick(now)
                 if msg is not None:
                     try:
                         if send is None:

@@ -98,7 +98,7 @@ class Pump:
         self._rest: tuple[Upstream, bytes] | None = None
         self._heard = 0.0  # when the durable coordinator's last record arrived
         # The local ranks' verified Heartbeats, one Liveness record per interval (issue 23).
-        self.heartbeats = Heartbeats()
+        self.heartbeats = Heartbeats(self.config.heartbeat_interval)
         self._readers = 0
         self._readers_gone = trio.Event()
 

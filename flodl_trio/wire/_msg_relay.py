@@ -185,10 +185,12 @@ class Liveness(RelayControlMsg):
     coordinator refreshes those ranks' liveness as if each ``Heartbeat`` had arrived, so it
     costs one sealed record per relay per interval instead of one frame per rank. A rank's
     pending ``Liveness`` is sent before any other record of that rank (its frames, its
-    ``RankExit``), so it never arrives after them.
+    ``RankExit``), so it never arrives after them. Every record carries every heartbeat the
+    relay held when it sealed it, so it is also the coordinator's evidence that the ranks it
+    does not name are silent, not held back; a tick with none pending sends one naming no rank.
 
     Attributes:
-        ranks: local ranks, ascending, without duplicates, at least one.
+        ranks: local ranks, ascending, without duplicates; none in a tick that had none.
         steps: ``steps[i]`` is the ``step_count`` of ``ranks[i]``'s latest ``Heartbeat``.
         ages: ``ages[i]`` is how long ago, in seconds (≥ 0), the relay verified that
             ``Heartbeat`` when it sealed this record: the coordinator counts the rank as seen

@@ -343,10 +343,12 @@ class CoordinatorSession(_RecordSession):
 
     def _liveness(self, msg: Liveness) -> Any:
         ranks = msg.ranks
-        if not ranks or not len(ranks) == len(msg.steps) == len(msg.ages):
-            return Invalid("malformed", f"Liveness: expected at least one rank and a step count "
-                           f"and an age each; got {len(ranks)} ranks, {len(msg.steps)} step "
-                           f"counts, {len(msg.ages)} ages")
+        if not len(ranks) == len(msg.steps) == len(msg.ages):
+            return Invalid("malformed", f"Liveness: expected a step count and an age for each "
+                           f"rank; got {len(ranks)} ranks, {len(msg.steps)} step counts, "
+                           f"{len(msg.ages)} ages")
+        if not ranks:
+            return msg  # a tick with no heartbeat pending: the relay is alive, holds nothing
         ages = msg.ages  # NaN compares false both ways: only the sum shows it
         if ranks == self._liveness_ranks:  # an idle relay lists the same ranks every period
             if not min(ages) >= 0 or (total := sum(ages)) != total:
