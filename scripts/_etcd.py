@@ -354,6 +354,14 @@ class EtcdCluster:
     def stop_member(self, index: int) -> None:
         self.members[index].stop()
 
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member, as a crash (a SIGTERMed leader would hand its leadership over
+        first); :meth:`start_member` brings it back."""
+        member = self.members[index]
+        assert member.pid is not None
+        os.kill(member.pid, signal.SIGKILL)
+        member.stop()  # reaps it
+
     def start_member(self, index: int, *, wait: bool = True) -> None:
         """Start a stopped member again (same ports and data: it rejoins the cluster)."""
         member = self.members[index]

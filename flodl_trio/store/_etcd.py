@@ -244,8 +244,10 @@ class EtcdStore(SessionStore):
         if not self._checked:
             try:
                 await self._http.health()
+            except StoreAuthError:
+                raise  # it names the endpoint and what to fix: kept short enough for one line
             except StoreUnavailable as exc:
-                raise type(exc)(f"store {self.description}: {exc}") from None
+                raise StoreUnavailable(f"store {self.description}: {exc}") from None
             self._checked = True
 
     async def _get(self, name: str) -> dict[str, Any] | None:

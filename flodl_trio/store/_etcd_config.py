@@ -191,9 +191,9 @@ def store_url_args(scheme: str, rest: str, *, env: Mapping[str, str],
     location, _, query = rest[2:].partition("?")
     hosts, slash, prefix = location.partition("/")
     if "@" in hosts:
-        raise ConfigError("a user or password in the URL is visible to every `ps`: give the user "
-                          f"as ?user= or ${ENV['user']} and the password in a file (?password_file"
-                          f"= or ${ENV['password_file']}) or ${PASSWORD_ENV}")
+        raise ConfigError(f"a user or password in the URL shows in `ps`: use ?user= and "
+                          f"?password_file= or ${ENV['user']} and ${ENV['password_file']} or "
+                          f"${PASSWORD_ENV}")
     if not hosts or not slash or not prefix.strip("/"):
         raise ConfigError("expected endpoints then '/PREFIX'")
     options = _query(query)
@@ -224,9 +224,8 @@ def _query(query: str) -> dict[str, str]:
     options: dict[str, str] = {}
     for name, value in pairs:
         if name == "password":
-            raise ConfigError("a password in the URL is visible to every `ps`: put it in a file "
-                              f"(?password_file= or ${ENV['password_file']}) or "
-                              f"${PASSWORD_ENV}")
+            raise ConfigError(f"a password in the URL shows in `ps`: use ?password_file= or "
+                              f"${ENV['password_file']} or ${PASSWORD_ENV}")
         if name not in QUERY_KEYS:
             raise ConfigError(f"unknown option {name!r} after '?'; expected "
                               f"{', '.join(QUERY_KEYS)}")

@@ -27,11 +27,10 @@ import trio
 
 from .._errors import ConfigError, StoreAuthError, StoreUnavailable
 from ._etcd_config import EtcdAccess
-from ._etcd_wire import Conn, Failed, answer_problem, exchange, tls_problem
+from ._etcd_wire import UNAUTHENTICATED, Conn, Failed, answer_problem, exchange, tls_problem
 
 MAX_IDLE = 4  # keep-alive connections kept for reuse, per endpoint
 PASS_PAUSE = 0.05  # between two passes over the endpoints while etcd elects a leader
-UNAUTHENTICATED = 16  # gRPC code of an expired or unknown auth token
 T = TypeVar("T")
 
 

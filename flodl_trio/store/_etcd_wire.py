@@ -13,22 +13,20 @@ import h11
 import trio
 
 from .._errors import StoreAuthError
-from ._etcd_config import ENV, PASSWORD_ENV, EtcdAccess
+from ._etcd_config import ENV, EtcdAccess
 
 MAX_RESPONSE = 16 * 1024 * 1024  # a state is at most etcd's 1.5 MiB request limit, base64'd
 TRANSIENT_CODES = (4, 14)  # gRPC DEADLINE_EXCEEDED, UNAVAILABLE: no leader, leader changed
 PERMISSION_DENIED = 7
+UNAUTHENTICATED = 16  # an expired or unknown auth token
 # etcd 3.4 (3.4.23 here) refuses every gateway request made with a client certificate that has a
 # Common Name: with --client-cert-auth the CN would be the etcd user, which the gateway cannot pass.
 GATEWAY_CN = "CommonName of client sending a request against gateway"
 PLAIN_TO_TLS = "HTTP request to an HTTPS server"
 
-CA_HINT = f"ca_file=, ?ca= in the store URL or ${ENV['ca']}"
-CERT_HINT = (f"cert_file=/key_file=, ?cert=&key= in the store URL or "
-             f"${ENV['cert']}/${ENV['key']}")
-PASSWORD_HINT = (f"user=/password_file=, ?user=&password_file= in the store URL, or "
-                 f"${ENV['user']} with ${ENV['password_file']} or ${PASSWORD_ENV}")
-
+CA_HINT = f"ca_file (?ca=, ${ENV['ca']})"
+CERT_HINT = f"cert_file/key_file (?cert=&key=, ${ENV['cert']}/_KEY)"
+USER_HINT = f"user and password_file (?user=&password_file=, ${ENV['user']}/_PASSWORD_FILE)"
 
 class Failed(Exception):
     """One attempt on one endpoint failed; ``transient``: it may pass (no leader, a stall),
@@ -137,25 +135,23 @@ async def _read_answer(conn: Conn, *, tls: bool) -> tuple[int, bytes]:
 
 
 def tls_problem(where: str, exc: BaseException, access: EtcdAccess) -> StoreAuthError | Failed:
-    """What a TLS handshake or session that broke means, and what to do about it."""
+    """What a TLS handshake or session that broke means, and what to do about it (one line a
+    command can print whole)."""
     cause = exc.__cause__
     if isinstance(cause, ssl.SSLCertVerificationError):
         return StoreAuthError(f"etcd {where}: its TLS certificate did not verify "
-                              f"({cause.verify_message}): give the CA that signed it "
-                              f"({CA_HINT})")
+                              f"({cause.verify_message}): give the CA that signed it: {CA_HINT}")
     if not isinstance(cause, ssl.SSLError):
         return Failed(f"TLS: {cause_text(exc)}")
     reason = (cause.reason or str(cause)).lower().replace("_", " ")
     if "wrong version number" in reason or "record layer" in reason:
-        return StoreAuthError(f"etcd {where}: does not answer TLS ({reason}): a plain-HTTP etcd "
-                              f"is etcd://HOST:PORT/PREFIX, not etcds://")
+        return StoreAuthError(f"etcd {where} does not answer TLS ({reason}): a plain-HTTP etcd "
+                              f"is etcd://, not etcds://")
     if access.client_cert:
-        return StoreAuthError(f"etcd {where}: refused this client's TLS certificate ({reason}): "
-                              f"give a client certificate signed by a CA in its "
-                              f"--trusted-ca-file ({CERT_HINT})")
-    return StoreAuthError(f"etcd {where}: refused a TLS client without a certificate "
-                          f"({reason}); it requires one (--client-cert-auth): give a client "
-                          f"certificate and key ({CERT_HINT})")
+        return StoreAuthError(f"etcd {where} refused this client's TLS certificate ({reason}): "
+                              f"is cert_file signed by a CA of its --trusted-ca-file?")
+    return StoreAuthError(f"etcd {where} requires a TLS client certificate ({reason}): give "
+                          f"{CERT_HINT}")
 
 
 def answer_problem(where: str, path: str, status: int, answer: dict[str, Any] | bytes,
@@ -164,37 +160,34 @@ def answer_problem(where: str, path: str, status: int, answer: dict[str, Any] | 
     if isinstance(answer, bytes):
         text = answer.decode(errors="replace").strip()
         if GATEWAY_CN in text:
-            return StoreAuthError(f"etcd {where}: refuses gateway requests from a client "
-                                  f"certificate with a Common Name ({text[:100]!r}): issue "
-                                  f"the client certificate without a CN (its identity in the "
-                                  f"subject alternative names only)")
+            return StoreAuthError(f"etcd {where} refuses gateway requests made with a client "
+                                  f"certificate that has a Common Name: issue it without a CN "
+                                  f"(its names in the subject alternative names only)")
         if PLAIN_TO_TLS in text:
-            return StoreAuthError(f"etcd {where}: serves TLS, this client spoke plain HTTP: a "
-                                  f"TLS etcd is etcds://HOST:PORT/PREFIX (https:// endpoints)")
+            return StoreAuthError(f"etcd {where} serves TLS, this client spoke plain HTTP: use "
+                                  f"etcds:// (https:// endpoints)")
         return Failed(f"HTTP {status}: {text[:80]!r}", transient=True) if status >= 500 \
             else None
     code = int(answer.get("code", 0) or 0)
     message = str(answer.get("message") or answer.get("error") or f"HTTP {status}")
+    message = message.removeprefix("etcdserver: ")
     if code in TRANSIENT_CODES:
         return Failed(message, transient=True)
     user = access.user
     if path == "/v3/auth/authenticate":
         if "not enabled" in message:
-            return StoreAuthError(f"etcd {where}: authentication is not enabled ({message}), "
-                                  f"but user {user!r} was given: give no user, or enable "
-                                  f"authentication in etcd")
-        return StoreAuthError(f"etcd {where}: refused user {user!r} ({message}): check the user "
-                              f"and its password ({PASSWORD_HINT})")
+            return StoreAuthError(f"etcd {where} has authentication disabled, but user {user!r} "
+                                  f"was given: give no user (or enable it in etcd)")
+        return StoreAuthError(f"etcd {where} refused user {user!r} "
+                              f"({message.removeprefix('authentication failed, ')}): check the "
+                              f"{USER_HINT}")
     if code == PERMISSION_DENIED:
         if user is None:
-            return StoreAuthError(f"etcd {where}: {path} refused ({message}); this etcd requires "
-                                  f"authentication: give an etcd user and its password "
-                                  f"({PASSWORD_HINT})")
-        return StoreAuthError(f"etcd {where}: {path} refused for user {user!r} ({message}): "
-                              f"grant its role readwrite permission on the keys under "
-                              f"{prefix!r} (etcdctl role grant-permission ROLE --prefix "
-                              f"readwrite {prefix})")
-    if code == 16:
-        return StoreAuthError(f"etcd {where}: {path} refused user {user!r}'s token even just "
-                              f"after it authenticated ({message})")
+            return StoreAuthError(f"etcd {where} requires authentication ({path}: {message}): "
+                                  f"give {USER_HINT}")
+        return StoreAuthError(f"etcd {where}: user {user!r} may not {path} under {prefix!r} "
+                              f"({message}): grant its role readwrite on that prefix")
+    if code == UNAUTHENTICATED:
+        return StoreAuthError(f"etcd {where} refused the token of user {user!r} just after "
+                              f"it authenticated ({message})")
     return None

@@ -40,7 +40,8 @@ def open_store(url: str, *, ttl: float | None = None, connect_timeout: float = 5
             forms); a TLS or password file that cannot be read.
     """
     def bad(why: str) -> ConfigError:
-        return ConfigError(f"store {url!r}: {why}; expected one of {', '.join(ACCEPTED)}")
+        return ConfigError(f"store {_shown(url)!r}: {why}; expected one of "
+                           f"{', '.join(ACCEPTED)}")
 
     scheme, sep, rest = url.partition(":")
     if not sep:
@@ -60,3 +61,13 @@ def open_store(url: str, *, ttl: float | None = None, connect_timeout: float = 5
         except ConfigError as exc:
             raise bad(str(exc)) from None
     raise bad(f"unknown scheme {scheme!r}")
+
+
+def _shown(url: str) -> str:
+    """``url`` as an error quotes it: without its query (its file paths would push the reason
+    out of a one-line error) and without a ``user:password@`` (that would leak into logs)."""
+    scheme, sep, rest = url.partition("?")[0].partition("://")
+    authority, slash, path = rest.partition("/")
+    if sep and "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return scheme + sep + authority + slash + path
