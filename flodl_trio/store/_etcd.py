@@ -11,8 +11,10 @@ generation (compared on its ``mod_revision``); a standby polls every ``ttl / 4``
 gone. The leader renews its lease every ``ttl / 3`` and steps down (``LeadershipLost``) when no
 renewal succeeded for the lease's TTL counted from the moment the last good renewal was *sent*:
 etcd counts the same TTL from when it *received* it, so the leader always steps down before a
-standby can win. Writes are txns comparing ``PREFIX/generation`` with the writer's and that the
-writer's lease still holds the leader key.
+standby can win. Writes are txns comparing ``PREFIX/generation`` with the writer's, that the
+writer's lease still holds the leader key, and the key's revision with the writer's last write.
+Requests fail over between the endpoints (``_etcd_http``); TLS and the etcd user are
+``_etcd_config``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import trio
 
 from .._errors import ConfigError, LeadershipLost, StoreAuthError, StoreCorrupt, StoreUnavailable
 from ._base import SessionStore
-from ._etcd_config import make_access, min_ttl, parse_endpoints, step_down_margin
+from ._etcd_config import lease_ttl, make_access, parse_endpoints, step_down_margin
 from ._etcd_http import EtcdCallError, EtcdHttp, b64, endpoint_text, unb64
 from ._state import SessionState
 
@@ -77,21 +79,10 @@ class EtcdStore(SessionStore):
         clean = prefix.strip("/")
         if not clean:
             raise ConfigError(f"etcd store: expected a non-empty key prefix, got {prefix!r}")
-        for name, value in (("ttl", 1.0 if ttl is None else ttl),
-                            ("connect_timeout", connect_timeout),
-                            ("request_timeout", request_timeout),
-                            ("election_timeout", election_timeout)):
-            if not value > 0:
-                raise ConfigError(f"etcd store: expected {name} > 0, got {value!r}")
-        self.min_ttl = min_ttl(endpoints=len(parsed), request_timeout=request_timeout,
-                               election_timeout=election_timeout)
-        if ttl is not None and len(parsed) > 1 and math.ceil(ttl) < self.min_ttl:
-            raise ConfigError(
-                f"etcd store: expected a ttl of at least {self.min_ttl} s, got {ttl:g} s: a "
-                f"shorter lease cannot ride out an etcd leader election (election_timeout "
-                f"{election_timeout:g} s) plus a lost member (request_timeout "
-                f"{request_timeout:g} s) across {len(parsed)} endpoints; raise ttl, or give "
-                f"the cluster's own --election-timeout as election_timeout if it is shorter")
+        self.ttl, self.min_ttl = lease_ttl(ttl, endpoints=len(parsed),
+                                           connect_timeout=connect_timeout,
+                                           request_timeout=request_timeout,
+                                           election_timeout=election_timeout)
         access = make_access(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
                              user=user, password=password, password_file=password_file)
         self._http = EtcdHttp(parsed, timeout=connect_timeout, attempt_timeout=request_timeout,
@@ -99,7 +90,6 @@ class EtcdStore(SessionStore):
         scheme = "etcds" if tls else "etcd"
         self.description = f"{scheme}://{','.join(endpoint_text(e) for e in parsed)}/{clean}"
         self.prefix = clean
-        self.ttl = float(max(2, self.min_ttl)) if ttl is None else ttl
         self._keys = {name: f"{clean}/{name}" for name in ("leader", "generation", "state",
                                                           "address")}
         self._revisions: dict[str, int] = {}  # key name -> its mod_revision after our last write

@@ -62,6 +62,34 @@ def min_ttl(*, endpoints: int, request_timeout: float, election_timeout: float) 
     return max(1, math.ceil(ttl - 1e-9))
 
 
+def lease_ttl(ttl: float | None, *, endpoints: int, connect_timeout: float,
+              request_timeout: float, election_timeout: float) -> tuple[float, int]:
+    """The TTL a store asks for (``ttl``, or 2 s or :func:`min_ttl` if longer) and that minimum.
+
+    Raises:
+        ConfigError: a value not above 0, or (several endpoints) a ``ttl`` below the minimum,
+            naming both.
+    """
+    for name, value in (("ttl", 1.0 if ttl is None else ttl),
+                        ("connect_timeout", connect_timeout),
+                        ("request_timeout", request_timeout),
+                        ("election_timeout", election_timeout)):
+        if not value > 0:
+            raise ConfigError(f"etcd store: expected {name} > 0, got {value!r}")
+    least = min_ttl(endpoints=endpoints, request_timeout=request_timeout,
+                    election_timeout=election_timeout)
+    if ttl is None:
+        return float(max(2, least)), least
+    if endpoints > 1 and math.ceil(ttl) < least:  # etcd grants whole seconds
+        raise ConfigError(
+            f"etcd store: expected a ttl of at least {least} s, got {ttl:g} s: a shorter lease "
+            f"cannot ride out an etcd leader election (election_timeout {election_timeout:g} s)"
+            f" plus a lost member (request_timeout {request_timeout:g} s) across {endpoints} "
+            f"endpoints; raise ttl, or give the cluster's own --election-timeout as "
+            f"election_timeout if it is shorter")
+    return ttl, least
+
+
 @attrs.frozen
 class EtcdAccess:
     """How the transport reaches a secured etcd.

@@ -174,7 +174,9 @@ class EtcdHttp:
                     self._current = (index + 1) % len(self.endpoints)
             left = end - trio.current_time()
             if not transient or left <= 0:
-                raise StoreUnavailable(head + "; ".join(f"{w}: {p}" for w, p in problems.items()))
+                found = "; ".join(f"{w}: {p}" for w, p in problems.items())
+                raise StoreUnavailable(head + (found or f"no answer to {path} within "
+                                               f"{self.timeout:g} s"))
             await trio.sleep(min(PASS_PAUSE, left))
 
     async def _authorised(self, endpoint: tuple[str, int], path: str,
