@@ -89,7 +89,8 @@ async def test_a_tls_and_auth_store_works_end_to_end_with_a_standby_and_a_relay(
             await relay_side.check()
             stream = await relay_side()  # the relay resolves the leader through etcds://
             await stream.aclose()
-            await trio.sleep(1.6)  # the tokens expire (1 s idle): renewals and saves renew them
+            await trio.sleep(1.6)  # the relay's token expired (1 s idle): it authenticates again
+            await (await relay_side()).aclose()
             await leader.save(state(gen1, failures=2))
             assert not won
             crashed = trio.current_time()
