@@ -216,6 +216,13 @@ class StoreUnavailable(StoreError):
     reports no leader; a file that cannot be opened)."""
 
 
+class StoreAuthError(StoreUnavailable):
+    """The store refused this client, or this client refused the store, for a reason no retry
+    can change: a TLS certificate either side does not trust, a user or password etcd refuses,
+    a role without permission on the store's keys. The message names the endpoint and what to
+    fix; a standby does not wait through it."""
+
+
 class StoreCorrupt(StoreError):
     """The stored session state is not a flodl-trio state, is damaged, or belongs to another
     session (salt, world size); it is refused whole, never half-loaded."""

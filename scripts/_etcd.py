@@ -6,15 +6,25 @@ member on free loopback ports (client and peer), its data in a given directory, 
 
 The member runs with a 100 ms heartbeat and a 500 ms election timeout, so that etcd's minimum
 lease TTL (1.5 election timeouts, rounded up to whole seconds) is 1 s instead of 2 s.
+
+A production-like member (client TLS, client certificates required, RBAC users):
+
+    tls = EtcdTLS(tmp_path / "pki")            # a CA, the member's and a client's certificates
+    with EtcdServer(tmp_path, tls=tls) as etcd:
+        etcd.enable_auth()                      # a root user, then authentication on
+        etcd.add_user("flodl", "s3cret", prefix="flodl/")   # readwrite on that prefix only
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -29,6 +39,49 @@ ETCD = os.environ.get("FLODL_ETCD", "/usr/bin/etcd")
 def etcd_binary() -> str | None:
     """The etcd binary's path, or None when it is not installed."""
     return ETCD if os.access(ETCD, os.X_OK) else shutil.which("etcd")
+
+
+class EtcdTLS:
+    """Certificates made with trustme in ``directory`` for a TLS etcd on 127.0.0.1: a CA
+    (``ca_file``), the members' server certificate, a client certificate and key
+    (``cert_file``, ``key_file``), and a client certificate of another CA (``rogue_cert_file``,
+    ``rogue_key_file``) that the members refuse.
+
+    The client certificates have no Common Name: etcd 3.4 refuses every JSON-gateway request
+    made with one whose subject has a CN (with --client-cert-auth the CN would be the user).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        import trustme  # a test dependency: only this helper needs it
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        ca, rogue = trustme.CA(), trustme.CA()
+        server = ca.issue_cert("127.0.0.1", "localhost", common_name="flodl etcd member")
+        client, stranger = ca.issue_cert("flodl-client"), rogue.issue_cert("flodl-client")
+        self.ca_file = self._write("ca.pem", ca.cert_pem.bytes())
+        self.server_cert = self._write("server.pem", server.cert_chain_pems[0].bytes())
+        self.server_key = self._write("server-key.pem", server.private_key_pem.bytes())
+        self.cert_file = self._write("client.pem", client.cert_chain_pems[0].bytes())
+        self.key_file = self._write("client-key.pem", client.private_key_pem.bytes())
+        self.rogue_cert_file = self._write("rogue.pem", stranger.cert_chain_pems[0].bytes())
+        self.rogue_key_file = self._write("rogue-key.pem", stranger.private_key_pem.bytes())
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = self.directory / name
+        path.write_bytes(data)
+        path.chmod(0o600)
+        return str(path)
+
+    def client_context(self) -> ssl.SSLContext:
+        """What the helper itself dials the members with (the client certificate)."""
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+    def query(self) -> str:
+        """The ``?ca=&cert=&key=`` part of an ``etcds://`` store URL."""
+        return f"ca={self.ca_file}&cert={self.cert_file}&key={self.key_file}"
 
 
 def free_port() -> int:
@@ -46,7 +99,8 @@ class EtcdServer:
     """
 
     def __init__(self, data_dir: Path, *, start_timeout: float = 15.0,
-                 without_quorum: bool = False) -> None:
+                 without_quorum: bool = False, tls: EtcdTLS | None = None,
+                 auth_token_ttl: int | None = None) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -62,6 +116,11 @@ class EtcdServer:
         # lost its quorum)
         self.without_quorum = without_quorum
         self.name = "flodl-test"
+        # client TLS with client certificates required (--client-cert-auth); peers stay plain
+        self.tls = tls
+        self.auth_token_ttl = auth_token_ttl  # etcd's --auth-token-ttl (simple tokens, 300 s)
+        self.root_password: str | None = None  # once enable_auth() ran
+        self._root_token: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._started = False  # once up, a restart keeps its ports and data
 
@@ -93,8 +152,20 @@ class EtcdServer:
         return f"{self.name}={self.peer_url}" + (
             f",phantom=http://127.0.0.1:{free_port()}" if self.without_quorum else "")
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    def _tls_flags(self) -> list[str]:
+        flags = [] if self.auth_token_ttl is None else ["--auth-token-ttl",
+                                                        str(self.auth_token_ttl)]
+        if self.tls is None:
+            return flags
+        return [*flags, "--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
+                "--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
+
     def _spawn(self) -> None:
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = self.client_url
         argv = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", self.peer_url,
@@ -102,7 +173,7 @@ class EtcdServer:
                 "--initial-cluster", self._initial_cluster(),
                 "--initial-cluster-state", "new",
                 "--heartbeat-interval", "100", "--election-timeout", "500",
-                "--logger", "zap", "--log-level", "warn"]
+                "--logger", "zap", "--log-level", "warn", *self._tls_flags()]
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT)
@@ -123,12 +194,59 @@ class EtcdServer:
         raise RuntimeError(f"etcd on {self.endpoint} not up within {self.start_timeout} s; "
                            f"its log {self.log_path}:\n{self.log_tail()}")
 
+    def _context(self) -> ssl.SSLContext | None:
+        return None if self.tls is None else self.tls.client_context()
+
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as r:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=0.5,
+                                        context=self._context()) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError, urllib.error.URLError):
             return False
+
+    def gateway(self, path: str, body: dict[str, Any], *, as_root: bool = True,
+                renew: bool = True) -> dict[str, Any]:
+        """POST ``body`` to the JSON gateway, as root once :meth:`enable_auth` ran (root's
+        token renewed once if it expired); RuntimeError with etcd's answer on an error."""
+        request = urllib.request.Request(f"{self.client_url}{path}",
+                                         data=json.dumps(body).encode(), method="POST")
+        if as_root and self._root_token is not None:
+            request.add_header("Authorization", self._root_token)
+        try:
+            with urllib.request.urlopen(request, timeout=5, context=self._context()) as answer:
+                doc = json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            text = exc.read()[:200]
+            if exc.code == 401 and as_root and renew and self.root_password is not None:
+                self._root_token = str(self.gateway("/v3/auth/authenticate", {
+                    "name": "root", "password": self.root_password}, as_root=False)["token"])
+                return self.gateway(path, body, renew=False)
+            raise RuntimeError(f"etcd {self.endpoint} {path}: HTTP {exc.code}: {text!r}") from None
+        return doc if isinstance(doc, dict) else {}
+
+    def enable_auth(self) -> None:
+        """Create the root user (a random password, :attr:`root_password`) and turn
+        authentication on; later :meth:`gateway` calls authenticate as root."""
+        self.root_password = secrets.token_hex(8)
+        self.gateway("/v3/auth/role/add", {"name": "root"})
+        self.gateway("/v3/auth/user/add", {"name": "root", "password": self.root_password})
+        self.gateway("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        self.gateway("/v3/auth/enable", {})
+        self._root_token = "none yet"  # the first call authenticates (a 401 renews it)
+
+    def add_user(self, name: str, password: str, *, prefix: str) -> None:
+        """A user whose role (of the same name) may read and write the keys under ``prefix``
+        and nothing else."""
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode()).decode()
+
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)  # the range [prefix, end) is the prefix
+        self.gateway("/v3/auth/role/add", {"name": name})
+        self.gateway("/v3/auth/role/grant", {"name": name, "perm": {
+            "permType": "READWRITE", "key": b64(prefix), "range_end": b64(end)}})
+        self.gateway("/v3/auth/user/add", {"name": name, "password": password})
+        self.gateway("/v3/auth/user/grant", {"user": name, "role": name})
 
     def listening(self) -> bool:
         try:
@@ -236,6 +354,14 @@ class EtcdCluster:
     def stop_member(self, index: int) -> None:
         self.members[index].stop()
 
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member, as a crash (a SIGTERMed leader would hand its leadership over
+        first); :meth:`start_member` brings it back."""
+        member = self.members[index]
+        assert member.pid is not None
+        os.kill(member.pid, signal.SIGKILL)
+        member.stop()  # reaps it
+
     def start_member(self, index: int, *, wait: bool = True) -> None:
         """Start a stopped member again (same ports and data: it rejoins the cluster)."""
         member = self.members[index]
@@ -256,10 +382,11 @@ class EtcdCluster:
     def status(self, index: int) -> dict[str, Any] | None:
         """A member's ``/v3/maintenance/status`` answer, or None when it does not answer."""
         member = self.members[index]
-        request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status",
+        request = urllib.request.Request(f"{member.client_url}/v3/maintenance/status",
                                          data=b"{}", method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=0.5) as answer:
+            with urllib.request.urlopen(request, timeout=0.5,
+                                        context=member._context()) as answer:
                 doc = json.loads(answer.read())
         except (OSError, ValueError, urllib.error.URLError):
             return None

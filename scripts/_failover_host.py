@@ -6,6 +6,7 @@ machine, so the parent compares it with the moment it SIGKILLed a coordinator).
     python scripts/_failover_host.py --coordinator 127.0.0.1:PORT --salt-hex HEX --host host-a \\
         --ranks 0,1 --world-size 4 --log DIR/host-a.log
     python scripts/_failover_host.py --etcd 127.0.0.1:2379 --prefix flodl/bench ...
+    python scripts/_failover_host.py --etcd 'etcds://127.0.0.1:2379/flodl/bench?ca=...' ...
 
 With ``--etcd`` the relay's coordinator target is an async callable that reads the leader's
 address from the store (``store.resolve_address()``) on every dial, so a relay that lost its
@@ -35,7 +36,7 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.sim import SimulatedRank
-from flodl_trio.store import EtcdStore
+from flodl_trio.store import EtcdStore, SessionStore, open_store
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
@@ -107,7 +108,9 @@ def coordinator_target(args: argparse.Namespace) -> Any:
     if args.etcd is None:
         host, _, port = args.coordinator.rpartition(":")
         return (host, int(port))
-    store = EtcdStore(args.etcd, args.prefix)
+    # a whole store URL (etcds:// with its TLS and user options), or HOST:PORT and --prefix
+    store: SessionStore = open_store(args.etcd) if "://" in args.etcd \
+        else EtcdStore(args.etcd, args.prefix)
 
     async def dial() -> trio.abc.Stream:
         addresses = await store.resolve_address()
@@ -140,7 +143,8 @@ def cli() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--coordinator", help="HOST:PORT of the coordinator")
-    where.add_argument("--etcd", help="etcd HOST:PORT whose store names the leader")
+    where.add_argument("--etcd", help="etcd HOST:PORT (or a whole etcd[s]:// store URL) whose "
+                       "store names the leader")
     parser.add_argument("--prefix", default="flodl/bench", help="with --etcd: the store prefix")
     parser.add_argument("--salt-hex", required=True)
     parser.add_argument("--host", required=True)

@@ -20,6 +20,12 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   ``ShutdownWithSave``) and SIGCONT. Records any rank received from it must be 0.
 - ``relay kill``: SqliteStore, no coordinator kill; one host process (relay and ranks) is
   SIGKILLed between two syncs: its unsynced work must be redistributed.
+- ``etcd member lost`` / ``etcd member paused``: a 3-member etcd loses its leader member
+  (SIGKILL) / its first-listed follower (SIGSTOP) mid-epoch, quorum intact: the coordinator must
+  keep its leadership (scripts/_failover_etcd.py).
+- ``etcd tls``: ``etcd standby`` on an etcd with client TLS, client certificates required and an
+  RBAC user; ``etcd tls refused``: a coordinator without the client certificate must exit with
+  one clear line.
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -48,8 +54,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _report as rep  # noqa: E402
-from _etcd import EtcdServer, etcd_binary, free_port  # noqa: E402
+from _etcd import EtcdCluster, EtcdServer, etcd_binary, free_port  # noqa: E402
 from _failover_coord import DEPOSED_MARK  # noqa: E402
+from _failover_etcd import (  # noqa: E402
+    member_lost,
+    secured_etcd,
+    tls_refused,
+    tls_standby,
+)
 
 import flodl_trio as ft  # noqa: E402
 
@@ -215,10 +227,15 @@ def store_url(kind: str, run_dir: Path, etcd: EtcdServer | None) -> str:
     return f"etcd://{etcd.endpoint}/flodl/bench-{run_dir.name}"
 
 
-def one_run(case: str, root: Path, etcd: EtcdServer | None) -> dict[str, Any]:
+def one_run(case: str, root: Path, etcd: EtcdServer | None,
+            extra: dict[str, Any]) -> dict[str, Any]:
     with ExitStack() as stack:
         run = Run(root, "", stack)
         try:
+            if case in ("etcd member lost", "etcd member paused"):
+                return member_lost(run, extra["cluster"], pause=case == "etcd member paused")
+            if case == "etcd tls":
+                return tls_standby(run, extra["secured"])
             return run_case(case, run, etcd)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             tails = "".join(f"\n--- {c.out.name}:\n" + "\n".join(c.lines()[-8:])
@@ -305,27 +322,50 @@ def maybe_etcd(root: Path, wanted: bool) -> Iterator[EtcdServer | None]:
         yield etcd
 
 
+@contextmanager
+def etcd_extras(root: Path, cases: list[str]) -> Iterator[dict[str, Any]]:
+    """The 3-member etcd and the TLS etcd, for the cases that need them."""
+    with ExitStack() as stack:
+        extra: dict[str, Any] = {}
+        if any(c.startswith("etcd member") for c in cases):
+            (root / "cluster").mkdir()
+            extra["cluster"] = stack.enter_context(EtcdCluster(root / "cluster"))
+        if any(c.startswith("etcd tls") for c in cases):
+            (root / "secured").mkdir()
+            extra["secured"] = stack.enter_context(secured_etcd(root / "secured"))
+        yield extra
+
+
+ALL_CASES = ("embedded,etcd,etcd standby,deposed,relay kill,etcd member lost,etcd member paused,"
+             "etcd tls,etcd tls refused")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 runs of each takeover case")
     parser.add_argument("--runs", type=int, default=None, help="runs per takeover case (5)")
-    parser.add_argument("--cases", default="embedded,etcd,etcd standby,deposed,relay kill",
-                        help="comma-separated subset of the cases")
+    parser.add_argument("--cases", default=ALL_CASES, help="comma-separated subset of the cases")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    needs_etcd = any(c.startswith("etcd") or c == "deposed" for c in cases)
-    if needs_etcd and etcd_binary() is None:
+    needs_etcd = any(c in ("etcd", "etcd standby", "deposed") for c in cases)
+    if any(c.startswith("etcd") or c == "deposed" for c in cases) and etcd_binary() is None:
         sys.exit("etcd is not installed (Debian: apt-get install etcd-server)")
     results: dict[str, list[dict[str, Any]]] = {}
+    refusal: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="flodl-failover-") as tmp, \
-            maybe_etcd(Path(tmp), needs_etcd) as etcd:
+            maybe_etcd(Path(tmp), needs_etcd) as etcd, etcd_extras(Path(tmp), cases) as extra:
         for case in cases:
+            if case == "etcd tls refused":
+                refusal = tls_refused(extra["secured"])
+                if args.verbose:
+                    print(f"  {case}: {json.dumps(refusal)}", flush=True)
+                continue
             repeat = 1 if case in ("deposed", "relay kill") else runs
             for i in range(repeat):
-                outcome = one_run(case, Path(tmp), etcd)
+                outcome = one_run(case, Path(tmp), etcd, extra)
                 results.setdefault(case, []).append(outcome)
                 if args.verbose:
                     print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
@@ -357,9 +397,17 @@ def main() -> None:
     by_case = {row["case"]: row for row in rows}
     targets = []
     for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
-                       ("etcd standby", "etcd: standby takeover s")):
+                       ("etcd standby", "etcd: standby takeover s"),
+                       ("etcd tls", "etcd tls: takeover s")):
         if case in by_case:
             targets.append(rep.target(name, by_case[case]["takeover_s"], "<", 3))
+    for case in ("etcd member lost", "etcd member paused"):
+        if case in results:  # 1 only if every run kept it
+            targets.append(rep.target(f"{case}: leader kept",
+                                      min(r["kept"] for r in results[case]), ">=", 1))
+    if refusal is not None:
+        targets.append(rep.target("etcd tls: client without certificate refused",
+                                  refusal["refused"], ">=", 1))
     if kill_cases:
         targets.append(rep.target("ranks declared dead",
                                   sum(by_case[c]["dead"] for c in kill_cases), "<=", 0))
@@ -373,7 +421,7 @@ def main() -> None:
         targets.append(rep.target("lost updates not re-run", sum(r["lost"] for r in every),
                                   "<=", 0))
     rep.finish("coordinator_failover", rows, targets, args.json,
-               runs={c: results[c] for c in results})
+               runs={c: results[c] for c in results}, refusal=refusal)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ def test_each_accepted_form_opens_its_store(tmp_path: Path) -> None:
     assert store.description == f"sqlite:{tmp_path}/run.db"
     relative = open_store("sqlite:state/run.db")
     assert isinstance(relative, SqliteStore) and relative.path == Path("state/run.db")
-    etcd = open_store("etcd://127.0.0.1:2379,10.0.0.2:2379/flodl/run1", ttl=3)
+    # two endpoints: at least the TTL that rides out an etcd election (5 s at etcd's defaults)
+    etcd = open_store("etcd://127.0.0.1:2379,10.0.0.2:2379/flodl/run1", ttl=6)
     assert isinstance(etcd, EtcdStore)
     assert etcd.description == "etcd://127.0.0.1:2379,10.0.0.2:2379/flodl/run1"
-    assert etcd.prefix == "flodl/run1" and etcd.ttl == 3
+    assert etcd.prefix == "flodl/run1" and etcd.ttl == 6
     assert open_store("etcd://[::1]:2379/p").description == "etcd://[::1]:2379/p"
     assert isinstance(open_store("memory:"), MemoryStore)
     assert open_store("memory:test").description == "memory:test"

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="URL",
                    help="keep the session in a store so that a restarted or standby "
                    "coordinator adopts the running cohort: sqlite:PATH, "
-                   "etcd://HOST:PORT[,HOST:PORT...]/PREFIX or memory: (docs/failover.rst)")
+                   "etcd://HOST:PORT[,HOST:PORT...]/PREFIX (etcds:// for TLS; options after ?: "
+                   "ca, cert, key, user, password_file, ttl, election_timeout, request_timeout, "
+                   "or $FLODL_ETCD_*; never a password) or memory: (docs/failover.rst)")
     p.add_argument("--standby", action="store_true",
                    help="with --store: if another coordinator leads it, wait for its "
                    "leadership to end and then adopt the session (without it: exit 1 at once)")
@@ -111,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                    help="the coordinator's --listen address (required); or several, "
                    "HOST:PORT,HOST:PORT, tried in turn on every attempt; or "
-                   "etcd://HOST:PORT/PREFIX, the --store of the coordinators, whose leader's "
-                   "address is read again on every attempt")
+                   "etcd[s]://HOST:PORT/PREFIX[?OPTIONS], the --store of the coordinators, "
+                   "whose leader's address is read again on every attempt")
     p.add_argument("--coordinator-grace", type=float, default=None, metavar="S",
                    help="seconds to ride out a lost coordinator that runs with a --store "
                    "(ranks kept, their frames queued, re-dialing) before giving up; 0: give up "

@@ -81,6 +81,8 @@ async def run_relay(args: argparse.Namespace) -> int:
     ssl_context = _tls_client(args)
     target = coordinator_target(args.coordinator, config=config)
     try:
+        if isinstance(target, CoordinatorDialer):
+            await target.check()
         return await _relay(args, target, config=config, salt=salt, ranks=ranks, sigs=sigs,
                             ssl_context=ssl_context)
     finally:

@@ -1,12 +1,14 @@
 """Where ``flodl-trio relay --coordinator`` dials: one ``HOST:PORT``, a fixed list of them
-(tried in turn on every attempt), or ``etcd://HOST:PORT/PREFIX`` (the leader's address, read
-from the coordinators' session store again on every attempt, so that a relay that lost its
-coordinator finds the standby that took over).
+(tried in turn on every attempt), or ``etcd://HOST:PORT/PREFIX`` / ``etcds://...`` (the leader's
+address, read from the coordinators' session store again on every attempt, so that a relay that
+lost its coordinator finds the standby that took over; the same TLS and user options as the
+coordinators' ``--store``).
 
 The relay calls a dialer again on every attempt (``open_relay`` accepts an async callable that
 returns a stream); an ``OSError`` from it is a failed attempt, retried until the relay's
 deadline, so every failure here -- no coordinator listening, no leader in the store, an etcd that
-does not answer -- is raised as one.
+does not answer -- is raised as one; except an etcd that refuses this relay's certificate or user
+(:class:`~flodl_trio.StoreAuthError`): no attempt can change that, so it ends the relay at once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import trio
 
 from .._config import RelayConfig
-from .._errors import StoreError
+from .._errors import StoreAuthError, StoreError
 from ..net._keepalive import KeepAlive, enable_keepalive
 from ..net._transport import format_address
 from ..store import SessionStore
@@ -47,12 +49,27 @@ class CoordinatorDialer:
             return self.addresses
         try:
             found = await self.store.resolve_address()
+        except StoreAuthError:
+            raise
         except StoreError as exc:  # etcd restarting, ...: this attempt fails, the next reads
             raise OSError(f"{self.__name__}: cannot read the leader's address: {exc}") from exc
         if not found:
             raise OSError(f"{self.__name__}: no coordinator leads the store now (no address "
                           "published)")
         return found
+
+    async def check(self) -> None:
+        """Read the store once, at start: an etcd that refuses this relay's certificate or
+        user ends it now (``StoreAuthError``), not once its ranks joined; anything else (etcd
+        not up yet, no leader yet) is left to the dial attempts."""
+        if self.store is None:
+            return
+        try:
+            await self.store.resolve_address()
+        except StoreAuthError:
+            raise
+        except StoreError:
+            pass
 
     async def __call__(self) -> trio.abc.Stream:
         last: OSError | None = None
@@ -83,7 +100,7 @@ def coordinator_target(text: str, *, config: RelayConfig) -> Any:
     >>> coordinator_target("a:1,b:2", config=RelayConfig()).addresses
     (('a', 1), ('b', 2))
     """
-    if text.startswith("etcd://"):
+    if text.startswith(("etcd://", "etcds://")):
         return CoordinatorDialer(text, config=config, store=store_from(text,
                                                                        option="--coordinator"))
     if "://" in text or text.startswith(("sqlite:", "memory:")):

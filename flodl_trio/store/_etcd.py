@@ -11,8 +11,10 @@ generation (compared on its ``mod_revision``); a standby polls every ``ttl / 4``
 gone. The leader renews its lease every ``ttl / 3`` and steps down (``LeadershipLost``) when no
 renewal succeeded for the lease's TTL counted from the moment the last good renewal was *sent*:
 etcd counts the same TTL from when it *received* it, so the leader always steps down before a
-standby can win. Writes are txns comparing ``PREFIX/generation`` with the writer's and that the
-writer's lease still holds the leader key.
+standby can win. Writes are txns comparing ``PREFIX/generation`` with the writer's, that the
+writer's lease still holds the leader key, and the key's revision with the writer's last write.
+Requests fail over between the endpoints (``_etcd_http``); TLS and the etcd user are
+``_etcd_config``'s.
 """
 
 from __future__ import annotations
@@ -24,46 +26,73 @@ from typing import Any
 
 import trio
 
-from .._errors import ConfigError, LeadershipLost, StoreCorrupt, StoreUnavailable
+from .._errors import ConfigError, LeadershipLost, StoreAuthError, StoreCorrupt, StoreUnavailable
 from ._base import SessionStore
-from ._etcd_http import EtcdCallError, EtcdHttp, b64, endpoint_text, parse_endpoint, unb64
+from ._etcd_config import lease_ttl, make_access, parse_endpoints, step_down_margin
+from ._etcd_http import EtcdCallError, EtcdHttp, b64, endpoint_text, unb64
 from ._state import SessionState
 
 NOT_FOUND = 5  # gRPC status code etcd answers for a lease that is gone
+PUT_ROUNDS = 8  # a fenced put sent again on the revision found: bounded (see _fenced_put)
 
 
 class EtcdStore(SessionStore):
     """The session store in etcd v3, through its JSON gateway (``/v3/...``, etcd >= 3.4).
 
     Args:
-        endpoints: ``"HOST:PORT"`` strings (or ``(host, port)`` pairs) of the etcd cluster's
-            client URLs, tried in order (plain HTTP).
+        endpoints: the etcd cluster's client URLs: ``"HOST:PORT"``, ``"http://HOST:PORT"`` or
+            ``"https://HOST:PORT"`` strings (all TLS or none), or ``(host, port)`` pairs.
+            Requests go to the endpoint that answered last and fail over to the next.
         prefix: the key prefix of this session (``"flodl/run1"``); one prefix per run.
         ttl: the leader's lease TTL in seconds: how long a standby waits after the leader
             vanished, and how long a leader cut off from etcd keeps leading. etcd grants at least
             its minimum (1.5 election timeouts, 2 s with its defaults); the granted TTL counts.
-        connect_timeout: the bound of each request, and so of the ``StoreUnavailable`` error
-            for an unreachable or unhealthy etcd at start.
+            With several endpoints it must ride out an etcd leader election (:attr:`min_ttl`;
+            a shorter one is a ``ConfigError``); None: 2 s, or :attr:`min_ttl` if longer.
+        connect_timeout: the bound of each call (every endpoint tried), and so of the
+            ``StoreUnavailable`` error for an unreachable or unhealthy etcd at start.
+        request_timeout: the bound of one attempt on one endpoint before the next is tried (a
+            frozen member accepts connections but never answers).
+        election_timeout: the etcd cluster's ``--election-timeout`` in seconds (etcd's
+            default 1 s), which :attr:`min_ttl` is computed from.
+        ca_file: the CA bundle that signed the etcd members' certificates (TLS endpoints;
+            None: the system's CAs).
+        cert_file: the client certificate, for an etcd that runs with ``--client-cert-auth``
+            (PEM; it holds the key too unless ``key_file`` is given).
+        key_file: the client certificate's private key.
+        user: the etcd user (RBAC) to authenticate as; its role needs readwrite on the prefix.
+        password_file: a file holding that user's password (one line).
+        password: the password itself (for a caller that holds it already).
+
+    Raises:
+        ConfigError: an endpoint, prefix or option that cannot work; a TLS or password file
+            that cannot be read (they are read now, nothing is sent to etcd yet).
     """
 
     def __init__(self, endpoints: str | Sequence[str | tuple[str, int]], prefix: str, *,
-                 ttl: float = 2.0, connect_timeout: float = 5.0) -> None:
-        if isinstance(endpoints, str):
-            endpoints = [e for e in endpoints.split(",") if e.strip()]
-        parsed = [parse_endpoint(e) if isinstance(e, str) else (str(e[0]), int(e[1]))
-                  for e in endpoints]
+                 ttl: float | None = None, connect_timeout: float = 5.0,
+                 request_timeout: float = 0.5, election_timeout: float = 1.0,
+                 ca_file: str | None = None, cert_file: str | None = None,
+                 key_file: str | None = None, user: str | None = None,
+                 password_file: str | None = None, password: str | None = None) -> None:
+        parsed, tls = parse_endpoints(endpoints)
         clean = prefix.strip("/")
         if not clean:
             raise ConfigError(f"etcd store: expected a non-empty key prefix, got {prefix!r}")
-        if not ttl > 0 or not connect_timeout > 0:
-            raise ConfigError(f"etcd store: expected ttl and connect_timeout > 0, got ttl={ttl!r}"
-                              f", connect_timeout={connect_timeout!r}")
-        self._http = EtcdHttp(parsed, timeout=connect_timeout)
-        self.description = f"etcd://{','.join(endpoint_text(e) for e in parsed)}/{clean}"
+        self.ttl, self.min_ttl = lease_ttl(ttl, endpoints=len(parsed),
+                                           connect_timeout=connect_timeout,
+                                           request_timeout=request_timeout,
+                                           election_timeout=election_timeout)
+        access = make_access(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
+                             user=user, password=password, password_file=password_file)
+        self._http = EtcdHttp(parsed, timeout=connect_timeout, attempt_timeout=request_timeout,
+                              access=access, key_prefix=f"{clean}/")
+        scheme = "etcds" if tls else "etcd"
+        self.description = f"{scheme}://{','.join(endpoint_text(e) for e in parsed)}/{clean}"
         self.prefix = clean
-        self.ttl = ttl
         self._keys = {name: f"{clean}/{name}" for name in ("leader", "generation", "state",
                                                           "address")}
+        self._revisions: dict[str, int] = {}  # key name -> its mod_revision after our last write
         self._lease: int | None = None
         self._lease_ttl = 0.0
         self._lease_deadline = 0.0  # when this leader must have stepped down, Trio clock
@@ -84,6 +113,8 @@ class EtcdStore(SessionStore):
         while True:
             try:
                 won = await self._try_acquire(owner)
+            except StoreAuthError:
+                raise  # a certificate or a user etcd refuses: waiting cannot change it
             except StoreUnavailable:  # a standby rides out an etcd restart
                 if self._lease is not None:
                     await self._revoke()
@@ -122,7 +153,8 @@ class EtcdStore(SessionStore):
                 except StoreUnavailable as exc:
                     problem = str(exc)
             if scope.cancelled_caught and sent < deadline:
-                problem = f"etcd {self._http.current}: no answer to a renewal before then"
+                problem = (self._http.failures_since(sent) or
+                           f"etcd {self._http.current}: no answer to a renewal before then")
             elif scope.cancelled_caught and not problem:
                 problem = "its deadline passed before a renewal"
             if granted > 0:
@@ -193,7 +225,7 @@ class EtcdStore(SessionStore):
     def _margin(self, granted: float) -> float:
         """How long after sending a renewal this leader may still lead: the TTL less a small
         margin for the time it takes to stop acting (closing connections)."""
-        return granted - min(0.1 * granted, 0.25)
+        return granted - step_down_margin(granted)
 
     def _lose(self) -> None:
         self._generation = None
@@ -202,6 +234,8 @@ class EtcdStore(SessionStore):
         if not self._checked:
             try:
                 await self._http.health()
+            except StoreAuthError:
+                raise  # it names the endpoint and what to fix: kept short enough for one line
             except StoreUnavailable as exc:
                 raise StoreUnavailable(f"store {self.description}: {exc}") from None
             self._checked = True
@@ -305,32 +339,67 @@ class EtcdStore(SessionStore):
 
     async def _fenced_put(self, name: str, value: bytes, generation: int, what: str, *,
                           with_lease: bool = False) -> None:
+        """Write ``value`` at key ``name`` in a txn fenced on our generation and lease.
+
+        A txn whose answer was lost (the member froze, the call failed over) may have been
+        applied, or may still be, later: the transport then sends it to another endpoint.
+        Sending the same put again is harmless (the same value under the same fence), but a copy
+        that a frozen member applies *after* a newer save would bring an old state back. So the
+        txn also compares the key's ``mod_revision`` with the one our last write left: every
+        older copy then fails. A mismatch while the generation and lease are still ours can only
+        come from such a copy of ours; the put is sent again on the revision found.
+        """
         lease = self._lease
         if lease is None or self._generation is None:
             raise LeadershipLost(f"store {self.description}: {what} as generation {generation} "
                                  f"refused: this handle does not lead (no acquire, or it "
                                  f"stepped down)")
         leader_key, gen_key = b64(self._keys["leader"]), b64(self._keys["generation"])
-        put: dict[str, Any] = {"key": b64(self._keys[name]), "value": b64(value)}
+        key = b64(self._keys[name])
+        put: dict[str, Any] = {"key": key, "value": b64(value)}
         if with_lease:
             put["lease"] = str(lease)
-        answer = await self._http.call("/v3/kv/txn", {
-            "compare": [
-                {"key": gen_key, "target": "VALUE", "result": "EQUAL",
-                 "value": b64(str(generation))},
-                {"key": leader_key, "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
-            ],
-            "success": [{"request_put": put}],
-            "failure": [{"request_range": {"key": gen_key}},
-                        {"request_range": {"key": leader_key}}],
-        })
-        if answer.get("succeeded"):
-            return
-        found = []
-        for response in answer.get("responses") or []:
-            kvs = (response.get("response_range") or {}).get("kvs") or []
-            found.append(unb64(kvs[0].get("value")).decode(errors="replace") if kvs else "none")
-        gen_now, leader_now = [*found, "?", "?"][:2]
-        raise LeadershipLost(f"store {self.description}: {what} as generation {generation} "
-                             f"refused: the stored generation is {gen_now}, the leader key "
-                             f"holds {leader_now} (not our lease {lease:x})")
+        for _ in range(PUT_ROUNDS):
+            answer = await self._http.call("/v3/kv/txn", {
+                "compare": [
+                    {"key": gen_key, "target": "VALUE", "result": "EQUAL",
+                     "value": b64(str(generation))},
+                    {"key": leader_key, "target": "LEASE", "result": "EQUAL",
+                     "lease": str(lease)},
+                    {"key": key, "target": "MOD", "result": "EQUAL",
+                     "mod_revision": str(self._revisions.get(name, 0))},
+                ],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": gen_key}},
+                            {"request_range": {"key": leader_key}},
+                            {"request_range": {"key": key, "keys_only": True}}],
+            })
+            if answer.get("succeeded"):
+                self._revisions[name] = int((answer.get("header") or {}).get("revision", 0))
+                return
+            gen_kv, leader_kv, key_kv = [*_first_kvs(answer), None, None, None][:3]
+            gen_now = _text(gen_kv)
+            if gen_now == str(generation) and leader_kv is not None \
+                    and int(leader_kv.get("lease", 0)) == lease:
+                self._revisions[name] = int((key_kv or {}).get("mod_revision", 0))
+                continue
+            raise LeadershipLost(f"store {self.description}: {what} as generation {generation} "
+                                 f"refused: the stored generation is {gen_now}, the leader key "
+                                 f"holds {_text(leader_kv)} (not our lease {lease:x})")
+        raise StoreUnavailable(f"store {self.description}: {what} as generation {generation}: "
+                               f"expected {self._keys[name]!r} to stay at the revision found, "
+                               f"but it moved {PUT_ROUNDS} times (concurrent writes of this "
+                               f"handle)")
+
+
+def _first_kvs(answer: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """The first key of each range a txn's failure branch answered (None where none)."""
+    out: list[dict[str, Any] | None] = []
+    for response in answer.get("responses") or []:
+        kvs = (response.get("response_range") or {}).get("kvs") or []
+        out.append(kvs[0] if kvs else None)
+    return out
+
+
+def _text(kv: dict[str, Any] | None) -> str:
+    return "none" if kv is None else unb64(kv.get("value")).decode(errors="replace")

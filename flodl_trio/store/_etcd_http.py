@@ -1,32 +1,37 @@
 """A small JSON-over-HTTP/1.1 client for etcd v3's gRPC gateway (``POST /v3/kv/range`` ...),
-on Trio streams with ``h11`` (already a dependency of flodl-trio).
+on Trio streams with ``h11`` (already a dependency of flodl-trio), plain or TLS.
 
 Why not a gRPC client: the maintained Python etcd clients are thread-bound (grpcio) and would
 put every lease renewal on a worker thread; the gateway speaks plain JSON over HTTP/1.1 and
 needs nothing but a socket, so the leader's renewals run in its Trio nursery, cancellable and
 bounded by Trio deadlines like everything else.
 
-Every call is bounded by ``timeout``; a call that fails on one endpoint moves to the next.
-Failures raise :class:`~flodl_trio.StoreUnavailable` naming the endpoint and the cause; an
-error that etcd itself answered raises :class:`EtcdCallError` (its gRPC code and message).
+Failover, as etcd's own client balances: a call starts at the endpoint that answered last; each
+attempt is bounded by ``attempt_timeout`` (a member that was SIGSTOPped accepts connections but
+never answers), then the next endpoint is tried, round and round while some member stalls or
+says etcd has no leader (an election), until the call's ``timeout``. A pass on which every
+endpoint failed at once (nothing listens) ends the call there. Failures raise
+:class:`~flodl_trio.StoreUnavailable` naming each endpoint and why; an error that etcd itself
+answered raises :class:`EtcdCallError` (its gRPC code and message); a certificate or a user
+either side refuses raises :class:`~flodl_trio.StoreAuthError` at once.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
-import attrs
-import h11
 import trio
 
-from .._errors import ConfigError, StoreUnavailable
+from .._errors import ConfigError, StoreAuthError, StoreUnavailable
+from ._etcd_config import EtcdAccess
+from ._etcd_wire import UNAUTHENTICATED, Conn, Failed, answer_problem, exchange, tls_problem
 
-MAX_IDLE = 4  # keep-alive connections kept for reuse
-MAX_RESPONSE = 16 * 1024 * 1024  # a state is at most etcd's 1.5 MiB request limit, base64'd
+MAX_IDLE = 4  # keep-alive connections kept for reuse, per endpoint
+PASS_PAUSE = 0.05  # between two passes over the endpoints while etcd elects a leader
+T = TypeVar("T")
 
 
 class EtcdCallError(StoreUnavailable):
@@ -55,206 +60,226 @@ def unb64(text: str | None) -> bytes:
     return base64.b64decode(text or "")
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``http://HOST:PORT`` -> (host, port)."""
-    spec = text.strip()
-    if spec.startswith("http://"):
-        spec = spec[len("http://"):].rstrip("/")
-    elif "://" in spec:
-        raise ConfigError(f"etcd endpoint {text!r}: expected HOST:PORT or http://HOST:PORT "
-                          f"(TLS endpoints are not supported)")
-    host, sep, port = spec.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"etcd endpoint {text!r}: expected HOST:PORT with a port in 1..65535")
-    return host, int(port)
-
-
 def endpoint_text(endpoint: tuple[str, int]) -> str:
     host, port = endpoint
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-@attrs.define(eq=False)
-class _Conn:
-    endpoint: tuple[str, int]
-    stream: trio.abc.Stream
-    h11: h11.Connection = attrs.field(factory=lambda: h11.Connection(h11.CLIENT))
-    used: bool = False
-
-
 class EtcdHttp:
-    """HTTP/1.1 to one of ``endpoints`` (the first that answers; a failure moves to the next),
-    with a small pool of keep-alive connections so that concurrent calls (a lease renewal and a
-    save) never wait for each other."""
+    """HTTP/1.1 to the endpoints of one etcd cluster, failing over between them, with a small
+    pool of keep-alive connections per endpoint so that concurrent calls (a lease renewal and a
+    save) never wait for each other.
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: float) -> None:
+    Args:
+        endpoints: the cluster's client endpoints, (host, port).
+        timeout: the bound of a whole call (every attempt on every endpoint).
+        attempt_timeout: the bound of one attempt on one endpoint (with one endpoint, attempts
+            are bounded by ``timeout``: there is nothing to fail over to).
+        access: TLS and the etcd user, if any.
+        key_prefix: the keys the caller uses (named when etcd denies a permission).
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: float,
+                 attempt_timeout: float | None = None, access: EtcdAccess | None = None,
+                 key_prefix: str = "") -> None:
         if not endpoints:
             raise ConfigError("etcd store: expected at least one endpoint, got none")
         self.endpoints = tuple(endpoints)
         self.timeout = timeout
+        self.attempt_timeout = timeout if attempt_timeout is None or len(endpoints) == 1 \
+            else min(attempt_timeout, timeout)
+        self.access = access if access is not None else EtcdAccess()
+        self.key_prefix = key_prefix
         self._current = 0
-        self._idle: list[_Conn] = []
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
+        self._token: str | None = None
+        self._failures: dict[str, tuple[float, str]] = {}  # endpoint -> (when, why), the latest
 
     @property
     def current(self) -> str:
+        """The endpoint the next call starts at (the one that answered last)."""
         return endpoint_text(self.endpoints[self._current])
+
+    def failures_since(self, since: float) -> str:
+        """What went wrong on each endpoint since ``since`` (Trio clock), or ``""``."""
+        recent = [f"{where}: {why}" for where, (when, why) in self._failures.items()
+                  if when >= since]
+        return "etcd " + "; ".join(recent) if recent else ""
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` as JSON to ``path`` and return the decoded answer."""
-        status, data, where = await self._request("POST", path, json.dumps(body).encode())
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            doc = None
-        if not isinstance(doc, dict):
-            raise StoreUnavailable(f"etcd {where}: expected a JSON object from {path}, got "
-                                   f"HTTP {status} with {data[:80]!r}")
-        if status != 200 or "error" in doc:
-            message = doc.get("message") or doc.get("error") or f"HTTP {status}"
-            raise EtcdCallError(f"etcd {where}: {path} failed: {message}",
-                                code=int(doc.get("code", 0) or 0))
-        result = doc.get("result", doc)  # streaming calls (lease keepalive) wrap their answer
-        return result if isinstance(result, dict) else {}
+        data = json.dumps(body).encode()
+
+        async def attempt(endpoint: tuple[str, int]) -> dict[str, Any]:
+            return await self._authorised(endpoint, path, data)
+
+        return await self._failover(attempt, path, head="etcd ")
 
     async def health(self) -> None:
         """Raise :class:`StoreUnavailable` unless some endpoint says it is healthy (it has a
         leader and answers reads); the message names every endpoint and why."""
-        problems = []
-        for _ in self.endpoints:
-            try:
-                status, data, where = await self._request("GET", "/health", b"", rotate=False)
-            except StoreUnavailable as exc:
-                problems.append(str(exc).removeprefix("etcd "))
-                continue  # _request moved to the next endpoint
+        async def attempt(endpoint: tuple[str, int]) -> None:
+            status, data = await self._exchange(endpoint, "GET", "/health", b"", {})
             try:
                 healthy = json.loads(data).get("health") == "true"
             except (ValueError, AttributeError):
                 healthy = False
-            if status == 200 and healthy:
-                return
-            problems.append(f"{where}: unhealthy (HTTP {status}: {data[:120]!r})")
-            self._current = (self._current + 1) % len(self.endpoints)
-        raise StoreUnavailable("expected a healthy etcd, got " + "; ".join(problems))
+            if status != 200 or not healthy:
+                problem = answer_problem(endpoint_text(endpoint), "/health", status, data,
+                                         self.access, self.key_prefix)
+                if isinstance(problem, StoreAuthError):
+                    raise problem
+                # no leader (electing, or no quorum): worth another pass
+                raise Failed(f"unhealthy (HTTP {status}: {data[:120]!r})", transient=True)
+
+        await self._failover(attempt, "/health", head="expected a healthy etcd, got ")
 
     async def aclose(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await trio.aclose_forcefully(conn.stream)
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                await trio.aclose_forcefully(conn.stream)
 
     # -- internals ----------------------------------------------------------------------------
 
-    async def _request(self, method: str, path: str, body: bytes, *,
-                       rotate: bool = True) -> tuple[int, bytes, str]:
-        last: StoreUnavailable | None = None
-        for _ in range(len(self.endpoints) if rotate else 1):
-            endpoint = self.endpoints[self._current]
-            where = endpoint_text(endpoint)
-            try:
-                with trio.fail_after(self.timeout):
-                    status, data = await self._exchange(endpoint, method, path, body)
-                return status, data, where
-            except trio.TooSlowError:
-                last = StoreUnavailable(f"etcd {where}: no answer to {path} within "
-                                        f"{self.timeout:g} s")
-            except (OSError, trio.BrokenResourceError, h11.ProtocolError,
-                    _Truncated) as exc:
-                last = StoreUnavailable(f"etcd {where}: {path} failed: {_cause(exc)}")
-            self._current = (self._current + 1) % len(self.endpoints)
-        assert last is not None
-        raise last
+    async def _failover(self, attempt: Callable[[tuple[str, int]], Awaitable[T]], path: str, *,
+                        head: str) -> T:
+        """``attempt`` on the endpoint that answered last, then on each next one, round and round
+        while a failure may pass (a stall, etcd without a leader), until ``timeout``."""
+        end = trio.current_time() + self.timeout
+        problems: dict[str, str] = {}
+        while True:
+            transient = False
+            for _ in self.endpoints:
+                index = self._current
+                endpoint = self.endpoints[index]
+                where = endpoint_text(endpoint)
+                bound = min(self.attempt_timeout, end - trio.current_time())
+                if bound <= 0:
+                    break
+                try:
+                    with trio.fail_after(bound):
+                        result = await attempt(endpoint)
+                except trio.TooSlowError:
+                    why, transient = f"no answer to {path} within {bound:.3g} s", True
+                except Failed as exc:
+                    why, transient = f"{path} failed: {exc}", transient or exc.transient
+                else:
+                    self._failures.pop(where, None)
+                    self._current = index
+                    return result
+                problems[where] = why
+                self._failures[where] = (trio.current_time(), why)
+                if self._current == index:  # another call may have moved on already
+                    self._current = (index + 1) % len(self.endpoints)
+            left = end - trio.current_time()
+            if not transient or left <= 0:
+                found = "; ".join(f"{w}: {p}" for w, p in problems.items())
+                raise StoreUnavailable(head + (found or f"no answer to {path} within "
+                                               f"{self.timeout:g} s"))
+            await trio.sleep(min(PASS_PAUSE, left))
 
-    async def _exchange(self, endpoint: tuple[str, int], method: str, path: str,
-                        body: bytes) -> tuple[int, bytes]:
-        conn = self._take(endpoint)
-        if conn is not None:
+    async def _authorised(self, endpoint: tuple[str, int], path: str,
+                          data: bytes) -> dict[str, Any]:
+        """One call on one endpoint, authenticated when a user is configured: an expired or
+        unknown token (simple tokens expire after 5 idle minutes) is renewed and the call sent
+        once more (etcd checks the token before it proposes anything: nothing was applied)."""
+        for retry in (False, True):
+            headers = {}
+            if self.access.user is not None:
+                if self._token is None:
+                    self._token = await self._authenticate(endpoint)
+                headers["Authorization"] = self._token
+            status, doc = await self._json(endpoint, path, data, headers)
+            if not retry and int(doc.get("code", 0) or 0) == UNAUTHENTICATED \
+                    and self.access.user is not None:
+                self._token = None
+                continue
+            return self._result(endpoint, path, status, doc)
+        raise AssertionError("unreachable")
+
+    async def _authenticate(self, endpoint: tuple[str, int]) -> str:
+        body = json.dumps({"name": self.access.user, "password": self.access.password}).encode()
+        status, doc = await self._json(endpoint, "/v3/auth/authenticate", body, {})
+        token = self._result(endpoint, "/v3/auth/authenticate", status, doc).get("token")
+        if not isinstance(token, str) or not token:
+            raise StoreAuthError(f"etcd {endpoint_text(endpoint)}: expected a token from "
+                                 f"/v3/auth/authenticate for user {self.access.user!r}, got "
+                                 f"{str(doc)[:120]}")
+        return token
+
+    async def _json(self, endpoint: tuple[str, int], path: str, data: bytes,
+                    headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        status, raw = await self._exchange(endpoint, "POST", path, data, headers)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            problem = answer_problem(endpoint_text(endpoint), path, status, raw, self.access,
+                                     self.key_prefix)
+            raise problem if problem is not None else StoreUnavailable(
+                f"etcd {endpoint_text(endpoint)}: expected a JSON object from {path}, got "
+                f"HTTP {status} with {raw[:80]!r}")
+        return status, doc
+
+    def _result(self, endpoint: tuple[str, int], path: str, status: int,
+                doc: dict[str, Any]) -> dict[str, Any]:
+        if status != 200 or "error" in doc:
+            raise answer_problem(endpoint_text(endpoint), path, status, doc, self.access,
+                                 self.key_prefix) or EtcdCallError(
+                f"etcd {endpoint_text(endpoint)}: {path} failed: "
+                f"{doc.get('message') or doc.get('error') or f'HTTP {status}'}",
+                code=int(doc.get("code", 0) or 0))
+        result = doc.get("result", doc)  # streaming calls (lease keepalive) wrap their answer
+        return result if isinstance(result, dict) else {}
+
+    async def _exchange(self, endpoint: tuple[str, int], method: str, path: str, body: bytes,
+                        headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request on a pooled connection to ``endpoint``, or a new one."""
+        pool = self._idle.setdefault(endpoint, [])
+        if pool:
+            conn = pool.pop()
             try:
-                return await self._round_trip(conn, method, path, body)
-            except _Truncated as exc:
-                if exc.partial:
+                return await self._round_trip(conn, method, path, body, headers)
+            except Failed as exc:
+                if not exc.unsent:
                     raise
                 # the server closed an idle keep-alive connection before reading our request:
                 # it was not processed, so send it again on a fresh connection
-        stream = await trio.open_tcp_stream(*endpoint)
-        return await self._round_trip(_Conn(endpoint, stream), method, path, body)
+        return await self._round_trip(await self._connect(endpoint), method, path, body, headers)
 
-    def _take(self, endpoint: tuple[str, int]) -> _Conn | None:
-        for i, conn in enumerate(self._idle):
-            if conn.endpoint == endpoint:
-                return self._idle.pop(i)
-        return None
+    async def _connect(self, endpoint: tuple[str, int]) -> Conn:
+        where = endpoint_text(endpoint)
+        try:
+            stream: trio.abc.Stream = await trio.open_tcp_stream(*endpoint)
+        except OSError as exc:
+            raise Failed.of(exc) from None
+        context = self.access.ssl_context
+        if context is not None:
+            tls = trio.SSLStream(stream, context, server_hostname=endpoint[0],
+                                 https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as exc:
+                await trio.aclose_forcefully(tls)
+                raise tls_problem(where, exc, self.access) from None
+            stream = tls
+        return Conn(endpoint, stream)
 
-    async def _round_trip(self, conn: _Conn, method: str, path: str,
-                          body: bytes) -> tuple[int, bytes]:
+    async def _round_trip(self, conn: Conn, method: str, path: str, body: bytes,
+                          headers: dict[str, str]) -> tuple[int, bytes]:
         ok = False
         try:
-            status, data = await self._send_and_read(conn, method, path, body)
+            status, data = await exchange(conn, method, path, body, headers,
+                                          self.access)
             ok = True
             return status, data
         finally:
-            if (ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE):
-                conn.h11.start_next_cycle()
-                conn.used = True
-                self._idle.append(conn)
-                if len(self._idle) > MAX_IDLE:
-                    await trio.aclose_forcefully(self._idle.pop(0).stream)
+            if ok and conn.reusable():
+                pool = self._idle.setdefault(conn.endpoint, [])
+                pool.append(conn)
+                if len(pool) > MAX_IDLE:
+                    await trio.aclose_forcefully(pool.pop(0).stream)
             else:
                 await trio.aclose_forcefully(conn.stream)
-
-    async def _send_and_read(self, conn: _Conn, method: str, path: str,
-                             body: bytes) -> tuple[int, bytes]:
-        host = endpoint_text(conn.endpoint)
-        headers = [("Host", host), ("Content-Length", str(len(body)))]
-        if method == "POST":
-            headers.append(("Content-Type", "application/json"))
-        h = conn.h11
-        out = h.send(h11.Request(method=method, target=path, headers=headers)) or b""
-        if body:
-            out += h.send(h11.Data(data=body)) or b""
-        out += h.send(h11.EndOfMessage()) or b""
-        await conn.stream.send_all(out)
-        status = 0
-        chunks: list[bytes] = []
-        size = 0
-        received = False
-        while True:
-            event = h.next_event()
-            if event is h11.NEED_DATA:
-                data = await conn.stream.receive_some(65536)
-                if data:
-                    received = True
-                elif not received and conn.used:
-                    raise _Truncated("connection closed before any answer", partial=False)
-                h.receive_data(bytes(data))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > MAX_RESPONSE:
-                    raise _Truncated(f"answer over {MAX_RESPONSE} bytes", partial=True)
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return status, b"".join(chunks)
-            elif isinstance(event, h11.ConnectionClosed):
-                raise _Truncated("connection closed mid-answer", partial=True)
-
-
-def _cause(exc: BaseException) -> str:
-    """The first OS error's text (trio's "all attempts to connect failed" hides it)."""
-    seen = exc
-    while True:
-        if isinstance(seen, OSError) and seen.errno:
-            return os.strerror(seen.errno).lower()
-        inner = seen.__cause__
-        if isinstance(inner, BaseExceptionGroup) and inner.exceptions:
-            inner = inner.exceptions[0]
-        if inner is None:
-            return f"{type(exc).__name__}: {exc}"
-        seen = inner
-
-
-class _Truncated(Exception):
-    def __init__(self, message: str, *, partial: bool) -> None:
-        super().__init__(message)
-        self.partial = partial
