@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodl_trio.relay")
 
 Addresses = tuple[tuple[str, int], ...]
+
+# Periods before published addresses that did not take a Resume are probed again.
+RETRY_PERIODS = 5
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
@@ -174,6 +177,10 @@ class LeaderWatch:
         # host at one coordinator would supersede each other.
         self._dialing = trio.Lock()
         self._handover: Joined | None = None
+        # Published addresses that did not take a Resume, and when: tried again only after
+        # RETRY_PERIODS periods (a deposed coordinator or a dead address is not probed at every
+        # read; the relay's own coord_liveness_timeout still applies meanwhile).
+        self._failed: tuple[Addresses, float] = ((), 0.0)
         self.reads = self.probes = self.moves = 0
 
     async def redial(self, redial: Callable[[], Awaitable[Joined]]) -> Joined:
@@ -211,8 +218,12 @@ class LeaderWatch:
                 await self._try_move(found, pump)
 
     def _names_another(self, found: Addresses, pump: _Pump) -> bool:
-        """The store names addresses the relay did not dial, none of them its peer now."""
+        """The store names addresses the relay did not dial, none of them its peer now, and
+        not ones that just failed a probe."""
         if not found or found == self._dialer.dialed:
+            return False
+        failed, at = self._failed
+        if found == failed and trio.current_time() < at + RETRY_PERIODS * pump.period:
             return False
         peer = peer_of(pump.stream)
         return not any(format_address(address) == peer for address in found)
@@ -225,6 +236,7 @@ class LeaderWatch:
             self.probes += 1
             joined = await self._upstream.probe(found, seen)
             if joined is None:
+                self._failed = (found, trio.current_time())
                 return
             generation = joined[1].generation
             where = ", ".join(format_address(a) for a in found)
