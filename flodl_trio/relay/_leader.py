@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 
@@ -30,9 +31,7 @@ from .._errors import StoreError
 from ..net._keepalive import KeepAlive, enable_keepalive
 from ..net._transport import format_address, open_tcp, peer_of, unresolvable
 from ..store import SessionStore
-
-if TYPE_CHECKING:
-    from ._upstream import Joined, UpstreamDialer
+from ..wire import Established
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -41,6 +40,7 @@ Addresses = tuple[tuple[str, int], ...]
 # Periods before published addresses that did not take a Resume are probed again.
 RETRY_PERIODS = 5
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
+Joined = tuple[trio.abc.Stream, Established]
 
 
 class NoLeaderPublished(ConnectionError):
@@ -125,8 +125,9 @@ class StoreDialer:
             stream = await open_tcp(host, port)
         except OSError as exc:
             if unresolvable(exc):
-                exc.strerror = (f"cannot resolve {host!r} ({exc.strerror}), the address the "
-                                f"coordinator published at {self.description}")
+                raise socket.gaierror(exc.errno, f"cannot resolve {host!r} ({exc.strerror}), "
+                                      f"the address the coordinator published at "
+                                      f"{self.description}") from exc
             raise
         enable_keepalive(stream, keepalive or self._keepalive)
         return stream
@@ -158,6 +159,12 @@ class _Pump(Protocol):
     def lose_leg(self, reason: str) -> None: ...
 
 
+class _Prober(Protocol):
+    """Who sends the probe (``UpstreamDialer``)."""
+
+    async def probe(self, addresses: Addresses, generation: int) -> Joined | None: ...
+
+
 class LeaderWatch:
     """Moves a relay off a frozen leader as soon as the store names a newer one.
 
@@ -166,7 +173,7 @@ class LeaderWatch:
             replaced by a newer leader's.
     """
 
-    def __init__(self, dialer: StoreDialer, upstream: UpstreamDialer, *, host: str,
+    def __init__(self, dialer: StoreDialer, upstream: _Prober, *, host: str,
                  config: RelayConfig, rng: random.Random | None = None) -> None:
         self._dialer = dialer
         self._upstream = upstream

@@ -32,7 +32,7 @@ from ..net._keepalive import KeepAlive
 from ..net._socket_io import Reader, run_handshake_on
 from ..net._transport import STREAM_GONE, DialTarget, dial_and_handshake, format_address
 from ..wire import Established, RefusalReceived, RelayHandshake, SessionSalt
-from ._leader import NoLeaderPublished, StoreDialer
+from ._leader import Joined, NoLeaderPublished, StoreDialer
 from .notices import RankNotices
 
 log = logging.getLogger("flodl_trio.relay")
@@ -41,8 +41,6 @@ log = logging.getLogger("flodl_trio.relay")
 # WrongSession: one could be a corrupted byte, three (about a second of re-dials at
 # CONNECT_RETRY_INTERVAL) are a salt that differs.
 WRONG_SALT_ATTEMPTS = 3
-
-Joined = tuple[trio.abc.Stream, Established]
 
 
 def target_text(target: DialTarget) -> str:
@@ -142,7 +140,7 @@ class UpstreamDialer:
         """
         coordinator = self.text
         at = "through" if coordinator.endswith("()") else "at"
-        self._notices.upstream_status = f"dialing the coordinator {at} {coordinator}"
+        self._notices.status(f"dialing the coordinator {at} {coordinator}")
         self.waiting = None
         wrong_salt = [0]
 
@@ -153,14 +151,14 @@ class UpstreamDialer:
                     f"{self.what}: TLS: the coordinator at {coordinator} presented a "
                     f"certificate we do not trust ({exc.__cause__.verify_message}); pass an "
                     "ssl_context that trusts its CA") from None
-            self._notices.upstream_status = (f"re-dialing the coordinator {at} {coordinator} "
-                                             f"(last attempt: {exc!r})")
+            self._notices.status(f"re-dialing the coordinator {at} {coordinator} "
+                                 f"(last attempt: {exc!r})")
 
         def on_dial_error(exc: OSError, deadline: float) -> None:
             waiting = waiting_text(exc, coordinator)
             if waiting is None:
                 return
-            self._notices.upstream_status = f"waiting: {waiting}"
+            self._notices.status(f"waiting: {waiting}")
             if generation is None and self.waiting is None:  # a join; a resume says its own
                 self.waiting = (waiting, deadline)
                 log.warning("%s: %s; retrying for up to connect_timeout=%gs", self.what,
