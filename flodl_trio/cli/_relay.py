@@ -83,6 +83,8 @@ async def tell_failover(relay: Relay, host: str, grace: float, *,
             print(shorten(waiting_line(host, *waiting, relay.config.connect_timeout),
                           MAX_LINE), flush=True)
         away = relay.reconnecting
+        if relay.reconnects > resumed and not away_said:
+            away = relay.last_lost  # resumed between two looks (moved to a newer leader)
         if away is not None and not away_said:
             away_said = True
             print(shorten(f"relay {host}: lost the coordinator ({away}); riding it out for up "

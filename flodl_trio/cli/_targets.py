@@ -105,10 +105,12 @@ async def check_names(text: str, *, host: str) -> None:
         CommandFailed: a name does not resolve (the line names it).
     """
     for name in names_in(text):
+        problem = None
         try:
             await trio.socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
         except OSError as exc:
             if unresolvable(exc):
-                raise CommandFailed(f"relay {host}: cannot resolve {name!r} "
-                                    f"({exc.strerror or exc}), named by --coordinator "
-                                    f"{text}: check the address") from None
+                problem = exc.strerror or str(exc)
+        if problem is not None:  # raised outside the handler: the line is this one
+            raise CommandFailed(f"relay {host}: cannot resolve {name!r} ({problem}), named by "
+                                f"--coordinator {text}: check the address")

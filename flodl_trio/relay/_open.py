@@ -51,7 +51,10 @@ class Relay:
             sent ``Generation``; a property).
         reconnects: how many times it resumed with a durable coordinator (a property).
         reconnecting: why its durable coordinator is away, while it rides that out (a
-            property; None otherwise).
+            property; None otherwise); ``last_lost``: why it was lost the last time.
+        leader_moves: how many times it left its coordinator for a newer leader its store
+            named (a property).
+        waiting: what its join waits for and until when, while it waits (a property).
         dropped_while_reconnecting: frames from its ranks dropped while reconnecting, over
             ``reconnect_queue`` (a property).
     """
@@ -120,6 +123,13 @@ class Relay:
         """Why the durable coordinator is away, while the relay rides it out; else None."""
         resume = self._pump.resume if self._pump is not None else None
         return resume.away if resume is not None else None
+
+    @property
+    def last_lost(self) -> str | None:
+        """Why the durable coordinator was lost the last time (kept once resumed); None if
+        it never was."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.last_lost if resume is not None else None
 
     @property
     def dropped_while_reconnecting(self) -> int:
