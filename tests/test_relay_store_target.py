@@ -77,3 +77,17 @@ async def test_a_published_host_that_does_not_resolve_is_not_retried() -> None:
     assert str(caught.value).endswith(
         "), the address the coordinator published at memory:run1; a name that does not "
         "resolve is not retried")
+
+
+async def test_riding_a_loss_out_a_name_that_does_not_resolve_is_retried() -> None:
+    # A relay re-dialing the coordinator it had reached (Resume) keeps trying for its grace:
+    # a new leader's DNS record may be catching up.
+    try:
+        socket.getaddrinfo("coordinator.invalid", None)
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:
+            pytest.skip("this machine's resolver does not refuse coordinator.invalid at once")
+    with pytest.raises(ft.HandshakeError, match=r"got none after [2-9] attempt\(s\); last error: "
+                       r"gaierror"):
+        await dial(("coordinator.invalid", 7000), connect_timeout=1.2, what="relay 'h'",
+                   retry_unresolvable=True)

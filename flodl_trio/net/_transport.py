@@ -85,12 +85,14 @@ def unresolvable(exc: BaseException) -> bool:
 
 async def dial(target: DialTarget, *, connect_timeout: float, what: str,
                keepalive: KeepAlive | None = None,
-               on_error: Callable[[OSError, float], None] | None = None) -> trio.abc.Stream:
+               on_error: Callable[[OSError, float], None] | None = None,
+               retry_unresolvable: bool = False) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
 
     A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
     ``on_error(exc, deadline)`` is told of each failed attempt (``deadline``: when the attempts
-    end, Trio clock).
+    end, Trio clock). ``retry_unresolvable``: a name that does not resolve is one more failed
+    attempt (a relay re-dialing a coordinator it had reached: its DNS may be catching up).
 
     Raises:
         HandshakeError: no connection within the deadline, names the target and the last error;
@@ -112,7 +114,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
                 enable_keepalive(stream, keepalive)
                 return stream
         except OSError as exc:
-            if unresolvable(exc):
+            if unresolvable(exc) and not retry_unresolvable:
                 why = (exc.strerror or str(exc)) if callable(target) else (
                     f"cannot resolve {target[0]!r} ({exc.strerror or exc})")
                 raise HandshakeError(f"{what}: {why}; a name that does not resolve is not "
@@ -165,6 +167,7 @@ async def dial_and_handshake(
     retry_interval: float = CONNECT_RETRY_INTERVAL,
     keepalive: KeepAlive | None = None,
     on_dial_error: Callable[[OSError, float], None] | None = None,
+    retry_unresolvable: bool = False,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -188,6 +191,7 @@ async def dial_and_handshake(
         keepalive: TCP keepalive for each connection (see ``_keepalive``).
         on_dial_error: told of each connection that could not be made, and when the attempts
             end (see :func:`dial`).
+        retry_unresolvable: see :func:`dial`.
 
     Raises:
         HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
@@ -197,7 +201,8 @@ async def dial_and_handshake(
     last: BaseException | None = None
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what, keepalive=keepalive, on_error=on_dial_error)
+                            what=what, keepalive=keepalive, on_error=on_dial_error,
+                            retry_unresolvable=retry_unresolvable)
         try:
             return await handshake(stream)
         except final:

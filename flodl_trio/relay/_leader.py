@@ -97,19 +97,17 @@ class StoreDialer:
                                   f"{exc}") from exc
         if not found:
             raise NoLeaderPublished(self.description)
-        last: OSError | None = None
+        errors: list[OSError] = []
         for address in found:
             try:
                 stream = await self.connect_to(address)
             except OSError as exc:
-                if unresolvable(exc):
-                    raise
-                last = exc
+                errors.append(exc)
                 continue
             self.dialed = found
             return stream
-        assert last is not None  # found is not empty
-        raise last
+        # A published name that does not resolve says the most: raise it first.
+        raise next((exc for exc in errors if unresolvable(exc)), errors[-1])
 
     async def connect_to(self, address: tuple[str, int], *,
                          keepalive: KeepAlive | None = None) -> trio.abc.Stream:

@@ -180,6 +180,9 @@ class UpstreamDialer:
                 expected="a confirmed upstream handshake (HelloAck, Ready, welcome)"
                 if generation is None else "a confirmed resume (HelloAck, Ready, Generation, "
                 "welcome)", on_retry=on_retry, on_dial_error=on_dial_error,
+                # Riding a loss out, a name that does not resolve may yet (a new leader's DNS
+                # record): retried for the grace. At the join it is a mistake: said at once.
+                retry_unresolvable=generation is not None,
                 final=(JoinRefused, WrongSession),
                 retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
                 keepalive=self._keepalive,
