@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -306,6 +307,11 @@ class RelayConfig:
     while it re-dials and resumes; ``coord_liveness_timeout`` without a record from it counts as
     losing it; ``reconnect_queue`` frames from the ranks are queued meanwhile, later ones are
     dropped and counted.
+
+    ``coord_liveness_timeout`` (default 20 s, scaled) must be at most two thirds of each of its
+    ranks' own (:class:`RankConfig`, 30 s): the relay then starts riding a silent coordinator
+    out, and feeding its ranks' watchdogs, before any of them fires, at any heartbeat pace
+    (:func:`check_liveness_order`, docs/deadlines.rst).
     """
 
     rank_accept_timeout: float = _deadline(T.RANK_ACCEPT_TIMEOUT)
@@ -315,7 +321,7 @@ class RelayConfig:
     shutdown_grace: float = _deadline(T.SHUTDOWN_GRACE)
     queue_size: int = attrs.field(default=64, validator=_positive_int)
     coordinator_grace: float = _grace(T.COORDINATOR_GRACE)
-    coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
+    coord_liveness_timeout: float = _deadline(T.RELAY_COORD_LIVENESS_TIMEOUT)
     reconnect_queue: int = attrs.field(default=4096, validator=_non_negative_int)
     # Cadence of the relay's Liveness record: the local ranks' verified Heartbeats since the
     # last one, coalesced (issue 23); a coordinator of many relays asks for a slower one
@@ -332,3 +338,54 @@ class RankConfig:
     coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
     write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
+
+
+def check_liveness_order(relay: RelayConfig, rank: RankConfig, *, rank_name: str = "a rank"
+                         ) -> None:
+    """Refuse a relay whose coordinator-silence deadline is not at most two thirds of one of
+    its ranks' (docs/deadlines.rst): the relay must notice a silent coordinator, and start
+    feeding its ranks, before their own watchdogs fire.
+
+    Why two thirds: a rank's last frame from the coordinator may be up to one heartbeat period
+    older than the relay's last record, and a rank's ``coord_liveness_timeout`` must already be
+    at least four periods (or a quiet coordinator looks lost); so a relay at two thirds of it
+    fires at least a twelfth of it (2.5 s at the defaults) before any rank can, and still
+    waits more than two and a half periods.
+
+    >>> check_liveness_order(RelayConfig(coord_liveness_timeout=20),
+    ...                      RankConfig(coord_liveness_timeout=30))
+    >>> check_liveness_order(RelayConfig(coord_liveness_timeout=25),
+    ...                      RankConfig(coord_liveness_timeout=30), rank_name="rank 3")
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    flodl_trio._errors.ConfigError: RelayConfig.coord_liveness_timeout=25s: expected at most \
+2/3 of rank 3's RankConfig.coord_liveness_timeout=30s (20s), so that the relay rides ...
+
+    Raises:
+        ConfigError: the relay's deadline is too long; the message names both values.
+    """
+    limit = rank.coord_liveness_timeout * T.RELAY_LIVENESS_SHARE
+    if relay.coord_liveness_timeout > limit * (1 + 1e-9):  # 2/3 of 30 is 20.000000000000004
+        raise ConfigError(
+            f"RelayConfig.coord_liveness_timeout={relay.coord_liveness_timeout:g}s: expected at "
+            f"most 2/3 of {rank_name}'s RankConfig.coord_liveness_timeout="
+            f"{rank.coord_liveness_timeout:g}s ({limit:g}s), so that the relay rides a silent "
+            "coordinator out before the rank's watchdog fires")
+
+
+def relay_config_for(relay: RelayConfig | None, ranks: Sequence[RankConfig]) -> RelayConfig:
+    """``relay`` checked against each of ``ranks`` (:func:`check_liveness_order`); without
+    one, the defaults with a ``coord_liveness_timeout`` no longer than the order allows.
+
+    Raises:
+        ConfigError: ``relay``'s deadline is over 2/3 of one of ``ranks``' (naming both).
+    """
+    if relay is None:
+        shortest = min((r.coord_liveness_timeout for r in ranks), default=math.inf)
+        default = RelayConfig()
+        return attrs.evolve(default, coord_liveness_timeout=min(
+            default.coord_liveness_timeout, shortest * T.RELAY_LIVENESS_SHARE))
+    for rank in ranks:
+        check_liveness_order(relay, rank)
+    return relay

@@ -20,6 +20,10 @@ FORMATION_TIMEOUT = 60.0
 HANDSHAKE_TIMEOUT = 10.0
 HEARTBEAT_TIMEOUT = 30.0
 COORD_LIVENESS_TIMEOUT = 30.0
+# A relay must give up on a silent durable coordinator (and start feeding its ranks) before the
+# ranks' watchdogs fire: at most RELAY_LIVENESS_SHARE of theirs (docs/deadlines.rst).
+RELAY_LIVENESS_SHARE = 2 / 3
+RELAY_COORD_LIVENESS_TIMEOUT = COORD_LIVENESS_TIMEOUT * RELAY_LIVENESS_SHARE  # 20 s
 WRITE_STALL_TIMEOUT = 30.0
 RANK_ACCEPT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 30.0

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 import attrs
 import trio
 
-from ._config import CoordinatorConfig, RankConfig, RelayConfig
+from ._config import CoordinatorConfig, RankConfig, RelayConfig, relay_config_for
 from ._errors import ConfigError, FlodlError
 from ._lifecycle import choose_one_exception
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
@@ -175,6 +175,8 @@ async def open_local_cluster(
     part's, each only after the other parts had ``teardown_timeout`` to end on their own.
 
     Args:
+        relay_config: every relay's :class:`RelayConfig`; without one, the defaults with a
+            ``coord_liveness_timeout`` of at most 2/3 of the shortest rank's.
         rank_configs: per-rank :class:`RankConfig` overrides of ``rank_config``.
         rank_main: what each rank does inside its ``open_rank`` block (e.g. run a
             ``SimulatedRank``); its result goes to ``cluster.outcomes``. Without it a rank waits
@@ -191,7 +193,8 @@ async def open_local_cluster(
 
     Raises:
         ConfigError: the layout is empty or its ranks are not exactly ``range(world_size)``,
-            or ``raw_ranks`` names a rank outside it.
+            or ``raw_ranks`` names a rank outside it, or ``relay_config``'s
+            ``coord_liveness_timeout`` is over 2/3 of a rank's (naming both).
         RuntimeError: a raw rank ended without calling ``task_status.started()``.
         trio.TooSlowError: a relay or rank did not end within ``teardown_timeout``.
     """
@@ -207,6 +210,8 @@ async def open_local_cluster(
         raise ConfigError(f"open_local_cluster: expected teardown_timeout >= 0 seconds, got "
                           f"{teardown_timeout!r}")
     world = len(all_ranks)
+    relay_config = relay_config_for(relay_config, [rank_config or RankConfig(),
+                                                   *(rank_configs or {}).values()])
     salt = salt or SessionSalt.generate()
     cfg = coord_config or CoordinatorConfig(world_size=world)
     net = network

@@ -8,9 +8,10 @@ machine, so the parent compares it with the moment it SIGKILLed a coordinator).
     python scripts/_failover_host.py --etcd 127.0.0.1:2379 --prefix flodl/bench ...
     python scripts/_failover_host.py --etcd 'etcds://127.0.0.1:2379/flodl/bench?ca=...' ...
 
-With ``--etcd`` the relay's coordinator target is an async callable that reads the leader's
-address from the store (``store.resolve_address()``) on every dial, so a relay that lost its
-coordinator re-dials whichever coordinator leads now (a standby on another port).
+With ``--etcd`` the relay's coordinator target is the store itself (``open_relay(store)``): it
+reads the leader's address (``store.resolve_address()``) on every dial, so a relay that lost its
+coordinator re-dials whichever coordinator leads now (a standby on another port), and reads it
+once per heartbeat period while connected, so that it leaves a frozen leader for a newer one.
 
 The log has one line per message, flushed as it arrives::
 
@@ -28,7 +29,6 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 import trio
@@ -36,7 +36,7 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.sim import SimulatedRank
-from flodl_trio.store import EtcdStore, SessionStore, open_store
+from flodl_trio.store import EtcdStore, open_store
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
@@ -104,23 +104,14 @@ async def run_rank(address: tuple[str, int], rank: int, args: argparse.Namespace
 
 
 def coordinator_target(args: argparse.Namespace) -> Any:
-    """A fixed address, or (``--etcd``) a callable that dials the leader the store names."""
+    """A fixed address, or (``--etcd``) the store: the relay reads the leader's address from
+    it on every dial, and watches it while connected (it leaves a frozen leader for a newer
+    one as soon as the store names it)."""
     if args.etcd is None:
         host, _, port = args.coordinator.rpartition(":")
         return (host, int(port))
     # a whole store URL (etcds:// with its TLS and user options), or HOST:PORT and --prefix
-    store: SessionStore = open_store(args.etcd) if "://" in args.etcd \
-        else EtcdStore(args.etcd, args.prefix)
-
-    async def dial() -> trio.abc.Stream:
-        addresses = await store.resolve_address()
-        if not addresses:
-            raise OSError(f"etcd {args.etcd} prefix {args.prefix}: no leader address yet")
-        host, port = addresses[0]
-        return await trio.open_tcp_stream(host, port)
-
-    dialer: Callable[[], Awaitable[trio.abc.Stream]] = dial
-    return dialer
+    return open_store(args.etcd) if "://" in args.etcd else EtcdStore(args.etcd, args.prefix)
 
 
 async def main(args: argparse.Namespace, log: TextIO) -> int:

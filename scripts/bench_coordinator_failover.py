@@ -26,6 +26,13 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
 - ``etcd tls``: ``etcd standby`` on an etcd with client TLS, client certificates required and an
   RBAC user; ``etcd tls refused``: a coordinator without the client certificate must exit with
   one clear line.
+- ``frozen leader`` (issue 34): as ``etcd standby`` but the leader is SIGSTOPped (a GC pause, a
+  hung VM) and the relays and ranks keep their *default* deadlines (relays'
+  ``coord_liveness_timeout`` 20 s, ranks' 30 s, ``handshake_timeout`` 10 s, grace 30 s); the
+  leader gets SIGCONT 40 s after the freeze. The relays, reading the store, must move to the
+  standby within seconds (``relays resumed s``: from the SIGSTOP until every host's ranks got
+  ``CoordinatorResumed``), and no rank may be declared dead (before issue 34 the relays waited
+  30 s, the ranks' own deadline, and every rank died).
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -70,6 +77,10 @@ WORLD = 4
 SAMPLES, BATCH, BATCH_MS, EPOCHS = 1280, 8, 20.0, 6
 RUN_LIMIT = 90.0  # seconds: a run that takes longer is a failure, not a hang
 RELAY_ONLY = {"CoordinatorReconnecting", "CoordinatorResumed", "CoordinatorLost"}
+# The frozen-leader case: the library's default deadlines, not the fast ones of the other cases.
+DEFAULT_DEADLINES = ["--liveness", "20", "--rank-liveness", "30", "--handshake-timeout", "10",
+                     "--grace", "30"]
+FROZEN_FOR = 40.0  # seconds between the leader's SIGSTOP and its SIGCONT
 
 
 class Child:
@@ -136,9 +147,9 @@ class Run:
         self.coords.append(child)
         return child
 
-    def start_hosts(self, target: list[str]) -> None:
+    def start_hosts(self, target: list[str], extra: tuple[str, ...] = ()) -> None:
         for host, ranks in HOSTS.items():
-            child = Child([sys.executable, str(HERE / "_failover_host.py"), *target,
+            child = Child([sys.executable, str(HERE / "_failover_host.py"), *target, *extra,
                            "--salt-hex", self.salt.hex(), "--host", host, "--ranks", ranks,
                            "--world-size", str(WORLD), "--batch-size", str(BATCH),
                            "--batch-ms", str(BATCH_MS), "--log", str(self.dir / f"{host}.log")],
@@ -192,6 +203,19 @@ class Run:
             firsts.append(new[0])
         return max(firsts) - since
 
+    def resumed(self, since: float) -> float | None:
+        """Seconds from ``since`` until every host's ranks got ``CoordinatorResumed`` (the
+        first after ``since``), or None while one has not."""
+        logs = self.rank_logs()
+        per_host = []
+        for ranks in HOSTS.values():
+            times = [t for rank in ranks.split(",") for t, label, _ in logs.get(int(rank), [])
+                     if label == "CoordinatorResumed" and t > since]
+            if not times:
+                return None
+            per_host.append(min(times))
+        return max(per_host) - since
+
     def deaths(self, deposed: Child | None = None, since: float = 0.0) -> set[int]:
         """Ranks a leading coordinator declared dead or any rank was told of. What the
         ``deposed`` coordinator declared after ``since`` (once it woke up, no longer the leader)
@@ -243,7 +267,51 @@ def one_run(case: str, root: Path, etcd: EtcdServer | None,
             raise RuntimeError(f"{case} run in {run.dir} failed: {exc}{tails}") from None
 
 
+def frozen_case(run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
+    """The leader SIGSTOPped, a standby waiting, relays and ranks at their default deadlines;
+    SIGCONT after FROZEN_FOR seconds."""
+    assert etcd is not None
+    run.store = store_url("etcd", run.dir, etcd)
+    run.deadline += FROZEN_FOR
+    leader = run.coordinator(free_port())
+    leader.wait_line(lambda s: " listening " in s, run.deadline)
+    run.start_hosts(["--etcd", etcd.endpoint, "--prefix", run.store.split("/", 3)[3]],
+                    tuple(DEFAULT_DEADLINES))
+    leader.wait_line(lambda s: " leader " in s, run.deadline)
+    standby = run.coordinator(free_port())
+    standby.wait_line(lambda s: " listening " in s, run.deadline)
+    time.sleep(0.2)  # from listening to waiting in store.acquire
+    out: dict[str, Any] = {"case": "frozen leader"}
+    out["epoch"] = run.mid_epoch(leader, after=time.monotonic())
+    frozen = time.monotonic()
+    leader.signal(signal.SIGSTOP)
+    (led,) = standby.wait_line(lambda s: " leader " in s, run.deadline)
+    out["leader_s"] = float(field(led, "t")) - frozen
+    while (resumed := run.resumed(frozen)) is None and time.monotonic() < frozen + FROZEN_FOR:
+        time.sleep(0.01)
+    if resumed is not None:
+        out["resumed_s"] = resumed
+    time.sleep(max(0.0, frozen + FROZEN_FOR - time.monotonic()))
+    leader.signal(signal.SIGCONT)
+    run.finish(standby)
+    try:
+        leader.proc.wait(timeout=10)  # deposed, it ends on its own
+    except subprocess.TimeoutExpired:
+        pass
+    out["deposed_exit"] = [s for s in leader.lines() if " deposed" in s][-1:]
+    out["takeover_s"] = run.takeover(frozen)
+    out["dead"] = sorted(run.deaths(leader, frozen))
+    out["deposed_declared_dead"] = sorted(run.deaths() - set(out["dead"]))
+    out["deposed_records"] = run.deposed_records()
+    out["generations"] = [field(s, "generation") for c in run.coords for s in c.lines()
+                          if " leader " in s]
+    out.update(run.coverage())
+    return out
+
+
 def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
+    if case == "frozen leader":
+        return frozen_case(run, etcd)
     run.store = store_url("sqlite" if case in ("embedded", "relay kill") else "etcd",
                           run.dir, etcd)
     port = free_port()
@@ -337,7 +405,7 @@ def etcd_extras(root: Path, cases: list[str]) -> Iterator[dict[str, Any]]:
 
 
 ALL_CASES = ("embedded,etcd,etcd standby,deposed,relay kill,etcd member lost,etcd member paused,"
-             "etcd tls,etcd tls refused")
+             "etcd tls,etcd tls refused,frozen leader")
 
 
 def main() -> None:
@@ -350,8 +418,9 @@ def main() -> None:
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    needs_etcd = any(c in ("etcd", "etcd standby", "deposed") for c in cases)
-    if any(c.startswith("etcd") or c == "deposed" for c in cases) and etcd_binary() is None:
+    needs_etcd = any(c in ("etcd", "etcd standby", "deposed", "frozen leader") for c in cases)
+    if any(c.startswith("etcd") or c in ("deposed", "frozen leader") for c in cases) \
+            and etcd_binary() is None:
         sys.exit("etcd is not installed (Debian: apt-get install etcd-server)")
     results: dict[str, list[dict[str, Any]]] = {}
     refusal: dict[str, Any] | None = None
@@ -363,7 +432,7 @@ def main() -> None:
                 if args.verbose:
                     print(f"  {case}: {json.dumps(refusal)}", flush=True)
                 continue
-            repeat = 1 if case in ("deposed", "relay kill") else runs
+            repeat = 1 if case in ("deposed", "relay kill", "frozen leader") else runs
             for i in range(repeat):
                 outcome = one_run(case, Path(tmp), etcd, extra)
                 results.setdefault(case, []).append(outcome)
@@ -376,11 +445,13 @@ def main() -> None:
         takeovers = [r["takeover_s"] for r in outcomes if "takeover_s" in r]
         leading = [r["leader_s"] for r in outcomes if "leader_s" in r]
         starting = [r["start_s"] for r in outcomes if "start_s" in r]
+        resuming = [r["resumed_s"] for r in outcomes if "resumed_s" in r]
         rows.append({
             "case": case, "runs": len(outcomes),
             "start_s": rep.median(starting) if starting else None,
             "leader_s": rep.median(leading) if leading else None,
             "takeover_s": rep.median(takeovers) if takeovers else None,
+            "resumed_s": rep.median(resuming) if resuming else None,
             "p90_s": rep.percentile(takeovers, 0.9) if takeovers else None,
             "dead": sum(len(r["dead"]) for r in outcomes),
             "exact": statistics.mean(r["exactly_once"] for r in outcomes),
@@ -392,6 +463,7 @@ def main() -> None:
     print(rep.table([("case", "case", ""), ("runs", "runs", "d"),
                      ("process up s", "start_s", ".2f"), ("new leader s", "leader_s", ".2f"),
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
+                     ("relays resumed s", "resumed_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
                      ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
     by_case = {row["case"]: row for row in rows}
@@ -414,6 +486,13 @@ def main() -> None:
     if every:
         exact = statistics.mean(r["exactly_once"] for r in every)
         targets.append(rep.target("epochs covered exactly once", exact, ">=", 1))
+    if "frozen leader" in by_case:
+        frozen = by_case["frozen leader"]
+        targets.append(rep.target("frozen leader: ranks declared dead", frozen["dead"], "<=", 0))
+        # never resumed within FROZEN_FOR: reported as that, so the target fails
+        targets.append(rep.target("frozen leader: relays resumed s",
+                                  frozen["resumed_s"] if frozen["resumed_s"] is not None
+                                  else FROZEN_FOR, "<", 5))
     if "deposed" in by_case:
         targets.append(rep.target("deposed coordinator records accepted",
                                   by_case["deposed"]["deposed"], "<=", 0))

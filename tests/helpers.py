@@ -206,12 +206,13 @@ async def _run_rank(net: MemoryNetwork, run: RankRun, *, salt: ft.SessionSalt, w
 
 
 async def _run_relay(net: MemoryNetwork, hr: HostRun, *, salt: ft.SessionSalt, world: int,
-                     config: ft.RelayConfig | None, coordinator: str,
+                     config: ft.RelayConfig | None, coordinator: str, target: Any = None,
                      task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     try:
         with hr.kill_scope:
             async with ft.open_relay(
-                lambda: net.connect(coordinator), salt=salt, host=hr.host,
+                target if target is not None else lambda: net.connect(coordinator),
+                salt=salt, host=hr.host,
                 ranks=list(hr.ranks), world_size=world,
                 rank_listen=net.listener(f"relay:{hr.host}"), config=config,
             ) as relay:
@@ -231,14 +232,17 @@ async def start_host(
     salt: ft.SessionSalt, world: int, relay_config: ft.RelayConfig | None = None,
     rank_config: ft.RankConfig | None = None, rank_salt: ft.SessionSalt | None = None,
     coordinator: str = COORD, start_ranks: Sequence[int] | None = None,
+    target: Any = None,
 ) -> HostRun:
     """Start a relay (listening on ``relay:<host>``) and one recording rank per rank.
 
     ``start_ranks`` limits which ranks start now; start the others with :func:`start_rank`.
+    ``target``: what the relay dials (default: ``coordinator`` on ``net``).
     """
     hr = HostRun(host, {r: RankRun(r, host=host) for r in ranks})
     await nursery.start(functools.partial(_run_relay, net, hr, salt=salt, world=world,
-                                          config=relay_config, coordinator=coordinator))
+                                          config=relay_config, coordinator=coordinator,
+                                          target=target))
     for rank in (ranks if start_ranks is None else start_ranks):
         start_rank(nursery, net, hr.ranks[rank], salt=rank_salt or salt, world=world,
                    rank_config=rank_config)

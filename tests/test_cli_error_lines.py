@@ -134,6 +134,22 @@ def test_unknown_names_and_unreachable_networks_say_to_check_the_address() -> No
     assert network_cause(FlodlError("bad mac"), peer="relay", address="x:1") is None
 
 
+def test_an_unknown_name_behind_a_store_or_a_list_is_not_read_from_the_option() -> None:
+    published = HandshakeError("relay 'h': ...")
+    published.__cause__ = socket.gaierror(
+        socket.EAI_NONAME, "cannot resolve 'box-9' (Name or service not known), the address the "
+        "coordinator published at etcd://10.0.0.5:2379/r")
+    assert network_cause(published, peer="coordinator",
+                         address="etcd://10.0.0.5:2379/r") == (
+        "cannot resolve 'box-9' (Name or service not known), the address the coordinator "
+        "published at etcd://10.0.0.5:2379/r: check the coordinator address")
+    listed = HandshakeError("relay 'h': ...")
+    listed.__cause__ = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert network_cause(listed, peer="coordinator", address="a:1,b:2") == (
+        "cannot resolve a name of a:1,b:2 (Name or service not known): check the coordinator "
+        "address")
+
+
 def test_a_rank_its_relay_rejects_is_told_what_to_check() -> None:
     rejected = HandshakeError(
         "rank 3: expected a handshake ack (a relay closes connections whose salt, world_size or "

@@ -1,13 +1,16 @@
 """Coordinator failover on the command line, as real processes: ``coordinator --store sqlite:``
 SIGKILLed mid-run and started again on the same port with the same store adopts the running
 session, the relays (``relay`` commands) say they lost it and resumed, no rank is declared dead
-and the run completes; and ``demo --kill-coordinator`` shows the same story end to end."""
+and the run completes; ``demo --kill-coordinator`` shows the same story end to end; an etcd
+standby takes over a leader that was killed, or frozen (``SIGSTOP``), and the relays find it
+through the store."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -144,3 +147,54 @@ def test_an_etcd_standby_takes_over_and_relays_find_it_through_the_store(
     result = json.loads(summary.read_text())
     assert result["epochs_completed"] == 8 and result["dead_ranks"] == []
     assert result["coverage"]["exact"], result
+
+
+def test_a_frozen_etcd_leader_is_left_for_its_standby_in_seconds_and_no_rank_dies(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc], etcd: Any) -> None:
+    # Issue 34: the leader is SIGSTOPped (a GC pause, a hung VM). Its lease runs out (2 s), the
+    # standby leads; the relays, reading the store, move to it within seconds: not after their
+    # coord_liveness_timeout (20 s), nor the ranks' (30 s), whose expiry killed every rank.
+    store = f"etcd://{etcd.endpoint}/flodl/cli-frozen"
+    summary = tmp_path / "summary.json"
+
+    def coordinator(*extra: str) -> Proc:
+        proc = Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--epochs",
+                    "4", "--total-samples", "320", "--store", store, "--summary-file",
+                    str(summary), *extra, env=env)
+        procs.append(proc)
+        return proc
+
+    leader = coordinator()
+    leader.line_with("relays can dial")
+    relays = []
+    for rank in (0, 1):
+        relay = Proc("relay", "--coordinator", store, "--host", f"h{rank}", "--ranks",
+                     str(rank), "--world-size", "2", env=env)
+        procs.append(relay)
+        relays.append(relay)
+    ranks = []
+    for rank, relay in enumerate(relays):
+        rank_address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
+        ranks.append(Proc("rank", "--relay", rank_address, "--rank", str(rank), "--world-size",
+                          "2", "--batch-ms", "25", env=env))
+        procs.append(ranks[-1])
+    leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
+    standby = coordinator("--standby")
+    standby.line_with("standby: ")  # mid-run: an epoch is 1 s, the run 4 s
+    leader.signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    standby.line_with("adopted the running session")
+    for n, relay in enumerate(relays):
+        lost = relay.line_with(f"relay h{n}: lost the coordinator")
+        assert "(a newer coordinator leads: generation 2 at 127.0.0.1:" in lost, lost
+        assert f"published at {store})" in lost, lost
+        assert "(generation 2;" in relay.line_with(f"relay h{n}: resumed with the coordinator")
+    resumed = time.monotonic() - frozen
+    print(f"frozen etcd leader (ttl 2 s): both relays resumed {resumed:.2f} s after the SIGSTOP")
+    assert resumed < 8, resumed  # lease 2 s + a read per second; never the 20 s deadline
+    assert standby.wait() == 0, standby.err[-5:]
+    assert all(relay.wait() == 0 for relay in relays)
+    assert all(rank.wait() == 0 for rank in ranks), [rank.err[-2:] for rank in ranks]
+    result = json.loads(summary.read_text())
+    assert result["epochs_completed"] == 4 and result["dead_ranks"] == [], result
+    leader.popen.kill()  # still stopped: SIGKILL ends it anyway

@@ -1,6 +1,7 @@
 """``flodl-trio relay --coordinator``'s targets over real loopback TCP: a fixed list tried in
-turn on every attempt (a dead address first does not stop the relay), and ``etcd://`` (the
-leader's address read from a real etcd again on every attempt, by a relay that never leads)."""
+turn on every attempt (a dead address first does not stop the relay), and ``etcd://`` (a
+StoreDialer: the leader's address read from a real etcd again on every attempt, by a relay that
+never leads)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trio
 
 import flodl_trio as ft
 from flodl_trio.cli._targets import CoordinatorDialer, coordinator_target
+from flodl_trio.relay import StoreDialer
 from flodl_trio.store import EtcdStore
 
 from helpers import load_script
@@ -78,7 +80,7 @@ def etcd(tmp_path: Path) -> Iterator[Any]:
 async def test_an_etcd_target_dials_the_address_its_leader_published(etcd: Any) -> None:
     url = f"etcd://{etcd.endpoint}/flodl/cli-target"
     target = coordinator_target(url, config=CONFIG)
-    assert isinstance(target, CoordinatorDialer)
+    assert isinstance(target, StoreDialer)
     try:
         with pytest.raises(OSError, match="no coordinator leads the store now"):
             await target()  # nobody leads yet: a failed attempt the relay retries

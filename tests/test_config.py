@@ -21,7 +21,7 @@ COORD_DEFAULTS = {
 }  # fmt: skip
 RELAY_DEFAULTS = {
     "rank_accept_timeout": 60.0, "connect_timeout": 30.0, "handshake_timeout": 10.0,
-    "write_stall_timeout": 30.0, "shutdown_grace": 5.0,
+    "write_stall_timeout": 30.0, "shutdown_grace": 5.0, "coord_liveness_timeout": 20.0,
 }  # fmt: skip
 RANK_DEFAULTS = {
     "connect_timeout": 30.0, "handshake_timeout": 10.0, "coord_liveness_timeout": 30.0,

@@ -67,7 +67,8 @@ def keepalive_of(sock: socket.socket) -> tuple[int, int, int, int, int]:
 async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_deadlines() -> None:
     # Distinct deadlines per role, so each socket shows which rule set it.
     coord_config = ft.CoordinatorConfig(world_size=3, heartbeat_timeout=12, write_stall_timeout=7)
-    relay_config = ft.RelayConfig(write_stall_timeout=18)
+    # (The relay's coord_liveness_timeout at most 2/3 of the ranks', as the cluster requires.)
+    relay_config = ft.RelayConfig(write_stall_timeout=18, coord_liveness_timeout=16)
     rank_config = ft.RankConfig(coord_liveness_timeout=24, write_stall_timeout=30)
     async with open_local_cluster({"host-a": [0, 1], "host-b": [2]}, transport="tcp",
                                   coord_config=coord_config, relay_config=relay_config,

@@ -55,6 +55,19 @@ def parse_address(text: str, *, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def liveness_seconds(value: float) -> float:
+    """``--coord-liveness-timeout``'s value, checked (relay and rank alike).
+
+    >>> liveness_seconds(0)
+    Traceback (most recent call last):
+        ...
+    flodl_trio._errors.UsageError: --coord-liveness-timeout: expected seconds > 0, got 0
+    """
+    if not value > 0:
+        raise UsageError(f"--coord-liveness-timeout: expected seconds > 0, got {value!r}")
+    return value
+
+
 def parse_model_sigs(items: list[str]) -> dict[str, bytes]:
     """``["encoder=00ff"]`` → {"encoder": b"\\x00\\xff"}.
 

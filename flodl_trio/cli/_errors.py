@@ -50,8 +50,13 @@ def network_cause(exc: BaseException, *, peer: str, address: str) -> str | None:
         return f"connection refused: is a {peer} running at {address}?"
     for cause in found:
         if isinstance(cause, socket.gaierror):
+            why = cause.strerror or str(cause)
+            if why.startswith("cannot resolve "):  # it names the host itself (a published one)
+                return f"{why}: check the {peer} address"
+            if "://" in address or "," in address:  # a store, a list: which name is unknown
+                return f"cannot resolve a name of {address} ({why}): check the {peer} address"
             host = address.rpartition(":")[0]
-            return f"cannot resolve {host!r} ({cause.strerror or cause}): check the {peer} address"
+            return f"cannot resolve {host!r} ({why}): check the {peer} address"
     for cause in found:
         if isinstance(cause, OSError) and cause.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
             return f"no route to {address} ({cause.strerror}): check the {peer} address"

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to ride out a lost coordinator that runs with a --store "
                    "(ranks kept, their frames queued, re-dialing) before giving up; 0: give up "
                    "at once (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--coord-liveness-timeout", type=float, default=None, metavar="S",
+                   help="a coordinator that runs with a --store and sends nothing for S seconds "
+                   "is lost (then ridden out); keep it at most 2/3 of the ranks' own (None: 20 "
+                   "x $FLODL_NET_TIMEOUT_SCALE)")
     p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
     p.add_argument("--ranks", required=True, metavar="LIST",
                    help="global ranks of this host, e.g. 0-3,8 (required)")
@@ -153,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per batch; must equal the coordinator's --batch-size")
     p.add_argument("--jitter", type=float, default=0.1, metavar="FRACTION",
                    help="random spread of each batch time, as a fraction of --batch-ms")
+    p.add_argument("--coord-liveness-timeout", type=float, default=None, metavar="S",
+                   help="no frame from the coordinator (nor from the relay riding a lost one "
+                   "out) for S seconds: the rank gives up; keep its relay's at most 2/3 of it "
+                   "(None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
     _add_salt_args(p)
 
     p = _command("status", "print a coordinator's /state.json (--watch: a live view)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ssl
+import time
 from typing import Any
 
 import trio
@@ -13,13 +14,14 @@ import trio
 from .._config import RelayConfig
 from .._errors import JoinRefused, WrongSession
 from ..net._transport import format_address
-from ..relay import Relay, open_relay
+from ..relay import Relay, StoreDialer, open_relay
 from ._common import (
     EXIT_OK,
     STOP_SIGNALS,
     CommandFailed,
     SignalStop,
     UsageError,
+    liveness_seconds,
     load_salt,
     os_error_text,
     parse_model_sigs,
@@ -27,7 +29,7 @@ from ._common import (
 )
 from ._errors import MAX_LINE, shorten
 from ._run import stopped
-from ._targets import CoordinatorDialer, coordinator_target
+from ._targets import check_names, coordinator_target
 
 POLL_S = 0.1  # how often the relay's failover state is looked at, for its lines
 
@@ -48,17 +50,41 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
             raise UsageError(f"--coordinator-grace: expected seconds >= 0, got "
                              f"{args.coordinator_grace!r}")
         overrides["coordinator_grace"] = args.coordinator_grace
+    if args.coord_liveness_timeout is not None:
+        overrides["coord_liveness_timeout"] = liveness_seconds(args.coord_liveness_timeout)
     return RelayConfig(**overrides)
+
+
+def waiting_line(host: str, what: str, until: float, connect_timeout: float) -> str:
+    """The line a relay prints once when its join waits for something (no leader published
+    yet, a resolver that failed for now).
+
+    >>> import time
+    >>> noon = time.mktime((2026, 1, 1, 12, 0, 31, 0, 0, -1))
+    >>> waiting_line("h", "no coordinator published at etcd://e:1/r yet", noon, 30)[26:]
+    'published at etcd://e:1/r yet; retrying until 12:00:31 (connect_timeout 30 s)'
+    """
+    clock = time.strftime("%H:%M:%S", time.localtime(until))
+    return f"relay {host!r}: {what}; retrying until {clock} (connect_timeout {connect_timeout:g} s)"
 
 
 async def tell_failover(relay: Relay, host: str, grace: float, *,
                         interval: float = POLL_S) -> None:
     """Print one line when the relay loses its durable coordinator and rides it out, and one
-    when it resumed (polled: the relay's state, every ``interval`` seconds, until cancelled)."""
+    when it resumed; and one when its join waits for something it names (polled: the relay's
+    state, every ``interval`` seconds, until cancelled)."""
     resumed = relay.reconnects
     away_said = False
+    waiting_said = False
     while True:
+        waiting = relay.waiting
+        if waiting is not None and not waiting_said:
+            waiting_said = True
+            print(shorten(waiting_line(host, *waiting, relay.config.connect_timeout),
+                          MAX_LINE), flush=True)
         away = relay.reconnecting
+        if relay.reconnects > resumed and not away_said:
+            away = relay.last_lost  # resumed between two looks (moved to a newer leader)
         if away is not None and not away_said:
             away_said = True
             print(shorten(f"relay {host}: lost the coordinator ({away}); riding it out for up "
@@ -81,12 +107,13 @@ async def run_relay(args: argparse.Namespace) -> int:
     ssl_context = _tls_client(args)
     target = coordinator_target(args.coordinator, config=config)
     try:
-        if isinstance(target, CoordinatorDialer):
+        await check_names(args.coordinator, host=args.host)
+        if isinstance(target, StoreDialer):
             await target.check()
         return await _relay(args, target, config=config, salt=salt, ranks=ranks, sigs=sigs,
                             ssl_context=ssl_context)
     finally:
-        if isinstance(target, CoordinatorDialer):
+        if isinstance(target, StoreDialer):
             await target.aclose()
 
 

@@ -34,6 +34,7 @@ from ._common import (
     SignalStop,
     UsageError,
     check_writable,
+    liveness_seconds,
     load_salt,
     os_error_text,
     parse_address,
@@ -219,8 +220,10 @@ async def run_rank(args: argparse.Namespace) -> int:
         stop = SignalStop(signals)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
+            config = RankConfig() if args.coord_liveness_timeout is None else RankConfig(
+                coord_liveness_timeout=liveness_seconds(args.coord_liveness_timeout))
             async with open_rank(target, salt=salt, rank=args.rank, world_size=args.world_size,
-                                 config=RankConfig()) as ep:
+                                 config=config) as ep:
                 sim = SimulatedRank(ep, batch_ms=args.batch_ms, jitter=args.jitter,
                                     batch_size=args.batch_size, seed=args.rank)
                 record = await sim.run()

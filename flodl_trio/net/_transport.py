@@ -76,18 +76,33 @@ def is_local_or_private(host: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
+def unresolvable(exc: BaseException) -> bool:
+    """``exc`` says a name does not resolve and asking again will not help: a
+    ``socket.gaierror`` other than ``EAI_AGAIN`` (a temporary failure of the resolver, which
+    is worth retrying)."""
+    return isinstance(exc, socket.gaierror) and exc.errno != socket.EAI_AGAIN
+
+
 async def dial(target: DialTarget, *, connect_timeout: float, what: str,
-               keepalive: KeepAlive | None = None) -> trio.abc.Stream:
+               keepalive: KeepAlive | None = None,
+               on_error: Callable[[OSError, float], None] | None = None,
+               retry_unresolvable: bool = False) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
 
     A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
+    ``on_error(exc, deadline)`` is told of each failed attempt (``deadline``: when the attempts
+    end, Trio clock). ``retry_unresolvable``: a name that does not resolve is one more failed
+    attempt (a relay re-dialing a coordinator it had reached: its DNS may be catching up).
 
     Raises:
-        HandshakeError: no connection within the deadline; names the target and the last error.
+        HandshakeError: no connection within the deadline, names the target and the last error;
+            or at once, a name that does not resolve (:func:`unresolvable`: retrying cannot
+            make it resolve), naming it.
     """
     deadline = trio.current_time() + connect_timeout
     attempts = 0
     last: BaseException | None = None
+    where = format_address(target) if not callable(target) else getattr(target, "__name__", "?")
     while True:
         attempts += 1
         try:
@@ -99,11 +114,17 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
                 enable_keepalive(stream, keepalive)
                 return stream
         except OSError as exc:
+            if unresolvable(exc) and not retry_unresolvable:
+                why = (exc.strerror or str(exc)) if callable(target) else (
+                    f"cannot resolve {target[0]!r} ({exc.strerror or exc})")
+                raise HandshakeError(f"{what}: {why}; a name that does not resolve is not "
+                                     "retried") from exc
             last = exc
+            if on_error is not None:
+                on_error(exc, deadline)
         if trio.current_time() + CONNECT_RETRY_INTERVAL > deadline:
             break
         await trio.sleep(CONNECT_RETRY_INTERVAL)
-    where = format_address(target) if not callable(target) else getattr(target, "__name__", "?")
     raise HandshakeError(
         f"{what}: expected a connection to {where} within {connect_timeout:g}s, got none after "
         f"{attempts} attempt(s); last error: {last!r}"
@@ -145,6 +166,8 @@ async def dial_and_handshake(
     on_retry: Callable[[BaseException], None] | None = None,
     retry_interval: float = CONNECT_RETRY_INTERVAL,
     keepalive: KeepAlive | None = None,
+    on_dial_error: Callable[[OSError, float], None] | None = None,
+    retry_unresolvable: bool = False,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -166,6 +189,9 @@ async def dial_and_handshake(
         on_retry: told of each retried failure; it may raise to stop retrying.
         retry_interval: seconds between attempts (a cadence, never scaled).
         keepalive: TCP keepalive for each connection (see ``_keepalive``).
+        on_dial_error: told of each connection that could not be made, and when the attempts
+            end (see :func:`dial`).
+        retry_unresolvable: see :func:`dial`.
 
     Raises:
         HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
@@ -175,7 +201,8 @@ async def dial_and_handshake(
     last: BaseException | None = None
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what, keepalive=keepalive)
+                            what=what, keepalive=keepalive, on_error=on_dial_error,
+                            retry_unresolvable=retry_unresolvable)
         try:
             return await handshake(stream)
         except final:

@@ -5,6 +5,7 @@ Re-exports only; the code lives in its private modules.
 """
 
 from ._args import RankListen as RankListen
+from ._leader import StoreDialer
 from ._link import RelayExit
 from ._open import (
     WRONG_SALT_ATTEMPTS as WRONG_SALT_ATTEMPTS,
@@ -15,5 +16,6 @@ from ._open import (
 __all__ = [
     "Relay",
     "RelayExit",
+    "StoreDialer",
     "open_relay",
 ]

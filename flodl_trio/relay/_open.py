@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,28 +18,16 @@ from typing import Any
 import trio
 
 from .._config import RelayConfig
-from .._errors import (
-    ConfigError,
-    FlodlError,
-    HandshakeError,
-    JoinRefused,
-    StoreError,
-    WireError,
-    WrongSession,
-)
+from .._errors import ConfigError, FlodlError
 from .._lifecycle import open_lifecycle
-from ..net._keepalive import KeepAlive
-from ..net._socket_io import Reader, run_handshake_on
-from ..net._transport import STREAM_GONE, DialTarget, close_all, dial_and_handshake, format_address
+from ..net._transport import DialTarget, close_all
+from ..store import SessionStore
 from ..timeline import Timeline
-from ..wire import (
-    Established,
-    RefusalReceived,
-    RelayHandshake,
-    SessionSalt,
-)
+from ..wire import Established, SessionSalt
 from ._args import RankListen, check_model_sigs, check_relay_args, rank_listeners
+from ._leader import LeaderWatch, StoreDialer
 from ._link import RelayExit
+from ._upstream import WRONG_SALT_ATTEMPTS, UpstreamDialer
 from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
@@ -46,10 +35,7 @@ from .resume import Reconnector
 
 log = logging.getLogger("flodl_trio.relay")
 
-# Challenges in a row that do not verify with our salt before the relay gives up with
-# WrongSession: one could be a corrupted byte, three (about a second of re-dials at
-# CONNECT_RETRY_INTERVAL) are a salt that differs.
-WRONG_SALT_ATTEMPTS = 3
+__all__ = ["WRONG_SALT_ATTEMPTS", "Relay", "open_relay"]
 
 
 class Relay:
@@ -65,7 +51,10 @@ class Relay:
             sent ``Generation``; a property).
         reconnects: how many times it resumed with a durable coordinator (a property).
         reconnecting: why its durable coordinator is away, while it rides that out (a
-            property; None otherwise).
+            property; None otherwise); ``last_lost``: why it was lost the last time.
+        leader_moves: how many times it left its coordinator for a newer leader its store
+            named (a property).
+        waiting: what its join waits for and until when, while it waits (a property).
         dropped_while_reconnecting: frames from its ranks dropped while reconnecting, over
             ``reconnect_queue`` (a property).
     """
@@ -82,10 +71,6 @@ class Relay:
         self.config = config
         self.timeline = timeline
         self._rank_address = rank_address
-        self._target = target
-        self._salt = salt
-        self._ssl_context = ssl_context
-        self._server_hostname = server_hostname
         self._local = LocalRanks(host=host, ranks=ranks, world_size=world_size, salt=salt,
                                  config=config)
         self._connected = trio.Event()
@@ -96,6 +81,13 @@ class Relay:
         self._body_scope: trio.CancelScope | None = None
         self._notices = RankNotices(self._local, salt)
         self._pump: Pump | None = None
+        self._dialer = UpstreamDialer(target=target, salt=salt, host=host, ranks=ranks,
+                                      world_size=world_size, model_sigs=self.model_sigs,
+                                      config=config, notices=self._notices,
+                                      ssl_context=ssl_context, server_hostname=server_hostname)
+        # A relay that reads the leader's address from a store watches it (issue 34).
+        self._watch = (LeaderWatch(target, self._dialer, host=host, config=config)
+                       if isinstance(target, StoreDialer) else None)
 
     @property
     def rank_address(self) -> tuple[str, int]:
@@ -133,10 +125,34 @@ class Relay:
         return resume.away if resume is not None else None
 
     @property
+    def last_lost(self) -> str | None:
+        """Why the durable coordinator was lost the last time (kept once resumed); None if
+        it never was."""
+        resume = self._pump.resume if self._pump is not None else None
+        return resume.last_lost if resume is not None else None
+
+    @property
     def dropped_while_reconnecting(self) -> int:
         """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
         resume = self._pump.resume if self._pump is not None else None
         return resume.dropped if resume is not None else 0
+
+    @property
+    def waiting(self) -> tuple[str, float] | None:
+        """While the join re-dials because nothing can be dialed yet (a store that names no
+        leader, a resolver that failed for now): what it waits for and until when (wall
+        clock, ``time.time()``); None otherwise."""
+        waiting = self._dialer.waiting
+        if waiting is None:
+            return None
+        what, deadline = waiting
+        return what, time.time() + max(0.0, deadline - trio.current_time())
+
+    @property
+    def leader_moves(self) -> int:
+        """How many times the relay left its connection for a newer leader the store named
+        (issue 34)."""
+        return self._watch.moves if self._watch is not None else 0
 
     @property
     def error(self) -> FlodlError | None:
@@ -165,92 +181,15 @@ class Relay:
 
     # ------------------------------------------------------------------ phase 2
 
-    async def _connect_upstream(self, generation: int | None = None,
-                                connect_timeout: float | None = None,
-                                ) -> tuple[trio.abc.Stream, Established]:
-        """Dial and join (``Hello``), or, given the generation seen, resume (``Resume``)."""
-        what = f"relay {self.host!r}"
-        coordinator = _target_text(self._target)
-        self._notices.upstream_status = f"dialing the coordinator at {coordinator}"
-
-        wrong_salt = 0  # Challenges in a row that did not verify with our salt
-
-        async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, Established]:
-            nonlocal wrong_salt
-            machine = RelayHandshake(self._salt, host=self.host, ranks=self.ranks,
-                                     world_size=self.world_size,
-                                     model_sigs=self.model_sigs, coordinator=coordinator,
-                                     generation=generation)
-            try:
-                with trio.fail_after(self.config.handshake_timeout):
-                    if self._ssl_context is not None:
-                        stream = trio.SSLStream(stream, self._ssl_context,
-                                                server_hostname=self._server_hostname,
-                                                https_compatible=False)
-                        await stream.do_handshake()
-                    done = await run_handshake_on(stream, Reader(stream), machine)
-            except BaseException as exc:
-                wrong_salt = wrong_salt + 1 if machine.failure_category == "wrong salt" else 0
-                if wrong_salt >= WRONG_SALT_ATTEMPTS:
-                    raise WrongSession(host=self.host, peer=coordinator,
-                                       attempts=wrong_salt) from exc
-                raise
-            if isinstance(done, RefusalReceived):
-                raise JoinRefused(done.reason, host=self.host, peer=coordinator)
-            assert isinstance(done, Established)
-            return stream, done
-
-        def on_retry(exc: BaseException) -> None:
-            if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
-                # Retrying cannot make an untrusted certificate trusted: say so now.
-                raise HandshakeError(
-                    f"{what}: TLS: the coordinator at {coordinator} presented a certificate we "
-                    f"do not trust ({exc.__cause__.verify_message}); pass an ssl_context that "
-                    "trusts its CA"
-                ) from None
-            self._notices.upstream_status = (f"re-dialing the coordinator at {coordinator} "
-                                             f"(last attempt: {exc!r})")
-
-        # FT/2: any failure before the coordinator confirmed our Ready (EOF, a bad MAC, a
-        # HelloAck that does not echo us, a forged or replayed record) is a failed attempt:
-        # re-dial until connect_timeout, and name the last failure if none succeeds. A verified
-        # Refused (JoinRefused) and an untrusted TLS certificate (on_retry) end the attempts at
-        # once, a salt that differs (WrongSession) after WRONG_SALT_ATTEMPTS in a row.
-        target = self._target if generation is None else self._resolving_target()
-        return await dial_and_handshake(
-            target, handshake, what=what, peer=coordinator,
-            connect_timeout=self.config.connect_timeout if connect_timeout is None
-            else connect_timeout,
-            expected="a confirmed upstream handshake (HelloAck, Ready, welcome)"
-            if generation is None else "a confirmed resume (HelloAck, Ready, Generation, "
-            "welcome)", on_retry=on_retry, final=(JoinRefused, WrongSession),
-            retry_on=(WireError, HandshakeError, trio.TooSlowError, *STREAM_GONE),
-            keepalive=KeepAlive.within(self.config.write_stall_timeout,
-                                       write_stall=self.config.write_stall_timeout),
-        )
-
-    def _resolving_target(self) -> DialTarget:
-        """The target for a resume: a callable is called on every attempt (so one that reads
-        the store's published address re-resolves); a store it cannot reach yet is one more
-        attempt that failed, not the end of the relay."""
-        target = self._target
-        if not callable(target):
-            return target
-        call = target
-
-        async def resolve() -> trio.abc.Stream:
-            try:
-                return await call()
-            except StoreError as exc:
-                raise ConnectionError(f"resolving the coordinator: {exc}") from exc
-
-        return resolve
-
     async def _resume_upstream(self, generation: int, deadline: float,
                                ) -> tuple[trio.abc.Stream, Established]:
-        """Re-dial a durable coordinator with ``Resume`` until ``deadline``."""
-        joined = await self._connect_upstream(
-            generation, connect_timeout=max(0.0, deadline - trio.current_time()))
+        """Re-dial a durable coordinator with ``Resume`` until ``deadline`` (or take the
+        connection the leader watch already made to a newer one)."""
+        async def redial() -> tuple[trio.abc.Stream, Established]:
+            return await self._dialer.connect(
+                generation, connect_timeout=max(0.0, deadline - trio.current_time()))
+
+        joined = await (self._watch.redial(redial) if self._watch is not None else redial())
         self._upstream = joined[0]
         return joined
 
@@ -276,7 +215,7 @@ class Relay:
                          established.generation)
                 pump.resume = Reconnector(self._local, established.generation,
                                           self._resume_upstream, drop_rank=pump.drop_rank)
-            exit_ = await pump.run()
+            exit_ = await self._run_pump(pump)
             self._error = pump.error
         except FlodlError as exc:
             self._error = exc
@@ -291,12 +230,23 @@ class Relay:
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
 
+    async def _run_pump(self, pump: Pump) -> RelayExit:
+        """Phase 3; with a durable coordinator and a store, the leader watch beside it."""
+        watch = self._watch
+        if watch is None or pump.resume is None:
+            return await pump.run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run, pump)
+            exit_ = await pump.run()
+            nursery.cancel_scope.cancel()
+        return exit_
+
     async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
                     ) -> tuple[trio.abc.Stream, Established] | FlodlError:
         """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
         try:
             await accept_ranks(self._local, listeners)
-            joined = await self._connect_upstream()
+            joined = await self._dialer.connect()
             self._upstream = joined[0]
             return joined
         except FlodlError as exc:
@@ -313,16 +263,14 @@ class Relay:
             streams.append(self._upstream)
         if self._pump is not None and self._pump.stream is not self._upstream:
             streams.append(self._pump.stream)
+        if self._watch is not None:
+            streams.extend(self._watch.unused())  # a newer leader's, made as the pump ended
         await close_all(streams)
-
-
-def _target_text(target: DialTarget) -> str:
-    return format_address(target) if not callable(target) else "the coordinator"
 
 
 @asynccontextmanager
 async def open_relay(
-    coordinator: DialTarget,
+    coordinator: DialTarget | SessionStore,
     *,
     salt: SessionSalt,
     host: str,
@@ -338,7 +286,11 @@ async def open_relay(
     """Run a host relay. The block is entered once the rank port is bound.
 
     Args:
-        coordinator: ``(host, port)`` of the coordinator, or an async callable returning a stream.
+        coordinator: ``(host, port)`` of the coordinator; an async callable returning a
+            stream (called on every attempt); or the coordinators' :class:`SessionStore`
+            (or a :class:`StoreDialer` of it): the relay reads the leader's published address
+            on every attempt and, while connected, watches it (once per heartbeat period), so
+            that it leaves a frozen leader for the standby that took over at once.
         salt: the run's :class:`SessionSalt`.
         host: this host's name (1-255 UTF-8 bytes), as the coordinator will report it.
         ranks: the global ranks this host carries.
@@ -363,7 +315,8 @@ async def open_relay(
             differs, or the address is not a coordinator of this session.
         HandshakeError: no confirmed upstream handshake within ``connect_timeout`` (the
             message names the last failure: a coordinator of another session, a HelloAck that
-            did not echo us, EOF before the welcome, ...).
+            did not echo us, EOF before the welcome, ...); at once, a coordinator name that
+            does not resolve (a ``socket.gaierror`` other than ``EAI_AGAIN``).
         WireError: the coordinator broke the protocol after the join.
     """
     ordered = check_relay_args(host, ranks, world_size)
@@ -371,13 +324,15 @@ async def open_relay(
     if not isinstance(salt, SessionSalt):
         raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
     cfg = config if config is not None else RelayConfig()
+    target = StoreDialer(coordinator, config=cfg) if isinstance(coordinator, SessionStore) \
+        else coordinator
     listeners = await rank_listeners(rank_listen)
     sock = getattr(listeners[0], "socket", None)
     rank_address = None
     if sock is not None:
         name = sock.getsockname()
         rank_address = (str(name[0]), int(name[1]))
-    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered, world_size=world_size,
+    relay = Relay(target=target, salt=salt, host=host, ranks=ordered, world_size=world_size,
                   config=cfg, timeline=timeline, ssl_context=ssl_context,
                   server_hostname=server_hostname, rank_address=rank_address,
                   model_sigs=sigs)

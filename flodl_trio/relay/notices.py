@@ -35,6 +35,10 @@ class RankNotices:
         self._codec = FrameCodec(salt)
         self.upstream_status = "about to dial the coordinator"
 
+    def status(self, text: str) -> None:
+        """What phase 2 is doing now, for the next notice."""
+        self.upstream_status = text
+
     def waiting_for(self) -> str:
         host = self._local.host
         if not self._local.all_in:

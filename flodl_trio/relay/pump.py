@@ -168,6 +168,22 @@ class Pump:
             self.session.feed_opened(established.records)
             self.heartbeats.follow(0.0)  # a Cadence was the old connection's
 
+    @property
+    def period(self) -> float:
+        """Seconds between two ``Liveness`` records on this connection: the relay's
+        ``heartbeat_interval``, or the coordinator's slower ``Cadence``."""
+        return max(self.config.heartbeat_interval, self.heartbeats.cadence)
+
+    @property
+    def generation(self) -> int:
+        """The highest coordinator generation seen (0: not a durable coordinator)."""
+        return self.resume.generation if self.resume is not None else 0
+
+    def connected(self) -> bool:
+        """Connected to a durable coordinator whose loss would be ridden out (not riding one
+        out now, not ending)."""
+        return self.resumable() and self.resume is not None and self.resume.away is None
+
     def resumable(self) -> bool:
         """A lost upstream connection is ridden out (a durable coordinator, a grace > 0, the
         pump not ending already), rather than ending the relay."""

@@ -61,6 +61,7 @@ class Reconnector:
         dropped: frames from the ranks dropped while reconnecting (over ``reconnect_queue``).
         backlog: what the upstream writer sends first on the next connection.
         away: why the coordinator is away, while the relay rides it out, else None.
+        last_lost: why it was lost the last time (kept once resumed), else None.
         gave_up: once a ride-out failed: why, and the error the relay fails with (a
             ``Refused`` resume, a salt that differs) or None (the grace ran out).
     """
@@ -75,6 +76,7 @@ class Reconnector:
         self.dropped = 0
         self.backlog: deque[Upstream] = deque()
         self.away: str | None = None
+        self.last_lost: str | None = None
         self.gave_up: tuple[str, FlodlError | None] = ("", None)
         self._redial = redial
         self._drop_rank = drop_rank
@@ -107,7 +109,7 @@ class Reconnector:
         """
         grace = self.config.coordinator_grace
         deadline = trio.current_time() + grace
-        self.away = reason
+        self.away = self.last_lost = reason
         self.backlog.extendleft(reversed(in_flight))
         log.warning("relay %r: lost the coordinator (%s); re-dialing for up to "
                     "coordinator_grace=%gs", self.host, reason, grace)
