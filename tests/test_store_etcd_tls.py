@@ -17,7 +17,8 @@ from cli_procs import Proc, one_line
 from store_helpers import Flag, state
 
 from flodl_trio import RelayConfig, StoreAuthError, StoreUnavailable
-from flodl_trio.cli._targets import CoordinatorDialer, coordinator_target
+from flodl_trio.cli._targets import coordinator_target
+from flodl_trio.relay import StoreDialer
 from flodl_trio.store import EtcdStore, open_store
 
 from helpers import load_script
@@ -65,7 +66,7 @@ async def test_a_tls_and_auth_store_works_end_to_end_with_a_standby_and_a_relay(
         "FLODL_ETCD_KEY": secured.tls.key_file, "FLODL_ETCD_USER": "flodl",
         "FLODL_ETCD_PASSWORD": PASSWORD})
     relay_side = coordinator_target(url, config=RelayConfig())
-    assert isinstance(relay_side, CoordinatorDialer)
+    assert isinstance(relay_side, StoreDialer)
     gen1 = await leader.acquire(owner="coordinator a")
     await leader.save(state(gen1, failures=1))
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

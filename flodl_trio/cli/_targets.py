@@ -90,11 +90,16 @@ def names_in(text: str) -> list[str]:
 
     >>> names_in("etcd://10.0.0.5:2379,etcd-2:2379/flodl/run1")
     ['10.0.0.5', 'etcd-2']
+    >>> names_in("etcds://etcd-1:2379,etcd-2:2379/flodl/run1?ca=/etc/ca.pem")
+    ['etcd-1', 'etcd-2']
     >>> names_in("box-1:7000,[::1]:7000")
     ['box-1', '::1']
     """
-    hosts = text.removeprefix("etcd://").partition("/")[0] if text.startswith("etcd://") \
-        else text
+    if text.startswith(("etcd://", "etcds://")):
+        hosts = text.partition("://")[2].partition("/")[0].partition("?")[0]
+        hosts = hosts.rpartition("@")[2]  # a user name before the endpoints is not one
+    else:
+        hosts = text
     return [parse_address(part.strip(), what="--coordinator")[0]
             for part in hosts.split(",") if part.strip()]
 
