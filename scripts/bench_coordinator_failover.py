@@ -20,6 +20,10 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   ``ShutdownWithSave``) and SIGCONT. Records any rank received from it must be 0.
 - ``relay kill``: SqliteStore, no coordinator kill; one host process (relay and ranks) is
   SIGKILLed between two syncs: its unsynced work must be redistributed.
+- ``steady``: EtcdStore, nothing killed (issue 34): etcd's revision is read when epoch 1 starts
+  and when the last epoch starts; ``store revisions per minute`` is the rate between the two
+  (every write to etcd is one revision). The coordinator's ``/state.json`` is read then too (its
+  ``store`` section: size, writes), and etcd's database size.
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -39,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -247,6 +252,13 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
         standby.wait_line(lambda s: " listening " in s, run.deadline)
         time.sleep(0.2)  # from listening to waiting in store.acquire
     out: dict[str, Any] = {"case": case}
+    if case == "steady":
+        assert etcd is not None
+        out.update(steady_growth(run, leader, port, etcd))
+        run.finish(leader)
+        out["dead"] = sorted(run.deaths())
+        out.update(run.coverage())
+        return out
     if case == "relay kill":
         run.mid_epoch(leader, after=time.monotonic())
         n = len([s for s in leader.lines() if " sync " in s])
@@ -296,6 +308,22 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     return out
 
 
+def steady_growth(run: Run, leader: Child, port: int, etcd: EtcdServer) -> dict[str, Any]:
+    """Revisions per minute while the run is steady: from the start of epoch 1 (formation and
+    the first epoch boundary are behind) to the start of the last epoch."""
+    def started(epoch: int) -> Callable[[str], bool]:
+        return lambda s: " epoch_started " in s and field(s, "epoch") == str(epoch)
+
+    leader.wait_line(started(1), run.deadline)
+    t0, rev0 = time.monotonic(), etcd.status()["revision"]
+    leader.wait_line(started(EPOCHS - 1), run.deadline)
+    t1, status = time.monotonic(), etcd.status()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=5) as answer:
+        store = json.loads(answer.read()).get("store")  # None before issue 34
+    return {"revisions_per_min": (status["revision"] - rev0) / (t1 - t0) * 60,
+            "window_s": t1 - t0, "db_size": status["db_size"], "store": store}
+
+
 @contextmanager
 def maybe_etcd(root: Path, wanted: bool) -> Iterator[EtcdServer | None]:
     if not wanted:
@@ -309,27 +337,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 runs of each takeover case")
     parser.add_argument("--runs", type=int, default=None, help="runs per takeover case (5)")
-    parser.add_argument("--cases", default="embedded,etcd,etcd standby,deposed,relay kill",
+    parser.add_argument("--cases",
+                        default="embedded,etcd,etcd standby,deposed,relay kill,steady",
                         help="comma-separated subset of the cases")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    needs_etcd = any(c.startswith("etcd") or c == "deposed" for c in cases)
+    needs_etcd = any(c.startswith("etcd") or c in ("deposed", "steady") for c in cases)
     if needs_etcd and etcd_binary() is None:
         sys.exit("etcd is not installed (Debian: apt-get install etcd-server)")
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="flodl-failover-") as tmp, \
             maybe_etcd(Path(tmp), needs_etcd) as etcd:
         for case in cases:
-            repeat = 1 if case in ("deposed", "relay kill") else runs
+            repeat = 1 if case in ("deposed", "relay kill", "steady") else runs
             for i in range(repeat):
                 outcome = one_run(case, Path(tmp), etcd)
                 results.setdefault(case, []).append(outcome)
                 if args.verbose:
                     print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
-    kill_cases = [c for c in results if c != "relay kill"]
+    kill_cases = [c for c in results if c not in ("relay kill", "steady")]
     every = [r for c in results for r in results[c]]
     rows = []
     for case, outcomes in results.items():
@@ -345,7 +374,9 @@ def main() -> None:
             "dead": sum(len(r["dead"]) for r in outcomes),
             "exact": statistics.mean(r["exactly_once"] for r in outcomes),
             "lost": sum(r["lost"] for r in outcomes),
-            "deposed": sum(r.get("deposed_records", 0) for r in outcomes)})
+            "deposed": sum(r.get("deposed_records", 0) for r in outcomes),
+            "revisions": (rep.median([r["revisions_per_min"] for r in outcomes])
+                          if case == "steady" else None)})
     print(f"{rep.machine_note()}; the machine is shared with other work: medians are noisy")
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
@@ -353,7 +384,8 @@ def main() -> None:
                      ("process up s", "start_s", ".2f"), ("new leader s", "leader_s", ".2f"),
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
-                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
+                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d"),
+                     ("revisions/min", "revisions", ".0f")], rows))
     by_case = {row["case"]: row for row in rows}
     targets = []
     for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
@@ -372,6 +404,9 @@ def main() -> None:
     if every:
         targets.append(rep.target("lost updates not re-run", sum(r["lost"] for r in every),
                                   "<=", 0))
+    if "steady" in by_case:
+        targets.append(rep.target("store revisions per minute", by_case["steady"]["revisions"],
+                                  "<=", 120))
     rep.finish("coordinator_failover", rows, targets, args.json,
                runs={c: results[c] for c in results})
 
