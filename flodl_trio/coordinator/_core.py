@@ -262,7 +262,8 @@ class Coordinator:
     def state(self) -> dict[str, Any]:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
         says whether the coordinator has closed its connection (``closed``; ``connected``
-        turns false first, when the relay is lost or being disconnected)."""
+        turns false first, when the relay is lost or being disconnected). ``store`` is its
+        session store's size and writes (None without a store; docs/failover.rst)."""
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
@@ -277,6 +278,7 @@ class Coordinator:
             "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
             "epoch": epoch_in_progress(self.timeline),
+            "store": self._leader.store_status(),
         }
 
     @property
@@ -310,10 +312,16 @@ class Coordinator:
         None on a fresh run until the first save."""
         return self._leader.checkpoint
 
-    async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+    async def save_checkpoint(self, checkpoint: Mapping[str, Any], *,
+                              durable: bool = True) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
-        str, bytes, lists, maps). With a session store it is written durably, with the rest of
-        the session, before this returns; without one it is kept in memory.
+        str, bytes, lists, maps). With a session store it is written with the rest of the
+        session: ``durable=True`` writes it at once and returns once that write is durable;
+        ``durable=False`` returns at once and it goes with the next paced write (within
+        ``1 / config.store_write_rate`` seconds, coalesced: a newer checkpoint replaces it).
+        Use ``durable=False`` for what an adopting coordinator can do without (docs/failover.rst,
+        "How often the store is written"). Without a store it is kept in memory. Either way
+        :attr:`checkpoint` is this one from now on.
 
         Raises:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
@@ -321,7 +329,7 @@ class Coordinator:
             StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
         self._leader.checkpoint = checked_checkpoint(checkpoint)
-        await self._leader.flush()
+        await self._leader.flush(durable=durable)
 
     # ------------------------------------------------------------------ control
 

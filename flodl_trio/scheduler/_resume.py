@@ -105,15 +105,16 @@ class Resuming(abc.ABC):
     async def _fold_gone(self, new: Sequence[int]) -> None:
         """Settle ranks that left and hand their remainders over."""
 
-    async def _save(self, *, between: int | None = None) -> None:
+    async def _save(self, *, between: int | None = None, durable: bool = True) -> None:
         """Checkpoint through the coordinator: the current epoch's shares, or (``between``) the
-        epoch about to be dispatched (``num_epochs`` once the last one closed)."""
+        epoch about to be dispatched (``num_epochs`` once the last one closed); ``durable``:
+        written before this returns, else with the coordinator's next paced write."""
         ledger = self._ledger
         await self._coord.save_checkpoint(checkpoint_map(
             **self._settings, epoch=ledger.epoch if between is None else between,
             epochs_completed=ledger.epochs_completed, global_step=self._global_step,
             syncs=self._syncs, shares={} if between is not None else ledger.shares,
-            last_steps=ledger.last_steps))
+            last_steps=ledger.last_steps), durable=durable)
 
     @property
     def _resuming(self) -> bool:

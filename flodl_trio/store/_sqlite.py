@@ -8,6 +8,11 @@ is an exclusive ``flock`` on ``PATH.lock``: the kernel drops it when the leader'
 so a standby polling it takes over at once. The generation counter is in the database, bumped
 in the same transaction that records the new leader; every write is a transaction that first
 checks the stored generation. Every blocking call runs in a worker thread.
+
+The write-ahead log is checkpointed into the database every ``WAL_LIMIT`` bytes of it and then
+cut back to ``WAL_LIMIT`` (issue 34): SQLite's defaults let it reach about 4 MiB and stay that
+size. A state rewritten in place frees its old pages for the next write, so the database
+itself stays at about one state (plus a page per table) however many saves it took.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from typing import TypeVar
 import trio
 
 from .._errors import ConfigError, LeadershipLost, StoreCorrupt, StoreUnavailable
-from ._base import SessionStore
+from ._base import SessionStore, StoreUsage
 from ._state import SessionState
 
 APPLICATION_ID = 0x464C5354  # "FLST": PRAGMA application_id of a flodl-trio store
 SCHEMA_VERSION = 1
+WAL_LIMIT = 1 << 20  # bytes of write-ahead log before a checkpoint, and what it is cut back to
 _T = TypeVar("_T")
 
 
@@ -155,6 +161,24 @@ class SqliteStore(SessionStore):
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(db.close)
 
+    async def usage(self) -> StoreUsage:
+        """The database file and its write-ahead log, in bytes (``detail``: ``db_bytes``,
+        ``wal_bytes``)."""
+        def sizes() -> dict[str, int]:
+            out = {}
+            for name, path in (("db_bytes", self.path), ("wal_bytes", Path(f"{self.path}-wal"))):
+                try:
+                    out[name] = os.stat(path).st_size
+                except FileNotFoundError:
+                    out[name] = 0
+                except OSError as exc:
+                    raise StoreUnavailable(f"store {self.description}: cannot stat {path}: "
+                                           f"{exc.strerror}") from None
+            return out
+
+        detail = await trio.to_thread.run_sync(sizes)
+        return StoreUsage(kind="sqlite", size_bytes=sum(detail.values()), detail=detail)
+
     # -- the lock -----------------------------------------------------------------------------
 
     async def _lock(self, owner: str) -> int:
@@ -255,6 +279,9 @@ class SqliteStore(SessionStore):
                 raise StoreUnavailable(f"store {self.description}: expected WAL journal mode "
                                        f"on {self.path}, SQLite set {mode!r}")
             db.execute("PRAGMA synchronous=FULL")
+            page = int(db.execute("PRAGMA page_size").fetchone()[0])
+            db.execute(f"PRAGMA wal_autocheckpoint = {max(1, WAL_LIMIT // page)}")
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
             self._db_ino = os.stat(self.path).st_ino
         except BaseException:
             db.close()
