@@ -151,6 +151,10 @@ class _Shared:
     changed: trio.Event = attrs.field(factory=trio.Event)
     revision: int = 0  # writes so far (a save, an address, a leadership), as etcd counts them
 
+    def write_state(self, data: bytes) -> None:
+        self.state = data
+        self.revision += 1
+
     def poke(self) -> None:
         self.revision += 1
         self.changed.set()
@@ -216,8 +220,7 @@ class MemoryStore(SessionStore):
     async def save(self, state: SessionState) -> None:
         await trio.lowlevel.checkpoint()
         self._fence(state.generation, "save")
-        self._shared.state = state.encode()
-        self._shared.revision += 1
+        self._shared.write_state(state.encode())
 
     def corrupt(self, data: bytes) -> None:
         """Store raw bytes as the state (for tests of :class:`StoreCorrupt`)."""
