@@ -354,19 +354,17 @@ class EtcdStore(SessionStore):
 
     async def usage(self) -> StoreUsage:
         """The member's database size and the cluster's revision (``/v3/maintenance/status``);
-        ``problems`` has etcd's own errors and alarms (``NOSPACE``: the quota is full)."""
+        ``problems`` has the errors it reports, its alarms among them (``NOSPACE``: the quota
+        is full and every write is refused until an operator compacts, defragments and
+        disarms it)."""
         doc = await self._http.call("/v3/maintenance/status", {})
         size = _integer(doc.get("dbSize"))
         detail = {"db_size_in_use": _integer(doc.get("dbSizeInUse", size))}
         if self.compacted_to is not None:
             detail["compacted_to"] = self.compacted_to
-        problems = tuple(str(e) for e in doc.get("errors") or ())
-        try:
-            alarms = await self._http.call("/v3/maintenance/alarm", {"action": "GET"})
-        except StoreUnavailable:
-            alarms = {}
-        problems += tuple(f"alarm {a.get('alarm', '?')} on member {a.get('memberID', '?')}"
-                          for a in alarms.get("alarms") or ())
+        # etcd's own words, e.g. "memberID:8e9e05c52164694d alarm:NOSPACE" (writes refused)
+        problems = tuple(f"etcd {self._http.current}: {str(e).strip()}"
+                         for e in doc.get("errors") or ())
         return StoreUsage(kind="etcd", size_bytes=size,
                           revision=_integer((doc.get("header") or {}).get("revision")),
                           detail=detail, problems=problems)
