@@ -263,7 +263,8 @@ class Coordinator:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
         says whether the coordinator has closed its connection (``closed``; ``connected``
         turns false first, when the relay is lost or being disconnected). ``store`` is its
-        session store's size and writes (None without a store; docs/failover.rst)."""
+        session store's size and writes (None without a store, and until it leads one;
+        docs/failover.rst)."""
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
