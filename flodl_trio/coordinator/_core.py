@@ -316,13 +316,11 @@ class Coordinator:
     async def save_checkpoint(self, checkpoint: Mapping[str, Any], *,
                               durable: bool = True) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
-        str, bytes, lists, maps). With a session store it is written with the rest of the
-        session: ``durable=True`` writes it at once and returns once that write is durable;
-        ``durable=False`` returns at once and it goes with the next paced write (within
-        ``1 / config.store_write_rate`` seconds, coalesced: a newer checkpoint replaces it).
-        Use ``durable=False`` for what an adopting coordinator can do without (docs/failover.rst,
-        "How often the store is written"). Without a store it is kept in memory. Either way
-        :attr:`checkpoint` is this one from now on.
+        str, bytes, lists, maps). With a session store it is written with the session: at once,
+        returning once durable; with ``durable=False``, returning at once, with the next paced
+        write (within ``1 / config.store_write_rate`` s; a newer checkpoint replaces it): for
+        what an adopting coordinator can do without (docs/failover.rst). Without a store it is
+        kept in memory.
 
         Raises:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).

@@ -9,10 +9,8 @@ so a standby polling it takes over at once. The generation counter is in the dat
 in the same transaction that records the new leader; every write is a transaction that first
 checks the stored generation. Every blocking call runs in a worker thread.
 
-The write-ahead log is checkpointed into the database every ``WAL_LIMIT`` bytes of it and then
-cut back to ``WAL_LIMIT`` (issue 34): SQLite's defaults let it reach about 4 MiB and stay that
-size. A state rewritten in place frees its old pages for the next write, so the database
-itself stays at about one state (plus a page per table) however many saves it took.
+The write-ahead log is checkpointed into the database every ``WAL_LIMIT`` bytes and cut back to
+``WAL_LIMIT`` (issue 34; SQLite's defaults let it reach about 4 MiB and stay that size).
 """
 
 from __future__ import annotations
@@ -164,20 +162,19 @@ class SqliteStore(SessionStore):
     async def usage(self) -> StoreUsage:
         """The database file and its write-ahead log, in bytes (``detail``: ``db_bytes``,
         ``wal_bytes``)."""
-        def sizes() -> dict[str, int]:
-            out = {}
-            for name, path in (("db_bytes", self.path), ("wal_bytes", Path(f"{self.path}-wal"))):
-                try:
-                    out[name] = os.stat(path).st_size
-                except FileNotFoundError:
-                    out[name] = 0
-                except OSError as exc:
-                    raise StoreUnavailable(f"store {self.description}: cannot stat {path}: "
-                                           f"{exc.strerror}") from None
-            return out
-
-        detail = await trio.to_thread.run_sync(sizes)
+        paths = {"db_bytes": self.path, "wal_bytes": Path(f"{self.path}-wal")}
+        detail = {name: await trio.to_thread.run_sync(self._size, path)
+                  for name, path in paths.items()}
         return StoreUsage(kind="sqlite", size_bytes=sum(detail.values()), detail=detail)
+
+    def _size(self, path: Path) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return 0  # no log between two connections
+        except OSError as exc:
+            raise StoreUnavailable(f"store {self.description}: cannot stat {path}: "
+                                   f"{exc.strerror}") from None
 
     # -- the lock -----------------------------------------------------------------------------
 
