@@ -74,14 +74,16 @@ def test_the_status_of_a_coordinator_with_a_store_shows_its_size_and_write_rate(
                         "--port-file", str(tmp_path / "port"))
     procs.append(first)
     first.line_with("relays can dial")
-    address = (tmp_path / "port").read_text().strip()
     deadline = time.monotonic() + PATIENCE
-    while True:  # None until it leads; the size is asked for then, and every 5 s
-        with urllib.request.urlopen(f"http://{address}/state.json", timeout=5) as answer:
-            store = json.loads(answer.read())["store"]
-        if (store and store["size_bytes"]) or time.monotonic() > deadline:
-            break
+    store = None
+    while not (store and store["size_bytes"]):  # None until it leads; then its size
+        assert time.monotonic() < deadline, f"no store size in time: {store}"
         time.sleep(0.05)
+        port = tmp_path / "port"  # written after that line
+        address = port.read_text().strip() if port.exists() else ""
+        if address:
+            with urllib.request.urlopen(f"http://{address}/state.json", timeout=5) as answer:
+                store = json.loads(answer.read())["store"]
     assert store["kind"] == "sqlite" and store["write_rate"] == 5.0
     assert store["description"] == f"sqlite:{tmp_path / 's.db'}"
     assert store["size_bytes"] == sum(store["detail"].values()) > 0
