@@ -246,7 +246,7 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     else:
         target = ["--coordinator", f"127.0.0.1:{port}"]
     run.start_hosts(target)
-    leader.wait_line(lambda s: " leader " in s, run.deadline)
+    leader.wait_line(lambda s: s.startswith("coord leader "), run.deadline)
     if case in ("etcd standby", "deposed"):
         standby = run.coordinator(free_port())
         standby.wait_line(lambda s: " listening " in s, run.deadline)
@@ -277,7 +277,7 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     else:
         leader.signal(signal.SIGKILL)
     new = standby if standby is not None else run.coordinator(port)
-    (led,) = new.wait_line(lambda s: " leader " in s, run.deadline)
+    (led,) = new.wait_line(lambda s: s.startswith("coord leader "), run.deadline)
     if standby is None:  # the part that is Python starting and importing the library
         (listening,) = new.wait_line(lambda s: " listening " in s, run.deadline)
         out["start_s"] = float(field(listening, "t")) - killed
@@ -303,7 +303,7 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     out["deposed_declared_dead"] = sorted(run.deaths() - set(out["dead"]))
     out["deposed_records"] = run.deposed_records()
     out["generations"] = [field(s, "generation") for c in run.coords for s in c.lines()
-                          if " leader " in s]
+                          if s.startswith("coord leader ")]
     out.update(run.coverage())
     return out
 
