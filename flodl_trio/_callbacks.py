@@ -75,6 +75,11 @@ class Callbacks:
                 log.warning("eval %d on rank %d failed: %s", cb.number, rank, msg.error)
             del self._open[("eval", cb.number)]
 
+    def due(self, completed: int, role: int | None) -> bool:
+        """Whether :meth:`after_epoch` sends anything after ``completed`` epochs."""
+        return role is not None and any(every is not None and completed % every == 0
+                                        for _, every in self._every)
+
     async def after_epoch(self, completed: int, role: int | None) -> None:
         """Send the callbacks due after ``completed`` epochs to the role rank."""
         for kind, every in self._every:

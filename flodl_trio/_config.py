@@ -252,6 +252,15 @@ class CoordinatorConfig:
             a core with margin at the measured ~250 µs of coordinator CPU each (issue 23).
             Ranks still heartbeat to their relay every second and their silence is still
             detected at ``heartbeat_timeout``. ``math.inf``: always ``heartbeat_interval``.
+        store_write_rate: with a session store, the writes per second the coordinator's
+            session writer paces itself to (issue 34; docs/failover.rst, "How often the store
+            is written"): a change that can wait (a death, a join, a scheduler checkpoint saved
+            with ``durable=False``, such as the reference scheduler's after every sync) is
+            written at least ``1 / store_write_rate`` seconds after the previous write began,
+            coalesced with every other change meanwhile; a write someone waits for
+            (``save_checkpoint`` with ``durable=True``, formation) goes at once. The default
+            1/s keeps an etcd store to about 60 revisions a minute in steady state; a change
+            that can wait is durable within about a second. ``math.inf``: no pacing.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -273,6 +282,7 @@ class CoordinatorConfig:
     resume_timeout: float = _deadline(T.RESUME_TIMEOUT)
     deliver_heartbeats: bool = attrs.field(default=True, converter=bool)
     relay_heartbeat_rate: float = _rate(300.0)
+    store_write_rate: float = _rate(1.0)
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -29,6 +29,7 @@ from .net._memory_network import MemoryNetwork
 from .net._transport import Dialer
 from .rank import RankEndpoint, open_rank
 from .relay import Relay, RelayExit, open_relay
+from .store import SessionStore
 from .timeline import Timeline
 from .wire import SessionSalt
 
@@ -165,6 +166,7 @@ async def open_local_cluster(
     rank_errors: tuple[type[Exception], ...] = (FlodlError,),
     raw_ranks: Mapping[int, RawRankMain] | None = None,
     teardown_timeout: float = 60.0,
+    store: SessionStore | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Start a coordinator, one relay per host and every rank; yield once all are connected.
 
@@ -190,6 +192,7 @@ async def open_local_cluster(
         teardown_timeout: seconds the relays and ranks get to end on their own once the
             coordinator has closed; past it they are cancelled and ``trio.TooSlowError``
             (naming them) is raised.
+        store: the coordinator's session store (``open_coordinator(store=...)``), if any.
 
     Raises:
         ConfigError: the layout is empty or its ranks are not exactly ``range(world_size)``,
@@ -330,7 +333,7 @@ async def open_local_cluster(
                 nursery.start_soon(run_relay, host, list(host_ranks), nursery)
             try:
                 async with open_coordinator(listen, salt=salt, config=cfg,
-                                            timeline=timeline) as coord:
+                                            timeline=timeline, store=store) as coord:
                     await all_connected.wait()
                     try:
                         yield LocalCluster(coord, relays, ranks, salt, net, outcomes,

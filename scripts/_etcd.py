@@ -277,6 +277,16 @@ class EtcdServer:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
 
+    def status(self) -> dict[str, int]:
+        """The member's ``/v3/maintenance/status``: ``revision`` (the cluster's), ``db_size``
+        and ``db_size_in_use`` in bytes (what etcd's quota counts)."""
+        request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status",
+                                         data=b"{}")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            doc = json.loads(answer.read())
+        return {"revision": int(doc["header"]["revision"]), "db_size": int(doc["dbSize"]),
+                "db_size_in_use": int(doc.get("dbSizeInUse", doc["dbSize"]))}
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

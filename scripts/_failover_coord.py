@@ -136,9 +136,9 @@ async def run(args: argparse.Namespace) -> int:
                                       batch_size=args.batch_size, num_epochs=args.epochs)
             save = coord.save_checkpoint
 
-            async def save_after_coverage(checkpoint: Mapping[str, Any]) -> None:
+            async def save_after_coverage(checkpoint: Mapping[str, Any], **kw: Any) -> None:
                 coverage.flush(scheduler)  # before the checkpoint says the epoch closed
-                await save(checkpoint)
+                await save(checkpoint, **kw)
 
             coord.save_checkpoint = save_after_coverage  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:

@@ -33,6 +33,10 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   standby within seconds (``relays resumed s``: from the SIGSTOP until every host's ranks got
   ``CoordinatorResumed``), and no rank may be declared dead (before issue 34 the relays waited
   30 s, the ranks' own deadline, and every rank died).
+- ``steady``: EtcdStore, nothing killed (issue 34): etcd's revision is read when epoch 1 starts
+  and when the last epoch starts; ``store revisions per minute`` is the rate between the two
+  (every write to etcd is one revision). The coordinator's ``/state.json`` is read then too (its
+  ``store`` section: size, writes), and etcd's database size.
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -52,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -326,12 +331,19 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     else:
         target = ["--coordinator", f"127.0.0.1:{port}"]
     run.start_hosts(target)
-    leader.wait_line(lambda s: " leader " in s, run.deadline)
+    leader.wait_line(lambda s: s.startswith("coord leader "), run.deadline)
     if case in ("etcd standby", "deposed"):
         standby = run.coordinator(free_port())
         standby.wait_line(lambda s: " listening " in s, run.deadline)
         time.sleep(0.2)  # from listening to waiting in store.acquire
     out: dict[str, Any] = {"case": case}
+    if case == "steady":
+        assert etcd is not None
+        out.update(steady_growth(run, leader, port, etcd))
+        run.finish(leader)
+        out["dead"] = sorted(run.deaths())
+        out.update(run.coverage())
+        return out
     if case == "relay kill":
         run.mid_epoch(leader, after=time.monotonic())
         n = len([s for s in leader.lines() if " sync " in s])
@@ -350,7 +362,7 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     else:
         leader.signal(signal.SIGKILL)
     new = standby if standby is not None else run.coordinator(port)
-    (led,) = new.wait_line(lambda s: " leader " in s, run.deadline)
+    (led,) = new.wait_line(lambda s: s.startswith("coord leader "), run.deadline)
     if standby is None:  # the part that is Python starting and importing the library
         (listening,) = new.wait_line(lambda s: " listening " in s, run.deadline)
         out["start_s"] = float(field(listening, "t")) - killed
@@ -376,9 +388,25 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     out["deposed_declared_dead"] = sorted(run.deaths() - set(out["dead"]))
     out["deposed_records"] = run.deposed_records()
     out["generations"] = [field(s, "generation") for c in run.coords for s in c.lines()
-                          if " leader " in s]
+                          if s.startswith("coord leader ")]
     out.update(run.coverage())
     return out
+
+
+def steady_growth(run: Run, leader: Child, port: int, etcd: EtcdServer) -> dict[str, Any]:
+    """Revisions per minute while the run is steady: from the start of epoch 1 (formation and
+    the first epoch boundary are behind) to the start of the last epoch."""
+    def started(epoch: int) -> Callable[[str], bool]:
+        return lambda s: " epoch_started " in s and field(s, "epoch") == str(epoch)
+
+    leader.wait_line(started(1), run.deadline)
+    t0, rev0 = time.monotonic(), etcd.status()["revision"]
+    leader.wait_line(started(EPOCHS - 1), run.deadline)
+    t1, status = time.monotonic(), etcd.status()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=5) as answer:
+        store = json.loads(answer.read()).get("store")  # None before issue 34
+    return {"revisions_per_min": (status["revision"] - rev0) / (t1 - t0) * 60,
+            "window_s": t1 - t0, "db_size": status["db_size"], "store": store}
 
 
 @contextmanager
@@ -405,7 +433,7 @@ def etcd_extras(root: Path, cases: list[str]) -> Iterator[dict[str, Any]]:
 
 
 ALL_CASES = ("embedded,etcd,etcd standby,deposed,relay kill,etcd member lost,etcd member paused,"
-             "etcd tls,etcd tls refused,frozen leader")
+             "etcd tls,etcd tls refused,frozen leader,steady")
 
 
 def main() -> None:
@@ -418,8 +446,9 @@ def main() -> None:
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    needs_etcd = any(c in ("etcd", "etcd standby", "deposed", "frozen leader") for c in cases)
-    if any(c.startswith("etcd") or c in ("deposed", "frozen leader") for c in cases) \
+    needs_etcd = any(c in ("etcd", "etcd standby", "deposed", "frozen leader", "steady")
+                     for c in cases)
+    if any(c.startswith("etcd") or c in ("deposed", "frozen leader", "steady") for c in cases) \
             and etcd_binary() is None:
         sys.exit("etcd is not installed (Debian: apt-get install etcd-server)")
     results: dict[str, list[dict[str, Any]]] = {}
@@ -432,13 +461,13 @@ def main() -> None:
                 if args.verbose:
                     print(f"  {case}: {json.dumps(refusal)}", flush=True)
                 continue
-            repeat = 1 if case in ("deposed", "relay kill", "frozen leader") else runs
+            repeat = 1 if case in ("deposed", "relay kill", "frozen leader", "steady") else runs
             for i in range(repeat):
                 outcome = one_run(case, Path(tmp), etcd, extra)
                 results.setdefault(case, []).append(outcome)
                 if args.verbose:
                     print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
-    kill_cases = [c for c in results if c != "relay kill"]
+    kill_cases = [c for c in results if c not in ("relay kill", "steady")]
     every = [r for c in results for r in results[c]]
     rows = []
     for case, outcomes in results.items():
@@ -456,7 +485,9 @@ def main() -> None:
             "dead": sum(len(r["dead"]) for r in outcomes),
             "exact": statistics.mean(r["exactly_once"] for r in outcomes),
             "lost": sum(r["lost"] for r in outcomes),
-            "deposed": sum(r.get("deposed_records", 0) for r in outcomes)})
+            "deposed": sum(r.get("deposed_records", 0) for r in outcomes),
+            "revisions": (rep.median([r["revisions_per_min"] for r in outcomes])
+                          if case == "steady" else None)})
     print(f"{rep.machine_note()}; the machine is shared with other work: medians are noisy")
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
@@ -465,7 +496,8 @@ def main() -> None:
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
                      ("relays resumed s", "resumed_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
-                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
+                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d"),
+                     ("revisions/min", "revisions", ".0f")], rows))
     by_case = {row["case"]: row for row in rows}
     targets = []
     for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
@@ -499,6 +531,9 @@ def main() -> None:
     if every:
         targets.append(rep.target("lost updates not re-run", sum(r["lost"] for r in every),
                                   "<=", 0))
+    if "steady" in by_case:
+        targets.append(rep.target("store revisions per minute", by_case["steady"]["revisions"],
+                                  "<=", 120))
     rep.finish("coordinator_failover", rows, targets, args.json,
                runs={c: results[c] for c in results}, refusal=refusal)
 

@@ -158,9 +158,10 @@ async def stored(store: MemoryStore) -> SessionState:
 
 
 async def until_stored(store: MemoryStore, check: Callable[[SessionState], bool]) -> None:
-    """Return once the store holds a state that passes ``check`` (polled, bounded)."""
+    """Return once the store holds a state that passes ``check`` (polled, bounded: a change
+    that can wait is written within ``1 / store_write_rate``, 1 s by default)."""
     state = None
-    for _ in range(100):
+    for _ in range(300):
         state = await store.clone().load()
         if state is not None and check(state):
             return

@@ -495,6 +495,7 @@ async def sim_cluster(
     coord_config: ft.CoordinatorConfig | None = None,
     rank_configs: dict[int, ft.RankConfig] | None = None,
     timeline: ft.Timeline | None = None,
+    store: Any = None,
 ) -> AsyncIterator[SimCluster]:
     """``open_local_cluster`` with one ``SimulatedRank`` per rank (``sim_args(rank)`` gives its
     keyword arguments). A crash leaves that rank's block with an exception (no ``Exiting``; the
@@ -509,7 +510,7 @@ async def sim_cluster(
 
     async with open_local_cluster(hosts, network=net, coord_config=coord_config,
                                   rank_configs=rank_configs, timeline=timeline,
-                                  rank_main=run_sim,
+                                  rank_main=run_sim, store=store,
                                   rank_errors=(SimulatedCrash, ft.FlodlError)) as cluster:
         try:
             yield SimCluster(cluster.coord, sims, cluster.outcomes, net)

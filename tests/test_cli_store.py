@@ -4,9 +4,11 @@ not one, or an etcd nobody answers on, is one line naming it, exit 1, fast."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 from cli_procs import Proc, one_line
@@ -66,6 +68,28 @@ def test_a_second_coordinator_on_a_led_store_fails_at_once_unless_it_is_a_standb
     assert standby.popen.poll() is None  # it leads and forms, waiting for relays
 
 
+def test_the_status_of_a_coordinator_with_a_store_shows_its_size_and_write_rate(
+        tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
+    first = coordinator(env, f"sqlite:{tmp_path / 's.db'}", "--store-write-rate", "5",
+                        "--port-file", str(tmp_path / "port"))
+    procs.append(first)
+    first.line_with("relays can dial")
+    deadline = time.monotonic() + PATIENCE
+    store = None
+    while not (store and store["size_bytes"]):  # None until it leads; then its size
+        assert time.monotonic() < deadline, f"no store size in time: {store}"
+        time.sleep(0.05)
+        port = tmp_path / "port"  # written after that line
+        address = port.read_text().strip() if port.exists() else ""
+        if address:
+            with urllib.request.urlopen(f"http://{address}/state.json", timeout=5) as answer:
+                store = json.loads(answer.read())["store"]
+    assert store["kind"] == "sqlite" and store["write_rate"] == 5.0
+    assert store["description"] == f"sqlite:{tmp_path / 's.db'}"
+    assert store["size_bytes"] == sum(store["detail"].values()) > 0
+    assert store["writes"] >= 1 and store["generation"] == 1
+
+
 def test_a_file_that_is_not_a_store_is_one_line_naming_it(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     path = tmp_path / "state.db"
@@ -98,8 +122,11 @@ def test_a_store_url_of_no_known_form_and_standby_without_store_are_usage_errors
     store_target = Proc(*relay, "--coordinator", "sqlite:/tmp/x.db", env=env)
     negative_grace = Proc(*relay, "--coordinator", "127.0.0.1:7000", "--coordinator-grace",
                           "-1", env=env)
-    procs += [bad, standby, store_target, negative_grace]
-    assert all(p.wait() == 2 for p in (bad, standby, store_target, negative_grace))
+    no_rate = coordinator(env, "memory:", "--store-write-rate", "0")
+    procs += [bad, standby, store_target, negative_grace, no_rate]
+    assert all(p.wait() == 2 for p in (bad, standby, store_target, negative_grace, no_rate))
+    assert ("CoordinatorConfig.store_write_rate: expected a rate > 0 per second (math.inf: no "
+            "pacing), got 0.0") in one_line(no_rate)
     assert "--store: store 'postgres://db/x': unknown scheme 'postgres'" in one_line(bad)
     assert "--standby waits for the leadership of a --store" in one_line(standby)
     assert ("--coordinator: expected HOST:PORT[,HOST:PORT...] or etcd://HOST:PORT/PREFIX, got "

@@ -145,9 +145,9 @@ async def test_the_last_checkpoint_says_the_run_ended_and_survives_the_store_enc
     async with sim_cluster(memory_network, layout(1, 2), sim_args(2, {})) as c:
         keep = c.coord.save_checkpoint
 
-        async def spy(checkpoint: Any) -> None:
+        async def spy(checkpoint: Any, **kw: Any) -> None:
             saved.append(dict(checkpoint))
-            await keep(checkpoint)
+            await keep(checkpoint, **kw)
 
         c.coord.save_checkpoint = spy  # type: ignore[method-assign]
         with trio.fail_after(600):
@@ -303,8 +303,8 @@ def test_a_scheduler_that_dies_right_after_any_checkpoint_is_resumed_without_los
             keep = c.coord.save_checkpoint
             kinds: list[str] = []
 
-            async def save_then_die(checkpoint: Any) -> None:
-                await keep(checkpoint)
+            async def save_then_die(checkpoint: Any, **kw: Any) -> None:
+                await keep(checkpoint, **kw)
                 kinds.append("between" if not checkpoint["shares"] else "in epoch")
                 if len(kinds) == saves:
                     scope.cancel()

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
                    help="after an adoption, seconds for each relay to resume before its ranks "
                    "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--store-write-rate", type=float, default=None, metavar="N",
+                   help="with --store: write the session at most N times a second, changes "
+                   "meanwhile coalesced (default 1; epoch boundaries are written at once; "
+                   "docs/failover.rst)")
 
     p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "

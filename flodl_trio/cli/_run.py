@@ -75,6 +75,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["max_failure"] = MaxFailure.absolute(args.max_failure)
     if args.resume_timeout is not None:
         overrides["resume_timeout"] = args.resume_timeout
+    if args.store_write_rate is not None:
+        overrides["store_write_rate"] = args.store_write_rate
     return CoordinatorConfig(world_size=args.world_size,
                              allow_rank_takeover=args.allow_takeover, **overrides)
 

@@ -262,7 +262,9 @@ class Coordinator:
     def state(self) -> dict[str, Any]:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
         says whether the coordinator has closed its connection (``closed``; ``connected``
-        turns false first, when the relay is lost or being disconnected)."""
+        turns false first, when the relay is lost or being disconnected). ``store`` is its
+        session store's size and writes (None without a store, and until it leads one;
+        docs/failover.rst)."""
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
@@ -277,6 +279,7 @@ class Coordinator:
             "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
             "epoch": epoch_in_progress(self.timeline),
+            "store": self._leader.store_status(),
         }
 
     @property
@@ -310,10 +313,14 @@ class Coordinator:
         None on a fresh run until the first save."""
         return self._leader.checkpoint
 
-    async def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+    async def save_checkpoint(self, checkpoint: Mapping[str, Any], *,
+                              durable: bool = True) -> None:
         """Record the scheduler's checkpoint (a map CBOR can encode: str keys; ints, floats,
-        str, bytes, lists, maps). With a session store it is written durably, with the rest of
-        the session, before this returns; without one it is kept in memory.
+        str, bytes, lists, maps). With a session store it is written with the session: at once,
+        returning once durable; with ``durable=False``, returning at once, with the next paced
+        write (within ``1 / config.store_write_rate`` s; a newer checkpoint replaces it): for
+        what an adopting coordinator can do without (docs/failover.rst). Without a store it is
+        kept in memory.
 
         Raises:
             ConfigError: ``checkpoint`` is not a map CBOR can encode (nothing was recorded).
@@ -321,7 +328,7 @@ class Coordinator:
             StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
         self._leader.checkpoint = checked_checkpoint(checkpoint)
-        await self._leader.flush()
+        await self._leader.flush(durable=durable)
 
     # ------------------------------------------------------------------ control
 

@@ -28,6 +28,7 @@ from ._persist import RETRY_INTERVAL, Persistence, adoption_problem
 from ._relayconn import RelayConn
 from ._roster import Roster
 from ._sending import Sender
+from ._store_gauge import StoreGauge
 from .formation import Formation
 from .liveness import Liveness
 
@@ -54,6 +55,7 @@ class Leader:
         self._formation = formation
         self._store: SessionStore | None = None
         self._persist: Persistence | None = None
+        self._gauge: StoreGauge | None = None
         self._adoption: Adoption | None = None
         self._adopted_formed = False
         self.generation = 0
@@ -86,9 +88,11 @@ class Leader:
                                            source=store.description)
                 if problem is not None:
                     raise StoreCorrupt(problem)
+            rate = self._config.store_write_rate
             persist = self._persist = Persistence(store, generation=self.generation,
                                                   salt_id=sid, roster=self._roster,
-                                                  on_lost=self.step_down)
+                                                  on_lost=self.step_down, interval=1 / rate)
+            self._gauge = StoreGauge(store, persist, write_rate=rate)
             if state is not None:
                 self.resumed = True
                 if state.checkpoint is not None:
@@ -114,6 +118,8 @@ class Leader:
         tasks: list[Callable[[], Awaitable[None]]] = []
         if self._persist is not None:
             tasks += [self._persist.run, self.keep_leadership]
+        if self._gauge is not None:
+            tasks.append(self._gauge.watch)
         if self._adoption is not None:
             tasks.append(self._adoption.resume_deadline)
             if self._adopted_formed:
@@ -182,14 +188,25 @@ class Leader:
         if self._adoption is not None and relay is not None:
             self._adoption.check(relay)
 
-    async def flush(self) -> None:
-        """Return once the session as it is now is durable (at once without a store).
+    async def flush(self, *, durable: bool = True) -> None:
+        """Return once the session as it is now is durable (at once without a store); with
+        ``durable=False``, at once: it is written with the next paced write.
 
         Raises:
             LeadershipLost: the coordinator was deposed before it was.
+            StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
         if self._persist is None:
             await trio.lowlevel.checkpoint()
             return
         self._persist.checkpoint = self.checkpoint
-        await self._persist.flush()
+        if durable:
+            await self._persist.flush()
+        else:
+            self._persist.check_writable()
+            self._persist.request()
+            await trio.lowlevel.checkpoint()
+
+    def store_status(self) -> dict[str, Any] | None:
+        """The ``store`` section of the status document (None without a store)."""
+        return None if self._gauge is None else self._gauge.status()

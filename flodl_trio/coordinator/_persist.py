@@ -1,13 +1,18 @@
-"""The coordinator's session store writer (SPEC §4.7): one task, coalescing.
+"""The coordinator's session store writer (SPEC §4.7): one task, coalescing, paced.
 
 Every change the store keeps (a relay joined, rejoined, resumed or was uncovered, a death, a clean
 exit, formation complete, a scheduler checkpoint) calls :meth:`Persistence.request`, which only
 marks the state dirty. One writer task takes a snapshot of the roster when it is free and saves
 it, so at most one write is in flight and the latest state wins: a burst of a thousand deaths
-costs one or two writes, never one each. After each save it pauses as long as the save took
-(unless a flush waits), so saving never takes more than half of the coordinator's time.
-:meth:`Persistence.flush` (``save_checkpoint``) waits until a write that began after its own
-request is durable.
+costs one or two writes, never one each. Every write holds the latest checkpoint the scheduler
+gave, durable or not, so a state never pairs a roster with an older checkpoint than it had.
+
+Pacing (issue 34): a change that can wait is written no sooner than ``interval`` (``1 /
+store_write_rate``) after the previous write began, nor sooner than that write took after it
+ended (saving never takes more than half of the coordinator's time). :meth:`Persistence.flush`
+(``save_checkpoint``, formation) does not wait for either: it is written at once, and returns
+once a write that began after its own request is durable. So a store sees at most one write per
+``interval`` plus one per flush.
 
 A save refused because a newer generation took over (``LeadershipLost``) ends the writer and
 deposes the coordinator (``on_lost``); a store that cannot be written (``StoreUnavailable``) is
@@ -17,6 +22,7 @@ tried again every ``RETRY_INTERVAL`` until it can, or until its leadership is lo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,11 +45,16 @@ class Persistence:
     Attributes:
         generation: this coordinator's generation (the fencing token of every save).
         saves: states written so far.
+        last_write: when the last write ended (Trio clock), None before the first.
     """
 
     def __init__(self, store: SessionStore, *, generation: int, salt_id: bytes,
-                 roster: Roster[RelayConn], on_lost: Callable[[LeadershipLost], None]) -> None:
+                 roster: Roster[RelayConn], on_lost: Callable[[LeadershipLost], None],
+                 interval: float = 0.0) -> None:
         self._store = store
+        self._interval = interval  # seconds between two paced writes (0: no pacing)
+        self._next_write = -math.inf  # when a change that can wait may be written
+        self.last_write: float | None = None  # when the last durable write ended (Trio clock)
         self.generation = generation
         self._salt_id = salt_id
         self._roster = roster
@@ -75,13 +86,22 @@ class Persistence:
         self._urgent.set()
         target = self._requested
         while self._written < target:
-            if self._lost is not None:
-                raise self._lost
-            if self._closed:
-                raise StoreUnavailable(f"store {self._store.description}: the coordinator "
-                                       "has shut down; expected to save the session, nothing "
-                                       "more is written")
+            self.check_writable()
             await self._progress.wait()
+
+    def check_writable(self) -> None:
+        """Raise what stops the session from being saved any more, if anything does.
+
+        Raises:
+            LeadershipLost: the coordinator was deposed.
+            StoreUnavailable: the coordinator shut down.
+        """
+        if self._lost is not None:
+            raise self._lost
+        if self._closed:
+            raise StoreUnavailable(f"store {self._store.description}: the coordinator has shut "
+                                   "down; expected to save the session, nothing more is "
+                                   "written")
 
     def close(self) -> None:
         """The coordinator shut down: nothing more is saved; waiting flushes fail."""
@@ -102,9 +122,11 @@ class Persistence:
         coordinator is deposed)."""
         while not self._closed:
             await self._dirty.wait()
+            with trio.move_on_at(self._next_write):  # paced, unless a flush waits
+                await self._urgent.wait()
             if self._closed:
                 return
-            self._dirty = trio.Event()
+            self._dirty, self._urgent = trio.Event(), trio.Event()
             covered = self._requested
             began = trio.current_time()
             try:
@@ -120,16 +142,15 @@ class Persistence:
                 self._dirty.set()
                 await trio.sleep(RETRY_INTERVAL)
                 continue
+            ended = self.last_write = trio.current_time()
             self.saves += 1
             self._written = covered
             self._wake()
-            # Busy at most half the time: a save of a large world costs tens of milliseconds
-            # of this process's time, and changes that keep coming (a death at a time) must
-            # not turn into back-to-back saves. A flush (a checkpoint) does not wait for it.
-            with trio.move_on_after(trio.current_time() - began):
-                await self._urgent.wait()
-            if self._urgent.is_set():
-                self._urgent = trio.Event()
+            # Busy at most half the time (a save of a large world costs tens of milliseconds
+            # of this process's time), and at most one paced write per interval: changes that
+            # keep coming (a checkpoint per sync, a death at a time) are coalesced, not
+            # turned into back-to-back writes that grow the store's history without bound.
+            self._next_write = max(began + self._interval, ended + (ended - began))
 
     def _wake(self) -> None:
         self._progress.set()

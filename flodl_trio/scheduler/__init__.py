@@ -43,8 +43,9 @@ How it decides, in one place:
   broadcasts ``EpochAggregated``, sends the cadence callbacks to the role rank, and dispatches
   the next epoch; after the last one it broadcasts ``Shutdown``.
 - **Checkpoints and resumption** (issue 22). The scheduler saves its position through
-  ``Coordinator.save_checkpoint`` when a sync completed, ahead of the extensions that hand a
-  remainder over, and at each epoch boundary; a scheduler built on a coordinator whose
+  ``Coordinator.save_checkpoint`` when a sync completed (paced: ``durable=False``, issue 34),
+  when it settles a rank that left, ahead of the extensions that hand a remainder over, and at
+  each epoch boundary (durable); a scheduler built on a coordinator whose
   ``checkpoint`` is set resumes the run from it: closed epochs are not run again, and in the
   current one what the ranks did since the checkpoint is kept (an anchoring ``SyncNow`` syncs it
   and its step counts say how far each rank got), never lost and never counted twice

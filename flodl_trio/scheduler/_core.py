@@ -289,6 +289,8 @@ class SyncScheduler(Resuming):
         self._drain()  # count every batch the coordinator read from them before the death
         remainders: list[tuple[int, list[Range]]] = []
         members = [r for r in new if r not in self._members.joining]  # of the current group
+        shares = self._ledger.shares
+        settled = any(r in shares and shares[r].done is None for r in new)
         for rank in new:
             rest = self._ledger.settle(rank)
             if rest:
@@ -313,8 +315,10 @@ class SyncScheduler(Resuming):
             self._coord.timeline.event(Note(what="redistributed", fields={
                 "epoch": self._ledger.epoch, "from_rank": dead,
                 "to": {str(r): [list(rng) for rng in p] for r, p in given.items()}}))
-        if handed and not self._resuming:
-            await self._save()  # ahead of the extensions: a resumed scheduler repeats them
+        if settled and not self._resuming:
+            # Durable: what a dead rank is credited with cannot be re-derived from it, and a
+            # resumed scheduler repeats the extensions that follow, never new ones.
+            await self._save()
             for given in handed:
                 for rank, part in given.items():
                     for offset, size in part:
@@ -328,6 +332,11 @@ class SyncScheduler(Resuming):
         if self._role in self._members.gone:
             await self._move_role(survivors[0])
         await self._callbacks.retarget(self._members.gone, self._role)
+
+    @property
+    def _regroup(self) -> bool:
+        """Ranks came back: the group is re-formed with them before the next epoch."""
+        return self._group is not None and bool(self._members.joining & self._coord.live_ranks)
 
     @property
     def _group_waiting(self) -> bool:
@@ -363,7 +372,9 @@ class SyncScheduler(Resuming):
             return
         if self._sync_open and not self._awaiting_ack:
             self._sync_open = False
-            await self._save()  # a sync completed: what every rank synced is durable
+            # A sync completed. Paced, not durable: a resumed scheduler re-derives what the
+            # live ranks synced since from their anchoring SyncAck (docs/failover.rst).
+            await self._save(durable=False)
         if self._deferred_epoch is not None and not self._group_waiting:
             epoch, self._deferred_epoch = self._deferred_epoch, None
             await self._dispatch(epoch)
@@ -403,10 +414,17 @@ class SyncScheduler(Resuming):
             "epoch": epoch, "avg_loss": metrics.avg_loss}))
         await self._broadcast(EpochAggregated(metrics=metrics))
         completed = epoch + 1
-        await self._save(between=completed)
+        # The close is durable by itself only when something goes out before the next
+        # epoch's checkpoint (callbacks), or no such checkpoint follows at once; otherwise
+        # that one, durable ahead of the StartEpochs, holds it: one write per boundary.
+        at_once = (completed < self._num_epochs and not self._regroup
+                   and not self._callbacks.due(completed, self._role))
+        await self._save(between=completed, durable=not at_once)
         await self._callbacks.after_epoch(completed, self._role)
         if completed < self._num_epochs:
-            if self._group is not None and self._members.joining & self._coord.live_ranks:
+            if self._group is not None and self._regroup:
+                if at_once:  # a rank came back meanwhile: the next epoch waits for the group
+                    await self._save(between=completed)
                 # The group is re-formed with the ranks that came back before they get work.
                 joiners = await self._fold_joiners()
                 self._deferred_epoch = completed

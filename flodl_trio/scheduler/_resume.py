@@ -1,10 +1,12 @@
 """The Sync scheduler's checkpoints and its resumption from one (issue 22).
 
-**Checkpoints.** The scheduler saves its position through ``Coordinator.save_checkpoint``
-(durable before it returns when the coordinator runs with a session store): when a sync completed
-(every live rank acknowledged it), ahead of the ``ExtendPartition`` messages that hand a dead
-rank's unsynced remainder over, and at each epoch boundary (when an epoch closed, and ahead of the
-next epoch's ``StartEpoch`` messages). Writing ahead of the sends means a resumed scheduler may
+**Checkpoints.** The scheduler saves its position through ``Coordinator.save_checkpoint``: when
+a sync completed (every live rank acknowledged it), paced (``durable=False``: written with the
+coordinator's next paced write, issue 34), since what a live rank synced since is asked again by
+the anchoring sync below; and durably (before the call returns, with a session store) when it
+settles a rank that left (ahead of the ``ExtendPartition`` messages that hand its unsynced
+remainder over), ahead of an epoch's ``StartEpoch`` messages (which also holds the epoch that just
+closed), and after the anchoring sync. Writing ahead of the sends means a resumed scheduler may
 repeat a command the ranks already have, never miss one; ranks ignore a repeated ``StartEpoch``
 (the plan they are working on) or ``ExtendPartition`` (one they already received in the epoch).
 
@@ -27,8 +29,9 @@ over from it. Epochs closed before it are not run again. The current epoch goes 
    usual.
 
 Only a rank that dies in the same window, after acknowledging a sync that the checkpoint does not
-hold, is credited less than it synced (as is one whose ``SyncAck`` died with its relay): that part
-is processed again (at least once).
+hold (with a paced store, up to ``1 / store_write_rate`` seconds of syncs), is credited less than
+it synced (as is one whose ``SyncAck`` died with its relay): that part is processed again (at
+least once).
 """
 
 from __future__ import annotations
@@ -105,15 +108,16 @@ class Resuming(abc.ABC):
     async def _fold_gone(self, new: Sequence[int]) -> None:
         """Settle ranks that left and hand their remainders over."""
 
-    async def _save(self, *, between: int | None = None) -> None:
+    async def _save(self, *, between: int | None = None, durable: bool = True) -> None:
         """Checkpoint through the coordinator: the current epoch's shares, or (``between``) the
-        epoch about to be dispatched (``num_epochs`` once the last one closed)."""
+        epoch about to be dispatched (``num_epochs`` once the last one closed); ``durable``:
+        written before this returns, else with the coordinator's next paced write."""
         ledger = self._ledger
         await self._coord.save_checkpoint(checkpoint_map(
             **self._settings, epoch=ledger.epoch if between is None else between,
             epochs_completed=ledger.epochs_completed, global_step=self._global_step,
             syncs=self._syncs, shares={} if between is not None else ledger.shares,
-            last_steps=ledger.last_steps))
+            last_steps=ledger.last_steps), durable=durable)
 
     @property
     def _resuming(self) -> bool:

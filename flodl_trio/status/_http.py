@@ -307,7 +307,23 @@ def render_prometheus(state: Mapping[str, Any]) -> str:
         "The coordinator's phase (one-hot).",
         [(f'{{phase="{_escape_label(p)}"}}', int(p == phase)) for p in phases],
     )
+    store = state.get("store")
+    if isinstance(store, Mapping):  # with a session store (docs/failover.rst)
+        kind = f'{{kind="{_escape_label(str(store.get("kind", "")))}"}}'
+        for key, name, kind_, help_text in _STORE_FAMILIES:
+            if isinstance(store.get(key), int | float):
+                family(name, kind_, help_text, [(kind, store[key])])
     return "\n".join(lines) + "\n"
+
+
+_STORE_FAMILIES: Final = (
+    ("size_bytes", "store_size_bytes", "gauge",
+     "Bytes the session store takes (SQLite: database and WAL; etcd: the member's database)."),
+    ("writes", "store_writes_total", "counter", "Session states this coordinator wrote."),
+    ("revision", "store_revision", "gauge", "etcd's revision (one per write to the cluster)."),
+    ("last_write_age_s", "store_last_write_age_seconds", "gauge",
+     "Seconds since the session store's last write ended."),
+)
 
 
 def _parse_address(address: str | tuple[str, int]) -> tuple[str, int]:

@@ -5,13 +5,14 @@ A store does four things for a coordinator: it makes it the one leader (``acquir
 returns a new, strictly greater generation: the fencing token), keeps that leadership alive and
 says when it is lost (``keep_leadership``), persists the :class:`SessionState` fenced by
 generation (``save`` fails once a newer generation took over), and publishes the leader's
-address for relays to re-resolve (``publish_address`` / ``resolve_address``).
+address for relays to re-resolve (``publish_address`` / ``resolve_address``). It also says how
+much room it takes (``usage``, :class:`StoreUsage`), for the status document and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import trio
@@ -103,6 +104,40 @@ class SessionStore(abc.ABC):
         """Release and free any resource (connections, files). Idempotent."""
         await self.release()
 
+    async def usage(self) -> StoreUsage:
+        """How much room the store takes now (the coordinator asks every few seconds, for its
+        status document and ``/metrics``). A store that cannot say returns a usage without a
+        size; this default does.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached.
+        """
+        await trio.lowlevel.checkpoint()
+        return StoreUsage(kind=self.description.partition(":")[0])
+
+
+@attrs.frozen
+class StoreUsage:
+    """How much room a store takes, as :meth:`SessionStore.usage` found it.
+
+    Attributes:
+        kind: ``"sqlite"``, ``"etcd"``, ``"memory"`` (the scheme of its description).
+        size_bytes: what it takes on disk or in memory (SQLite: the database file and its
+            write-ahead log; etcd: the member's database, ``dbSize``, which is what its quota
+            counts), or None when the store cannot say.
+        revision: etcd's revision (one per write to the cluster, anyone's); a count of writes
+            for a memory store; None for SQLite.
+        detail: store-specific sizes and facts (``wal_bytes``, ``db_size_in_use``, ...).
+        problems: what the store reports an operator should act on (etcd's alarms, such as
+            ``NOSPACE``); empty when all is well.
+    """
+
+    kind: str
+    size_bytes: int | None = None
+    revision: int | None = None
+    detail: Mapping[str, int] = attrs.field(factory=dict)
+    problems: tuple[str, ...] = ()
+
 
 @attrs.define
 class _Shared:
@@ -114,8 +149,14 @@ class _Shared:
     state: bytes | None = None
     addresses: tuple[tuple[str, int], ...] = ()
     changed: trio.Event = attrs.field(factory=trio.Event)
+    revision: int = 0  # writes so far (a save, an address, a leadership), as etcd counts them
+
+    def write_state(self, data: bytes) -> None:
+        self.state = data
+        self.revision += 1
 
     def poke(self) -> None:
+        self.revision += 1
         self.changed.set()
         self.changed = trio.Event()
 
@@ -179,7 +220,7 @@ class MemoryStore(SessionStore):
     async def save(self, state: SessionState) -> None:
         await trio.lowlevel.checkpoint()
         self._fence(state.generation, "save")
-        self._shared.state = state.encode()
+        self._shared.write_state(state.encode())
 
     def corrupt(self, data: bytes) -> None:
         """Store raw bytes as the state (for tests of :class:`StoreCorrupt`)."""
@@ -204,3 +245,9 @@ class MemoryStore(SessionStore):
             self._shared.leader = None
             self._shared.poke()
         self._generation = None
+
+    async def usage(self) -> StoreUsage:
+        await trio.lowlevel.checkpoint()
+        shared = self._shared
+        return StoreUsage(kind="memory", size_bytes=len(shared.state or b""),
+                          revision=shared.revision)

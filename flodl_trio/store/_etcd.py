@@ -20,6 +20,7 @@ Requests fail over between the endpoints (``_etcd_http``); TLS and the etcd user
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -27,13 +28,17 @@ from typing import Any
 import trio
 
 from .._errors import ConfigError, LeadershipLost, StoreAuthError, StoreCorrupt, StoreUnavailable
-from ._base import SessionStore
+from ._base import SessionStore, StoreUsage
 from ._etcd_config import lease_ttl, make_access, parse_endpoints, step_down_margin
 from ._etcd_http import EtcdCallError, EtcdHttp, b64, endpoint_text, unb64
 from ._state import SessionState
 
+log = logging.getLogger("flodl_trio.store")
+
 NOT_FOUND = 5  # gRPC status code etcd answers for a lease that is gone
 PUT_ROUNDS = 8  # a fenced put sent again on the revision found: bounded (see _fenced_put)
+OUT_OF_RANGE = 11  # ... for a revision compacted already
+COMPACT_EVERY = 300.0  # seconds of history kept, and between two compactions (kube-apiserver's)
 
 
 class EtcdStore(SessionStore):
@@ -180,6 +185,7 @@ class EtcdStore(SessionStore):
 
     async def save(self, state: SessionState) -> None:
         await self._fenced_put("state", state.encode(), state.generation, "save")
+        await self._compact_history()
 
     async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
         if self._generation is None:
@@ -391,6 +397,59 @@ class EtcdStore(SessionStore):
                                f"but it moved {PUT_ROUNDS} times (concurrent writes of this "
                                f"handle)")
 
+    # -- store growth (issue 34): usage and compaction ------------------------------------------
+    # Every write is a new revision and etcd keeps every revision until something compacts the
+    # history, so a long run fills etcd's quota (2 GiB by default) with old states. The leader
+    # compacts, at most once per ``compact_every`` seconds, up to a revision of its own state
+    # key that is at least that old; ``None`` leaves it to etcd's --auto-compaction-* flags.
+
+    compact_every: float | None = COMPACT_EVERY
+    _compact_mark: int | None = None  # our state key's revision when the history was last looked at
+    _compact_due = -math.inf  # Trio clock: when the history may be looked at next
+    compacted_to: int | None = None  # the revision this handle last compacted etcd's history to
+
+    async def usage(self) -> StoreUsage:
+        """The member's database size and the cluster's revision (``/v3/maintenance/status``);
+        ``problems`` has the errors it reports, its alarms among them (``NOSPACE``: the quota
+        is full and every write is refused until an operator compacts, defragments and
+        disarms it)."""
+        doc = await self._http.call("/v3/maintenance/status", {})
+        size = _integer(doc.get("dbSize"))
+        detail = {"db_size_in_use": _integer(doc.get("dbSizeInUse", size))}
+        if self.compacted_to is not None:
+            detail["compacted_to"] = self.compacted_to
+        # etcd's own words, e.g. "memberID:8e9e05c52164694d alarm:NOSPACE" (writes refused)
+        problems = tuple(f"etcd {self._http.current}: {str(e).strip()}"
+                         for e in doc.get("errors") or ())
+        return StoreUsage(kind="etcd", size_bytes=size,
+                          revision=_integer((doc.get("header") or {}).get("revision")),
+                          detail=detail, problems=problems)
+
+    async def _compact_history(self) -> None:
+        """After a save: compact the history up to our state key's revision of
+        ``compact_every`` ago (physical=false: etcd does it in the background). Never fails the
+        save that succeeded: a compaction that fails is tried again at the next due time."""
+        every = self.compact_every
+        if every is None or trio.current_time() < self._compact_due:
+            return
+        self._compact_due = trio.current_time() + every
+        try:
+            kv = await self._http.call("/v3/kv/range", {"key": b64(self._keys["state"]),
+                                                        "keys_only": True})
+            kvs = kv.get("kvs") or []
+            now = _integer(kvs[0].get("mod_revision")) if kvs else None
+            mark, self._compact_mark = self._compact_mark, now
+            if mark is not None:
+                await self._http.call("/v3/kv/compaction", {"revision": str(mark),
+                                                            "physical": False})
+                self.compacted_to = mark
+        except EtcdCallError as exc:  # compacted past it already (auto-compaction): fine
+            if exc.code != OUT_OF_RANGE:
+                log.warning("store %s: compacting etcd's history failed: %s", self.description,
+                            exc)
+        except StoreUnavailable as exc:
+            log.warning("store %s: compacting etcd's history failed: %s", self.description, exc)
+
 
 def _first_kvs(answer: dict[str, Any]) -> list[dict[str, Any] | None]:
     """The first key of each range a txn's failure branch answered (None where none)."""
@@ -403,3 +462,11 @@ def _first_kvs(answer: dict[str, Any]) -> list[dict[str, Any] | None]:
 
 def _text(kv: dict[str, Any] | None) -> str:
     return "none" if kv is None else unb64(kv.get("value")).decode(errors="replace")
+
+
+def _integer(value: Any) -> int:
+    """An int64 of etcd's JSON gateway (sent as a decimal string), 0 when absent."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0

@@ -8,6 +8,9 @@ is an exclusive ``flock`` on ``PATH.lock``: the kernel drops it when the leader'
 so a standby polling it takes over at once. The generation counter is in the database, bumped
 in the same transaction that records the new leader; every write is a transaction that first
 checks the stored generation. Every blocking call runs in a worker thread.
+
+The write-ahead log is checkpointed into the database every ``WAL_LIMIT`` bytes and cut back to
+``WAL_LIMIT`` (issue 34; SQLite's defaults let it reach about 4 MiB and stay that size).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import TypeVar
 import trio
 
 from .._errors import ConfigError, LeadershipLost, StoreCorrupt, StoreUnavailable
-from ._base import SessionStore
+from ._base import SessionStore, StoreUsage
 from ._state import SessionState
 
 APPLICATION_ID = 0x464C5354  # "FLST": PRAGMA application_id of a flodl-trio store
 SCHEMA_VERSION = 1
+WAL_LIMIT = 1 << 20  # bytes of write-ahead log before a checkpoint, and what it is cut back to
 _T = TypeVar("_T")
 
 
@@ -155,6 +159,23 @@ class SqliteStore(SessionStore):
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(db.close)
 
+    async def usage(self) -> StoreUsage:
+        """The database file and its write-ahead log, in bytes (``detail``: ``db_bytes``,
+        ``wal_bytes``)."""
+        paths = {"db_bytes": self.path, "wal_bytes": Path(f"{self.path}-wal")}
+        detail = {name: await trio.to_thread.run_sync(self._size, path)
+                  for name, path in paths.items()}
+        return StoreUsage(kind="sqlite", size_bytes=sum(detail.values()), detail=detail)
+
+    def _size(self, path: Path) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return 0  # no log between two connections
+        except OSError as exc:
+            raise StoreUnavailable(f"store {self.description}: cannot stat {path}: "
+                                   f"{exc.strerror}") from None
+
     # -- the lock -----------------------------------------------------------------------------
 
     async def _lock(self, owner: str) -> int:
@@ -255,6 +276,9 @@ class SqliteStore(SessionStore):
                 raise StoreUnavailable(f"store {self.description}: expected WAL journal mode "
                                        f"on {self.path}, SQLite set {mode!r}")
             db.execute("PRAGMA synchronous=FULL")
+            page = int(db.execute("PRAGMA page_size").fetchone()[0])
+            db.execute(f"PRAGMA wal_autocheckpoint = {max(1, WAL_LIMIT // page)}")
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
             self._db_ino = os.stat(self.path).st_ino
         except BaseException:
             db.close()
