@@ -8,14 +8,16 @@ from typing import NoReturn
 
 from .._version import __version__
 from ._common import EXIT_USAGE, SALT_ENV
+from ._suggest import SuggestingParser
 
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_TOTAL_SAMPLES = 240
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(SuggestingParser):
     def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block: scripts grep it, people read it.
+        # One line, not argparse's usage block: scripts grep it, people read it. An unknown
+        # option comes first, with the closest flag (SuggestingParser).
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(EXIT_USAGE)
 
