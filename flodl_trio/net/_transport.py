@@ -76,11 +76,18 @@ def is_local_or_private(host: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
+# Told of the first failed connection attempt of a series: the error and the series' deadline
+# (Trio time), so that the caller can say at once what it waits for and until when.
+OnWaiting = Callable[[OSError, float], None]
+
+
 async def dial(target: DialTarget, *, connect_timeout: float, what: str,
-               keepalive: KeepAlive | None = None) -> trio.abc.Stream:
+               keepalive: KeepAlive | None = None,
+               on_waiting: OnWaiting | None = None) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
 
     A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
+    ``on_waiting`` is called once, on the first attempt that fails.
 
     Raises:
         HandshakeError: no connection within the deadline; names the target and the last error.
@@ -100,6 +107,8 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
                 return stream
         except OSError as exc:
             last = exc
+            if attempts == 1 and on_waiting is not None:
+                on_waiting(exc, deadline)
         if trio.current_time() + CONNECT_RETRY_INTERVAL > deadline:
             break
         await trio.sleep(CONNECT_RETRY_INTERVAL)
@@ -145,6 +154,7 @@ async def dial_and_handshake(
     on_retry: Callable[[BaseException], None] | None = None,
     retry_interval: float = CONNECT_RETRY_INTERVAL,
     keepalive: KeepAlive | None = None,
+    on_waiting: OnWaiting | None = None,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -166,6 +176,8 @@ async def dial_and_handshake(
         on_retry: told of each retried failure; it may raise to stop retrying.
         retry_interval: seconds between attempts (a cadence, never scaled).
         keepalive: TCP keepalive for each connection (see ``_keepalive``).
+        on_waiting: told once, of the series' first connection attempt that fails (the
+            error and the deadline of the whole series, in Trio time).
 
     Raises:
         HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
@@ -173,9 +185,17 @@ async def dial_and_handshake(
     """
     deadline = trio.current_time() + connect_timeout
     last: BaseException | None = None
+    told = on_waiting is None
+
+    def waiting(exc: OSError, _: float) -> None:
+        nonlocal told
+        if not told and on_waiting is not None:
+            told = True
+            on_waiting(exc, deadline)
+
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what, keepalive=keepalive)
+                            what=what, keepalive=keepalive, on_waiting=waiting)
         try:
             return await handshake(stream)
         except final:

@@ -51,6 +51,7 @@ from ._handshake import (
     HelloReceived,
     NeedData,
     RefusalReceived,
+    WRONG_SALT_HINT,
 )
 from ._limits import (
     MAX_HOST_BYTES,
@@ -304,4 +305,5 @@ __all__ = [
     "max_hello_payload",
     "ranks_text",
     "verify_rank_ack",
+    "WRONG_SALT_HINT",
 ]
