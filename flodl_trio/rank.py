@@ -24,7 +24,6 @@ from contextlib import asynccontextmanager
 import trio
 
 from ._config import RankConfig
-from ._timeouts import clock_time_in
 from ._errors import (
     ConfigError,
     CoordinatorLost,
@@ -33,6 +32,7 @@ from ._errors import (
     WireError,
 )
 from ._lifecycle import open_lifecycle
+from ._timeouts import clock_time_in
 from .net._keepalive import KeepAlive
 from .net._ratelimit import JunkCounter
 from .net._socket_io import Reader, next_event, plain_socket, run_handshake_on, write_now

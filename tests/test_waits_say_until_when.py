@@ -15,13 +15,13 @@ from datetime import datetime, timedelta
 
 import pytest
 import trio
+from cli_procs import Proc
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.cli._errors import error_line
 from flodl_trio.testing import MemoryNetwork
 
-from cli_procs import Proc
 from helpers import COORD, start_host
 
 UNTIL = re.compile(r"until (\d\d:\d\d:\d\d)")

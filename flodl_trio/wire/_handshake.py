@@ -413,11 +413,11 @@ __all__ = [
     "MAX_HANDSHAKE_PAYLOAD",
     "MAX_REFUSAL_REASON",
     "NEED_DATA",
+    "WRONG_SALT_HINT",
     "CoordinatorHandshake",
     "Established",
     "HandshakeEvent",
     "HelloReceived",
     "NeedData",
     "RefusalReceived",
-    "WRONG_SALT_HINT",
 ]
