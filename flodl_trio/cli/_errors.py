@@ -15,7 +15,7 @@ import errno
 import socket
 from collections.abc import Iterator
 
-from ..wire import WRONG_SALT_HINT
+from ..wire._handshake import WRONG_SALT_HINT
 
 MAX_LINE = 200
 _MORE = " ... (--debug for the full message)"

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..net._ratelimit import JunkCounter, JunkReport
-from ..wire import WRONG_SALT_HINT, ranks_text
+from ..wire import ranks_text
+from ..wire._handshake import WRONG_SALT_HINT
 from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]

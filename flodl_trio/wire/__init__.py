@@ -51,7 +51,6 @@ from ._handshake import (
     HelloReceived,
     NeedData,
     RefusalReceived,
-    WRONG_SALT_HINT,
 )
 from ._limits import (
     MAX_HOST_BYTES,
@@ -305,5 +304,4 @@ __all__ = [
     "max_hello_payload",
     "ranks_text",
     "verify_rank_ack",
-    "WRONG_SALT_HINT",
 ]
