@@ -139,6 +139,6 @@ def test_the_page_phase_says_failed_and_shutting_down_in_the_pages_words() -> No
     assert page_phase("forming", False) == "forming"
     assert page_phase("running", False) == "running"
     assert page_phase("shutting_down", False) == "shutting-down"
-    assert page_phase("closed", False) == "shutting-down"
+    assert page_phase("closed", False) == "finished"  # coordinator --linger shows it
     assert page_phase("running", True) == "failed"
     assert page_phase("forming", True) == "failed"

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
                    help="after an adoption, seconds for each relay to resume before its ranks "
                    "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="after the run, keep serving the finished run's status page on "
+                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
 
     p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "
@@ -199,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the temporary directory of process logs (otherwise removed, unless "
                    "the run failed)")
     p.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="keep the live page (printed at the start) up S seconds after the run")
 
     p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
                  "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "

@@ -23,12 +23,13 @@ STATES: Final = ("alive", "dead", "exited", "waiting")
 
 
 def page_phase(phase: str, failed: bool) -> str:
-    """The page's phase: ``forming``, ``running``, ``shutting-down`` or ``failed``."""
+    """The page's phase: ``forming``, ``running``, ``shutting-down``, ``finished`` (closed:
+    what ``coordinator --linger`` shows after the run) or ``failed``."""
     if failed:
         return "failed"
-    if phase in ("shutting_down", "closed"):
+    if phase == "shutting_down":
         return "shutting-down"
-    return phase
+    return "finished" if phase == "closed" else phase
 
 
 class _States:
