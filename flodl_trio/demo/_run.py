@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -179,8 +180,12 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
     print("  every epoch covered exactly once" if coverage.get("exact") else
           f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
+        # scripts/demo installs flodl-trio alone: the plot's matplotlib is an extra.
+        needs = "" if importlib.util.find_spec("matplotlib") else (
+            " (needs matplotlib, the plot extra: `python -m pip install -e '.[plot]'` in the "
+            "clone)")
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
-              f"`flodl-trio plot {args.timeline} -o timeline.png`")
+              f"`flodl-trio plot {args.timeline} -o timeline.png`{needs}")
     inexact = ", an epoch not covered exactly once"
     if code not in (0, None) or done != args.epochs or not coverage.get("exact"):
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
