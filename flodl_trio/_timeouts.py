@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 from ._errors import ConfigError
 
@@ -67,3 +68,9 @@ def timeout_scale(environ: dict[str, str] | None = None) -> float:
 def scaled(seconds: float) -> float:
     """``seconds`` multiplied by the current :func:`timeout_scale`."""
     return seconds * timeout_scale()
+
+
+def clock_time_in(seconds: float) -> str:
+    """The local wall-clock time ``seconds`` from now, ``HH:MM:SS``: what a person reads in a
+    line that says how long something waits (``until 12:00:31``)."""
+    return time.strftime("%H:%M:%S", time.localtime(time.time() + max(0.0, seconds)))

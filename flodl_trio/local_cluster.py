@@ -24,6 +24,7 @@ import trio
 from ._config import CoordinatorConfig, RankConfig, RelayConfig, relay_config_for
 from ._errors import ConfigError, FlodlError
 from ._lifecycle import choose_one_exception
+from .chaos import FaultPlan, FaultyDialer
 from .coordinator import Coordinator, bind_coordinator, open_coordinator
 from .net._memory_network import MemoryNetwork
 from .net._transport import Dialer
@@ -167,6 +168,7 @@ async def open_local_cluster(
     raw_ranks: Mapping[int, RawRankMain] | None = None,
     teardown_timeout: float = 60.0,
     store: SessionStore | None = None,
+    faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Start a coordinator, one relay per host and every rank; yield once all are connected.
 
@@ -193,11 +195,18 @@ async def open_local_cluster(
             coordinator has closed; past it they are cancelled and ``trio.TooSlowError``
             (naming them) is raised.
         store: the coordinator's session store (``open_coordinator(store=...)``), if any.
+        faults: fault plans for the first connections of a part (a
+            :class:`~flodl_trio.chaos.FaultyDialer`, in memory or over TCP): a host name
+            for its relay's connections to the coordinator, a rank for its connections to its
+            relay; one plan (the first connection) or several (the first few); the re-dials
+            after them are clean. ``FaultPlan().cut(*upstream_handshake_bytes(...).after(
+            "Hello"))`` cuts a relay's first handshake right after its Hello.
 
     Raises:
         ConfigError: the layout is empty or its ranks are not exactly ``range(world_size)``,
-            or ``raw_ranks`` names a rank outside it, or ``relay_config``'s
-            ``coord_liveness_timeout`` is over 2/3 of a rank's (naming both).
+            or ``raw_ranks`` (or ``faults``) names a rank (or host) outside it, or
+            ``relay_config``'s ``coord_liveness_timeout`` is over 2/3 of a rank's (naming
+            both).
         RuntimeError: a raw rank ended without calling ``task_status.started()``.
         trio.TooSlowError: a relay or rank did not end within ``teardown_timeout``.
     """
@@ -209,6 +218,11 @@ async def open_local_cluster(
     if not set(raws) <= set(all_ranks):
         raise ConfigError(f"open_local_cluster: expected raw_ranks among the ranks "
                           f"{all_ranks}, got {sorted(raws)}")
+    plans = dict(faults or {})
+    strangers = [repr(part) for part in plans if part not in hosts and part not in all_ranks]
+    if strangers:
+        raise ConfigError(f"open_local_cluster: expected faults for hosts {sorted(hosts)} or "
+                          f"ranks {all_ranks}, got [{', '.join(strangers)}]")
     if not teardown_timeout >= 0:
         raise ConfigError(f"open_local_cluster: expected teardown_timeout >= 0 seconds, got "
                           f"{teardown_timeout!r}")
@@ -302,7 +316,11 @@ async def open_local_cluster(
                 if transport == "memory":
                     assert net is not None
                     rank_listen = net.listener(f"relay:{host}")
-                async with open_relay(target, salt=salt, host=host, ranks=host_ranks,
+                upstream: Any = target
+                if host in plans:
+                    upstream = FaultyDialer(_tcp_dialer(target) if isinstance(target, tuple)
+                                            else target, plans[host])
+                async with open_relay(upstream, salt=salt, host=host, ranks=host_ranks,
                                       world_size=world, rank_listen=rank_listen,
                                       config=relay_config) as relay:
                     relays[host] = relay
@@ -314,6 +332,9 @@ async def open_local_cluster(
                         if r in raws:
                             slot = RawRankSlot(r, host, world, salt, dial)
                             nursery.start_soon(run_one_rank, r, run_raw_rank, slot, raws[r])
+                        elif r in plans:
+                            nursery.start_soon(run_one_rank, r, run_rank, r,
+                                               FaultyDialer(dial, plans[r]))
                         else:
                             nursery.start_soon(run_one_rank, r, run_rank, r, target_of_ranks)
                     relay_exits[host] = await relay.wait_closed()
@@ -408,8 +429,10 @@ def _rank_port_dialer(net: MemoryNetwork | None, host: str, relay: Relay) -> Dia
         async def dial_memory() -> trio.abc.Stream:
             return await memory.connect(f"relay:{host}")
         return dial_memory
-    address = relay.rank_address
+    return _tcp_dialer(relay.rank_address)
 
+
+def _tcp_dialer(address: tuple[str, int]) -> Dialer:
     async def dial_tcp() -> trio.abc.Stream:
         return await trio.open_tcp_stream(*address)
     return dial_tcp

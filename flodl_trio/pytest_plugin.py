@@ -26,7 +26,7 @@ import pytest
 
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
 from ._errors import FlodlError
-from .chaos import ChaosProxy, open_chaos_proxy
+from .chaos import ChaosProxy, FaultPlan, open_chaos_proxy
 from .local_cluster import LocalCluster, RawRankMain, open_local_cluster
 from .rank import RankEndpoint
 from .testing import EventLog, MemoryNetwork
@@ -54,6 +54,7 @@ class LocalClusterFactory(Protocol):
         rank_errors: tuple[type[Exception], ...] = ...,
         raw_ranks: Mapping[int, RawRankMain] | None = ...,
         teardown_timeout: float = ...,
+        faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = ...,
     ) -> AbstractAsyncContextManager[LocalCluster]: ...
 
 
@@ -89,7 +90,8 @@ def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
 
     ``async with local_cluster_factory({"h": [0, 1]}) as cluster:`` (any keyword of
     :func:`flodl_trio.local_cluster.open_local_cluster` but ``network`` may be passed;
-    ``transport="tcp"`` uses real loopback sockets instead).
+    ``transport="tcp"`` uses real loopback sockets instead; ``faults=`` puts a relay's or a
+    rank's first connections through fault plans, in memory under ``MockClock`` too).
     """
 
     def factory(
@@ -106,13 +108,14 @@ def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
         rank_errors: tuple[type[Exception], ...] = (FlodlError,),
         raw_ranks: Mapping[int, RawRankMain] | None = None,
         teardown_timeout: float = 60.0,
+        faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = None,
     ) -> AbstractAsyncContextManager[LocalCluster]:
         return open_local_cluster(
             hosts, transport=transport, network=memory_network if transport == "memory" else None,
             salt=salt, coord_config=coord_config, relay_config=relay_config,
             rank_config=rank_config, timeline=timeline, rank_configs=rank_configs,
             rank_main=rank_main, rank_errors=rank_errors, raw_ranks=raw_ranks,
-            teardown_timeout=teardown_timeout,
+            teardown_timeout=teardown_timeout, faults=faults,
         )
 
     return factory

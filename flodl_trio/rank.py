@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,6 +32,7 @@ from ._errors import (
     WireError,
 )
 from ._lifecycle import open_lifecycle
+from ._timeouts import clock_time_in
 from .net._keepalive import KeepAlive
 from .net._ratelimit import JunkCounter
 from .net._socket_io import Reader, next_event, plain_socket, run_handshake_on, write_now
@@ -343,6 +345,13 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         assert isinstance(confirmed, RankConfirmed)
         return stream, reader, confirmed.leftover
 
+    def waiting(exc: OSError, deadline: float) -> None:
+        # Said at once: a rank started before its relay retried in silence for connect_timeout.
+        why = (os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__).lower()
+        log.warning("rank %d: no relay at %s yet (%s); retrying %s until %s (connect_timeout "
+                    "%g s)", rank, where, why, where,
+                    clock_time_in(deadline - trio.current_time()), config.connect_timeout)
+
     # A HandshakeError (the relay answered, and said no) is final; a relay that is not up yet,
     # or dropped the attempt, is retried.
     return await dial_and_handshake(
@@ -353,6 +362,7 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
         retry_on=(WireError, trio.TooSlowError, *STREAM_GONE),
         keepalive=KeepAlive.within(config.coord_liveness_timeout,
                                    write_stall=config.write_stall_timeout),
+        on_waiting=waiting,
     )
 
 

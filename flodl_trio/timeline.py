@@ -33,6 +33,11 @@ class _Subscriber:
         self.dropped = 0
 
 
+# The latest notes of each name kept apart from the window of events (the status page reads
+# the epochs' coverage from them): as many as the page lists epochs.
+NOTES_KEPT = 32
+
+
 class Timeline:
     """Stamps and keeps events; never blocks the control plane.
 
@@ -46,7 +51,7 @@ class Timeline:
         self.dropped = 0
         self._t0 = time.monotonic()
         self._subscribers: list[_Subscriber] = []
-        self._last_notes: dict[str, dict[str, Any]] = {}
+        self._notes: dict[str, deque[dict[str, Any]]] = {}
         self._file: IO[str] | None = None
         if jsonl_path is not None:
             self._file = open(jsonl_path, "a", encoding="utf-8")
@@ -58,7 +63,10 @@ class Timeline:
             self.dropped += 1
         self._events.append(stamped)
         if isinstance(ev, Note):
-            self._last_notes[ev.what] = ev.fields
+            kept = self._notes.get(ev.what)
+            if kept is None:
+                kept = self._notes[ev.what] = deque(maxlen=NOTES_KEPT)
+            kept.append(ev.fields)
         if self._file is not None:
             self._file.write(json.dumps(stamped.to_dict(), default=str) + "\n")
             self._file.flush()
@@ -78,7 +86,13 @@ class Timeline:
     def last_note(self, what: str) -> dict[str, Any] | None:
         """The fields of the latest :class:`~flodl_trio.events.Note` named ``what`` (None if
         there was none), kept even after the event itself left the window of ``capacity``."""
-        return self._last_notes.get(what)
+        kept = self._notes.get(what)
+        return kept[-1] if kept else None
+
+    def recent_notes(self, what: str) -> list[dict[str, Any]]:
+        """The fields of the latest :data:`NOTES_KEPT` notes named ``what``, oldest first, kept
+        like :meth:`last_note`'s."""
+        return list(self._notes.get(what, ()))
 
     def stamped(self) -> list[Stamped]:
         return list(self._events)

@@ -37,6 +37,13 @@ def test_demo_with_a_killed_relay_tells_the_story_and_cleans_up(tmp_path: Path) 
         assert re.search(rf"rank {rank}'s \d+ unprocessed samples of epoch \d redistributed: "
                          r"rank 0 takes samples \d+\u2013\d+", out), out
     assert "3/3 epochs" in out and "dead [4, 5]" in out and out.rstrip().endswith("run completed")
+    assert re.search(r"^live page: http://127\.0\.0\.1:\d+/ \(open it in a browser", out, re.M)
+    # The kill line is stamped on the story's clock and says the delay it really had.
+    formed = float(re.search(r"^ *(\d+\.\d\d)s  formed in", out, re.M)[1])  # type: ignore[index]
+    killed = re.search(r"^ *(\d+\.\d\d)s  SIGKILLed relay host-c \(ranks \[4, 5\]\) "
+                       r"(\d+\.\d\d) s after formation$", out, re.M)
+    assert killed and float(killed[2]) >= 0.5, out
+    assert abs(float(killed[1]) - formed - float(killed[2])) <= 0.011, out
     assert list(scratch.iterdir()) == []  # the temporary directory of logs is gone
     events = [json.loads(line) for line in timeline.read_text().splitlines()]
     dead = {e["rank"] for e in events if e["kind"] == "RankDeclaredDead"}

@@ -72,3 +72,25 @@ def test_an_epoch_whose_coverage_was_never_recorded_is_not_counted_as_covered(
     story.poll()
     assert _coverage_across(story, 3) == {"exact": False, "inexact": [
         {"epoch": 2, "exactly_once": "not recorded"}, {"epoch": 3, "exactly_once": False}]}
+
+
+def test_with_anchors_a_restarted_coordinators_clock_is_put_on_the_first_ones(
+        tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join([
+        json.dumps({"t_ms": 5.0, "kind": "Listening", "address": "127.0.0.1:7000"}) + "\n",
+        json.dumps({"t_ms": 1000.0, "kind": "FormationComplete", "elapsed_ms": 995.0,
+                    "relays": 1, "world_size": 1}) + "\n",
+        note(1500.0, "epoch_started", epoch=0),
+        json.dumps({"t_ms": 4.0, "kind": "Listening", "address": "127.0.0.1:7000"}) + "\n",
+        note(60.0, "epoch_aggregated", epoch=0, avg_loss=1.25),
+    ]), encoding="utf-8")
+    # The first coordinator printed its address at demo time 100.0 s, the second at 103.5 s:
+    # 3.5 s later, so its Listening (4 ms on its own clock) is at 3.505 s on the story's.
+    story = Story(path, epochs=1, anchors=[100.0, 103.5])
+    told = story.poll()
+    assert told[-1] == "  3.56s  epoch 1/1 done: avg loss 1.2500, 0 syncs so far"
+    assert story.formed_at_ms == 1000.0 and story.last_aggregated_ms == 3561.0
+    assert story.losses == {0: 1.25}
+    # The demo's own moments on the same clock: the kill 2.0 s after formation is at 3.00s.
+    assert round(story.clock_ms(102.995), 6) == 3000.0 and Story.stamp(3000.0) == "  3.00s"

@@ -74,6 +74,15 @@ def test_the_chaos_test_example_passes_under_pytest() -> None:
 
 
 @pytest.mark.slow
+def test_the_in_memory_chaos_test_example_passes_under_pytest() -> None:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                           str(EXAMPLES / "test_chaos_in_memory_example.py")],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+
+
+@pytest.mark.slow
 def test_the_python_examples_pass_mypy_strict(tmp_path: Path) -> None:
     # What a user copies must type-check: the typed fixtures, sending typed by direction.
     pytest.importorskip("mypy")
@@ -159,7 +168,8 @@ def test_the_doctests_of_the_docs_pass(page: str, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("module", ["flodl_trio._config", "flodl_trio.cli._common",
                                     "flodl_trio.port_mux", "flodl_trio.demo._story",
-                                    "flodl_trio.net._interfaces", "flodl_trio.cli._errors"])
+                                    "flodl_trio.net._interfaces", "flodl_trio.cli._errors",
+                                    "flodl_trio.cli._suggest", "flodl_trio.chaos._handshakes"])
 def test_the_doctests_in_docstrings_pass(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_board import big_world
+from test_board import big_world, metrics
 
 import flodl_trio as ft
 from flodl_trio.coordinator._boardview import board_document
@@ -149,3 +149,44 @@ async def test_chromium_renders_16384_ranks_as_2048_relay_lines_and_pushes_as_in
     assert seen["caption"] == "rank 5 · <i>loss</i>"  # text, not markup
     assert seen["metadata"] == '{"note": "<b>bold</b>"}'
     assert seen["injected"] == 0 and seen["title"] == "flodl-trio status"
+
+
+async def test_chromium_shows_samples_covered_as_the_cli_says_them_rounded_numbers_and_no_pushes(
+) -> None:
+    roster, board = big_world(world=6, per_relay=2)
+    for rank in (0, 1, 2, 3):  # ranks 4 and 5 died in the epoch: no Metrics from them
+        board.on_message(metrics(rank, 0, samples=60, epoch_ms=790.096))
+    covered = [{"epoch": 0, "exactly_once": True, "samples": 240, "total": 240, "gaps": 0,
+                "overlaps": 0}]
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with listeners[0], trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve_status(
+                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
+                board_fn=lambda: board_document(roster, board, now=3.0, failed=False,
+                                                extras={"uptime_s": 3.0, "formation_s": 1.968,
+                                                        "formed": True, "lost_broadcasts": 0},
+                                                coverage=covered)))
+            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
+                for _ in range(400):  # until the first document is rendered
+                    if await page.evaluate("document.querySelectorAll('#epochs tbody tr')"
+                                           ".length"):
+                        break
+                    await trio.sleep(0.05)
+                seen = json.loads(await page.evaluate("""JSON.stringify({
+                  head: [...document.querySelectorAll('#epochs th')].map(e => e.textContent),
+                  row: [...document.querySelectorAll('#epochs tbody td')].map(e => e.textContent),
+                  pushes: document.getElementById('pushes').textContent,
+                  formation: document.getElementById('formation').textContent,
+                  throughput: [...document.querySelectorAll('#facts div')].map(
+                    e => e.textContent).find(t => t.startsWith('throughput')),
+                })"""))
+            nursery.cancel_scope.cancel()
+    assert seen["head"] == ["epoch", "samples covered", "ranks reported", "samples reported",
+                            "avg loss", "epoch ms", "samples/s"]
+    # 4 of the 6 ranks reported; the scheduler counted every sample once, as the CLI says.
+    assert seen["row"] == ["1", "240/240 (exactly once)", "4/6", "240", "2.0000", "790", "304"]
+    assert seen["throughput"] == "throughput (samples/s)304"
+    assert seen["formation"] == "formed in 1.97 s"
+    assert seen["pushes"].startswith("none yet: no rank has sent DashboardRegister")

@@ -9,10 +9,14 @@ plans to real TCP connections (the point is what the OS does: FIN, RST, a full w
 Directions: ``"up"`` is client→server (dialer→target), ``"down"`` is server→client, ``"both"``
 applies the fault to each direction independently. Byte offsets count from the first byte of that
 direction; an offset fault triggers once exactly that many bytes have been forwarded.
+:func:`upstream_handshake_bytes` and :func:`rank_handshake_bytes` say where each step of a
+handshake lies; :class:`FaultyDialer` puts the first connections of a dialer through plans.
 """
 
 
+from ._dials import FaultyDialer
 from ._faulty_stream import FaultyStream
+from ._handshakes import HandshakeBytes, rank_handshake_bytes, upstream_handshake_bytes
 from ._plan import Direction, Fault, FaultPlan
 from ._proxy import ChaosProxy, ProxiedConnection, open_chaos_proxy
 
@@ -21,7 +25,11 @@ __all__ = [
     "Direction",
     "Fault",
     "FaultPlan",
+    "FaultyDialer",
     "FaultyStream",
+    "HandshakeBytes",
     "ProxiedConnection",
     "open_chaos_proxy",
+    "rank_handshake_bytes",
+    "upstream_handshake_bytes",
 ]

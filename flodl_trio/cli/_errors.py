@@ -15,6 +15,8 @@ import errno
 import socket
 from collections.abc import Iterator
 
+from ..wire._handshake import WRONG_SALT_HINT
+
 MAX_LINE = 200
 _MORE = " ... (--debug for the full message)"
 RANK_REJECTED = "expected a handshake ack"  # a rank's HandshakeError: its relay closed each try
@@ -100,6 +102,10 @@ def error_line(exc: BaseException, *, command: str, who: str, address: str | Non
             text = (f"{who}: the relay at {address} closed every handshake: is this rank one of "
                     "its --ranks, and do --world-size and the salt match its own? (its log says "
                     "which)")
+        if command == "coordinator" and WRONG_SALT_HINT in text:
+            # The salt is the thing to check: its clause goes before the hosts that joined.
+            rejected = text[text.rfind("rejected connections: "):]
+            text = f"{text.partition('; ')[0]}; {rejected}"
         if command == "coordinator" and NOBODY_CAME in text:  # nothing reached it at all
             text = (f"{text.partition('; ')[0]}: no relay dialed in; start each relay with "
                     "--coordinator set to an address of 'relays can dial'")

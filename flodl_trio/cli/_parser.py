@@ -8,14 +8,16 @@ from typing import NoReturn
 
 from .._version import __version__
 from ._common import EXIT_USAGE, SALT_ENV
+from ._suggest import SuggestingParser
 
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_TOTAL_SAMPLES = 240
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(SuggestingParser):
     def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block: scripts grep it, people read it.
+        # One line, not argparse's usage block: scripts grep it, people read it. An unknown
+        # option comes first, with the closest flag (SuggestingParser).
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(EXIT_USAGE)
 
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --store: write the session at most N times a second, changes "
                    "meanwhile coalesced (default 1; epoch boundaries are written at once; "
                    "docs/failover.rst)")
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="after the run, keep serving the finished run's status page on "
+                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
 
     p = _command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "
@@ -211,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the temporary directory of process logs (otherwise removed, unless "
                    "the run failed)")
     p.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="keep the live page (printed at the start) up S seconds after the run")
 
     p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
                  "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "

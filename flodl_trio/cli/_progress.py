@@ -11,7 +11,7 @@ from typing import TextIO
 
 import trio
 
-from ..events import Note, RankDeclaredDead
+from ..events import RankDeclaredDead
 from ..scheduler._epoch_math import EpochCoverage
 from ..timeline import Stamped, Timeline
 
@@ -49,22 +49,6 @@ class EpochProgress:
             return [self._epoch_line(int(fields["epoch"]), stamped.t_ms)]
         return []
 
-    def covered_note(self, stamped: Stamped) -> Note | None:
-        """For an epoch just aggregated, the ``epoch_covered`` note to record in the timeline:
-        the scheduler's accounting of it, which outlives this coordinator in the timeline file
-        (the demo's ``--kill-coordinator`` sums the epochs of both coordinators with it)."""
-        ev = stamped.event
-        if getattr(ev, "what", None) != "epoch_aggregated":
-            return None
-        epoch = int(getattr(ev, "fields", {})["epoch"])
-        done = [c for c in self._coverage() if c.epoch == epoch]
-        if not done:
-            return None
-        cov = done[-1]
-        return Note(what="epoch_covered", fields={
-            "epoch": epoch, "exactly_once": cov.exactly_once, "samples": cov.samples,
-            "total": cov.total, "gaps": cov.gaps, "overlaps": cov.overlaps})
-
     def _epoch_line(self, epoch: int, t_ms: float) -> str:
         seconds = max(t_ms - self._epoch_started_ms.get(epoch, t_ms), 0.0) / 1000.0
         done = [c for c in self._coverage() if c.epoch == epoch]
@@ -89,19 +73,16 @@ async def print_progress(timeline: Timeline, progress: EpochProgress, out: TextI
         task_status.started()
         try:
             async for stamped in events:
-                _emit(progress, stamped, timeline, out)
+                _emit(progress, stamped, out)
         finally:
             while True:  # bounded by the subscription's buffer
                 try:
                     stamped = events.channel.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
-                _emit(progress, stamped, timeline, out)
+                _emit(progress, stamped, out)
 
 
-def _emit(progress: EpochProgress, stamped: Stamped, timeline: Timeline, out: TextIO) -> None:
+def _emit(progress: EpochProgress, stamped: Stamped, out: TextIO) -> None:
     for line in progress.lines_for(stamped):
         print(line, file=out, flush=True)
-    note = progress.covered_note(stamped)
-    if note is not None:
-        timeline.event(note)

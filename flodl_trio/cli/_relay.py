@@ -13,6 +13,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import JoinRefused, WrongSession
+from .._timeouts import clock_time_in
 from ..net._transport import format_address
 from ..relay import Relay, StoreDialer, open_relay
 from ._common import (
@@ -131,8 +132,15 @@ async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, 
                                       server_hostname=args.tls_server_name,
                                       model_sigs=sigs)
                 async with relay_cm as relay, trio.open_nursery() as watching:
-                    print(f"relay {args.host} ranks {ranks} listening for ranks on "
-                          f"{format_address(relay.rank_address)}", flush=True)
+                    address = format_address(relay.rank_address)
+                    print(f"relay {args.host} ranks {ranks} listening for ranks on {address}",
+                          flush=True)
+                    # At once: until the ranks dial in the relay had nothing to say for up to
+                    # rank_accept_timeout, then failed.
+                    wait = config.rank_accept_timeout
+                    print(f"relay {args.host}: waiting for ranks {args.ranks} on {address} "
+                          f"(rank_accept_timeout {wait:g} s, until {clock_time_in(wait)})",
+                          flush=True)
                     watching.start_soon(tell_failover, relay, args.host,
                                         config.coordinator_grace)
                     outcome = await relay.wait_closed()

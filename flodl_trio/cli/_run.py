@@ -41,6 +41,7 @@ from ._common import (
     write_text,
 )
 from ._durable import adopted, check_leader, close_store, open_cli_store
+from ._linger import linger
 from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
 
@@ -85,6 +86,8 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     salt = load_salt(args, long_running=True)
     listen = parse_address(args.listen, what="--listen")
     config = _coordinator_config(args)
+    if not args.linger >= 0:
+        raise UsageError(f"--linger: expected seconds >= 0, got {args.linger!r}")
     ssl_context = _tls_server(args)
     for path, what in ((args.timeline, "--timeline"), (args.summary_file, "--summary-file"),
                        (args.port_file, "--port-file")):
@@ -104,6 +107,7 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
     summary: dict[str, Any] = {}
     failure: str | None = None
     crash: FlodlError | None = None
+    finished: Coordinator | None = None  # its status page stays up with --linger
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         stop = SignalStop(signals)
         if store is not None:
@@ -124,6 +128,7 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
             try:
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
                                             ssl_context=ssl_context, store=store) as coord:
+                    finished = coord
                     if store is not None and coord.resumed:
                         print(adopted(coord, store), flush=True)
                     else:
@@ -144,6 +149,8 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
     if args.summary_file:
         await write_text(args.summary_file, json.dumps(summary, indent=2), what="--summary-file")
     print(json.dumps({"summary": summary}), flush=True)
+    if args.linger > 0 and stop.signum is None and finished is not None:
+        await linger(bound.address, finished, args.linger)
     if stop.signum is not None:
         return stopped(stop, "coordinator")
     if crash is not None:

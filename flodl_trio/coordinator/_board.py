@@ -95,14 +95,26 @@ class DashboardPush:
                 "hardware": self.hardware, "pushes": self.pushes}
 
 
+def readable(value: float) -> float | int:
+    """``value`` to three significant figures, a whole number from 100 up: what a person
+    reads (``790.096`` ms is ``790``, ``12.345`` samples/s ``12.3``).
+
+    >>> readable(790.096), readable(306.235), readable(12.345), readable(0.012345)
+    (790, 306, 12.3, 0.0123)
+    """
+    if abs(value) >= 100:
+        return round(value)
+    return float(f"{value:.3g}")
+
+
 @attrs.define
 class EpochSummary:
     """What the ranks' ``Metrics`` for one epoch add up to (as reported; the scheduler's own
-    accounting is :attr:`flodl_trio.Scheduler.coverage`).
+    accounting, which samples were covered, is :attr:`flodl_trio.Scheduler.coverage`).
 
     Attributes:
         epoch: the epoch.
-        ranks: the ranks that reported it (the coverage is ``len(ranks)`` of the world).
+        ranks: the ranks that reported it (a rank that died before its report is not one).
         samples: samples they reported processed.
         loss_sum: sum of their ``avg_loss`` (the mean is ``loss_sum / len(ranks)``).
         epoch_ms: the longest ``epoch_ms`` reported.
@@ -114,14 +126,14 @@ class EpochSummary:
     loss_sum: float = 0.0
     epoch_ms: float = 0.0
 
-    def to_dict(self, world_size: int) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         n = len(self.ranks)
         seconds = self.epoch_ms / 1000.0
         return {
-            "epoch": self.epoch, "ranks": n, "coverage": round(n / world_size, 4),
-            "samples": self.samples, "avg_loss": self.loss_sum / n if n else None,
-            "epoch_ms": round(self.epoch_ms, 3),
-            "samples_per_s": round(self.samples / seconds, 3) if seconds > 0 else None,
+            "epoch": self.epoch, "ranks": n, "samples": self.samples,
+            "avg_loss": self.loss_sum / n if n else None,
+            "epoch_ms": readable(self.epoch_ms),
+            "samples_per_s": readable(self.samples / seconds) if seconds > 0 else None,
         }
 
 
@@ -177,7 +189,7 @@ class Board:
 
     def epochs(self) -> list[dict[str, Any]]:
         """The last :data:`EPOCHS_KEPT` epochs reported, oldest first."""
-        return [s.to_dict(self.world_size) for s in self._epochs.values()]
+        return [s.to_dict() for s in self._epochs.values()]
 
     # ------------------------------------------------------------------ handlers
 

@@ -23,12 +23,13 @@ STATES: Final = ("alive", "dead", "exited", "waiting")
 
 
 def page_phase(phase: str, failed: bool) -> str:
-    """The page's phase: ``forming``, ``running``, ``shutting-down`` or ``failed``."""
+    """The page's phase: ``forming``, ``running``, ``shutting-down``, ``finished`` (closed:
+    what ``coordinator --linger`` shows after the run) or ``failed``."""
     if failed:
         return "failed"
-    if phase in ("shutting_down", "closed"):
+    if phase == "shutting_down":
         return "shutting-down"
-    return phase
+    return "finished" if phase == "closed" else phase
 
 
 class _States:
@@ -82,7 +83,8 @@ def _relay_row(conn: RelayConn, states: _States, board: Board,
 
 
 def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
-                   failed: bool, extras: Mapping[str, Any]) -> dict[str, Any]:
+                   failed: bool, extras: Mapping[str, Any],
+                   coverage: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The page's document at trio time ``now``.
 
     Args:
@@ -91,6 +93,10 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
         now: the trio clock, which the roster's clocks are on.
         failed: the run failed (formation or the failure policy).
         extras: scalars copied as they are (lost broadcasts, formation time, uptime, ...).
+        coverage: the orchestrator's accounting of each epoch's samples (the
+            ``epoch_covered`` notes :class:`~flodl_trio.scheduler.SyncScheduler` records):
+            each epoch's row gets ``samples_covered`` of ``samples_total``, ``exactly_once``,
+            ``gaps`` and ``overlaps`` from it (None without one).
     """
     states = _States(roster)
     seen = roster.last_seen
@@ -112,7 +118,7 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
     dead = roster.dead
     deaths = [{"rank": r, "host": _host(roster, r), "reason": why}
               for r, why in list(dead.items())[-DEATHS_LISTED:]]
-    epochs = board.epochs()
+    epochs = with_coverage(board.epochs(), coverage)
     counts = dict.fromkeys(STATES, 0)
     counts["dead"], counts["exited"] = len(dead), len(states.exited)
     counts["alive"] = len(states.live)
@@ -133,6 +139,21 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
         "dashboard_forgotten": board.forgotten_pushers,
         **extras,
     }
+
+
+def with_coverage(epochs: list[dict[str, Any]], coverage: Iterable[Mapping[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """Each epoch row with the samples its orchestrator counted covered (the same figures as
+    the command line's ``240/240 samples covered (exactly once)``), or None for each."""
+    noted = {int(note["epoch"]): note for note in coverage}
+    for row in epochs:
+        note = noted.get(row["epoch"], {})
+        total, gaps = note.get("total"), note.get("gaps")
+        row.update({
+            "samples_covered": None if total is None or gaps is None else total - gaps,
+            "samples_total": total, "exactly_once": note.get("exactly_once"),
+            "gaps": gaps, "overlaps": note.get("overlaps")})
+    return epochs
 
 
 def _host(roster: Roster[RelayConn], rank: int) -> str | None:

@@ -302,7 +302,7 @@ class Coordinator:
             "formation_s": formation_s, "formed": formed is not None,
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
-        })
+        }, coverage=self.timeline.recent_notes("epoch_covered"))
 
     # ------------------------------------------------------------------ scheduler checkpoint
 

@@ -25,12 +25,14 @@ Event = TypeVar("Event")
 
 
 class Rejected(Exception):
-    """A connection failed before authenticating. ``category`` groups rejects in reports."""
+    """A connection failed before authenticating. ``category`` groups rejects in reports;
+    ``wrong_salt``: it looks like a relay whose session salt differs."""
 
-    def __init__(self, category: str, detail: str) -> None:
+    def __init__(self, category: str, detail: str, *, wrong_salt: bool = False) -> None:
         super().__init__(detail)
         self.category = category
         self.detail = detail
+        self.wrong_salt = wrong_salt
 
 
 async def coordinator_handshake(
@@ -51,7 +53,8 @@ async def coordinator_handshake(
     try:
         event = await drive(stream, machine, on_sent=on_sent)
     except FlodlError as exc:
-        raise Rejected(machine.failure_category or "malformed", str(exc)) from None
+        raise Rejected(machine.failure_category or "malformed", str(exc),
+                       wrong_salt=machine.salt_suspect) from None
     except STREAM_GONE as exc:
         raise Rejected("connection error", f"{peer}: {exc!r}") from None
     assert isinstance(event, HelloReceived)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..net._ratelimit import JunkCounter, JunkReport
 from ..wire import ranks_text
+from ..wire._handshake import WRONG_SALT_HINT
 from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]
@@ -47,6 +48,7 @@ class Roster(LivenessRules[M]):
         self._awaited: set[M] = set()
         # Junk is counted by reason and reported rate-limited, never one line or event each.
         self._rejects = JunkCounter()
+        self._wrong_salt_rejects = 0  # of the rejects, those that look like a salt that differs
         self._invalid_frames = JunkCounter()
         self._phase = "forming"
         self.formed = False  # formation completed once (whatever the phase is now)
@@ -314,8 +316,12 @@ class Roster(LivenessRules[M]):
         self.on_change(relay)
         return previous, dropped
 
-    def reject(self, category: str, detail: str, now: float) -> JunkReport | None:
-        """Count one rejected handshake; a report when one is due (rate-limited)."""
+    def reject(self, category: str, detail: str, now: float, *, wrong_salt: bool = False
+               ) -> JunkReport | None:
+        """Count one rejected handshake; a report when one is due (rate-limited).
+        ``wrong_salt``: it looks like a relay whose session salt differs (counted apart, for
+        :meth:`coverage_text`)."""
+        self._wrong_salt_rejects += wrong_salt
         return self._rejects.add(category, detail, now)
 
     def invalid_frame(self, category: str, detail: str, now: float) -> JunkReport | None:
@@ -336,9 +342,13 @@ class Roster(LivenessRules[M]):
                            if c not in self._unconfirmed) or "none"
         if self._unconfirmed:
             joined += "; awaiting Ready from: " + ", ".join(c.host for c in self._unconfirmed)
+        salt = self._wrong_salt_rejects
+        # Hung up on our Challenge, or a Hello that failed its MAC: what a relay does whose
+        # salt differs.
+        hint = f" ({salt} like a relay with another salt: {WRONG_SALT_HINT})" if salt else ""
         return (
             f"{headline}: {len(self.covered)}/{self.world_size} ranks covered; hosts joined: "
-            f"{joined}; rejected connections: {self._rejects.summary()}"
+            f"{joined}; rejected connections: {self._rejects.summary()}{hint}"
         )
 
     def start_running(self, now: float) -> None:

@@ -145,22 +145,28 @@ class Formation:
     def _admit(self, stream: trio.abc.Stream) -> None:
         self._pending.admit()
 
-    def reject(self, peer: str, category: str, detail: str) -> None:
+    def reject(self, peer: str, category: str, detail: str, *, wrong_salt: bool = False
+               ) -> None:
         """Count a connection that failed before authenticating.
 
         Never fatal unless ``strict_formation`` (FT/2): a count limit let anyone who can reach
         the port kill formation with 1,100 magic-and-close connections. Only a rate-limited few
         become a log line and a ``HandshakeRejected`` event, so junk cannot evict real events.
+        ``wrong_salt``: it looks like a relay whose salt differs; its line is a WARNING (the
+        command line shows those) and the formation error counts them.
         """
-        report = self._roster.reject(category, detail, trio.current_time())
+        report = self._roster.reject(category, detail, trio.current_time(),
+                                     wrong_salt=wrong_salt)
         if report is not None:
-            self.record_rejects(peer, category, report)
+            self.record_rejects(peer, category, report,
+                                level=logging.WARNING if wrong_salt else logging.INFO)
         if self._roster.forming and self._config.strict_formation:
             self.fail(FormationError(self._roster.coverage_text(
                 f"strict formation: handshake from {peer} rejected ({category}: {detail})")))
 
-    def record_rejects(self, peer: str, category: str, report: JunkReport) -> None:
-        log.info("handshake rejected (%s): %s", category or "summary", report.text())
+    def record_rejects(self, peer: str, category: str, report: JunkReport, *,
+                       level: int = logging.INFO) -> None:
+        log.log(level, "handshake rejected (%s): %s", category or "summary", report.text())
         reason = f"{category}: {report.text()}" if category else report.text()
         self._timeline.event(HandshakeRejected(peer=peer, reason=reason))
 
@@ -216,7 +222,7 @@ class Formation:
                                                             on_sent=pending.touch)
             except Rejected as rej:
                 await trio.aclose_forcefully(stream)
-                self.reject(peer, rej.category, rej.detail)
+                self.reject(peer, rej.category, rej.detail, wrong_salt=rej.wrong_salt)
                 return
             except BaseException:
                 await close_all([stream])  # cancelled mid-handshake: the stream must not leak
@@ -386,8 +392,10 @@ class Formation:
         if isinstance(exc, trio.TooSlowError):
             self.reject(peer, "timeout", self._timeout_text(peer))
         elif isinstance(exc, FlodlError):
-            category = joining.pending.machine.failure_category  # type: ignore[attr-defined]
-            self.reject(peer, category or "malformed", str(exc))
+            machine = joining.pending.machine
+            category = machine.failure_category  # type: ignore[attr-defined]
+            self.reject(peer, category or "malformed", str(exc),
+                        wrong_salt=machine.salt_suspect)  # type: ignore[attr-defined]
         else:
             self.reject(peer, "connection error", f"{peer}: {exc!r}")
 

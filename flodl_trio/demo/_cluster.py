@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,6 +54,9 @@ class Cluster:
         self.replaced: list[subprocess.Popen[str]] = []  # killed hosts' processes, restarted
         self.restarted: set[str] = set()
         self.address = ""
+        # time.monotonic() when each coordinator printed its address: the moment of its
+        # Listening event, which puts every coordinator's timeline on the demo's clock.
+        self.listening_at: list[float] = []
         self.layout: dict[str, list[int]] = {}
         self.world = 0
         self.files: list[IO[str]] = []
@@ -82,12 +86,13 @@ class Cluster:
             str(self.world), "--epochs", str(a.epochs), "--total-samples",
             str(a.total_samples), "--batch-size", str(a.batch_size), "--timeline",
             str(self.timeline), "--summary-file", str(self.summary), "--heartbeat-timeout", "5",
-            *store), log, stdout=subprocess.PIPE)
+            "--linger", str(a.linger), *store), log, stdout=subprocess.PIPE)
         self.address = _read_line(self.coord, log, self.logs).strip().rsplit(" ", 1)[-1]
+        self.listening_at.append(time.monotonic())
 
     def kill_coordinator(self) -> int:
-        """SIGKILL the coordinator (no goodbye: the OS closes its sockets) and start another at
-        once on the same port with the same store; return the killed one's pid."""
+        """SIGKILL the coordinator (no goodbye: the OS closes its sockets); return its pid.
+        :meth:`start_coordinator` on :attr:`address` starts the one that takes over."""
         old = self.coord
         assert old is not None
         old.kill()
@@ -98,7 +103,6 @@ class Cluster:
         with self.timeline.open("rb+") as f:
             if f.seek(0, 2) > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n":
                 f.write(b"\n")
-        self.start_coordinator(self.address)
         return old.pid
 
     def start_host(self, host: str, *, again: bool = False) -> None:

@@ -14,26 +14,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._timeouts import clock_time_in
 from ..cli._common import CommandFailed, Terminated, UsageError, check_writable
 from ..cli._errors import MAX_LINE, shorten
 from ..wire import SessionSalt
 from ._cluster import LOG_HINT, Cluster
 from ._story import Story
+from ._watch import Director
 
 START_DEADLINE_S = 30.0
-RUN_DEADLINE_S = 120.0
-POLL_S = 0.1
 
 
 def _parse_kills(specs: list[str], hosts: list[str],
@@ -77,6 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.kill_coordinator is not None and not args.kill_coordinator >= 0:
         raise UsageError(f"--kill-coordinator: expected seconds >= 0, got "
                          f"{args.kill_coordinator!r}")
+    if not args.linger >= 0:
+        raise UsageError(f"--linger: expected seconds >= 0, got {args.linger!r}")
     if args.timeline:
         check_writable(args.timeline, what="--timeline")
         Path(args.timeline).unlink()
@@ -92,10 +92,15 @@ def run_demo(args: argparse.Namespace) -> int:
           f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
     try:
         address = cluster.start(layout, world)
-        print(f"coordinator on {address} (status: http://{address}/state.json), "
-              f"{len(cluster.relays)} relay and {len(cluster.ranks)} rank processes started",
-              flush=True)
-        code = _watch(args, cluster, layout, world, kills, restarts)
+        print(f"coordinator on {address}, {len(cluster.relays)} relay and "
+              f"{len(cluster.ranks)} rank processes started", flush=True)
+        kept = (f"kept up {args.linger:g} s after the run" if args.linger else
+                "--linger S keeps it up S seconds after the run")
+        print(f"live page: http://{address}/ (open it in a browser; {kept}; "
+              f"/state.json for scripts)", flush=True)
+        director = Director(args, cluster, kills, restarts)
+        director.watch(_table)
+        code = _conclude(args, cluster, director.story, director.killed, layout)
         keep = keep or code != 0
         return code
     except BaseException as exc:
@@ -112,90 +117,13 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _watch(args: argparse.Namespace, cluster: Cluster, layout: dict[str, list[int]],
-           world: int, kills: dict[str, float], restarts: dict[str, float]) -> int:
-    story = Story(cluster.timeline, args.epochs)
-    live_ui = not args.no_live and sys.stdout.isatty()
-    deadline = time.monotonic() + RUN_DEADLINE_S
-    formed_at: float | None = None
-    killed: set[str] = set()
-    killed_at: dict[str, float] = {}
-    killed_coord = False
-    coord = cluster.coord
-    assert coord is not None
-    live_cm: Any = contextlib.nullcontext()
-    if live_ui:
-        from rich.live import Live
-
-        live_cm = Live(_table(story, layout, world, killed - cluster.restarted),
-                       refresh_per_second=8)
-    last_status = ""
-    with live_cm as live:
-        say: Callable[[str], None] = live.console.print if live_ui else _print
-        while True:
-            for line in story.poll():
-                say(line)
-            if coord.poll() is not None:
-                break
-            if time.monotonic() > deadline:
-                raise CommandFailed(f"demo: the run did not finish within {RUN_DEADLINE_S:g}s")
-            if any(p.poll() == 2 for p in cluster.children()):
-                raise CommandFailed("demo: a relay or rank process rejected its command line "
-                                    "(exit 2)")
-            if formed_at is None and story.formed_ms is not None:
-                formed_at = time.monotonic()
-            if formed_at is not None and not killed_coord and args.kill_coordinator is not None \
-                    and time.monotonic() - formed_at >= args.kill_coordinator:
-                killed_coord = True
-                pid = cluster.kill_coordinator()
-                coord = cluster.coord
-                assert coord is not None
-                say(f"{'':>7}  SIGKILLed the coordinator (pid {pid}) {args.kill_coordinator:g}s "
-                    f"after formation, in epoch {max(story.epoch, 0) + 1}/{args.epochs}; "
-                    f"started it again on {cluster.address} with {cluster.store}")
-            for host, when in kills.items():
-                if formed_at is not None and host not in killed and \
-                        time.monotonic() - formed_at >= when:
-                    cluster.relays[host].kill()  # SIGKILL: no goodbye, the OS closes its sockets
-                    killed.add(host)
-                    killed_at[host] = time.monotonic()
-                    say(f"{'':>7}  SIGKILLed relay {host} (ranks "
-                        f"{layout[host]}) {when:g}s after formation")
-            for host, when in restarts.items():
-                if host in killed_at and time.monotonic() - killed_at[host] >= when:
-                    del killed_at[host], restarts[host]
-                    cluster.restarted.add(host)
-                    cluster.start_host(host, again=True)
-                    say(f"{'':>7}  restarted relay {host} and its ranks {layout[host]} "
-                        f"{when:g}s after the kill")
-                    break  # restarts changed size
-            if live_ui:
-                live.update(_table(story, layout, world, killed - cluster.restarted))
-            else:
-                status = story.status_line(world)
-                if status != last_status and story.formed_ms is None:
-                    say(status)
-                last_status = status
-            time.sleep(POLL_S)
-        for line in story.poll():
-            say(line)
-        if args.kill_coordinator is not None and not killed_coord:
-            say(f"  the coordinator was not killed: the run ended before its kill was due "
-                f"({args.kill_coordinator:g}s after formation)")
-        for host, when in restarts.items():  # not yet started when the coordinator ended
-            say(f"  {host} was not restarted: the run ended before its restart was due "
-                f"({when:g}s after the kill)")
-    return _conclude(args, cluster, story, killed, layout)
-
-
-def _print(line: str) -> None:
-    print(line, flush=True)
-
-
-def _table(story: Story, layout: dict[str, list[int]], world: int, killed: set[str]) -> Any:
+def _table(director: Director) -> Any:
     from rich.table import Table
 
-    table = Table(title="flodl-trio demo", min_width=64, caption=story.status_line(world))
+    story, cluster = director.story, director.cluster
+    layout, killed = cluster.layout, director.killed - cluster.restarted
+    table = Table(title="flodl-trio demo", min_width=64,
+                  caption=story.status_line(cluster.world))
     for column in ("host", "rank", "status"):
         table.add_column(column, justify="right" if column == "rank" else "left")
     colours = {"dead": "red", "exited": "blue", "alive": "green", "starting": "yellow"}
@@ -211,7 +139,7 @@ def _table(story: Story, layout: dict[str, list[int]], world: int, killed: set[s
 def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: set[str],
               layout: dict[str, list[int]]) -> int:
     assert cluster.coord is not None
-    code = cluster.coord.wait()
+    code = cluster.coord.poll()  # None: it keeps the page up (--linger) after its summary
     late = {h for h in cluster.restarted if not set(layout[h]) <= story.rejoined}
     for host in sorted(late):  # restarted, but the run ended before they were back
         print(f"  {host} was restarted but the run ended before its ranks rejoined")
@@ -230,13 +158,15 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
         room = MAX_LINE - len(f"flodl-trio: demo: the run failed: {LOG_HINT}") - 1
         raise CommandFailed(f"demo: the run failed: {shorten(reason, room)}{LOG_HINT}")
     done = summary.get("epochs_completed")
-    since = " since the adoption" if summary.get("resumed") else ""
-    elapsed = summary.get("elapsed_s", 0.0)
-    print(f"summary: {done}/{args.epochs} epochs in {elapsed:.1f} s{since}, "
+    lost = story.lost_broadcasts if cluster.coordinators > 1 else summary.get("lost_broadcasts")
+    print(f"summary: {done}/{args.epochs} epochs in {_run_time(story, summary)}, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
-          f"{summary.get('lost_broadcasts')} lost broadcasts")
-    for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")  # numbered from 1
+          f"{lost} lost broadcasts")
+    # Every epoch's loss from the story: the last summary holds only its own coordinator's.
+    losses = story.losses or {m["epoch"] - 1: m["avg_loss"]
+                              for m in summary.get("epoch_metrics", [])}
+    for epoch, loss in sorted(losses.items()):
+        print(f"  epoch {epoch + 1}: avg loss {loss:.4f}")  # numbered from 1
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")
@@ -250,15 +180,47 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
     print("  every epoch covered exactly once" if coverage.get("exact") else
           f"  epochs NOT covered exactly once: {coverage.get('inexact')}")
     if args.timeline:
+        # scripts/demo installs flodl-trio alone: the plot's matplotlib is an extra.
+        needs = "" if importlib.util.find_spec("matplotlib") else (
+            " (needs matplotlib, the plot extra: `python -m pip install -e '.[plot]'` in the "
+            "clone)")
         print(f"timeline: {args.timeline} ({story.events} events); draw it with "
-              f"`flodl-trio plot {args.timeline} -o timeline.png`")
+              f"`flodl-trio plot {args.timeline} -o timeline.png`{needs}")
     inexact = ", an epoch not covered exactly once"
-    if code != 0 or done != args.epochs or not coverage.get("exact"):
+    if code not in (0, None) or done != args.epochs or not coverage.get("exact"):
         raise CommandFailed(f"demo: the run failed: {done}/{args.epochs} epochs, coordinator "
                             f"exit code {code}{'' if coverage.get('exact') else inexact}"
                             f"{LOG_HINT}")
     print("run completed")
+    if code is None:
+        _linger(args, cluster)
     return 0
+
+
+def _run_time(story: Story, summary: dict[str, Any]) -> str:
+    """How long the epochs took: the scheduler's run; after an adoption, from formation to the
+    last epoch on the story's clock, and the adopting coordinator's part."""
+    elapsed = float(summary.get("elapsed_s", 0.0))
+    formed, last = story.formed_at_ms, story.last_aggregated_ms
+    if not summary.get("resumed") or formed is None or last is None:
+        return f"{elapsed:.1f} s"
+    first, done = int(summary.get("first_epoch", 0)) + 1, int(summary["epochs_completed"])
+    after = (f"epoch {done}" if first == done else f"epochs {first}-{done}" if first < done
+             else "no epoch")
+    return (f"{(last - formed) / 1000.0:.1f} s from formation to the last epoch ({after} run "
+            f"by the adopting coordinator, in {elapsed:.1f} s)")
+
+
+def _linger(args: argparse.Namespace, cluster: Cluster) -> None:
+    """``--linger``: the coordinator keeps the live page up; wait for it (Ctrl-C ends it)."""
+    assert cluster.coord is not None
+    print(f"live page: http://{cluster.address}/ stays up until "
+          f"{clock_time_in(args.linger)} (--linger {args.linger:g}; Ctrl-C ends it sooner)",
+          flush=True)
+    try:
+        cluster.coord.wait(timeout=args.linger + START_DEADLINE_S)
+    except (KeyboardInterrupt, Terminated, subprocess.TimeoutExpired):
+        pass  # the run is over and told: stop() ends the coordinator
 
 
 def _failover_text(story: Story, cluster: Cluster, dead: list[int]) -> str:

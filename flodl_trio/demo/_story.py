@@ -38,19 +38,38 @@ class Story:
         rejoined: ranks that came back after their death (issue 26).
         events: timeline lines read.
         restarts: coordinators started after the cohort formed (each appends to the same
-            timeline, its clock from 0: the story's clock goes on from the last event).
+            timeline, its clock from 0: with ``anchors`` the story puts it on the first one's
+            clock, else the story's clock goes on from the last event).
         generation: the generation of the last coordinator that adopted the session (None:
             none did).
         resumed: hosts whose relay resumed with an adopting coordinator.
         epoch_coverage: epoch -> whether the scheduler counted its samples exactly once (the
             ``epoch_covered`` notes of every coordinator of the run).
+        formed_at_ms: when the cohort formed, on the story's clock (None until then).
+        losses: epoch -> its mean loss, whichever coordinator aggregated it.
+        last_aggregated_ms: when the last epoch was aggregated, on the story's clock.
+        lost_broadcasts: ``LostBroadcast`` events of every coordinator of the run.
+
+    Args:
+        path: the timeline file.
+        epochs: the epochs the run was asked for.
+        anchors: ``time.monotonic()`` when each coordinator of the run printed its address
+            (the moment of its ``Listening`` event), appended as they start: the story's clock
+            is the first coordinator's, and the demo's own lines are stamped on it
+            (:meth:`clock_ms`).
     """
 
-    def __init__(self, path: Path, epochs: int) -> None:
+    def __init__(self, path: Path, epochs: int, *, anchors: Sequence[float] = ()) -> None:
         self.path = path
         self.epochs = epochs
+        self.anchors = anchors
         self.offset = 0
         self.formed_ms: float | None = None
+        self.formed_at_ms: float | None = None
+        self.losses: dict[int, float] = {}
+        self.last_aggregated_ms: float | None = None
+        self.lost_broadcasts = 0
+        self._first_listening_ms: float | None = None
         self.covered = 0
         self.epoch = -1
         self.syncs = 0
@@ -86,14 +105,36 @@ class Story:
                     lines.append(line)
         return lines
 
+    def clock_ms(self, monotonic: float) -> float:
+        """A moment of the demo (``time.monotonic()``) on the story's clock (the last event's
+        time while the first coordinator's is not known yet)."""
+        if not self.anchors or self._first_listening_ms is None:
+            return self._last_ms
+        return (monotonic - self.anchors[0]) * 1000.0 + self._first_listening_ms
+
+    @staticmethod
+    def stamp(t_ms: float) -> str:
+        """A story line's time column: ``"  3.49s"``."""
+        return f"{t_ms / 1000.0:6.2f}s"
+
+    def _restart_offset(self, listening_ms: float) -> float:
+        """The offset of a restarted coordinator's clock (its ``Listening`` at
+        ``listening_ms``): from its anchor when the demo gave one, else the last event."""
+        first = self._first_listening_ms
+        if first is None or len(self.anchors) <= self.restarts:
+            return self._last_ms
+        return (self.anchors[self.restarts] - self.anchors[0]) * 1000.0 + first - listening_ms
+
     def _tell(self, ev: dict[str, Any]) -> str | None:
         kind = ev.get("kind")
-        if kind == "Listening" and self.formed_ms is not None:  # a restarted coordinator
+        if kind == "Listening" and self._first_listening_ms is None:
+            self._first_listening_ms = float(ev.get("t_ms", 0.0))
+        elif kind == "Listening" and self.formed_ms is not None:  # a restarted coordinator
             self.restarts += 1
-            self._offset_ms = self._last_ms
+            self._offset_ms = self._restart_offset(float(ev.get("t_ms", 0.0)))
         t_ms = float(ev.get("t_ms", 0.0)) + self._offset_ms
         self._last_ms = max(self._last_ms, t_ms)
-        t = f"{t_ms / 1000.0:6.2f}s"
+        t = self.stamp(t_ms)
         if kind == "RelayJoined" and self.restarts:
             self.resumed.add(str(ev["host"]))
             # No generation here: a relay may resume before the coordinator's "adopted" note.
@@ -105,6 +146,7 @@ class Story:
             return None  # an adopted session that had formed completes at once: told above
         if kind == "FormationComplete":
             self.formed_ms = float(ev["elapsed_ms"])
+            self.formed_at_ms = t_ms
             return (f"{t}  formed in {self.formed_ms:.0f} ms: {ev['relays']} relays, "
                     f"{ev['world_size']} ranks")
         if kind == "FormationFailed":
@@ -123,6 +165,7 @@ class Story:
             self.exited.add(int(ev["rank"]))
             return None  # every rank exits at the end: the summary counts them
         if kind == "LostBroadcast":
+            self.lost_broadcasts += 1
             failed = sorted(int(r) for r in ev.get("failures", {}))
             return f"{t}  broadcast of {ev['control']} missed ranks {failed}"
         if kind == "ClusterFailed":
@@ -149,6 +192,8 @@ class Story:
             self.epoch_coverage[int(fields["epoch"])] = bool(fields["exactly_once"])
             return None
         if what == "epoch_aggregated":
+            self.losses[int(fields["epoch"])] = float(fields["avg_loss"])
+            self.last_aggregated_ms = self._last_ms
             return (f"{t}  epoch {int(fields['epoch']) + 1}/{self.epochs} done: avg loss "
                     f"{float(fields['avg_loss']):.4f}, {self.syncs} syncs so far")
         if what == "redistributed":

@@ -83,16 +83,23 @@ def unresolvable(exc: BaseException) -> bool:
     return isinstance(exc, socket.gaierror) and exc.errno != socket.EAI_AGAIN
 
 
+# Told of the first failed connection attempt of a series: the error and the series' deadline
+# (Trio time), so that the caller can say at once what it waits for and until when.
+OnWaiting = Callable[[OSError, float], None]
+
+
 async def dial(target: DialTarget, *, connect_timeout: float, what: str,
                keepalive: KeepAlive | None = None,
                on_error: Callable[[OSError, float], None] | None = None,
-               retry_unresolvable: bool = False) -> trio.abc.Stream:
+               retry_unresolvable: bool = False,
+               on_waiting: OnWaiting | None = None) -> trio.abc.Stream:
     """Connect to ``target``, retrying every 0.5 s until ``connect_timeout`` passes.
 
     A TCP connection gets ``TCP_NODELAY`` and the ``keepalive`` settings (see ``_keepalive``).
     ``on_error(exc, deadline)`` is told of each failed attempt (``deadline``: when the attempts
-    end, Trio clock). ``retry_unresolvable``: a name that does not resolve is one more failed
-    attempt (a relay re-dialing a coordinator it had reached: its DNS may be catching up).
+    end, Trio clock); ``on_waiting`` the same, once, on the first attempt that fails.
+    ``retry_unresolvable``: a name that does not resolve is one more failed attempt (a relay
+    re-dialing a coordinator it had reached: its DNS may be catching up).
 
     Raises:
         HandshakeError: no connection within the deadline, names the target and the last error;
@@ -122,6 +129,8 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
             last = exc
             if on_error is not None:
                 on_error(exc, deadline)
+            if attempts == 1 and on_waiting is not None:
+                on_waiting(exc, deadline)
         if trio.current_time() + CONNECT_RETRY_INTERVAL > deadline:
             break
         await trio.sleep(CONNECT_RETRY_INTERVAL)
@@ -168,6 +177,7 @@ async def dial_and_handshake(
     keepalive: KeepAlive | None = None,
     on_dial_error: Callable[[OSError, float], None] | None = None,
     retry_unresolvable: bool = False,
+    on_waiting: OnWaiting | None = None,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -192,6 +202,8 @@ async def dial_and_handshake(
         on_dial_error: told of each connection that could not be made, and when the attempts
             end (see :func:`dial`).
         retry_unresolvable: see :func:`dial`.
+        on_waiting: told once, of the series' first connection attempt that fails (the
+            error and the deadline of the whole series, in Trio time).
 
     Raises:
         HandshakeError: no attempt succeeded within ``connect_timeout``; names the target and
@@ -199,9 +211,19 @@ async def dial_and_handshake(
     """
     deadline = trio.current_time() + connect_timeout
     last: BaseException | None = None
+    told = on_waiting is None
+
+    def dial_failed(exc: OSError, until: float) -> None:
+        nonlocal told
+        if on_dial_error is not None:
+            on_dial_error(exc, until)
+        if not told and on_waiting is not None:
+            told = True
+            on_waiting(exc, deadline)
+
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what, keepalive=keepalive, on_error=on_dial_error,
+                            what=what, keepalive=keepalive, on_error=dial_failed,
                             retry_unresolvable=retry_unresolvable)
         try:
             return await handshake(stream)

@@ -17,6 +17,7 @@ import trio
 
 from .._config import RelayConfig
 from .._errors import FormationTimeout, HandshakeError, WireError
+from .._timeouts import clock_time_in
 from ..net._keepalive import KeepAlive
 from ..net._listen import serve_each
 from ..net._ratelimit import JunkCounter
@@ -147,6 +148,8 @@ class LocalRanks:
 
 async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]]) -> None:
     timeout = local.config.rank_accept_timeout
+    log.info("relay %r: waiting for ranks %s until %s (rank_accept_timeout %g s)", local.host,
+             list(local.ranks), clock_time_in(timeout), timeout)
     try:
         with trio.move_on_after(timeout):
             async with trio.open_nursery() as nursery:

@@ -412,6 +412,12 @@ class SyncScheduler(Resuming):
         log.info("epoch %d aggregated: avg_loss %.4f", epoch, metrics.avg_loss)
         self._coord.timeline.event(Note(what="epoch_aggregated", fields={
             "epoch": epoch, "avg_loss": metrics.avg_loss}))
+        # Its accounting, beside it: it outlives this scheduler in the timeline (a failover's
+        # epochs are summed from it) and the status page shows it.
+        cov = self._ledger.coverage[-1]
+        self._coord.timeline.event(Note(what="epoch_covered", fields={
+            "epoch": epoch, "exactly_once": cov.exactly_once, "samples": cov.samples,
+            "total": cov.total, "gaps": cov.gaps, "overlaps": cov.overlaps}))
         await self._broadcast(EpochAggregated(metrics=metrics))
         completed = epoch + 1
         # The close is durable by itself only when something goes out before the next

@@ -72,6 +72,9 @@ from ._records import Record, RecordOpener, RecordSealer, encode_fanout
 MAX_HANDSHAKE_PAYLOAD = 256 * 1024
 # A Refused's reason is clipped to this many characters: it ends up on one line of a console.
 MAX_REFUSAL_REASON = 1024
+# Said in a reject that looks like a relay whose session salt differs: it hung up on our
+# Challenge (which it cannot verify), or its Hello failed its MAC.
+WRONG_SALT_HINT: Final = "wrong salt?"
 
 _OTHER_LEGS = {
     CHANNEL_MAGIC_DATA: "data",
@@ -236,6 +239,8 @@ class CoordinatorHandshake(UpstreamMachine):
         self._state = "magic"
         self.hello: Hello | None = None
         self.resume: Resume | None = None
+        # The failure looks like a relay whose session salt differs (WRONG_SALT_HINT).
+        self.salt_suspect = False
         self._cadence = b""  # accept(cadence=): sealed after the welcome
 
     @property
@@ -277,8 +282,7 @@ class CoordinatorHandshake(UpstreamMachine):
         if self._state == "magic" and not self._take_magic():
             return NEED_DATA
         if self._state == "hello":
-            rec = self._next_record(self._opener, f"Hello from {self.peer}",
-                                    "eof before hello")
+            rec = self._next_hello()
             if rec is None:
                 return NEED_DATA
             msg = self._control(rec, (Hello, Resume), f"Hello from {self.peer}")
@@ -317,6 +321,26 @@ class CoordinatorHandshake(UpstreamMachine):
             self._done = True
             return Established(self._sealer, self._opener, generation=self.generation)
         raise HandshakeError(f"{self.peer}: the upstream handshake already ended")
+
+    def _next_hello(self) -> Record | None:
+        """The Hello's record (None: more bytes needed); a failure that looks like a salt that
+        differs says so (:data:`WRONG_SALT_HINT`, :attr:`salt_suspect`)."""
+        what = f"Hello from {self.peer}"
+        try:
+            return self._next_record(self._opener, what, "eof before hello")
+        except AuthError as exc:  # the Hello's MAC: the key is derived from the salt
+            self.salt_suspect = True
+            raise self._fail("bad mac", AuthError(f"{exc} ({WRONG_SALT_HINT})")) from None
+        except WireError as exc:
+            if self.failure_category != "eof before hello" or self._opener.buffered:
+                raise
+            # Not one byte of a Hello: a relay of this protocol whose salt differs cannot
+            # verify our Challenge and hangs up right there.
+            self.salt_suspect = True
+            raise self._fail("eof before hello", WireError(
+                f"{what}: the relay closed the connection after its magic without sending a "
+                f"Hello (a relay whose session salt differs hangs up on our Challenge: "
+                f"{WRONG_SALT_HINT})")) from exc
 
     def accept(self, *, cadence: Cadence | None = None) -> None:
         """Answer the Hello (or Resume) with ``HelloAck`` and switch both directions to
@@ -389,6 +413,7 @@ __all__ = [
     "MAX_HANDSHAKE_PAYLOAD",
     "MAX_REFUSAL_REASON",
     "NEED_DATA",
+    "WRONG_SALT_HINT",
     "CoordinatorHandshake",
     "Established",
     "HandshakeEvent",
