@@ -121,10 +121,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ session store
 
-    async def lead(self, store: SessionStore) -> None:
-        """Become ``store``'s leader and adopt its session, or start a fresh one (SPEC §4.7);
+    async def lead(self, store: SessionStore, *, fresh: bool = False) -> None:
+        """Become ``store``'s leader and adopt its session, or start a new one (SPEC §4.7);
         runs before :meth:`background_tasks`. See :meth:`Leader.lead`."""
-        await self._leader.lead(store)
+        await self._leader.lead(store, fresh=fresh)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
         """Tell the store where relays can dial this leader (``open_coordinator`` does)."""
@@ -266,6 +266,10 @@ class Coordinator:
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
+        standby = self._leader.standby
+        if standby is not None:  # waiting for the store's leadership: nothing is forming yet
+            fields["phase"] = "standby"
+            fields["standby"] = standby.fields()
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -412,6 +416,8 @@ class Coordinator:
             await self._say_goodbye(relays, reason)
         for conn in relays:
             await conn.close()
+        if self._leader.deposed is None:  # the cohort was told: the session is over
+            await self._leader.finish(reason)
         self._timing_send.close()
         self._metrics_send.close()
         self._liveness.close()

@@ -125,6 +125,7 @@ async def open_coordinator(
     timeline: Timeline | None = None,
     ssl_context: ssl.SSLContext | None = None,
     store: SessionStore | None = None,
+    fresh: bool = False,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -144,18 +145,28 @@ async def open_coordinator(
             blocks here until the leader's leadership ends), publishes its dialable addresses,
             and saves the session at each change that matters. A store that holds a session
             is *adopted*: its relays resume without a new formation, and the block is entered
-            at once when that session had formed (``coord.resumed``).
+            at once when that session had formed (``coord.resumed``). A session that *ended*
+            (its coordinator shut the cohort down; the end is recorded as the block ends) is
+            not: a new session starts on the store, its generation counting on.
+        fresh: with ``store``, start a new session whatever the store holds (an unfinished
+            session, even another run's, is discarded) instead of adopting it.
 
     Raises:
         FormationTimeout / FormationAborted / FormationError: formation did not complete.
         ClusterFailure: the failure policy stopped the run (the body was cancelled).
-        StoreCorrupt: the store holds a damaged state, or another session's (salt, world
-            size); nothing was loaded.
+        StoreCorrupt: the store holds a damaged state; nothing was loaded.
+        ForeignSession: (a ``StoreCorrupt``) the store holds another run's unfinished session
+            (salt, world size); nothing was loaded; ``fresh=True`` would discard it.
+        SessionEnded: this coordinator waited for the store's leadership (a standby) and the
+            session it waited for ended: there is nothing to adopt.
         StoreUnavailable: the store cannot be reached.
         LeadershipLost: another coordinator took the session over: this one stepped down
             (the body was cancelled) without a word to the relays.
         FlodlInternalError: an unexpected internal failure (``from`` the original group).
     """
+    if fresh and store is None:
+        raise ConfigError("open_coordinator: fresh=True starts a new session in a store: "
+                          "expected store=, got none")
     bind: CoordinatorBind | None = None
     direct: list[trio.abc.Listener[Any]] = []
     if isinstance(listen, CoordinatorBind):
@@ -218,7 +229,7 @@ async def open_coordinator(
                 with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
                     await life.nursery.start(coord.host_writers)  # strands a shielded host
                 if store is not None:
-                    await coord.lead(store)  # a standby waits here
+                    await coord.lead(store, fresh=fresh)  # a standby waits here
                     stack.push_async_callback(_release, store)
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)

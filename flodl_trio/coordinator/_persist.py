@@ -49,6 +49,7 @@ class Persistence:
         self._roster = roster
         self._on_lost = on_lost
         self.checkpoint: dict[str, Any] | None = None
+        self.ended: tuple[str, float] | None = None  # the end marker: how, when (Unix time)
         self.saves = 0
         self._requested = 0  # requests so far
         self._written = 0  # requests covered by the last durable write
@@ -95,7 +96,9 @@ class Persistence:
             salt_id=self._salt_id, world_size=roster.world_size,
             model_sigs=roster.cohort_sigs(), roster=roster.carried(), dead=roster.dead,
             exited=roster.exited, failures=len(roster.dead), generation=self.generation,
-            formed=roster.formed, checkpoint=self.checkpoint)
+            formed=roster.formed, checkpoint=self.checkpoint,
+            ended=None if self.ended is None else self.ended[0],
+            ended_at=None if self.ended is None else self.ended[1])
 
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the
@@ -134,20 +137,6 @@ class Persistence:
     def _wake(self) -> None:
         self._progress.set()
         self._progress = trio.Event()
-
-
-def adoption_problem(state: SessionState, *, salt_id: bytes, world_size: int,
-                     source: str) -> str | None:
-    """Why ``state`` is not this session's (another salt or world size), or None."""
-    if state.salt_id != salt_id:
-        return (f"session state at {source}: expected the session of salt id "
-                f"{salt_id.hex()}, got salt id {state.salt_id.hex()} (another run's state); "
-                "refusing it (nothing was loaded)")
-    if state.world_size != world_size:
-        return (f"session state at {source}: expected world size {world_size}, got "
-                f"{state.world_size} (another run's state); refusing it (nothing was loaded)")
-    return None
-
 
 
 def checked_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
