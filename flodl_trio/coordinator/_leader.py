@@ -217,8 +217,8 @@ class Leader:
         if scope.cancelled_caught:
             problem = f"no write succeeded within shutdown_grace={grace:g}s"
         log.warning("session store %s: expected to record that the session ended (%s), but "
-                    "%s; a coordinator that leads the store next adopts it", self._store.description,
-                    outcome, problem)
+                    "%s; a coordinator that leads the store next adopts it",
+                    self._store.description, outcome, problem)
 
     def close(self) -> None:
         """The coordinator shut down: its leadership may end now (it releases it) without a
