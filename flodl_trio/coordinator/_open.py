@@ -164,9 +164,6 @@ async def open_coordinator(
             (the body was cancelled) without a word to the relays.
         FlodlInternalError: an unexpected internal failure (``from`` the original group).
     """
-    if fresh and store is None:
-        raise ConfigError("open_coordinator: fresh=True starts a new session in a store: "
-                          "expected store=, got none")
     bind: CoordinatorBind | None = None
     direct: list[trio.abc.Listener[Any]] = []
     if isinstance(listen, CoordinatorBind):
@@ -185,6 +182,9 @@ async def open_coordinator(
             f"trio.abc.Listener(s), got {listen!r}"
         )
     try:
+        if fresh and store is None:
+            raise ConfigError("open_coordinator: fresh=True starts a new session in a store: "
+                              "expected store=, got none")
         coord = Coordinator(salt=salt, config=config, timeline=timeline,
                             address=bind.address if bind else None, tls=ssl_context is not None)
     except BaseException:
