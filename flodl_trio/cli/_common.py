@@ -12,12 +12,15 @@ import os
 import signal
 import warnings
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import trio
 
-from .._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
+from .._errors import (
+    ConfigError,
+    UsageError as UsageError,  # re-exported: the CLI modules import it here
+)
 from ..wire import SessionSalt
+from ..wire._salt_file import read_salt_file
 
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -101,18 +104,21 @@ def load_salt(args: argparse.Namespace, *, long_running: bool) -> SessionSalt:
     """The salt from --salt-file, $FLODL_SALT_HEX or --salt-hex (which shows in ``ps``).
 
     Raises:
-        UsageError: no salt given, or the salt file cannot be read as text.
-        ConfigError: the salt is not 32 hex characters.
+        UsageError: no salt given, or the salt file cannot be read, may be read by others than
+            its owner (not mode 0600) or does not hold 32 hex characters.
+        ConfigError: the salt from the environment or --salt-hex is not 32 hex characters.
     """
     if getattr(args, "salt_file", None):
         try:
-            text = Path(args.salt_file).read_text(encoding="utf-8")
-        except OSError as exc:
+            text = read_salt_file(args.salt_file, what="--salt-file")
+        except FileNotFoundError as exc:
             raise UsageError(f"--salt-file {args.salt_file!r}: {os_error_text(exc)}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"--salt-file {args.salt_file!r}: expected 32 hex characters as "
-                             "text, got bytes that are not UTF-8") from None
-        return SessionSalt.from_hex(text)
+        except ConfigError as exc:  # unreadable, readable by others, not text: it says which
+            raise UsageError(str(exc)) from None
+        try:
+            return SessionSalt.from_hex(text)
+        except ConfigError as exc:
+            raise UsageError(f"--salt-file {args.salt_file!r}: {exc}") from None
     if getattr(args, "salt_hex", None):
         if long_running:
             warnings.warn(

@@ -135,7 +135,12 @@ def _failure_line(args: Any, exc: BaseException, line: str | None) -> str:
 
 def _dispatch(args: Any) -> int:
     if args.command == "salt":
-        print(SessionSalt.generate().hex())
+        salt = SessionSalt.generate()
+        if args.file is None:
+            print(salt.hex())
+        else:
+            salt.save(args.file)  # ConfigError (it exists, or cannot be written): one line, 2
+            print(f"wrote a fresh session salt to {args.file} (mode 0600)")
         return EXIT_OK
     if args.command in ("status", "coordinator", "relay", "rank"):
         from . import _relay as _cli_relay, _run as _cli_run
