@@ -8,8 +8,10 @@ importing the CLI entry point (no import cycle).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import tempfile
 import warnings
 from collections.abc import AsyncIterator
 
@@ -143,9 +145,40 @@ def check_writable(path: str, *, what: str) -> None:
         raise UsageError(f"{what} {path!r}: {os_error_text(exc)}") from None
 
 
-async def write_text(path: str, text: str, *, what: str) -> None:
+def check_replaceable(path: str, *, what: str) -> None:
+    """Fail now, in one line, if a file cannot be written at ``path`` by
+    :func:`replace_text` (its directory must take a new file); nothing is left behind."""
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path!r}: expected a file, got a directory")
     try:
-        await trio.Path(path).write_text(text, encoding="utf-8")
+        fd, probe = tempfile.mkstemp(prefix=".flodl-", dir=os.path.dirname(path) or ".")
+    except OSError as exc:
+        raise UsageError(f"{what} {path!r}: {os_error_text(exc)}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _replace_sync(path: str, text: str) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide a summary from its readers
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+async def replace_text(path: str, text: str, *, what: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it): a
+    process killed meanwhile leaves the previous file, or none, never an empty one."""
+    try:
+        await trio.to_thread.run_sync(_replace_sync, path, text)
     except OSError as exc:
         raise CommandFailed(f"{what} {path!r}: {os_error_text(exc)}") from None
 

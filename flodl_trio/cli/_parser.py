@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--standby", action="store_true",
                    help="with --store: if another coordinator leads it, wait for its "
                    "leadership to end and then adopt the session (without it: exit 1 at once)")
+    p.add_argument("--fresh", action="store_true",
+                   help="with --store: start a new session even if the store holds an "
+                   "unfinished one (even another run's), which is discarded (a session that "
+                   "ended needs no --fresh: a new one starts)")
     p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
                    help="after an adoption, seconds for each relay to resume before its ranks "
                    "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")

@@ -205,7 +205,7 @@ class Leader:
         if persist is None or self.deposed is not None or self._closed:
             await trio.lowlevel.checkpoint()
             return
-        persist.ended = (outcome, time.time())
+        persist.mark_ended(outcome, time.time())
         grace = self._config.shutdown_grace
         assert self._store is not None
         with trio.move_on_after(grace) as scope:

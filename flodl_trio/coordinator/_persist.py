@@ -84,6 +84,11 @@ class Persistence:
                                        "more is written")
             await self._progress.wait()
 
+    def mark_ended(self, outcome: str, at: float) -> None:
+        """The session ended (``outcome``, at Unix time ``at``): every save from now on carries
+        the end marker."""
+        self.ended = (outcome, at)
+
     def close(self) -> None:
         """The coordinator shut down: nothing more is saved; waiting flushes fail."""
         self._closed = True

@@ -235,8 +235,10 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
     print(f"summary: {done}/{args.epochs} epochs in {elapsed:.1f} s{since}, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{summary.get('lost_broadcasts')} lost broadcasts")
-    for m in summary.get("epoch_metrics", []):
-        print(f"  epoch {m['epoch']}: avg loss {m['avg_loss']:.4f}")  # numbered from 1
+    for m in summary.get("epoch_metrics", []):  # numbered from 1; the whole run's
+        loss = m.get("avg_loss")
+        print(f"  epoch {m['epoch']}: " + (f"avg loss {loss:.4f}" if loss is not None
+                                           else "no rank's metrics reached a coordinator"))
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")

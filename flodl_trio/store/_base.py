@@ -131,6 +131,13 @@ class _Shared:
         self.changed.set()
         self.changed = trio.Event()
 
+    def drop_leader(self, *, tell: bool) -> None:
+        """The leadership ended (a lease ran out); ``tell`` wakes whoever waits on a change
+        (standbys, and the leader's ``keep_leadership``)."""
+        self.leader = None
+        if tell:
+            self.poke()
+
 
 class MemoryStore(SessionStore):
     """A store that lives in this process's memory: a coordinator restarted in the same Trio
@@ -151,8 +158,7 @@ class MemoryStore(SessionStore):
 
     def expire(self) -> None:
         """Drop the current leadership, as a lease that expired would (for tests)."""
-        self._shared.leader = None
-        self._shared.poke()
+        self._shared.drop_leader(tell=True)
 
     def lapse(self) -> None:
         """This handle's lease ran out without it noticing yet, as a leader's does while its
@@ -160,7 +166,7 @@ class MemoryStore(SessionStore):
         so, but :meth:`keep_leadership` wakes only with the next change of the store (for
         tests of a leader that wakes up deposed)."""
         self._lapsed = True
-        self._shared.leader = None
+        self._shared.drop_leader(tell=False)
 
     def lost_leadership(self) -> LeadershipLost | None:
         if self._generation is None:
