@@ -157,6 +157,8 @@ class Leader:
                 self.step_down(exc)
                 return
             except StoreUnavailable as exc:
+                if not self.still_leads():
+                    return  # woken deposed: it stepped down, nothing to publish or say
                 log.warning("session store %s: publishing the address failed, trying again "
                             "in %gs: %s", self._store.description, RETRY_INTERVAL, exc)
                 await trio.sleep(RETRY_INTERVAL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -230,7 +231,7 @@ async def open_coordinator(
                     await life.nursery.start(coord.host_writers)  # strands a shielded host
                 if store is not None:
                     await coord.lead(store, fresh=fresh)  # a standby waits here
-                    stack.push_async_callback(_release, store)
+                    stack.push_async_callback(_release, store, coord)
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)
                 if store is not None and bind is not None:
@@ -250,11 +251,18 @@ async def open_coordinator(
                     await coord.shutdown(reason)
 
 
-async def _release(store: SessionStore) -> None:
+# How long a coordinator that stepped down may spend giving up a leadership it no longer holds
+# (an etcd that does not answer would otherwise hold it for a whole request timeout): with the
+# shutdown that sends nothing, it bounds how soon a deposed coordinator leaves (docs/failover).
+DEPOSED_RELEASE_S = 0.5
+
+
+async def _release(store: SessionStore, coord: Coordinator) -> None:
     """Give the store's leadership up as the coordinator ends (a standby need not wait for a
     lease to run out); shielded: an outside cancellation must not keep it held."""
     with trio.CancelScope(shield=True):
-        await store.release()
+        with trio.move_on_after(DEPOSED_RELEASE_S if coord.deposed is not None else math.inf):
+            await store.release()
 
 
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:

@@ -123,6 +123,12 @@ class Persistence:
                 self._on_lost(exc)
                 return
             except StoreUnavailable as exc:
+                lost = self._store.lost_leadership()
+                if lost is not None:  # woken deposed: its lease is gone, nothing to retry
+                    self._lost = lost
+                    self._wake()
+                    self._on_lost(lost)
+                    return
                 log.warning("session store %s: save failed, trying again in %gs: %s",
                             self._store.description, RETRY_INTERVAL, exc)
                 self._dirty.set()

@@ -143,10 +143,12 @@ class EtcdStore(SessionStore):
         late = trio.current_time() - self._lease_deadline
         if self._generation is None or late < 0:
             return None
-        return LeadershipLost(f"store {self.description}: expected to lead as generation "
+        lost = LeadershipLost(f"store {self.description}: expected to lead as generation "
                               f"{self._generation}, but its lease's deadline passed {late:.1f} s "
                               "ago without a renewal (this process did not run: paused or "
                               "starved); stepping down")
+        self._lose()
+        return lost
 
     async def load(self) -> SessionState | None:
         await self._check_health()
