@@ -107,9 +107,9 @@ class SessionSalt:
         try:
             write_salt_file(path, self.hex())
         except FileExistsError:
-            raise ConfigError(f"salt file {str(path)!r}: expected no file there (a salt is "
-                              "never overwritten: a running session may use it), got an "
-                              "existing one") from None
+            raise ConfigError(f"salt file {str(path)!r}: expected no file there, got an "
+                              "existing one (a salt is never overwritten: a running session "
+                              "may use it)") from None
 
     def hex(self) -> str:
         """32 lowercase hex characters."""

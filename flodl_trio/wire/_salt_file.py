@@ -46,9 +46,8 @@ def read_salt_file(path: str | os.PathLike[str], *, what: str = "salt file") -> 
                               f"{_kind(info.st_mode)}")
         mode = stat.S_IMODE(info.st_mode)
         if mode & 0o077:
-            raise ConfigError(
-                f"{name}: expected a file only its owner may read (mode 0600: the salt is the "
-                f"run's secret), got mode {mode:04o}; run: chmod 600 {str(path)!r}")
+            raise ConfigError(f"{name}: expected mode 0600 (chmod 600 it: only its owner may "
+                              f"read the run's secret), got {mode:04o}")
         data = os.read(fd, MAX_SALT_FILE)
     finally:
         os.close(fd)
