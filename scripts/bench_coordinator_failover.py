@@ -20,6 +20,11 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   ``ShutdownWithSave``) and SIGCONT. Records any rank received from it must be 0.
 - ``relay kill``: SqliteStore, no coordinator kill; one host process (relay and ranks) is
   SIGKILLed between two syncs: its unsynced work must be redistributed.
+- ``graceful end``: SqliteStore, a standby coordinator process waits while the leader runs the
+  whole run and ends it gracefully; the standby must exit 0 (``SessionEnded``: the run it waited
+  for ended, nothing to adopt) soon after, not adopt the finished session and fail
+  ``resume_timeout`` later. Measured from the leader's ``done`` (its last epoch; its shutdown,
+  end marker and release follow) to the standby's exit.
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -296,6 +301,39 @@ def run_case(case: str, run: Run, etcd: EtcdServer | None) -> dict[str, Any]:
     return out
 
 
+def graceful_end(root: Path) -> dict[str, Any]:
+    """The ``graceful end`` case: a standby waiting on the leader's SQLite store while the leader
+    completes the run; the standby's exit code and how long after the leader's ``done`` it
+    exited."""
+    with ExitStack() as stack:
+        run = Run(root, "", stack)
+        run.store = store_url("sqlite", run.dir, None)
+        try:
+            port = free_port()
+            leader = run.coordinator(port)
+            leader.wait_line(lambda s: " listening " in s, run.deadline)
+            run.start_hosts(["--coordinator", f"127.0.0.1:{port}"])
+            leader.wait_line(lambda s: " leader " in s, run.deadline)
+            standby = run.coordinator(free_port())
+            standby.wait_line(lambda s: " listening " in s, run.deadline)
+            (done,) = leader.wait_line(lambda s: " done " in s, run.deadline)
+            while standby.proc.poll() is None and time.monotonic() < run.deadline:
+                time.sleep(0.005)
+            exited = time.monotonic()
+            code = standby.proc.poll()
+            if code is None:
+                raise RuntimeError("the standby did not exit")
+            run.finish(leader)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            tails = "".join(f"\n--- {c.out.name}:\n" + "\n".join(c.lines()[-8:])
+                            for c in [*run.coords, *run.hosts.values()])
+            raise RuntimeError(f"graceful end run in {run.dir} failed: {exc}{tails}") from None
+        ended = [s for s in standby.lines() if " ended " in s or " leader " in s]
+        return {"case": "graceful end", "standby_exit_code": code,
+                "standby_exit_s": exited - float(field(done, "t")),
+                "standby_said": ended[-1:], "dead": sorted(run.deaths()), **run.coverage()}
+
+
 @contextmanager
 def maybe_etcd(root: Path, wanted: bool) -> Iterator[EtcdServer | None]:
     if not wanted:
@@ -309,7 +347,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 runs of each takeover case")
     parser.add_argument("--runs", type=int, default=None, help="runs per takeover case (5)")
-    parser.add_argument("--cases", default="embedded,etcd,etcd standby,deposed,relay kill",
+    parser.add_argument("--cases",
+                        default="embedded,etcd,etcd standby,deposed,relay kill,graceful end",
                         help="comma-separated subset of the cases")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every run")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -325,11 +364,12 @@ def main() -> None:
         for case in cases:
             repeat = 1 if case in ("deposed", "relay kill") else runs
             for i in range(repeat):
-                outcome = one_run(case, Path(tmp), etcd)
+                outcome = (graceful_end(Path(tmp)) if case == "graceful end"
+                           else one_run(case, Path(tmp), etcd))
                 results.setdefault(case, []).append(outcome)
                 if args.verbose:
                     print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
-    kill_cases = [c for c in results if c != "relay kill"]
+    kill_cases = [c for c in results if c not in ("relay kill", "graceful end")]
     every = [r for c in results for r in results[c]]
     rows = []
     for case, outcomes in results.items():
@@ -345,7 +385,9 @@ def main() -> None:
             "dead": sum(len(r["dead"]) for r in outcomes),
             "exact": statistics.mean(r["exactly_once"] for r in outcomes),
             "lost": sum(r["lost"] for r in outcomes),
-            "deposed": sum(r.get("deposed_records", 0) for r in outcomes)})
+            "deposed": sum(r.get("deposed_records", 0) for r in outcomes),
+            "standby_s": rep.median([r["standby_exit_s"] for r in outcomes])
+            if case == "graceful end" else None})
     print(f"{rep.machine_note()}; the machine is shared with other work: medians are noisy")
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
@@ -353,7 +395,8 @@ def main() -> None:
                      ("process up s", "start_s", ".2f"), ("new leader s", "leader_s", ".2f"),
                      ("takeover s (median)", "takeover_s", ".2f"), ("p90 s", "p90_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
-                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d")], rows))
+                     ("samples lost", "lost", "d"), ("deposed records", "deposed", "d"),
+                     ("standby exit s", "standby_s", ".2f")], rows))
     by_case = {row["case"]: row for row in rows}
     targets = []
     for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
@@ -372,6 +415,12 @@ def main() -> None:
     if every:
         targets.append(rep.target("lost updates not re-run", sum(r["lost"] for r in every),
                                   "<=", 0))
+    if "graceful end" in results:
+        ends = results["graceful end"]
+        targets.append(rep.target("graceful end: standby exit code",
+                                  max(abs(r["standby_exit_code"]) for r in ends), "<=", 0))
+        targets.append(rep.target("graceful end: standby exit s",
+                                  rep.median([r["standby_exit_s"] for r in ends]), "<", 3))
     rep.finish("coordinator_failover", rows, targets, args.json,
                runs={c: results[c] for c in results})
 
