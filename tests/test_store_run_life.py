@@ -8,6 +8,7 @@ one; and a leader that wakes up with its lease lapsed steps down before it decla
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -18,8 +19,10 @@ from durable import ROSTER, cluster, stored
 import flodl_trio as ft
 from flodl_trio.events import ClusterFailed, RankDeclaredDead
 from flodl_trio.status import fetch_state
-from flodl_trio.store import MemoryStore
+from flodl_trio.store import EtcdStore, MemoryStore, SessionState
 from flodl_trio.testing import EventLog, MemoryNetwork
+
+from helpers import load_script
 
 
 async def test_a_graceful_end_is_recorded_in_the_store_before_the_leadership_is_released(
@@ -185,5 +188,50 @@ async def test_a_waiting_standby_serves_phase_standby_whom_it_waits_for_and_its_
             assert state["standby"]["store"] == "memory:memory"
             assert state["standby"]["leader"].startswith("coordinator on ")
             assert state["standby"]["would_lead_as"] == 2
+            board = await get_json(bound.address, "/board.json")  # the status page's
+            assert board["phase"] == "standby" and board["standby"] == state["standby"]
         with trio.fail_after(10):
             await ended.wait()
+
+
+async def get_json(address: tuple[str, int], path: str) -> Any:
+    """One HTTP/1.0 GET of a JSON document (the status port closes after the response)."""
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    return json.loads(data.partition(b"\r\n\r\n")[2])
+
+
+@pytest.fixture
+def etcd_endpoint(tmp_path: Any) -> Any:
+    helper = load_script("_etcd")
+    if helper.etcd_binary() is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    with helper.EtcdServer(tmp_path) as server:
+        yield server.endpoint
+
+
+async def test_an_etcd_leader_whose_lease_deadline_passed_knows_it_lost_without_asking(
+        etcd_endpoint: str) -> None:
+    """What a leader woken after a pause asks first: no request to etcd (it may be slow to
+    answer), and a lease known lost is not revoked on release."""
+    store = EtcdStore(etcd_endpoint, "flodl/lapsed", ttl=1)
+    standby = EtcdStore(etcd_endpoint, "flodl/lapsed", ttl=1)
+    try:
+        assert await store.acquire(owner="a") == 1
+        assert store.lost_leadership() is None  # within its lease
+        await trio.sleep(store.granted_ttl or 1)  # no keep_leadership: nobody renews
+        lost = store.lost_leadership()
+        assert lost is not None and "lease's deadline passed" in str(lost)
+        assert store.generation is None  # it no longer leads: its writes are refused
+        with pytest.raises(ft.LeadershipLost):
+            await store.save(SessionState(salt_id=bytes(16), world_size=1, generation=1))
+        with trio.fail_after(5):  # the lease runs out in etcd too: the standby wins
+            assert await standby.acquire(owner="b") == 2
+    finally:
+        await store.aclose()
+        await standby.aclose()

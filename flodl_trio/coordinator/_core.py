@@ -268,8 +268,7 @@ class Coordinator:
             entry["closed"] = conn.closed
         standby = self._leader.standby
         if standby is not None:  # waiting for the store's leadership: nothing is forming yet
-            fields["phase"] = "standby"
-            fields["standby"] = standby.fields()
+            fields.update(phase="standby", standby=standby.fields())
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -299,11 +298,15 @@ class Coordinator:
         began, formed = self._formation_began, self._formed_at
         formation_s = None if began is None else round((formed or now) - began, 3)
         failed = self.failure is not None or self.formation_failure is not None
-        return board_document(self._roster, self._board, now=now, failed=failed, extras={
+        doc = board_document(self._roster, self._board, now=now, failed=failed, extras={
             "formation_s": formation_s, "formed": formed is not None,
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         })
+        standby = self._leader.standby
+        if standby is not None:  # as in state(): waiting for the leadership, not forming
+            doc.update(phase="standby", standby=standby.fields())
+        return doc
 
     # ------------------------------------------------------------------ scheduler checkpoint
 
