@@ -115,7 +115,8 @@ class Cluster:
     @asynccontextmanager
     async def coordinator(self, where: str, *, store: MemoryStore | None = None,
                           form: bool = True, timeline: EventLog | None = None,
-                          fresh: bool = False, **overrides: Any) -> AsyncIterator[Any]:
+                          fresh: bool = False, standby: bool = False,
+                          **overrides: Any) -> AsyncIterator[Any]:
         """A coordinator listening at ``where``; with ``form``, the raw relays of ROSTER
         dial it (a fresh run's formation)."""
         if form:
@@ -127,6 +128,7 @@ class Cluster:
             self.net.listener(where), salt=self.salt, config=config(**overrides),
             store=self.store if store is None else store,
             timeline=timeline if timeline is not None else EventLog(), fresh=fresh,
+            standby=standby,
         ) as coord:
             yield coord
 

@@ -95,6 +95,24 @@ async def test_a_standby_raises_session_ended_as_soon_as_the_session_it_waits_fo
         assert await c.store.clone().current_leader() is None  # and released
 
 
+async def test_standby_true_stands_by_for_the_stores_run_even_one_that_ended_before_it_came(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    """``flodl-trio coordinator --standby`` started just after its leader's run ended (or
+    restarted then): it is a standby, not the first coordinator of a new run."""
+    async with cluster(memory_network) as c:
+        with pytest.raises(ft.ConfigError, match="expected one of them, got both"):
+            async with c.coordinator("coord-0", fresh=True, standby=True, form=False):
+                pass
+        async with c.coordinator("coord-1", standby=True) as coord:  # an empty store: leads
+            assert (coord.generation, coord.resumed) == (1, False)
+        with pytest.raises(ft.SessionEnded, match=r"\(generation 1\) ended \(the block exited\)"):
+            async with c.coordinator("coord-2", store=c.store.clone(), standby=True,
+                                     form=False):
+                pytest.fail("a standby started a new session")
+        assert (await stored(c.store)).generation == 1  # untouched
+
+
 @pytest.mark.parametrize("same_salt", [True, False], ids=["same-salt", "new-salt"])
 async def test_a_new_coordinator_on_an_ended_session_starts_a_new_one_with_the_next_generation(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, same_salt: bool
@@ -125,12 +143,11 @@ async def test_fresh_discards_an_unfinished_session_and_starts_a_new_one(
         async with c.coordinator("coord-2", store=c.store.clone(), fresh=True) as coord:
             assert (coord.generation, coord.resumed) == (2, False)
             assert coord.live_ranks == {0, 1, 2, 3}
-        listener = memory_network.listener("x")
-        with pytest.raises(ft.ConfigError, match="fresh=True starts a new session in a store"):
-            async with ft.open_coordinator(listener, salt=c.salt,
+        with pytest.raises(ft.ConfigError, match="fresh=True is about the session in a store: "
+                           "expected store=, got none"):
+            async with ft.open_coordinator(memory_network.listener("x"), salt=c.salt,
                                            config=ft.CoordinatorConfig(world_size=4), fresh=True):
-                pass
-        await listener.aclose()
+                pass  # the listener it was given is closed (the network checks at teardown)
 
 
 async def test_a_leader_woken_with_its_lease_lapsed_steps_down_and_declares_nobody_dead(

@@ -121,7 +121,7 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
             try:
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
                                             ssl_context=ssl_context, store=store,
-                                            fresh=args.fresh) as coord:
+                                            fresh=args.fresh, standby=args.standby) as coord:
                     if store is not None and coord.resumed:
                         print(adopted(coord, store), flush=True)
                     else:

@@ -121,10 +121,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ session store
 
-    async def lead(self, store: SessionStore, *, fresh: bool = False) -> None:
+    async def lead(self, store: SessionStore, *, fresh: bool = False,
+                   standby: bool = False) -> None:
         """Become ``store``'s leader and adopt its session, or start a new one (SPEC §4.7);
         runs before :meth:`background_tasks`. See :meth:`Leader.lead`."""
-        await self._leader.lead(store, fresh=fresh)
+        await self._leader.lead(store, fresh=fresh, standby=standby)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
         """Tell the store where relays can dial this leader (``open_coordinator`` does)."""

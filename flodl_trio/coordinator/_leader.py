@@ -74,12 +74,14 @@ class Leader:
         self.standby: StandbyView | None = None
         liveness.guard_with(self.still_leads)
 
-    async def lead(self, store: SessionStore, *, fresh: bool = False) -> None:
+    async def lead(self, store: SessionStore, *, fresh: bool = False,
+                   standby: bool = False) -> None:
         """Become ``store``'s leader (a standby blocks here), load its session and adopt it,
         or start a new one (see :func:`choose_start`).
 
         Raises:
-            SessionEnded: it waited for the leadership and the session it waited for ended.
+            SessionEnded: it waited for the leadership (or ``standby``) and the session it
+                stood by for ended.
             ForeignSession: an unfinished session of another run (salt id or world size).
             StoreCorrupt: the stored state is damaged.
             StoreUnavailable: the store cannot be reached.
@@ -96,8 +98,8 @@ class Leader:
             state = await store.load()
             sid = salt_id(self._salt)
             adopted = choose_start(state, salt_id=sid, world_size=self._config.world_size,
-                                   source=store.description, waited=leader is not None,
-                                   fresh=fresh)
+                                   source=store.description,
+                                   waited=standby or leader is not None, fresh=fresh)
             persist = self._persist = Persistence(store, generation=self.generation,
                                                   salt_id=sid, roster=self._roster,
                                                   on_lost=self.step_down)
@@ -111,6 +113,7 @@ class Leader:
                      self.generation, "adopted its session" if self.resumed else "new session")
             persist.request()  # the new generation's state, at once
         except BaseException:
+            self._persist = None  # never started: nothing to finish
             with trio.CancelScope(shield=True):
                 await store.release()
             raise

@@ -127,6 +127,7 @@ async def open_coordinator(
     ssl_context: ssl.SSLContext | None = None,
     store: SessionStore | None = None,
     fresh: bool = False,
+    standby: bool = False,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -151,6 +152,10 @@ async def open_coordinator(
             not: a new session starts on the store, its generation counting on.
         fresh: with ``store``, start a new session whatever the store holds (an unfinished
             session, even another run's, is discarded) instead of adopting it.
+        standby: with ``store``, stand by for the run the store holds: if that run ended
+            (before this coordinator asked for the leadership, or while it waited), raise
+            ``SessionEnded`` rather than start a new session. A coordinator that has to wait
+            for the leadership stands by for that run anyway; an empty store is led as usual.
 
     Raises:
         FormationTimeout / FormationAborted / FormationError: formation did not complete.
@@ -158,8 +163,8 @@ async def open_coordinator(
         StoreCorrupt: the store holds a damaged state; nothing was loaded.
         ForeignSession: (a ``StoreCorrupt``) the store holds another run's unfinished session
             (salt, world size); nothing was loaded; ``fresh=True`` would discard it.
-        SessionEnded: this coordinator waited for the store's leadership (a standby) and the
-            session it waited for ended: there is nothing to adopt.
+        SessionEnded: this coordinator waited for the store's leadership, or was opened with
+            ``standby=True``, and the run it stood by for ended: there is nothing to adopt.
         StoreUnavailable: the store cannot be reached.
         LeadershipLost: another coordinator took the session over: this one stepped down
             (the body was cancelled) without a word to the relays.
@@ -183,14 +188,20 @@ async def open_coordinator(
             f"trio.abc.Listener(s), got {listen!r}"
         )
     try:
-        if fresh and store is None:
-            raise ConfigError("open_coordinator: fresh=True starts a new session in a store: "
-                              "expected store=, got none")
+        if (fresh or standby) and store is None:
+            raise ConfigError(f"open_coordinator: {'fresh' if fresh else 'standby'}=True is "
+                              "about the session in a store: expected store=, got none")
+        if fresh and standby:
+            raise ConfigError("open_coordinator: fresh=True discards the store's session, "
+                              "standby=True stands by for it: expected one of them, got both")
         coord = Coordinator(salt=salt, config=config, timeline=timeline,
                             address=bind.address if bind else None, tls=ssl_context is not None)
     except BaseException:
-        if bind is not None:
-            await bind.aclose()
+        # Given to it, they are its to close (as they would be at the end of the block).
+        with trio.CancelScope(shield=True):
+            if bind is not None:
+                await bind.aclose()
+            await close_all(direct)
         raise
     if bind is not None and timeline is None:
         for address in bind.addresses:
@@ -230,7 +241,7 @@ async def open_coordinator(
                 with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
                     await life.nursery.start(coord.host_writers)  # strands a shielded host
                 if store is not None:
-                    await coord.lead(store, fresh=fresh)  # a standby waits here
+                    await coord.lead(store, fresh=fresh, standby=standby)  # a standby waits
                     stack.push_async_callback(_release, store, coord)
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)

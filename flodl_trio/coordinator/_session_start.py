@@ -57,7 +57,8 @@ def choose_start(state: SessionState | None, *, salt_id: bytes, world_size: int,
         state: what the store holds (None: nothing).
         salt_id: this run's salt id; world_size: this run's world size.
         source: the store's description, for messages.
-        waited: another coordinator led the store when this one asked for the leadership.
+        waited: another coordinator led the store when this one asked for the leadership
+            (or it was opened as a standby): it stands by for the run the store holds.
         fresh: start a new session whatever is stored.
 
     Raises:
