@@ -99,7 +99,8 @@ class Leader:
             sid = salt_id(self._salt)
             adopted = choose_start(state, salt_id=sid, world_size=self._config.world_size,
                                    source=store.description,
-                                   waited=standby or leader is not None, fresh=fresh)
+                                   waited=standby or leader is not None, fresh=fresh,
+                                   generation=self.generation)
             persist = self._persist = Persistence(store, generation=self.generation,
                                                   salt_id=sid, roster=self._roster,
                                                   on_lost=self.step_down)

@@ -13,11 +13,11 @@
 >>> from flodl_trio.store import SessionState
 >>> running = SessionState(salt_id=bytes(16), world_size=4, generation=3)
 >>> choose_start(running, salt_id=bytes(16), world_size=4, source="memory:m", waited=False,
-...              fresh=False) is running
+...              fresh=False, generation=4) is running
 True
 >>> ended = SessionState(salt_id=bytes(16), world_size=4, generation=3, ended="the block exited")
 >>> print(choose_start(ended, salt_id=bytes(16), world_size=4, source="memory:m",
-...                    waited=False, fresh=False))
+...                    waited=False, fresh=False, generation=4))
 None
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import attrs
 
-from .._errors import ForeignSession, SessionEnded
+from .._errors import ForeignSession, SessionEnded, StoreCorrupt
 from ..store import SessionState
 
 
@@ -50,7 +50,7 @@ class StandbyView:
 
 
 def choose_start(state: SessionState | None, *, salt_id: bytes, world_size: int, source: str,
-                 waited: bool, fresh: bool) -> SessionState | None:
+                 waited: bool, fresh: bool, generation: int) -> SessionState | None:
     """The state to adopt, or None to start a new session (see the module doc).
 
     Args:
@@ -60,8 +60,11 @@ def choose_start(state: SessionState | None, *, salt_id: bytes, world_size: int,
         waited: another coordinator led the store when this one asked for the leadership
             (or it was opened as a standby): it stands by for the run the store holds.
         fresh: start a new session whatever is stored.
+        generation: the generation this coordinator was given.
 
     Raises:
+        StoreCorrupt: the session to adopt has a generation not below ``generation`` (the
+            store's counter went back: fencing would not hold).
         SessionEnded: ``waited`` (not ``fresh``) and the session had ended.
         ForeignSession: an unfinished session of another run (not ``fresh``).
     """
@@ -82,6 +85,11 @@ def choose_start(state: SessionState | None, *, salt_id: bytes, world_size: int,
             "there, discarding it, open the coordinator with fresh=True (flodl-trio "
             "coordinator --fresh), or use another store path or prefix",
             store=source, generation=state.generation, why=why)
+    if state.generation >= generation:  # its relays would refuse this leader's generation
+        raise StoreCorrupt(f"store {source}: expected the generation counter ahead of the "
+                           f"stored session's generation {state.generation}, got {generation} "
+                           "(the counter was reset or replaced); refusing it (nothing was "
+                           "loaded): fencing needs it to grow")
     return state
 
 
