@@ -267,9 +267,7 @@ class Coordinator:
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
-        standby = self._leader.standby
-        if standby is not None:  # waiting for the store's leadership: nothing is forming yet
-            fields.update(phase="standby", standby=standby.fields())
+        fields.update(self._leader.standby_fields())
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -304,9 +302,7 @@ class Coordinator:
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         })
-        standby = self._leader.standby
-        if standby is not None:  # as in state(): waiting for the leadership, not forming
-            doc.update(phase="standby", standby=standby.fields())
+        doc.update(self._leader.standby_fields())
         return doc
 
     # ------------------------------------------------------------------ scheduler checkpoint

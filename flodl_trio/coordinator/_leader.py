@@ -129,6 +129,13 @@ class Leader:
         self._formation.adopting = True
         self._adopted_formed = state.formed and self._roster.complete
 
+    def standby_fields(self) -> dict[str, object]:
+        """What the status documents say while the coordinator waits for its store's
+        leadership (``phase`` ``standby``, not ``forming``: nothing forms yet), else nothing."""
+        if self.standby is None:
+            return {}
+        return {"phase": "standby", "standby": self.standby.fields()}
+
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks of a leading coordinator (none without a store). A session
         adopted formed completes formation here: the block is entered at once."""
