@@ -165,8 +165,8 @@ def test_a_leader_woken_after_a_standby_took_over_says_only_that_it_steps_down(
     assert took < DEPOSED_EXIT_S, took
     assert leader.out[said_out:] == []  # no death, no epoch, no summary
     (line,) = leader.err[said_err:]
-    assert line.startswith(f"flodl-trio: coordinator: stepping down: store {store}: expected to "
-                           "lead as generation 1, but"), line
+    assert line.startswith(f"flodl-trio: stepping down: store {store}: expected to lead as "
+                           "generation 1, but"), line
     assert not any("declared dead" in x or "cluster failure" in x for x in leader.err)
     assert not summary.exists()
     standby.popen.send_signal(signal.SIGTERM)  # its own run is not this test's

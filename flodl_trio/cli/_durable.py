@@ -94,8 +94,8 @@ def foreign_text(exc: ForeignSession) -> str:
     """The one line for another run's unfinished session in the store: what to do."""
     # Short: with a long store path it must stay one line of under 200 characters (--debug
     # shows the library's whole message: both salt ids, the generation).
-    return (f"coordinator: {exc.store} holds another run's unfinished session; pass --fresh to "
-            "discard it, or use another store")
+    return (f"coordinator: {exc.store} holds another run's unfinished session: --fresh "
+            "discards it, or use another store")
 
 
 def adopted_text(checkpoint: Mapping[str, Any] | None, *, generation: int, live: int, dead: int,

@@ -163,7 +163,8 @@ def _not_leading(exc: FlodlError) -> int:
         return EXIT_OK
     if isinstance(exc, ForeignSession):
         raise CommandFailed(foreign_text(exc)) from exc
-    raise CommandFailed(f"coordinator: stepping down: {str(exc).removesuffix('; stepping down')}")
+    # As short as the error's own name was: the cause must fit the one line.
+    raise CommandFailed(f"stepping down: {str(exc).removesuffix('; stepping down')}")
 
 
 async def _bind(args: argparse.Namespace, listen: tuple[str, int],
