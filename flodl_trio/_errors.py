@@ -228,6 +228,60 @@ class StoreCorrupt(StoreError):
     session (salt, world size); it is refused whole, never half-loaded."""
 
 
+class ForeignSession(StoreCorrupt):
+    """The store holds another run's unfinished session (another salt or world size): it is
+    refused whole, nothing is loaded. To start a new session there anyway (discarding that
+    one), open the coordinator with ``fresh=True`` (``flodl-trio coordinator --fresh``); or
+    use another store (a new path or prefix).
+
+    Attributes:
+        store: the store, as its ``description`` names it.
+        generation: the generation that wrote the refused session.
+        why: what differs (``"another salt"``, ``"world size 8, not 4"``).
+    """
+
+    def __init__(self, message: str, *, store: str, generation: int, why: str) -> None:
+        super().__init__(message)
+        self.store = store
+        self.generation = generation
+        self.why = why
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), (str(self),), {"store": self.store,
+                                                      "generation": self.generation,
+                                                      "why": self.why}))
+
+
+class SessionEnded(FlodlError):
+    """A coordinator that waited for its store's leadership (a standby) found that the session
+    it waited for had ended: its coordinator shut the cohort down and recorded the end, so
+    there is nothing to adopt. Nothing was loaded and the leadership was released; a
+    coordinator opened on the store again starts a new session.
+
+    Attributes:
+        store: the store, as its ``description`` names it.
+        generation: the generation of the coordinator that ended the session.
+        outcome: how it ended (``"the block exited"``, ``"cluster failure: ..."``).
+        ended_at: when (Unix time), or None if the state does not say.
+    """
+
+    def __init__(self, *, store: str, generation: int, outcome: str,
+                 ended_at: float | None) -> None:
+        super().__init__(f"store {store}: the session waited for (generation {generation}) "
+                         f"ended ({outcome}); expected a running session to adopt, found none "
+                         "(nothing was loaded; open a coordinator on the store again to start a "
+                         "new session)")
+        self.store = store
+        self.generation = generation
+        self.outcome = outcome
+        self.ended_at = ended_at
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), (), {"store": self.store, "generation": self.generation,
+                                            "outcome": self.outcome,
+                                            "ended_at": self.ended_at}))
+
+
 class LeadershipLost(StoreError):
     """This coordinator is no longer the store's leader (its lease expired or a newer
     generation took over): it must step down without broadcasting or shutting anyone down."""

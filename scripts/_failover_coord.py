@@ -20,6 +20,7 @@ clock in every process of the machine):
     coord dead t=... rank=R reason...
     coord done t=... epochs=N
     coord deposed t=... LeadershipLost: ...
+    coord ended t=... SessionEnded: ...     (a standby whose leader's run ended: exit 0)
 
 and appends to ``DIR/coverage.jsonl`` one line per epoch it closed (the scheduler's
 :class:`~flodl_trio.scheduler.EpochCoverage`, with the generation), written *before* the
@@ -151,6 +152,9 @@ async def run(args: argparse.Namespace) -> int:
     except ft.LeadershipLost as exc:
         say("deposed", f"LeadershipLost: {exc}")
         return 3
+    except ft.SessionEnded as exc:  # a standby: the run it waited for is over
+        say("ended", f"SessionEnded: {exc}")
+        return 0
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()

@@ -37,6 +37,11 @@ each control message it receives with CLOCK_MONOTONIC). A new session, store and
   and when the last epoch starts; ``store revisions per minute`` is the rate between the two
   (every write to etcd is one revision). The coordinator's ``/state.json`` is read then too (its
   ``store`` section: size, writes), and etcd's database size.
+- ``graceful end``: SqliteStore, a standby coordinator process waits while the leader runs the
+  whole run and ends it gracefully; the standby must exit 0 (``SessionEnded``: the run it waited
+  for ended, nothing to adopt) soon after, not adopt the finished session and fail
+  ``resume_timeout`` later. Measured from the leader's ``done`` (its last epoch; its shutdown,
+  end marker and release follow) to the standby's exit.
 
 Every run reports the ranks declared dead (coordinator-kill cases: must be 0), each epoch's
 synced coverage (from the scheduler's EpochCoverage, written by the coordinator processes),
@@ -409,6 +414,39 @@ def steady_growth(run: Run, leader: Child, port: int, etcd: EtcdServer) -> dict[
             "window_s": t1 - t0, "db_size": status["db_size"], "store": store}
 
 
+def graceful_end(root: Path) -> dict[str, Any]:
+    """The ``graceful end`` case: a standby waiting on the leader's SQLite store while the leader
+    completes the run; the standby's exit code and how long after the leader's ``done`` it
+    exited."""
+    with ExitStack() as stack:
+        run = Run(root, "", stack)
+        run.store = store_url("sqlite", run.dir, None)
+        try:
+            port = free_port()
+            leader = run.coordinator(port)
+            leader.wait_line(lambda s: " listening " in s, run.deadline)
+            run.start_hosts(["--coordinator", f"127.0.0.1:{port}"])
+            leader.wait_line(lambda s: " leader " in s, run.deadline)
+            standby = run.coordinator(free_port())
+            standby.wait_line(lambda s: " listening " in s, run.deadline)
+            (done,) = leader.wait_line(lambda s: " done " in s, run.deadline)
+            while standby.proc.poll() is None and time.monotonic() < run.deadline:
+                time.sleep(0.005)
+            exited = time.monotonic()
+            code = standby.proc.poll()
+            if code is None:
+                raise RuntimeError("the standby did not exit")
+            run.finish(leader)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            tails = "".join(f"\n--- {c.out.name}:\n" + "\n".join(c.lines()[-8:])
+                            for c in [*run.coords, *run.hosts.values()])
+            raise RuntimeError(f"graceful end run in {run.dir} failed: {exc}{tails}") from None
+        ended = [s for s in standby.lines() if " ended " in s or " leader " in s]
+        return {"case": "graceful end", "standby_exit_code": code,
+                "standby_exit_s": exited - float(field(done, "t")),
+                "standby_said": ended[-1:], "dead": sorted(run.deaths()), **run.coverage()}
+
+
 @contextmanager
 def maybe_etcd(root: Path, wanted: bool) -> Iterator[EtcdServer | None]:
     if not wanted:
@@ -433,7 +471,7 @@ def etcd_extras(root: Path, cases: list[str]) -> Iterator[dict[str, Any]]:
 
 
 ALL_CASES = ("embedded,etcd,etcd standby,deposed,relay kill,etcd member lost,etcd member paused,"
-             "etcd tls,etcd tls refused,frozen leader,steady")
+             "etcd tls,etcd tls refused,frozen leader,steady,graceful end")
 
 
 def main() -> None:
@@ -463,11 +501,12 @@ def main() -> None:
                 continue
             repeat = 1 if case in ("deposed", "relay kill", "frozen leader", "steady") else runs
             for i in range(repeat):
-                outcome = one_run(case, Path(tmp), etcd, extra)
+                outcome = (graceful_end(Path(tmp)) if case == "graceful end"
+                           else one_run(case, Path(tmp), etcd, extra))
                 results.setdefault(case, []).append(outcome)
                 if args.verbose:
                     print(f"  {case} run {i + 1}: {json.dumps(outcome)}", flush=True)
-    kill_cases = [c for c in results if c not in ("relay kill", "steady")]
+    kill_cases = [c for c in results if c not in ("relay kill", "steady", "graceful end")]
     every = [r for c in results for r in results[c]]
     rows = []
     for case, outcomes in results.items():
@@ -487,7 +526,9 @@ def main() -> None:
             "lost": sum(r["lost"] for r in outcomes),
             "deposed": sum(r.get("deposed_records", 0) for r in outcomes),
             "revisions": (rep.median([r["revisions_per_min"] for r in outcomes])
-                          if case == "steady" else None)})
+                          if case == "steady" else None),
+            "standby_s": rep.median([r["standby_exit_s"] for r in outcomes])
+            if case == "graceful end" else None})
     print(f"{rep.machine_note()}; the machine is shared with other work: medians are noisy")
     print(f"{WORLD} simulated ranks on 2 host processes, {EPOCHS} epochs of {SAMPLES} samples, "
           f"batches of {BATCH} x {BATCH_MS:g} ms; a new store and cluster per run; loopback TCP")
@@ -497,7 +538,8 @@ def main() -> None:
                      ("relays resumed s", "resumed_s", ".2f"),
                      ("ranks dead", "dead", "d"), ("epochs exactly once", "exact", ".2f"),
                      ("samples lost", "lost", "d"), ("deposed records", "deposed", "d"),
-                     ("revisions/min", "revisions", ".0f")], rows))
+                     ("revisions/min", "revisions", ".0f"),
+                     ("standby exit s", "standby_s", ".2f")], rows))
     by_case = {row["case"]: row for row in rows}
     targets = []
     for case, name in (("embedded", "embedded: takeover s"), ("etcd", "etcd: takeover s"),
@@ -534,6 +576,12 @@ def main() -> None:
     if "steady" in by_case:
         targets.append(rep.target("store revisions per minute", by_case["steady"]["revisions"],
                                   "<=", 120))
+    if "graceful end" in results:
+        ends = results["graceful end"]
+        targets.append(rep.target("graceful end: standby exit code",
+                                  max(abs(r["standby_exit_code"]) for r in ends), "<=", 0))
+        targets.append(rep.target("graceful end: standby exit s",
+                                  rep.median([r["standby_exit_s"] for r in ends]), "<", 3))
     rep.finish("coordinator_failover", rows, targets, args.json,
                runs={c: results[c] for c in results}, refusal=refusal)
 

@@ -115,6 +115,7 @@ class Cluster:
     @asynccontextmanager
     async def coordinator(self, where: str, *, store: MemoryStore | None = None,
                           form: bool = True, timeline: EventLog | None = None,
+                          fresh: bool = False, standby: bool = False,
                           **overrides: Any) -> AsyncIterator[Any]:
         """A coordinator listening at ``where``; with ``form``, the raw relays of ROSTER
         dial it (a fresh run's formation)."""
@@ -126,19 +127,29 @@ class Cluster:
         async with ft.open_coordinator(
             self.net.listener(where), salt=self.salt, config=config(**overrides),
             store=self.store if store is None else store,
-            timeline=timeline if timeline is not None else EventLog(),
+            timeline=timeline if timeline is not None else EventLog(), fresh=fresh,
+            standby=standby,
         ) as coord:
             yield coord
 
     async def crashed_first_run(self, body: Callable[[Any], Any] | None = None) -> None:
-        """A first coordinator forms, runs ``body``, and is gone (cancelled; its lease then
-        runs out)."""
-        with trio.CancelScope() as scope:
-            async with self.coordinator("coord-1") as coord:
-                if body is not None:
-                    await body(coord)
-                scope.cancel()
-        self.store.expire()
+        """A first coordinator forms, runs ``body``, and is gone as a crashed one is: its
+        lease runs out, it steps down without a word to its relays and without recording an
+        end (a coordinator that ends any other way ends its session: nothing to adopt)."""
+        await crash(self.coordinator("coord-1"), body, self.store)
+
+
+async def crash(opened: Any, body: Callable[[Any], Any] | None, store: MemoryStore) -> None:
+    """Run the coordinator ``opened`` (an ``open_coordinator`` context), ``body`` in its block,
+    then lose its lease: it steps down (``LeadershipLost``), leaving its session to adopt."""
+    try:
+        async with opened as coord:
+            if body is not None:
+                await body(coord)
+            store.expire()
+            await trio.sleep_forever()
+    except ft.LeadershipLost:
+        pass
 
 
 @asynccontextmanager

@@ -163,6 +163,7 @@ def test_salt_file_is_read_and_trimmed(tmp_path: Path) -> None:
 
     f = tmp_path / "salt"
     f.write_text("  " + "CD" * 16 + "\n")
+    f.chmod(0o600)
     args = argparse.Namespace(salt_file=str(f), salt_hex=None)
     assert load_salt(args, long_running=True).hex() == "cd" * 16
 

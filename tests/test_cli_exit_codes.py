@@ -133,6 +133,7 @@ def test_a_binary_salt_file_is_a_usage_error_naming_the_file(
 ) -> None:
     salt = tmp_path / "salt.bin"
     salt.write_bytes(b"\xff\xfe\x00\x81" * 8)
+    salt.chmod(0o600)
     relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
                  "--world-size", "1", "--salt-file", str(salt), env=env)
     procs.append(relay)

@@ -54,6 +54,7 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
     first.popen.kill()
     killed = time.monotonic()
     assert first.wait() == -9
+    assert not summary.exists()  # issue 34: a 0-byte file (it is now written whole, at the end)
 
     second = coordinator(address)
     adopted = second.line_with("adopted the running session")
@@ -68,9 +69,17 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
     print(f"sqlite restart: adopted {took_over:.2f} s after the SIGKILL (a new process), both "
           f"relays resumed after {time.monotonic() - killed:.2f} s")
     assert all(relay.wait() == 0 for relay in relays)
+    for relay in relays:  # told once, on stdout (the library's warning said it again)
+        assert not [line for line in relay.err if "lost the coordinator" in line], relay.err
     result = json.loads(summary.read_text())
     assert result["epochs_completed"] == 4 and result["resumed"] is True
     assert result["dead_ranks"] == [] and result["coverage"]["exact"], result
+    # The whole run's, numbered from 1: the first coordinator's epoch too (issue 34 item 7).
+    assert [m["epoch"] for m in result["epoch_metrics"]] == [1, 2, 3, 4]
+    assert all(isinstance(m["avg_loss"], float) for m in result["epoch_metrics"][:1])
+    assert 2 <= result["first_epoch"] <= 4
+    taken_over = second.line_with(f"epoch {result['first_epoch']}/4:")
+    assert "begun before the takeover" in taken_over and "over 0.00 s" not in taken_over
 
 
 def test_demo_kill_coordinator_adopts_and_finishes_with_every_epoch_covered_once(

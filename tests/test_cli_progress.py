@@ -58,3 +58,32 @@ async def test_lines_are_printed_as_events_arrive_and_none_is_lost_at_the_end() 
         timeline.event(Note(what="epoch_aggregated", fields={"epoch": 0, "avg_loss": 1.0}))
         nursery.cancel_scope.cancel()  # at once: the queued events are still told
     assert out.getvalue().splitlines()[-1].startswith("epoch 1/1: 240/240 samples covered")
+
+
+def test_the_epoch_taken_over_mid_way_says_so_instead_of_a_throughput_over_a_part() -> None:
+    """Issue 34 item 7: it printed ``- samples/s over 0.00 s`` (its start was the dead
+    coordinator's)."""
+    done: list[EpochCoverage] = []
+    progress = EpochProgress(3, lambda: done)
+    progress.lines_for(Stamped(100.0, Note(what="scheduler_resumed", fields={
+        "epoch": 1, "epochs_completed": 1, "global_step": 9})))
+    done.append(coverage(1))
+    assert progress.lines_for(Stamped(400.0, Note(what="epoch_aggregated", fields={
+        "epoch": 1, "avg_loss": 1.0}))) == [
+        "epoch 2/3: 240/240 samples covered (exactly once), begun before the takeover "
+        "(0.30 s of it on this coordinator), 0 deaths (0 dead in all)"]
+    progress.lines_for(Stamped(400.0, Note(what="epoch_started", fields={"epoch": 2})))
+    done.append(coverage(2))
+    [line] = progress.lines_for(Stamped(900.0, Note(what="epoch_aggregated", fields={
+        "epoch": 2, "avg_loss": 0.5})))
+    assert "480 samples/s over 0.50 s" in line  # the next one is whole again
+
+
+def test_a_takeover_between_two_epochs_starts_the_next_one_here_whole() -> None:
+    progress = EpochProgress(2, lambda: [coverage(1)])
+    progress.lines_for(Stamped(0.0, Note(what="scheduler_resumed", fields={
+        "epoch": 1, "epochs_completed": 1, "global_step": 9})))
+    progress.lines_for(Stamped(100.0, Note(what="epoch_started", fields={"epoch": 1})))
+    [line] = progress.lines_for(Stamped(600.0, Note(what="epoch_aggregated", fields={
+        "epoch": 1, "avg_loss": 1.0})))
+    assert "480 samples/s over 0.50 s" in line

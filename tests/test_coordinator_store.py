@@ -107,8 +107,8 @@ async def test_checkpoint_cbor_cannot_encode_is_refused_and_nothing_is_recorded(
 
 
 @pytest.mark.parametrize(("other_salt", "world", "expected"), [
-    (True, 4, "expected the session of salt id "),
-    (False, 8, "expected world size 4, got 8"),
+    (True, 4, "another salt"),
+    (False, 8, "world size 8, not 4"),
 ], ids=["salt", "world-size"])
 async def test_foreign_state_is_refused_whole_naming_the_store_and_both_values(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, other_salt: bool,
@@ -119,13 +119,17 @@ async def test_foreign_state_is_refused_whole_naming_the_store_and_both_values(
         foreign = SessionState(salt_id=salt_id(salt), world_size=world,
                                roster=(("elsewhere", (0,)),), formed=True, generation=7)
         c.store.corrupt(foreign.encode())
-        with pytest.raises(ft.StoreCorrupt) as refused:
+        with pytest.raises(ft.ForeignSession) as refused:  # a StoreCorrupt
             async with c.coordinator("coord-1", form=False):
                 pytest.fail("a foreign session was adopted")
         text = str(refused.value)
-        assert "memory:memory" in text and expected in text
-        if other_salt:
-            assert salt_id(c.salt).hex() in text and salt_id(salt).hex() in text
+        assert text.startswith("store memory:memory: expected this run's session")
+        assert refused.value.why == expected and refused.value.generation == 7
+        assert (f"got another run's unfinished session (generation 7, salt id "
+                f"{salt_id(salt).hex()}, world size {world})") in text
+        assert f"(salt id {salt_id(c.salt).hex()}, world size 4)" in text
+        assert text.endswith("open the coordinator with fresh=True (flodl-trio coordinator "
+                             "--fresh), or use another store path or prefix")
         assert await stored(c.store) == foreign  # untouched
         with trio.fail_after(1):  # the leadership was released: the next one does not wait
             assert await c.store.clone().acquire(owner="test") == 2
@@ -141,7 +145,7 @@ async def test_damaged_state_is_refused_with_the_store_named(
                 pytest.fail("a damaged state was loaded")
 
 
-async def test_standby_waits_in_acquire_until_the_leader_ends_then_adopts(
+async def test_standby_waits_in_acquire_until_the_leader_crashed_then_adopts(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with cluster(memory_network) as c:
@@ -152,12 +156,16 @@ async def test_standby_waits_in_acquire_until_the_leader_ends_then_adopts(
                 standby_entered.append(trio.current_time())
                 assert (coord.generation, coord.resumed) == (2, True)
 
-        async with c.coordinator("coord-1") as coord:
+        async def lead_then_crash(coord: Any) -> None:
+            nonlocal ended
             c.nursery.start_soon(standby)
             await trio.sleep(100)
             assert standby_entered == []
             assert coord.generation == 1
             ended = trio.current_time()
+
+        ended = 0.0
+        await c.crashed_first_run(lead_then_crash)  # a graceful end: tests/test_store_run_life
         await wait_until(lambda: standby_entered, limit=1)
         assert standby_entered == [ended]
 

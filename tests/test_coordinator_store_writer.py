@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import trio
-from durable import ROSTER, cluster, stored, until_stored
+from durable import ROSTER, cluster, crash, stored, until_stored
 
 import flodl_trio as ft
 from flodl_trio.store import MemoryStore, SessionState
@@ -67,6 +67,9 @@ class UnawareStore(MemoryStore):
                               = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await trio.sleep_forever()
+
+    def lost_leadership(self) -> ft.LeadershipLost | None:
+        return None  # it does not know, even when asked
 
 
 async def test_burst_of_deaths_is_saved_one_write_at_a_time_and_the_latest_state_wins(
@@ -173,15 +176,15 @@ async def test_session_saved_mid_formation_is_completed_by_a_resume_and_a_new_re
     autojump_clock: trio.abc.Clock, memory_network: ft.testing.MemoryNetwork
 ) -> None:
     async with cluster(memory_network) as c:
-        with trio.CancelScope() as scope:  # the first coordinator dies during formation
-            c.nursery.start_soon(c.dial, "coord-1", "host-a", (0, 1))
-            async def kill_once_saved() -> None:
-                await until_stored(c.store, lambda state: state.roster == ROSTER[:1])
-                scope.cancel()
-            c.nursery.start_soon(kill_once_saved)
+        # The first coordinator dies during formation (its lease runs out: it steps down).
+        c.nursery.start_soon(c.dial, "coord-1", "host-a", (0, 1))
+        async def kill_once_saved() -> None:
+            await until_stored(c.store, lambda state: state.roster == ROSTER[:1])
+            c.store.expire()
+        c.nursery.start_soon(kill_once_saved)
+        with pytest.raises(ft.LeadershipLost):
             async with c.coordinator("coord-1", form=False):
                 pytest.fail("formed with one relay of two")
-        c.store.expire()
         assert not (await stored(c.store)).formed
 
         async def join_later() -> None:
@@ -226,15 +229,15 @@ async def test_relays_redial_the_published_address_and_resume_over_tcp() -> None
     async with cluster(ft.testing.MemoryNetwork(), store) as cluster_:
         for generation in (None, 1):  # a fresh run, then the coordinator that adopts it
             cluster_.nursery.start_soon(dial_all, cluster_, generation)
-            with trio.CancelScope() as scope:
-                async with ft.open_coordinator(("127.0.0.1", 0), salt=cluster_.salt, config=cfg,
-                                               store=store.clone()) as coord:
-                    assert coord.generation == (generation or 0) + 1
-                    await wait_until(lambda: all(
-                        r.peer.startswith("127.0.0.1:") for r in coord.relays), limit=10)
-                    assert coord.live_ranks == {0, 1, 2, 3}
-                    scope.cancel()  # the coordinator goes away
-            store.expire()
+            async def check(coord: ft.Coordinator, generation: int | None = generation) -> None:
+                assert coord.generation == (generation or 0) + 1
+                await wait_until(lambda: all(
+                    r.peer.startswith("127.0.0.1:") for r in coord.relays), limit=10)
+                assert coord.live_ranks == {0, 1, 2, 3}
+
+            opened = ft.open_coordinator(("127.0.0.1", 0), salt=cluster_.salt, config=cfg,
+                                         store=store.clone())
+            await crash(opened, check, store)  # the coordinator goes away
 
 
 class UnpublishableOnce(MemoryStore):

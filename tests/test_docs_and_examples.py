@@ -12,6 +12,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -39,6 +40,59 @@ def test_the_embedding_example_forms_trains_and_finishes() -> None:
     assert ("relay: RelayExit(reason='coordinator said Goodbye: the block exited', clean=True)"
             in done.stdout)
     assert "orchestrator saw 12 batches from 4 ranks" in done.stdout
+
+
+def _example(role: str, state: Path, out: Path,
+             started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, str(EXAMPLES / "embedding_store.py"), role,
+                                 str(state)], stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
+    started.append(proc)
+    return proc
+
+
+def _wait_for(out: Path, text: str) -> None:
+    for _ in range(1200):  # bounded: 60 s
+        if text in out.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {out.read_text()}")
+
+
+@pytest.mark.slow
+def test_the_store_example_survives_a_restart_of_itself_and_runs_again(tmp_path: Path) -> None:
+    """Issue 39: a store-backed program could not run twice, nor adopt its own session after a
+    restart (its salt was new each time)."""
+    state, logs = tmp_path / "state", tmp_path / "logs"
+    state.mkdir()
+    logs.mkdir()
+    started: list[subprocess.Popen[bytes]] = []
+    hosts = _example("hosts", state, logs / "hosts-1", started)
+    first = _example("orchestrate", state, logs / "first", started)
+    try:
+        _wait_for(logs / "first", "round 2/8 done")
+        first.kill()  # a crash: the session is left for the next start to adopt
+        assert first.wait(timeout=60) == -9
+        again = _example("orchestrate", state, logs / "again", started)
+        assert again.wait(timeout=90) == 0, (logs / "again").read_text()
+        assert hosts.wait(timeout=60) == 0, (logs / "hosts-1").read_text()
+        said = (logs / "again").read_text().splitlines()
+        assert said[0].startswith(f"adopted the session of sqlite:{state / 'session.db'} as "
+                                  "generation 2, resuming at round "), said
+        assert said[-1] == "round 8/8 done"
+        assert "coordinator said Goodbye: the block exited" in (logs / "hosts-1").read_text()
+        hosts = _example("hosts", state, logs / "hosts-2", started)
+        second = _example("orchestrate", state, logs / "second", started)
+        assert second.wait(timeout=90) == 0, (logs / "second").read_text()
+        assert hosts.wait(timeout=60) == 0, (logs / "hosts-2").read_text()
+        assert (logs / "second").read_text().splitlines()[0] == (
+            f"new session of sqlite:{state / 'session.db'} as generation 3")
+        assert (state / "salt").stat().st_mode & 0o777 == 0o600
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.slow

@@ -183,6 +183,9 @@ def test_a_checkpoint_of_other_settings_or_malformed_is_refused_naming_why() -> 
     coord.checkpoint = {**FakeCoord.checkpoint, "shares": [{"rank": 0, "ranges": "x"}]}
     with pytest.raises(ft.StoreCorrupt, match="ranges of rank 0"):
         SyncScheduler(coord, total_samples=12, batch_size=2, num_epochs=2)
+    coord.checkpoint = {**FakeCoord.checkpoint, "losses": [0.5, "low"]}
+    with pytest.raises(ft.StoreCorrupt, match=r"a list of numbers \(or null\) as losses"):
+        SyncScheduler(coord, total_samples=12, batch_size=2, num_epochs=2)
     coord.checkpoint = {"format": "something else"}
     with pytest.raises(ft.StoreCorrupt, match=r"format 'flodl-trio\.sync-scheduler/1'"):
         SyncScheduler(coord, total_samples=12, batch_size=2, num_epochs=2)
@@ -233,6 +236,9 @@ def test_a_new_scheduler_resumes_the_run_and_every_epoch_is_synced_exactly_once(
         assert summary.first_epoch == len(first.coverage)  # closed epochs are not run again
         assert [m.epoch for m in summary.epoch_metrics] == list(range(summary.first_epoch,
                                                                       epochs))
+        # the whole run's losses: the first scheduler's epochs come from its checkpoint
+        assert len(summary.epoch_losses) == epochs
+        assert all(isinstance(loss, float) for loss in summary.epoch_losses[:summary.first_epoch])
         assert [cov.epoch for cov in first.coverage + second.coverage] == list(range(epochs))
         assert_accounting_matches(second, records)
         for rec in records:
@@ -273,12 +279,14 @@ async def test_a_scheduler_on_a_finished_runs_checkpoint_only_shuts_the_ranks_do
 
         c.coord.broadcast_control = without_shutdown  # type: ignore[method-assign]
         with trio.fail_after(600):
-            await SyncScheduler(c.coord, total_samples=8, batch_size=2, num_epochs=1).run()
+            first = await SyncScheduler(c.coord, total_samples=8, batch_size=2,
+                                        num_epochs=1).run()
         c.coord.broadcast_control = broadcast  # type: ignore[method-assign]
         second = SyncScheduler(c.coord, total_samples=8, batch_size=2, num_epochs=1)
         with trio.fail_after(600):
             summary = await second.run()
     assert summary.resumed and summary.epochs_completed == 1 and summary.epoch_metrics == ()
+    assert summary.epoch_losses == (first.epoch_metrics[0].avg_loss,)  # the whole run's
     for r in (0, 1):
         assert isinstance(c.sims[r].record.received[-1], Shutdown)
         assert len(c.sims[r].record.of_type(StartEpoch)) == 1

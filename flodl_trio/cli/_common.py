@@ -8,16 +8,21 @@ importing the CLI entry point (no import cycle).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import tempfile
 import warnings
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import trio
 
-from .._errors import UsageError as UsageError  # re-exported: the CLI modules import it here
+from .._errors import (
+    ConfigError,
+    UsageError as UsageError,  # re-exported: the CLI modules import it here
+)
 from ..wire import SessionSalt
+from ..wire._salt_file import read_salt_file
 
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -114,18 +119,21 @@ def load_salt(args: argparse.Namespace, *, long_running: bool) -> SessionSalt:
     """The salt from --salt-file, $FLODL_SALT_HEX or --salt-hex (which shows in ``ps``).
 
     Raises:
-        UsageError: no salt given, or the salt file cannot be read as text.
-        ConfigError: the salt is not 32 hex characters.
+        UsageError: no salt given, or the salt file cannot be read, may be read by others than
+            its owner (not mode 0600) or does not hold 32 hex characters.
+        ConfigError: the salt from the environment or --salt-hex is not 32 hex characters.
     """
     if getattr(args, "salt_file", None):
         try:
-            text = Path(args.salt_file).read_text(encoding="utf-8")
-        except OSError as exc:
+            text = read_salt_file(args.salt_file, what="--salt-file")
+        except FileNotFoundError as exc:
             raise UsageError(f"--salt-file {args.salt_file!r}: {os_error_text(exc)}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"--salt-file {args.salt_file!r}: expected 32 hex characters as "
-                             "text, got bytes that are not UTF-8") from None
-        return SessionSalt.from_hex(text)
+        except ConfigError as exc:  # unreadable, readable by others, not text: it says which
+            raise UsageError(str(exc)) from None
+        try:
+            return SessionSalt.from_hex(text)
+        except ConfigError as exc:
+            raise UsageError(f"--salt-file {args.salt_file!r}: {exc}") from None
     if getattr(args, "salt_hex", None):
         if long_running:
             warnings.warn(
@@ -150,9 +158,40 @@ def check_writable(path: str, *, what: str) -> None:
         raise UsageError(f"{what} {path!r}: {os_error_text(exc)}") from None
 
 
-async def write_text(path: str, text: str, *, what: str) -> None:
+def check_replaceable(path: str, *, what: str) -> None:
+    """Fail now, in one line, if a file cannot be written at ``path`` by
+    :func:`replace_text` (its directory must take a new file); nothing is left behind."""
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path!r}: expected a file, got a directory")
     try:
-        await trio.Path(path).write_text(text, encoding="utf-8")
+        fd, probe = tempfile.mkstemp(prefix=".flodl-", dir=os.path.dirname(path) or ".")
+    except OSError as exc:
+        raise UsageError(f"{what} {path!r}: {os_error_text(exc)}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _replace_sync(path: str, text: str) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide a summary from its readers
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+async def replace_text(path: str, text: str, *, what: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it): a
+    process killed meanwhile leaves the previous file, or none, never an empty one."""
+    try:
+        await trio.to_thread.run_sync(_replace_sync, path, text)
     except OSError as exc:
         raise CommandFailed(f"{what} {path!r}: {os_error_text(exc)}") from None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from .._errors import ConfigError
+from .._errors import ConfigError, ForeignSession, SessionEnded, StoreCorrupt, StoreUnavailable
 from ..coordinator import Coordinator
 from ..events import Note
 from ..store import SessionStore, open_store
@@ -39,11 +39,17 @@ def store_from(text: str, *, option: str) -> SessionStore:
 
 
 def open_cli_store(args: argparse.Namespace) -> SessionStore | None:
-    """The coordinator's ``--store`` (None without it); ``--standby`` needs one."""
+    """The coordinator's ``--store`` (None without it); ``--standby`` and ``--fresh`` need
+    one, and exclude each other."""
     if args.store is None:
-        if args.standby:
-            raise UsageError("--standby waits for the leadership of a --store: pass --store URL")
+        for flag, what in (("standby", "waits for the leadership of"),
+                           ("fresh", "starts a new session in")):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag} {what} a --store: pass --store URL")
         return None
+    if args.standby and args.fresh:
+        raise UsageError("--standby adopts the session its leader leaves, --fresh discards "
+                         "any: choose one")
     return store_from(args.store, option="--store")
 
 
@@ -61,8 +67,35 @@ async def check_leader(store: SessionStore, *, standby: bool) -> None:
     if not standby:
         raise CommandFailed(f"coordinator: store {store.description} is led by {owner}; pass "
                             "--standby to wait for it")
-    print(f"standby: store {store.description} is led by {owner}; waiting for the leadership",
-          flush=True)
+    try:
+        state = await store.load()
+        would = f" (it would lead as generation {1 if state is None else state.generation + 1})"
+    except (StoreCorrupt, StoreUnavailable):
+        would = ""  # said in full once it leads and loads it
+    print(f"standby: store {store.description} is led by {owner}; waiting for the "
+          f"leadership{would}", flush=True)
+
+
+def formed_text(coord: Coordinator, store: SessionStore | None) -> str:
+    """The line of a coordinator that formed a new session (with a store: which generation)."""
+    line = f"formed: {coord.world_size} ranks over {len(coord.relays)} relays"
+    if store is not None:
+        line += f" (generation {coord.generation} of {store.description}, a new session)"
+    return line
+
+
+def ended_text(exc: SessionEnded) -> str:
+    """The line of a standby whose run ended: it exits 0, there is nothing to adopt."""
+    return (f"standby: the run it waited for on {exc.store} ended (generation "
+            f"{exc.generation}: {exc.outcome}); nothing to adopt")
+
+
+def foreign_text(exc: ForeignSession) -> str:
+    """The one line for another run's unfinished session in the store: what to do."""
+    # Short: with a long store path it must stay one line of under 200 characters (--debug
+    # shows the library's whole message: both salt ids, the generation).
+    return (f"coordinator: {exc.store} holds another run's unfinished session: --fresh "
+            "discards it, or use another store")
 
 
 def adopted_text(checkpoint: Mapping[str, Any] | None, *, generation: int, live: int, dead: int,

@@ -67,14 +67,20 @@ def network_cause(exc: BaseException, *, peer: str, address: str) -> str | None:
 
 def shorten(text: str, limit: int) -> str:
     """``text`` if it is under ``limit`` characters, else its leading ``;``-separated clauses,
-    a clause without the parenthesis it did not finish, or its start, and a pointer to
-    ``--debug``."""
+    a clause without the parenthesis it did not finish, or its start up to a whole word, and a
+    pointer to ``--debug``.
+
+    >>> shorten("word " * 30, 60)
+    'word word word word ... (--debug for the full message)'
+    """
     text = " ".join(text.split())  # one line, whatever the message held
     if len(text) < limit:  # under the limit, as the module says (a 200-character line was not)
         return text
     room = limit - 1 - len(_MORE)
     head = text[:room]
     cut = max(head.rfind("; "), head.rfind(" ("))
+    if cut <= room // 3:  # no clause to end on: at least a whole word
+        cut = head.rfind(" ")
     if cut > room // 3:
         head = head[:cut]
     return head.rstrip(" ;,:") + _MORE

@@ -39,6 +39,28 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+# Library log records that a command tells on stdout in a line of its own (or, for a step-down,
+# in its one final line): dropped, so that nothing is said twice. Keyed by the logger and the
+# start of the record's format string.
+SAID_ELSEWHERE = {
+    "relay": (("flodl_trio.relay", "relay %r: lost the coordinator"),),
+    "coordinator": (("flodl_trio.coordinator.liveness", "rank %d (host %s) declared dead"),
+                    ("flodl_trio.coordinator", "stepping down, without a word")),
+}
+
+
+class _SaidElsewhere(logging.Filter):
+    """Drops the records of :data:`SAID_ELSEWHERE` for one command."""
+
+    def __init__(self, dropped: tuple[tuple[str, str], ...]) -> None:
+        super().__init__()
+        self.dropped = dropped
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(record.name == name and str(record.msg).startswith(start)
+                       for name, start in self.dropped)
+
+
 def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The exception the user should see from a nursery's group (None: only cancellations)."""
     _, rest = group.split(trio.Cancelled)
@@ -66,6 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.captureWarnings(True)
+    said = _SaidElsewhere(SAID_ELSEWHERE.get(args.command or "", ()))
+    # On the loggers themselves (a filter there sees only their own records), removed at the
+    # end: main() also runs inside other programs and tests, whose logging is theirs.
+    loggers = [logging.getLogger(name) for name, _ in said.dropped]
+    for logger in loggers:
+        logger.addFilter(said)
+    try:
+        return _main(args)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(said)
+
+
+def _main(args: Any) -> int:
     if args.command is None:
         print(f"flodl-trio {__version__}")
         print(f"fresh session salt: {SessionSalt.generate().hex()}")
@@ -135,7 +171,12 @@ def _failure_line(args: Any, exc: BaseException, line: str | None) -> str:
 
 def _dispatch(args: Any) -> int:
     if args.command == "salt":
-        print(SessionSalt.generate().hex())
+        salt = SessionSalt.generate()
+        if args.file is None:
+            print(salt.hex())
+        else:
+            salt.save(args.file)  # ConfigError (it exists, or cannot be written): one line, 2
+            print(f"wrote a fresh session salt to {args.file} (mode 0600)")
         return EXIT_OK
     if args.command in ("status", "coordinator", "relay", "rank"):
         from . import _relay as _cli_relay, _run as _cli_run

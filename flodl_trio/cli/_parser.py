@@ -34,7 +34,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 def _add_salt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--salt-file", metavar="FILE",
-                   help=f"file holding the 32-hex-char session salt (else ${SALT_ENV})")
+                   help="file holding the 32-hex-char session salt, mode 0600 (`flodl-trio "
+                   f"salt FILE` writes one; else ${SALT_ENV})")
     p.add_argument("--salt-hex", metavar="HEX",
                    help=f"the salt itself (visible in ps; prefer --salt-file or ${SALT_ENV})")
 
@@ -57,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     def _command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
 
-    _command("salt", "print a fresh session salt (32 hex chars)",
-             "Print a fresh random session salt; give the same one to every process of a run.")
+    p = _command("salt", "print a fresh session salt (32 hex chars), or write it to a file",
+                 "Print a fresh random session salt, or write it to FILE (mode 0600, for "
+                 "--salt-file);\ngive the same one to every process of a run.")
+    p.add_argument("file", nargs="?", metavar="FILE",
+                   help="write the salt here instead (mode 0600: only you may read it; an "
+                   "existing file is never overwritten)")
 
     p = _command("coordinator", "run a coordinator (optionally driving a simulated run)",
                  "Run a coordinator. With --epochs, drive a simulated training run with the "
@@ -104,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--standby", action="store_true",
                    help="with --store: if another coordinator leads it, wait for its "
                    "leadership to end and then adopt the session (without it: exit 1 at once)")
+    p.add_argument("--fresh", action="store_true",
+                   help="with --store: start a new session even if the store holds an "
+                   "unfinished one (even another run's), which is discarded (a session that "
+                   "ended needs no --fresh: a new one starts)")
     p.add_argument("--resume-timeout", type=float, default=None, metavar="S",
                    help="after an adoption, seconds for each relay to resume before its ranks "
                    "are declared dead (None: 30 x $FLODL_NET_TIMEOUT_SCALE)")

@@ -2,6 +2,8 @@
 covered, throughput, deaths) and one per death, read from the coordinator's timeline as it runs.
 
 Epochs are numbered from 1 here, as in the demo's story and in the run summary the command prints.
+The epoch a coordinator took over (it adopted the session mid-epoch) began before it: its line says
+so and how long of it ran here, instead of a throughput over a part of the epoch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class EpochProgress:
         self._coverage = coverage
         self._epoch_started_ms: dict[int, float] = {}
         self._deaths_in_epoch = 0
+        self._taken_over: int | None = None  # the epoch in progress when this one took over
         self.dead = 0
 
     def lines_for(self, stamped: Stamped) -> list[str]:
@@ -41,8 +44,12 @@ class EpochProgress:
             return [f"rank {ev.rank} ({ev.host}) declared dead: {ev.reason}"]
         what = getattr(ev, "what", None)
         fields = getattr(ev, "fields", {})
-        if what == "epoch_started":
-            self._epoch_started_ms[int(fields["epoch"])] = stamped.t_ms
+        if what in ("epoch_started", "scheduler_resumed"):
+            epoch = int(fields["epoch"])
+            # A resume between two epochs dispatches the next one here, whole: started here.
+            self._taken_over = epoch if what == "scheduler_resumed" else (
+                None if epoch == self._taken_over else self._taken_over)
+            self._epoch_started_ms[epoch] = stamped.t_ms
             self._deaths_in_epoch = 0
             return []
         if what == "epoch_aggregated":
@@ -60,9 +67,12 @@ class EpochProgress:
             rate = f"{cov.samples / seconds:,.0f} samples/s" if seconds > 0 else "- samples/s"
         else:  # an orchestrator without the scheduler's accounting
             covered, rate = "coverage unknown", "- samples/s"
+        timing = f"{rate} over {seconds:.2f} s"
+        if epoch == self._taken_over:  # its samples/s would divide a whole epoch by a part
+            timing = f"begun before the takeover ({seconds:.2f} s of it on this coordinator)"
         deaths = f"{self._deaths_in_epoch} death{'s' if self._deaths_in_epoch != 1 else ''}"
-        return (f"epoch {epoch + 1}/{self.epochs}: {covered}, {rate} over {seconds:.2f} s, "
-                f"{deaths} ({self.dead} dead in all)")
+        return (f"epoch {epoch + 1}/{self.epochs}: {covered}, {timing}, {deaths} "
+                f"({self.dead} dead in all)")
 
 
 async def print_progress(timeline: Timeline, progress: EpochProgress, out: TextIO, *,

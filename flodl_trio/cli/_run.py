@@ -17,8 +17,8 @@ import attrs
 import trio
 
 from .._config import CoordinatorConfig, MaxFailure, RankConfig
-from .._errors import FlodlError
-from ..coordinator import Coordinator, bind_coordinator, open_coordinator
+from .._errors import FlodlError, ForeignSession, LeadershipLost, SessionEnded
+from ..coordinator import Coordinator, CoordinatorBind, bind_coordinator, open_coordinator
 from ..net._transport import format_address
 from ..rank import open_rank
 from ..scheduler import RunSummary, SyncScheduler
@@ -33,14 +33,23 @@ from ._common import (
     CommandFailed,
     SignalStop,
     UsageError,
+    check_replaceable,
     check_writable,
     liveness_seconds,
     load_salt,
     os_error_text,
     parse_address,
-    write_text,
+    replace_text,
 )
-from ._durable import adopted, check_leader, close_store, open_cli_store
+from ._durable import (
+    adopted,
+    check_leader,
+    close_store,
+    ended_text,
+    foreign_text,
+    formed_text,
+    open_cli_store,
+)
 from ._linger import linger
 from ._progress import EpochProgress, print_progress
 from ._watch import check_interval, watch
@@ -89,10 +98,11 @@ async def run_coordinator(args: argparse.Namespace) -> int:
     if not args.linger >= 0:
         raise UsageError(f"--linger: expected seconds >= 0, got {args.linger!r}")
     ssl_context = _tls_server(args)
-    for path, what in ((args.timeline, "--timeline"), (args.summary_file, "--summary-file"),
-                       (args.port_file, "--port-file")):
-        if path:
-            check_writable(path, what=what)
+    if args.timeline:
+        check_writable(args.timeline, what="--timeline")  # appended to: it may exist
+    for path, what in ((args.summary_file, "--summary-file"), (args.port_file, "--port-file")):
+        if path:  # written whole at once, never left empty (a killed process leaves none)
+            check_replaceable(path, what=what)
     store = open_cli_store(args)
     try:
         return await _coordinate(args, salt, listen, config, ssl_context, store)
@@ -112,30 +122,21 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
         stop = SignalStop(signals)
         if store is not None:
             await check_leader(store, standby=args.standby)
-        try:
-            bound = await bind_coordinator(listen, timeline=timeline)
-        except OSError as exc:
-            raise CommandFailed(f"coordinator: cannot listen on {args.listen}: "
-                                f"{os_error_text(exc)}") from None
-        text = format_address(bound.address)
-        print(f"coordinator listening on {text}", flush=True)
-        peers = ", ".join(format_address(a) for a in bound.addresses_for_peers())
-        print(f"relays can dial: {peers}", flush=True)
-        if args.port_file:
-            await write_text(args.port_file, text + "\n", what="--port-file")
+        bound = await _bind(args, listen, timeline)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
             try:
                 async with open_coordinator(bound, salt=salt, config=config, timeline=timeline,
-                                            ssl_context=ssl_context, store=store) as coord:
+                                            ssl_context=ssl_context, store=store,
+                                            fresh=args.fresh, standby=args.standby) as coord:
                     finished = coord
                     if store is not None and coord.resumed:
                         print(adopted(coord, store), flush=True)
                     else:
-                        print(f"formed: {coord.world_size} ranks over {len(coord.relays)} "
-                              "relays" + (f" (generation {coord.generation} of "
-                                          f"{store.description})" if store else ""), flush=True)
+                        print(formed_text(coord, store), flush=True)
                     summary, failure = await _drive(args, coord, nursery)
+            except (SessionEnded, ForeignSession, LeadershipLost) as exc:
+                crash = exc  # nothing of this run to summarise: the store's leader owns it
             except FlodlError as exc:  # ClusterFailure, FormationTimeout, ...: summarised too
                 crash = exc
                 summary = {"failed": f"{type(exc).__name__}: {exc}"}
@@ -143,11 +144,14 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
                 if dead is not None:
                     summary["dead_ranks"] = sorted(dead)
             nursery.cancel_scope.cancel()
+    timeline.close()
+    if stop.signum is None and isinstance(crash, SessionEnded | ForeignSession | LeadershipLost):
+        return _not_leading(crash)
     if stop.signum is not None:
         summary["stopped"] = stop.describe()
-    timeline.close()
     if args.summary_file:
-        await write_text(args.summary_file, json.dumps(summary, indent=2), what="--summary-file")
+        await replace_text(args.summary_file, json.dumps(summary, indent=2),
+                           what="--summary-file")
     print(json.dumps({"summary": summary}), flush=True)
     if args.linger > 0 and stop.signum is None and finished is not None:
         await linger(bound.address, finished, args.linger)
@@ -158,6 +162,36 @@ async def _coordinate(args: argparse.Namespace, salt: SessionSalt, listen: tuple
     if failure is not None:
         raise CommandFailed(f"coordinator: {failure}")
     return EXIT_OK
+
+
+def _not_leading(exc: FlodlError) -> int:
+    """The end of a coordinator that does not lead the run (it writes no summary: the store's
+    leader does): a standby whose run ended exits 0 saying so; another run's session and a
+    lost leadership are one line, exit 1."""
+    if isinstance(exc, SessionEnded):
+        print(ended_text(exc), flush=True)
+        return EXIT_OK
+    if isinstance(exc, ForeignSession):
+        raise CommandFailed(foreign_text(exc)) from exc
+    # As short as the error's own name was: the cause must fit the one line.
+    raise CommandFailed(f"stepping down: {str(exc).removesuffix('; stepping down')}")
+
+
+async def _bind(args: argparse.Namespace, listen: tuple[str, int],
+                timeline: Timeline) -> CoordinatorBind:
+    """Bind ``--listen``, print where, write ``--port-file``."""
+    try:
+        bound = await bind_coordinator(listen, timeline=timeline)
+    except OSError as exc:
+        raise CommandFailed(f"coordinator: cannot listen on {args.listen}: "
+                            f"{os_error_text(exc)}") from None
+    text = format_address(bound.address)
+    print(f"coordinator listening on {text}", flush=True)
+    peers = ", ".join(format_address(a) for a in bound.addresses_for_peers())
+    print(f"relays can dial: {peers}", flush=True)
+    if args.port_file:
+        await replace_text(args.port_file, text + "\n", what="--port-file")
+    return bound
 
 
 async def _drive(args: argparse.Namespace, coord: Coordinator,
@@ -201,9 +235,15 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in attrs.fields(type(result)):
         value = getattr(result, field.name)
+        if field.name == "epoch_losses":
+            continue  # the epoch_metrics below
         if field.name == "epoch_metrics":
-            # Numbered from 1, as the progress lines and the demo number them.
-            value = [{"epoch": m.epoch + 1, "avg_loss": m.avg_loss} for m in value]
+            # The whole run's, across a takeover; numbered from 1, as the progress lines and
+            # the demo number them (null: no rank's Metrics of that epoch arrived).
+            value = [{"epoch": epoch + 1, "avg_loss": loss}
+                     for epoch, loss in enumerate(result.epoch_losses)]
+        elif field.name == "first_epoch":
+            value += 1  # the epoch this coordinator's scheduler began in
         elif isinstance(value, dict):
             value = {str(k): v for k, v in value.items()}
         elif isinstance(value, tuple | frozenset | set):
@@ -281,6 +321,10 @@ async def run_status(args: argparse.Namespace) -> int:
     epoch = f"  epoch {state['epoch']}" if state.get("epoch") is not None else ""
     print(f"phase {state.get('phase')}  world {state.get('world_size')}  covered "
           f"{state.get('covered')}{epoch}  uptime {state.get('uptime_s')} s")
+    standby = state.get("standby")
+    if isinstance(standby, dict):  # waiting for the store's leadership: nothing forms yet
+        print(f"  standby for {standby.get('store')}, led by {standby.get('leader')}; it "
+              f"would lead as generation {standby.get('would_lead_as')}")
     # .get() throughout: a document from another version (or another server) is printed as far
     # as it goes, never a KeyError traceback.
     for relay in _entries(state.get("relays")):

@@ -93,6 +93,8 @@ class Adoption:
     async def resume_deadline(self) -> None:
         """Give up on the relays that have not resumed within ``resume_timeout``."""
         await trio.sleep_until(self._deadline)
+        if not self._liveness.leads():
+            return  # deposed meanwhile (it stepped down): nothing to give up on, nothing said
         timeout = self._config.resume_timeout
         for conn in list(self._pending):
             if not conn.awaiting_resume or not self._roster.is_registered(conn):

@@ -121,10 +121,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ session store
 
-    async def lead(self, store: SessionStore) -> None:
-        """Become ``store``'s leader and adopt its session, or start a fresh one (SPEC §4.7);
+    async def lead(self, store: SessionStore, *, fresh: bool = False,
+                   standby: bool = False) -> None:
+        """Become ``store``'s leader and adopt its session, or start a new one (SPEC §4.7);
         runs before :meth:`background_tasks`. See :meth:`Leader.lead`."""
-        await self._leader.lead(store)
+        await self._leader.lead(store, fresh=fresh, standby=standby)
 
     async def publish_address(self, addresses: tuple[tuple[str, int], ...]) -> None:
         """Tell the store where relays can dial this leader (``open_coordinator`` does)."""
@@ -268,6 +269,7 @@ class Coordinator:
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
+        fields.update(self._leader.standby_fields())
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -298,11 +300,13 @@ class Coordinator:
         began, formed = self._formation_began, self._formed_at
         formation_s = None if began is None else round((formed or now) - began, 3)
         failed = self.failure is not None or self.formation_failure is not None
-        return board_document(self._roster, self._board, now=now, failed=failed, extras={
+        doc = board_document(self._roster, self._board, now=now, failed=failed, extras={
             "formation_s": formation_s, "formed": formed is not None,
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
         }, coverage=self.timeline.recent_notes("epoch_covered"))
+        doc.update(self._leader.standby_fields())
+        return doc
 
     # ------------------------------------------------------------------ scheduler checkpoint
 
@@ -419,6 +423,8 @@ class Coordinator:
             await self._say_goodbye(relays, reason)
         for conn in relays:
             await conn.close()
+        if self._leader.deposed is None:  # the cohort was told: the session is over
+            await self._leader.finish(reason)
         self._timing_send.close()
         self._metrics_send.close()
         self._liveness.close()

@@ -6,7 +6,11 @@ loads what the store holds and either adopts it (:mod:`._adopt`) or starts a fre
 state of another session is refused whole. From then on every roster change is saved by one
 coalescing writer (:mod:`._persist`), the leadership is kept alive in the background, and its
 loss (``LeadershipLost``, from the store or from a fenced save) deposes the coordinator through
-the ``step_down`` it was given.
+the ``step_down`` it was given. A leader that learns of the loss some other way -- woken after a
+long pause, its lease's deadline long gone -- steps down before it declares any death
+(:meth:`Leader.still_leads`, asked by the liveness code). A coordinator that ends without being
+deposed records the end in its store (:meth:`Leader.finish`): that session is over, nobody is
+to adopt it (:mod:`._session_start`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,13 +26,14 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import LeadershipLost, StoreCorrupt, StoreUnavailable
-from ..store import SessionStore, salt_id
+from ..store import SessionState, SessionStore, salt_id
 from ..wire import SessionSalt
 from ._adopt import Adoption
-from ._persist import RETRY_INTERVAL, Persistence, adoption_problem
+from ._persist import RETRY_INTERVAL, Persistence
 from ._relayconn import RelayConn
 from ._roster import Roster
 from ._sending import Sender
+from ._session_start import StandbyView, choose_start, ended_note
 from ._store_gauge import StoreGauge
 from .formation import Formation
 from .liveness import Liveness
@@ -42,6 +48,7 @@ class Leader:
         generation: this coordinator's generation (0 until it leads).
         resumed: True when it adopted a session the store held.
         checkpoint: the scheduler's checkpoint (restored on adoption; kept with the session).
+        standby: what it waits for while another coordinator leads its store, else None.
     """
 
     def __init__(self, *, salt: SessionSalt, config: CoordinatorConfig,
@@ -66,51 +73,72 @@ class Leader:
         self.on_deposed: Callable[[], None] = lambda: None
         self._closed = False  # the coordinator shut down (then releases the leadership)
         self._body_scope: trio.CancelScope | None = None
+        self.standby: StandbyView | None = None
+        liveness.guard_with(self.still_leads)
 
-    async def lead(self, store: SessionStore) -> None:
+    async def lead(self, store: SessionStore, *, fresh: bool = False,
+                   standby: bool = False) -> None:
         """Become ``store``'s leader (a standby blocks here), load its session and adopt it,
-        or start a fresh one.
+        or start a new one (see :func:`choose_start`).
 
         Raises:
-            StoreCorrupt: the stored state is damaged, or is another session's (salt id or
-                world size); nothing was loaded and the leadership was released.
+            SessionEnded: it waited for the leadership (or ``standby``) and the session it
+                stood by for ended.
+            ForeignSession: an unfinished session of another run (salt id or world size).
+            StoreCorrupt: the stored state is damaged.
             StoreUnavailable: the store cannot be reached.
+            Nothing was loaded and the leadership was released in every case.
         """
         owner = f"coordinator on {socket.gethostname()} pid {os.getpid()}"
+        leader = await store.current_leader()
+        if leader is not None:
+            self.standby = StandbyView(store.description, leader, await _next_generation(store))
         self.generation = await store.acquire(owner=owner)
+        self.standby = None
         self._store = store
         try:
             state = await store.load()
             sid = salt_id(self._salt)
-            if state is not None:
-                problem = adoption_problem(state, salt_id=sid,
-                                           world_size=self._config.world_size,
-                                           source=store.description)
-                if problem is not None:
-                    raise StoreCorrupt(problem)
+            adopted = choose_start(state, salt_id=sid, world_size=self._config.world_size,
+                                   source=store.description,
+                                   waited=standby or leader is not None, fresh=fresh,
+                                   generation=self.generation)
             rate = self._config.store_write_rate
             persist = self._persist = Persistence(store, generation=self.generation,
                                                   salt_id=sid, roster=self._roster,
                                                   on_lost=self.step_down, interval=1 / rate)
             self._gauge = StoreGauge(store, persist, write_rate=rate)
-            if state is not None:
-                self.resumed = True
-                if state.checkpoint is not None:
-                    self.checkpoint = persist.checkpoint = dict(state.checkpoint)
-                self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
-                                          liveness=self._liveness, config=self._config,
-                                          source=store.description)
-                self._adoption.install(self.generation)
-                self._formation.adopting = True
-                self._adopted_formed = state.formed and self._roster.complete
+            if adopted is not None:
+                self._adopt(adopted, persist, store.description)
+            note = ended_note(state, generation=self.generation, fresh=fresh)
+            if note is not None:
+                log.info("session store %s: %s", store.description, note)
             self._formation.generation = self.generation
             log.info("leading session store %s as generation %d (%s)", store.description,
-                     self.generation, "adopted its session" if self.resumed else "fresh run")
+                     self.generation, "adopted its session" if self.resumed else "new session")
             persist.request()  # the new generation's state, at once
         except BaseException:
+            self._persist = None  # never started: nothing to finish
             with trio.CancelScope(shield=True):
                 await store.release()
             raise
+
+    def _adopt(self, state: SessionState, persist: Persistence, source: str) -> None:
+        self.resumed = True
+        if state.checkpoint is not None:
+            self.checkpoint = persist.checkpoint = dict(state.checkpoint)
+        self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
+                                  liveness=self._liveness, config=self._config, source=source)
+        self._adoption.install(self.generation)
+        self._formation.adopting = True
+        self._adopted_formed = state.formed and self._roster.complete
+
+    def standby_fields(self) -> dict[str, object]:
+        """What the status documents say while the coordinator waits for its store's
+        leadership (``phase`` ``standby``, not ``forming``: nothing forms yet), else nothing."""
+        if self.standby is None:
+            return {}
+        return {"phase": "standby", "standby": self.standby.fields()}
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks of a leading coordinator (none without a store). A session
@@ -146,6 +174,8 @@ class Leader:
                 self.step_down(exc)
                 return
             except StoreUnavailable as exc:
+                if not self.still_leads():
+                    return  # woken deposed: it stepped down, nothing to publish or say
                 log.warning("session store %s: publishing the address failed, trying again "
                             "in %gs: %s", self._store.description, RETRY_INTERVAL, exc)
                 await trio.sleep(RETRY_INTERVAL)
@@ -155,6 +185,19 @@ class Leader:
         self._body_scope = scope
         if self.deposed is not None:
             scope.cancel()
+
+    def still_leads(self) -> bool:
+        """Whether the coordinator may still act as the leader (declare a death, apply the
+        failure policy). A store that already knows its leadership is lost -- a lease whose
+        deadline passed while the process did not run -- makes it step down now, before it
+        says anything else; then False."""
+        if self.deposed is not None:
+            return False
+        lost = self._store.lost_leadership() if self._store is not None else None
+        if lost is None:
+            return True
+        self.step_down(lost)
+        return False
 
     def step_down(self, exc: LeadershipLost) -> None:
         """Another coordinator leads the session now: close every relay connection abruptly
@@ -172,6 +215,29 @@ class Leader:
         if self._body_scope is not None:
             self._body_scope.cancel()
         self.on_deposed()
+
+    async def finish(self, outcome: str) -> None:
+        """The coordinator is ending without being deposed (its cohort was shut down): record
+        the end in the store (the end marker, with ``outcome``) so that nobody adopts the
+        session, waiting at most ``shutdown_grace`` for the write. Nothing without a store."""
+        persist = self._persist
+        if persist is None or self.deposed is not None or self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        persist.mark_ended(outcome, time.time())
+        grace = self._config.shutdown_grace
+        assert self._store is not None
+        with trio.move_on_after(grace) as scope:
+            try:
+                await persist.flush()
+                return
+            except (LeadershipLost, StoreUnavailable) as exc:
+                problem = str(exc)
+        if scope.cancelled_caught:
+            problem = f"no write succeeded within shutdown_grace={grace:g}s"
+        log.warning("session store %s: expected to record that the session ended (%s), but "
+                    "%s; a coordinator that leads the store next adopts it",
+                    self._store.description, outcome, problem)
 
     def close(self) -> None:
         """The coordinator shut down: its leadership may end now (it releases it) without a
@@ -210,3 +276,13 @@ class Leader:
     def store_status(self) -> dict[str, Any] | None:
         """The ``store`` section of the status document (None without a store)."""
         return None if self._gauge is None else self._gauge.status()
+
+
+async def _next_generation(store: SessionStore) -> int | None:
+    """The generation a standby would lead as if it won now (for the status page); None when
+    the stored state cannot be read (the error comes again, in full, once it leads)."""
+    try:
+        state = await store.load()
+    except (StoreCorrupt, StoreUnavailable):
+        return None
+    return 1 if state is None else state.generation + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -125,6 +126,8 @@ async def open_coordinator(
     timeline: Timeline | None = None,
     ssl_context: ssl.SSLContext | None = None,
     store: SessionStore | None = None,
+    fresh: bool = False,
+    standby: bool = False,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -144,13 +147,24 @@ async def open_coordinator(
             blocks here until the leader's leadership ends), publishes its dialable addresses,
             and saves the session at each change that matters. A store that holds a session
             is *adopted*: its relays resume without a new formation, and the block is entered
-            at once when that session had formed (``coord.resumed``).
+            at once when that session had formed (``coord.resumed``). A session that *ended*
+            (its coordinator shut the cohort down; the end is recorded as the block ends) is
+            not: a new session starts on the store, its generation counting on.
+        fresh: with ``store``, start a new session whatever the store holds (an unfinished
+            session, even another run's, is discarded) instead of adopting it.
+        standby: with ``store``, stand by for the run the store holds: if that run ended
+            (before this coordinator asked for the leadership, or while it waited), raise
+            ``SessionEnded`` rather than start a new session. A coordinator that has to wait
+            for the leadership stands by for that run anyway; an empty store is led as usual.
 
     Raises:
         FormationTimeout / FormationAborted / FormationError: formation did not complete.
         ClusterFailure: the failure policy stopped the run (the body was cancelled).
-        StoreCorrupt: the store holds a damaged state, or another session's (salt, world
-            size); nothing was loaded.
+        StoreCorrupt: the store holds a damaged state; nothing was loaded.
+        ForeignSession: (a ``StoreCorrupt``) the store holds another run's unfinished session
+            (salt, world size); nothing was loaded; ``fresh=True`` would discard it.
+        SessionEnded: this coordinator waited for the store's leadership, or was opened with
+            ``standby=True``, and the run it stood by for ended: there is nothing to adopt.
         StoreUnavailable: the store cannot be reached.
         LeadershipLost: another coordinator took the session over: this one stepped down
             (the body was cancelled) without a word to the relays.
@@ -174,11 +188,20 @@ async def open_coordinator(
             f"trio.abc.Listener(s), got {listen!r}"
         )
     try:
+        if (fresh or standby) and store is None:
+            raise ConfigError(f"open_coordinator: {'fresh' if fresh else 'standby'}=True is "
+                              "about the session in a store: expected store=, got none")
+        if fresh and standby:
+            raise ConfigError("open_coordinator: fresh=True discards the store's session, "
+                              "standby=True stands by for it: expected one of them, got both")
         coord = Coordinator(salt=salt, config=config, timeline=timeline,
                             address=bind.address if bind else None, tls=ssl_context is not None)
     except BaseException:
-        if bind is not None:
-            await bind.aclose()
+        # Given to it, they are its to close (as they would be at the end of the block).
+        with trio.CancelScope(shield=True):
+            if bind is not None:
+                await bind.aclose()
+            await close_all(direct)
         raise
     if bind is not None and timeline is None:
         for address in bind.addresses:
@@ -218,8 +241,8 @@ async def open_coordinator(
                 with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
                     await life.nursery.start(coord.host_writers)  # strands a shielded host
                 if store is not None:
-                    await coord.lead(store)  # a standby waits here
-                    stack.push_async_callback(_release, store)
+                    await coord.lead(store, fresh=fresh, standby=standby)  # a standby waits
+                    stack.push_async_callback(_release, store, coord)
                 for task in coord.background_tasks(control, abort):
                     life.nursery.start_soon(task)
                 if store is not None and bind is not None:
@@ -239,11 +262,18 @@ async def open_coordinator(
                     await coord.shutdown(reason)
 
 
-async def _release(store: SessionStore) -> None:
+# How long a coordinator that stepped down may spend giving up a leadership it no longer holds
+# (an etcd that does not answer would otherwise hold it for a whole request timeout): with the
+# shutdown that sends nothing, it bounds how soon a deposed coordinator leaves (docs/failover).
+DEPOSED_RELEASE_S = 0.5
+
+
+async def _release(store: SessionStore, coord: Coordinator) -> None:
     """Give the store's leadership up as the coordinator ends (a standby need not wait for a
     lease to run out); shielded: an outside cancellation must not keep it held."""
     with trio.CancelScope(shield=True):
-        await store.release()
+        with trio.move_on_after(DEPOSED_RELEASE_S if coord.deposed is not None else math.inf):
+            await store.release()
 
 
 def _shutdown_reason(coord: Coordinator, body_exc: BaseException | None) -> str:

@@ -60,6 +60,7 @@ class Persistence:
         self._roster = roster
         self._on_lost = on_lost
         self.checkpoint: dict[str, Any] | None = None
+        self.ended: tuple[str, float] | None = None  # the end marker: how, when (Unix time)
         self.saves = 0
         self._requested = 0  # requests so far
         self._written = 0  # requests covered by the last durable write
@@ -103,6 +104,11 @@ class Persistence:
                                    "down; expected to save the session, nothing more is "
                                    "written")
 
+    def mark_ended(self, outcome: str, at: float) -> None:
+        """The session ended (``outcome``, at Unix time ``at``): every save from now on carries
+        the end marker."""
+        self.ended = (outcome, at)
+
     def close(self) -> None:
         """The coordinator shut down: nothing more is saved; waiting flushes fail."""
         self._closed = True
@@ -115,7 +121,9 @@ class Persistence:
             salt_id=self._salt_id, world_size=roster.world_size,
             model_sigs=roster.cohort_sigs(), roster=roster.carried(), dead=roster.dead,
             exited=roster.exited, failures=len(roster.dead), generation=self.generation,
-            formed=roster.formed, checkpoint=self.checkpoint)
+            formed=roster.formed, checkpoint=self.checkpoint,
+            ended=None if self.ended is None else self.ended[0],
+            ended_at=None if self.ended is None else self.ended[1])
 
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the
@@ -137,6 +145,12 @@ class Persistence:
                 self._on_lost(exc)
                 return
             except StoreUnavailable as exc:
+                lost = self._store.lost_leadership()
+                if lost is not None:  # woken deposed: its lease is gone, nothing to retry
+                    self._lost = lost
+                    self._wake()
+                    self._on_lost(lost)
+                    return
                 log.warning("session store %s: save failed, trying again in %gs: %s",
                             self._store.description, RETRY_INTERVAL, exc)
                 self._dirty.set()
@@ -155,20 +169,6 @@ class Persistence:
     def _wake(self) -> None:
         self._progress.set()
         self._progress = trio.Event()
-
-
-def adoption_problem(state: SessionState, *, salt_id: bytes, world_size: int,
-                     source: str) -> str | None:
-    """Why ``state`` is not this session's (another salt or world size), or None."""
-    if state.salt_id != salt_id:
-        return (f"session state at {source}: expected the session of salt id "
-                f"{salt_id.hex()}, got salt id {state.salt_id.hex()} (another run's state); "
-                "refusing it (nothing was loaded)")
-    if state.world_size != world_size:
-        return (f"session state at {source}: expected world size {world_size}, got "
-                f"{state.world_size} (another run's state); refusing it (nothing was loaded)")
-    return None
-
 
 
 def checked_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:

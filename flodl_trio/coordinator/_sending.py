@@ -99,6 +99,9 @@ class Sender:
         await delivery.done.wait()
         failure = delivery.failures.get(conn)
         if failure is not None:
+            # Cancelled meanwhile (the coordinator stepped down over that very loss): the
+            # caller is told so, not of a failed send it would report.
+            await trio.lowlevel.checkpoint_if_cancelled()
             raise SendError(f"{what}: {conn.describe()}: {failure}")
 
     def _groups(self) -> tuple[dict[RelayConn, list[int]], dict[int, str]]:
@@ -188,6 +191,7 @@ class Sender:
         await delivery.done.wait()
         result = self._outcome(msg, groups, failed, delivery)
         if result.failed:
+            await trio.lowlevel.checkpoint_if_cancelled()  # as in send_control
             raise BroadcastError(
                 f"broadcast of {label}: expected delivery to every live rank, "
                 f"{len(result.failed)} failed: ranks {ranks_text(sorted(result.failed))} "

@@ -514,7 +514,8 @@ class Formation:
         with trio.move_on_at(self._started + timeout):
             await self._settled.wait()
         failure = self.failure
-        if failure is None and self._roster.forming:
+        # A coordinator woken deposed after its deadline says nothing: it steps down.
+        if failure is None and self._roster.forming and self._liveness.leads():
             failure = FormationTimeout(self._roster.coverage_text(
                 f"formation timed out after {timeout:g}s"))
         if failure is not None:

@@ -23,6 +23,7 @@ relay that stopped reading delays nobody else; its writer gives up after
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import trio
@@ -88,6 +89,7 @@ class Liveness:
         self._wake_event = trio.Event()
         self._save_latched = False
         self._body_scope: trio.CancelScope | None = None
+        self._leads: Callable[[], bool] = _always
         self.failure: ClusterFailure | None = None
         # What the relays were told (Cadence); CoordHeartbeat goes out at this pace too.
         self.heartbeat_period = config.heartbeat_interval
@@ -104,6 +106,17 @@ class Liveness:
         """Cancel ``scope`` (the user's block) when the failure policy stops the run."""
         self._body_scope = scope
 
+    def guard_with(self, leads: Callable[[], bool]) -> None:
+        """Ask ``leads`` before declaring any death or judging the failure policy: a
+        coordinator that lost its store's leadership (and steps down when ``leads`` finds
+        out) declares nothing and says nothing more."""
+        self._leads = leads
+
+    def leads(self) -> bool:
+        """Whether the coordinator may still act as its store's leader (see
+        :meth:`guard_with`; always True without a store)."""
+        return self._leads()
+
     def wake(self) -> None:
         """Last-seen clocks moved: the staleness watch recomputes its next deadline."""
         self._wake_event.set()
@@ -113,8 +126,9 @@ class Liveness:
         self._death_send.close()
 
     def mark_dead(self, rank: int, reason: str) -> bool:
-        """Declare ``rank`` dead now; False if it was not live (or shutdown has begun)."""
-        if not self._roster.mark_dead(rank, reason):
+        """Declare ``rank`` dead now; False if it was not live (or shutdown has begun, or the
+        coordinator no longer leads its store)."""
+        if not self._leads() or not self._roster.mark_dead(rank, reason):
             return False
         conn = self._roster.relay_of(rank)
         host = conn.host if conn is not None else "?"
@@ -162,8 +176,8 @@ class Liveness:
         first end counts (a retired connection's end is no loss)."""
         if not conn.abandon(cause, stalled=stalled):
             return
-        if self._roster.shutting_down:
-            return  # closed on purpose: nothing is lost
+        if self._roster.shutting_down or not self._leads():
+            return  # closed on purpose, or deposed: nothing is lost, nothing is said
         if stalled:
             self.write_stalls += 1
             self._timeline.event(RelayStalled(host=conn.host, ranks=conn.ranks,
@@ -206,7 +220,8 @@ class Liveness:
         # The policy decides once (``failure``); the ShutdownWithSave latch only stops a second
         # broadcast. Testing the latch here let an explicit shutdown_with_save() silence the
         # policy.
-        if reason is None or self.failure is not None or self._roster.shutting_down:
+        if (reason is None or self.failure is not None or self._roster.shutting_down
+                or not self._leads()):
             return
         world = self._roster.world_size
         detail = (
@@ -312,3 +327,8 @@ class Liveness:
             # Each relay gets what it can take: one behind a backlog (or stalled) is skipped,
             # and nobody waits for anybody's write.
             self._sender.post(CoordHeartbeat(), only_idle=True)
+
+
+def _always() -> bool:
+    """The leadership check of a coordinator without a store: it always leads."""
+    return True

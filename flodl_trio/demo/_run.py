@@ -162,11 +162,10 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
     print(f"summary: {done}/{args.epochs} epochs in {_run_time(story, summary)}, "
           f"{summary.get('syncs')} syncs, global step {summary.get('global_step')}, "
           f"{lost} lost broadcasts")
-    # Every epoch's loss from the story: the last summary holds only its own coordinator's.
-    losses = story.losses or {m["epoch"] - 1: m["avg_loss"]
-                              for m in summary.get("epoch_metrics", [])}
-    for epoch, loss in sorted(losses.items()):
-        print(f"  epoch {epoch + 1}: avg loss {loss:.4f}")  # numbered from 1
+    for m in summary.get("epoch_metrics", []):  # numbered from 1; the whole run's
+        loss = m.get("avg_loss")
+        print(f"  epoch {m['epoch']}: " + (f"avg loss {loss:.4f}" if loss is not None
+                                           else "no rank's metrics reached a coordinator"))
     dead = summary.get("dead_ranks", [])
     print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")

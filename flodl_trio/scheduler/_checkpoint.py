@@ -10,7 +10,7 @@ never re-run; the current one goes on from what was synced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,6 +34,8 @@ class Resumption:
         shares: rank -> its share of ``epoch`` (empty between two epochs: the epoch has not
             been dispatched yet).
         last_steps: rank -> the highest step count it reported.
+        losses: the ``avg_loss`` of each epoch closed before (index: the epoch; None where no
+            rank's ``Metrics`` arrived); empty in a checkpoint written before it was kept.
     """
 
     epoch: int
@@ -42,13 +44,16 @@ class Resumption:
     syncs: int
     shares: dict[int, Share]
     last_steps: dict[int, int]
+    losses: tuple[float | None, ...] = ()
 
 
 def checkpoint_map(*, total_samples: int, batch_size: int, num_epochs: int, epoch: int,
                    epochs_completed: int, global_step: int, syncs: int,
-                   shares: Mapping[int, Share], last_steps: Mapping[int, int]) -> dict[str, Any]:
+                   shares: Mapping[int, Share], last_steps: Mapping[int, int],
+                   losses: Sequence[float | None] = ()) -> dict[str, Any]:
     """The checkpoint of a scheduler at this point (``shares``: the current epoch's, or none
-    between two epochs)."""
+    between two epochs; ``losses``: each closed epoch's ``avg_loss``, so that the scheduler
+    that resumes reports the whole run's)."""
     entries = []
     synced_samples = 0
     for rank in sorted(shares):
@@ -70,6 +75,7 @@ def checkpoint_map(*, total_samples: int, batch_size: int, num_epochs: int, epoc
         "samples_done": epochs_completed * total_samples + synced_samples,
         "shares": entries,
         "last_steps": [[rank, step] for rank, step in sorted(last_steps.items())],
+        "losses": list(losses),
     }
 
 
@@ -123,9 +129,15 @@ def read_checkpoint(data: Mapping[str, Any], *, total_samples: int, batch_size: 
     if not isinstance(steps, list):
         raise bad(f"a list of [rank, step] as last_steps, got {steps!r}")
     last_steps = dict(_ranges(steps, "last_steps", bad))
+    losses = data.get("losses", [])  # absent from a checkpoint of an earlier version
+    if not isinstance(losses, list) or not all(
+            loss is None or (isinstance(loss, int | float) and not isinstance(loss, bool))
+            for loss in losses):
+        raise bad(f"a list of numbers (or null) as losses, got {losses!r:.80}")
     return Resumption(epoch=ints["epoch"], epochs_completed=ints["epochs_completed"],
                       global_step=ints["global_step"], syncs=ints["syncs"], shares=shares,
-                      last_steps=last_steps)
+                      last_steps=last_steps,
+                      losses=tuple(None if x is None else float(x) for x in losses))
 
 
 def _count(value: object, what: str, bad: Any) -> int:

@@ -167,7 +167,7 @@ class SyncScheduler(Resuming):
             global_step=self._global_step, epoch_metrics=self._ledger.aggregated,
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
             elapsed_s=trio.current_time() - started, first_epoch=self._first_epoch,
-            resumed=self._resume is not None,
+            resumed=self._resume is not None, epoch_losses=self._epoch_losses(),
         )
 
     @property

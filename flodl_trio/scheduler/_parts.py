@@ -30,11 +30,16 @@ class RunSummary:
         first_epoch: the epoch this scheduler started in (0, or the epoch of the checkpoint it
             resumed from).
         resumed: it resumed from the coordinator's checkpoint (``coord.checkpoint``).
+        epoch_losses: the ``avg_loss`` of every epoch of the run, from epoch 0 (index: the
+            epoch), across a resume: the epochs closed before it come from the checkpoint. None
+            for an epoch no rank's ``Metrics`` arrived for (every rank had finished its share
+            before a takeover, its ``Metrics`` sent to the coordinator that died), and for an
+            epoch closed before a checkpoint of an earlier version.
 
     Counts are of the whole run, across a resume: ``epochs_completed``, ``syncs`` and
-    ``global_step`` go on from the checkpoint; ``epoch_metrics`` holds the epochs this
-    scheduler aggregated (``epochs_completed - first_epoch`` of them), those before were
-    broadcast by the scheduler it took over from.
+    ``global_step`` go on from the checkpoint, and ``epoch_losses`` covers every epoch;
+    ``epoch_metrics`` holds the epochs this scheduler aggregated (``epochs_completed -
+    first_epoch`` of them), those before were broadcast by the scheduler it took over from.
     """
 
     epochs_completed: int
@@ -45,6 +50,7 @@ class RunSummary:
     elapsed_s: float
     first_epoch: int = 0
     resumed: bool = False
+    epoch_losses: tuple[float | None, ...] = ()
 
 
 @attrs.define

@@ -83,6 +83,7 @@ class Resuming(abc.ABC):
     _final_sync_done: bool
     _anchor_due: bool  # resuming: the anchoring SyncNow goes out once it may
     _anchoring: dict[int, int] | None  # rank -> batches credited at the resume, until anchored
+    _resume: Resumption | None
 
     @abc.abstractmethod
     def _survivors(self) -> list[int]:
@@ -117,7 +118,19 @@ class Resuming(abc.ABC):
             **self._settings, epoch=ledger.epoch if between is None else between,
             epochs_completed=ledger.epochs_completed, global_step=self._global_step,
             syncs=self._syncs, shares={} if between is not None else ledger.shares,
-            last_steps=ledger.last_steps), durable=durable)
+            last_steps=ledger.last_steps, losses=self._epoch_losses()), durable=durable)
+
+    def _epoch_losses(self) -> tuple[float | None, ...]:
+        """Every closed epoch's ``avg_loss`` (see ``RunSummary.epoch_losses``): the
+        checkpoint's for the epochs before this scheduler, then its own."""
+        before: tuple[float | None, ...] = ()
+        if self._resume is not None:
+            closed = self._resume.epochs_completed
+            known = self._resume.losses[:closed]
+            before = known + (None,) * (closed - len(known))
+        # A rank that reported has an entry; an epoch with none has no loss (not 0.0).
+        return before + tuple(m.avg_loss if any(m.per_rank) else None
+                              for m in self._ledger.aggregated)
 
     @property
     def _resuming(self) -> bool:

@@ -68,6 +68,18 @@ class SessionStore(abc.ABC):
                 than the lease, a newer generation). Never returns otherwise.
         """
 
+    def lost_leadership(self) -> LeadershipLost | None:
+        """What this handle already knows, without asking the store, about losing the
+        leadership: a :class:`LeadershipLost` when it knows it no longer leads (its lease's
+        deadline passed before a renewal, as after a long ``SIGSTOP``), else None.
+
+        Synchronous and cheap: a coordinator asks it before it declares a death or applies its
+        failure policy, so that a leader that wakes up deposed steps down first and says
+        nothing else. A store whose leadership cannot lapse while its process lives (an
+        ``flock``) always answers None; ``keep_leadership`` still watches it.
+        """
+        return None
+
     @abc.abstractmethod
     async def load(self) -> SessionState | None:
         """The last saved state, or None for a store that never held one.
@@ -160,6 +172,13 @@ class _Shared:
         self.changed.set()
         self.changed = trio.Event()
 
+    def drop_leader(self, *, tell: bool) -> None:
+        """The leadership ended (a lease ran out); ``tell`` wakes whoever waits on a change
+        (standbys, and the leader's ``keep_leadership``)."""
+        self.leader = None
+        if tell:
+            self.poke()
+
 
 class MemoryStore(SessionStore):
     """A store that lives in this process's memory: a coordinator restarted in the same Trio
@@ -172,6 +191,7 @@ class MemoryStore(SessionStore):
         self._name = name
         self._shared = shared if shared is not None else _Shared()
         self._generation: int | None = None
+        self._lapsed = False
 
     def clone(self) -> MemoryStore:
         """Another handle on the same store (another coordinator's view of it)."""
@@ -179,8 +199,24 @@ class MemoryStore(SessionStore):
 
     def expire(self) -> None:
         """Drop the current leadership, as a lease that expired would (for tests)."""
-        self._shared.leader = None
-        self._shared.poke()
+        self._shared.drop_leader(tell=True)
+
+    def lapse(self) -> None:
+        """This handle's lease ran out without it noticing yet, as a leader's does while its
+        process is paused: the store has no leader any more and :meth:`lost_leadership` says
+        so, but :meth:`keep_leadership` wakes only with the next change of the store (for
+        tests of a leader that wakes up deposed)."""
+        self._lapsed = True
+        self._shared.drop_leader(tell=False)
+
+    def lost_leadership(self) -> LeadershipLost | None:
+        if self._generation is None:
+            return None  # not leading at all: nothing was lost
+        if self._lapsed or self._shared.leader != self._generation:
+            return LeadershipLost(f"store {self.description}: expected to lead as generation "
+                                  f"{self._generation}, but its lease ran out (the leader is "
+                                  f"now {self._shared.leader}); stepping down")
+        return None
 
     async def acquire(self, *, owner: str) -> int:
         shared = self._shared
@@ -188,6 +224,7 @@ class MemoryStore(SessionStore):
             await shared.changed.wait()
         shared.generation += 1
         shared.leader = self._generation = shared.generation
+        self._lapsed = False
         shared.owner = owner
         shared.poke()
         return shared.generation

@@ -176,6 +176,17 @@ class EtcdStore(SessionStore):
                 wake = trio.current_time() + min(0.1, self._lease_ttl / 10)
             await trio.sleep_until(min(wake, deadline))
 
+    def lost_leadership(self) -> LeadershipLost | None:
+        late = trio.current_time() - self._lease_deadline
+        if self._generation is None or late < 0:
+            return None
+        lost = LeadershipLost(f"store {self.description}: expected to lead as generation "
+                              f"{self._generation}, but its lease's deadline passed {late:.1f} s "
+                              "ago without a renewal (this process did not run: paused or "
+                              "starved); stepping down")
+        self._lose()
+        return lost
+
     async def load(self) -> SessionState | None:
         await self._check_health()
         kv = await self._get("state")
@@ -234,7 +245,10 @@ class EtcdStore(SessionStore):
         return granted - step_down_margin(granted)
 
     def _lose(self) -> None:
+        # The lease is gone, or not ours to keep: revoking it on release would only wait on
+        # an etcd that may not answer (a deposed leader must leave at once).
         self._generation = None
+        self._lease = None
 
     async def _check_health(self) -> None:
         if not self._checked:

@@ -5,6 +5,10 @@ Encoding: ``STATE_MAGIC`` (8 bytes) ‖ SHA-256 of the body (32 bytes) ‖ body,
 one CBOR map with text keys. Decoding checks the magic, the digest, then every field's type; a
 state that fails any check raises :class:`~flodl_trio.StoreCorrupt` naming where it came from
 and why. Nothing here does IO: the stores move the bytes.
+
+The end marker (``ended``, ``ended_at``) is written only into the state of a session that ended,
+so a running session's state encodes as it did before the marker existed, and a state written
+before it (no such keys) decodes as a running session.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class SessionState:
             writes ``generation + 1``).
         formed: True once formation completed (every rank covered).
         checkpoint: the scheduler's checkpoint (a CBOR-encodable map), or None.
+        ended: how the session ended (``"the block exited"``, ``"cluster failure: ..."``),
+            written by its coordinator as it shut the cohort down; None while it runs (or
+            when its coordinator died: that session is for a new leader to adopt).
+        ended_at: when it ended (Unix time), or None.
     """
 
     salt_id: bytes
@@ -59,9 +67,11 @@ class SessionState:
     generation: int = 0
     formed: bool = False
     checkpoint: Mapping[str, Any] | None = None
+    ended: str | None = None
+    ended_at: float | None = None
 
     def encode(self) -> bytes:
-        body = cbor2.dumps({
+        doc: dict[str, Any] = {
             "salt_id": self.salt_id,
             "world_size": self.world_size,
             "model_sigs": dict(self.model_sigs),
@@ -72,7 +82,11 @@ class SessionState:
             "generation": self.generation,
             "formed": self.formed,
             "checkpoint": None if self.checkpoint is None else dict(self.checkpoint),
-        }, canonical=True)
+        }
+        if self.ended is not None:
+            doc["ended"] = self.ended
+            doc["ended_at"] = self.ended_at
+        body = cbor2.dumps(doc, canonical=True)
         return STATE_MAGIC + hashlib.sha256(body).digest() + body
 
     @classmethod
@@ -147,8 +161,22 @@ def _from_doc(doc: Any, bad: Any) -> SessionState:
     if checkpoint is not None and not isinstance(checkpoint, dict):
         raise bad(f"got a checkpoint of type {type(checkpoint).__name__}")
     formed = field("formed", bool)
+    ended, ended_at = _end_marker(doc, bad)
     return SessionState(
         salt_id=sid, world_size=world, model_sigs=sigs, roster=tuple(roster), dead=dead,
         exited=exited, failures=uint(field("failures", int), "failures"),
         generation=uint(field("generation", int), "generation"), formed=formed,
-        checkpoint=checkpoint)
+        checkpoint=checkpoint, ended=ended, ended_at=ended_at)
+
+
+def _end_marker(doc: dict[Any, Any], bad: Any) -> tuple[str | None, float | None]:
+    """The optional end marker: absent in a running session's state (and in every state
+    written before the marker existed)."""
+    ended = doc.get("ended")
+    if ended is not None and not isinstance(ended, str):
+        raise bad(f"got 'ended' of type {type(ended).__name__}")
+    ended_at = doc.get("ended_at")
+    if ended_at is not None and (isinstance(ended_at, bool)
+                                 or not isinstance(ended_at, int | float)):
+        raise bad(f"got 'ended_at' of type {type(ended_at).__name__}")
+    return ended, None if ended_at is None else float(ended_at)

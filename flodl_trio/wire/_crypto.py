@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import string
 from typing import Final
 
 from .._errors import ConfigError
+from ._salt_file import read_salt_file, write_salt_file
 
 SALT_LEN: Final = 16
 MAC_LEN: Final = 8
@@ -56,6 +58,58 @@ class SessionSalt:
                     f"salt hex: expected only hex digits [0-9a-fA-F], got {ch!r} at position {i}"
                 )
         return cls(bytes.fromhex(text))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, create: bool = False) -> SessionSalt:
+        """Read the salt that :meth:`save` (or ``flodl-trio salt FILE``) wrote at ``path``:
+        32 hex characters (surrounding whitespace ignored) in a file that only its owner may
+        read or write (mode 0600).
+
+        Args:
+            create: when there is no file at ``path``, generate a salt and :meth:`save` it
+                there first. A program that keeps its salt this way finds the same one when it
+                is restarted, so its coordinator adopts its own session from its store.
+
+        Raises:
+            ConfigError: no file (without ``create``); a file that cannot be read, that its
+                group or other users may read or write, or that does not hold 32 hex
+                characters; the message names the file.
+        """
+        try:
+            text = read_salt_file(path)
+        except FileNotFoundError:
+            if not create:
+                raise ConfigError(f"salt file {str(path)!r}: expected a salt file, found "
+                                  "none (SessionSalt.from_file(path, create=True) or "
+                                  "`flodl-trio salt FILE` makes one)") from None
+            salt = cls.generate()
+            try:
+                salt.save(path)
+                return salt
+            except ConfigError:
+                if not os.path.exists(path):
+                    raise
+            text = read_salt_file(path)  # another process saved one first: use that one
+        try:
+            return cls.from_hex(text)
+        except ConfigError as exc:
+            raise ConfigError(f"salt file {str(path)!r}: {exc}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the salt to a new file at ``path`` (its hex and a newline, mode 0600,
+        durably), for :meth:`from_file`. An existing file is never overwritten: a running
+        session may be using the salt it holds.
+
+        Raises:
+            ConfigError: something exists at ``path``, or it cannot be written; the message
+                names it.
+        """
+        try:
+            write_salt_file(path, self.hex())
+        except FileExistsError:
+            raise ConfigError(f"salt file {str(path)!r}: expected no file there, got an "
+                              "existing one (a salt is never overwritten: a running session "
+                              "may use it)") from None
 
     def hex(self) -> str:
         """32 lowercase hex characters."""
