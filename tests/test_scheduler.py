@@ -21,7 +21,6 @@ from flodl_trio.scheduler import (
     split_remainder,
     unprocessed_ranges,
 )
-from flodl_trio.scheduler._phase import TRANSITIONS, Phase, PhaseEvent, PhaseMachine
 from flodl_trio.testing import LocalCluster, MemoryNetwork
 from flodl_trio.wire import (
     Batch,
@@ -311,41 +310,3 @@ def test_a_dead_ranks_remainder_is_offset_plus_processed() -> None:
     assert unprocessed_ranges([(0, 5), (40, 3)], 4, 2) == [(42, 1)]
     assert split_remainder([(20, 10)], 3) == [[(20, 4)], [(24, 3)], [(27, 3)]]
     assert split_remainder([(0, 1)], 3) == [[(0, 1)], [], []]
-
-
-# ---------------------------------------------------------------------------- phases
-
-
-def test_every_phase_is_reachable_from_built_and_every_phase_can_end_in_done() -> None:
-    moves: dict[Phase, set[Phase]] = {phase: set() for phase in Phase}
-    for (phase, _), new in TRANSITIONS.items():
-        moves[phase].add(new)
-
-    def reachable(start: Phase) -> set[Phase]:
-        seen, todo = {start}, [start]
-        while todo:
-            for new in moves[todo.pop()] - seen:
-                seen.add(new)
-                todo.append(new)
-        return seen
-
-    assert reachable(Phase.BUILT) == set(Phase)
-    assert moves[Phase.DONE] == set()  # the only end
-    assert all(Phase.DONE in reachable(phase) for phase in Phase)
-
-
-def test_a_move_the_phase_table_does_not_hold_is_refused_naming_the_phase_and_the_event() -> None:
-    machine = PhaseMachine()
-    with pytest.raises(ft.FlodlError,
-                       match=r"expected one of \['run'\] in phase 'built', got 'sync_sent'"):
-        machine.fire(PhaseEvent.SYNC_SENT)
-    assert machine.now is Phase.BUILT
-    assert machine.fire(PhaseEvent.RUN) is Phase.STARTING
-    machine.form_group_before(3)
-    assert (machine.now, machine.deferred_epoch) == (Phase.FORMING, 3)
-    machine.fire(PhaseEvent.DISPATCH)
-    assert machine.in_epoch and not machine.sync_open
-    with pytest.raises(ft.FlodlError, match="expected a deferred epoch"):
-        _ = machine.deferred_epoch
-    with pytest.raises(ft.FlodlError, match=r"in phase 'epoch', got 'anchored'"):
-        machine.fire(PhaseEvent.ANCHORED)
