@@ -3,6 +3,8 @@ over an in-memory cluster, MockClock), plus property tests of its partition math
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -12,13 +14,14 @@ from hypothesis import given, strategies as st
 import flodl_trio as ft
 from flodl_trio.local_cluster import layout, open_local_cluster
 from flodl_trio.scheduler import (
+    RunSummary,
     SyncScheduler,
     partition_sizes,
     plan_epoch,
     split_remainder,
     unprocessed_ranges,
 )
-from flodl_trio.testing import MemoryNetwork
+from flodl_trio.testing import LocalCluster, MemoryNetwork
 from flodl_trio.wire import (
     Batch,
     ControlMsg,
@@ -59,15 +62,51 @@ async def answer_with_metrics(ep: ft.RankEndpoint, seen: list[ControlMsg],
 # ---------------------------------------------------------------------------- wire sequences
 
 
+@asynccontextmanager
+async def scheduling(net: MemoryNetwork, hosts: int, per_host: int,
+                     **kw: Any) -> AsyncIterator[tuple[LocalCluster, dict[int, Plan]]]:
+    """A cluster of raw rank endpoints driven by a ``SyncScheduler(**kw)``, which is cancelled
+    when the block ends (the test plays the ranks by hand); yields it once every rank got the
+    role (rank 0) and its first plan (:func:`first_plans`)."""
+    async with (open_local_cluster(layout(hosts, per_host), network=net) as c,
+                trio.open_nursery() as nursery):
+        nursery.start_soon(SyncScheduler(c.coord, **kw).run)
+        yield c, await first_plans(c)
+        nursery.cancel_scope.cancel()
+
+
+Plan = tuple[int, int, int]  # a StartEpoch plan's (epoch, offset, size)
+
+
+async def first_plans(c: LocalCluster, *, role: int = 0) -> dict[int, Plan]:
+    """Each rank's first two messages, ``SetEpochCallbackRole(role)`` then its ``StartEpoch``;
+    rank -> its plan."""
+    plans = {}
+    for rank, ep in sorted(c.ranks.items()):
+        assert await ep.receive() == SetEpochCallbackRole(rank=role)
+        start = await ep.receive()
+        assert isinstance(start, StartEpoch)
+        plans[rank] = (start.plan.epoch, start.plan.partition_offset, start.plan.partition_size)
+    return plans
+
+
+async def run_answering(net: MemoryNetwork, losses: dict[int, float],
+                        **kw: Any) -> tuple[RunSummary, dict[int, list[ControlMsg]]]:
+    """A whole run over one rank per host, each answering every StartEpoch with a ``Metrics``
+    for its whole plan at its loss; the summary and what each rank received."""
+    seen: dict[int, list[ControlMsg]] = {rank: [] for rank in losses}
+    async with open_local_cluster(layout(len(losses), 1), network=net) as c:
+        async with trio.open_nursery() as nursery:
+            for rank, ep in sorted(c.ranks.items()):
+                nursery.start_soon(answer_with_metrics, ep, seen[rank], losses[rank])
+            summary = await SyncScheduler(c.coord, **kw).run()
+    return summary, seen
+
+
 async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(2, 1), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=4,
-                                         num_epochs=1).run)
-        for _, ep in sorted(c.ranks.items()):
-            assert isinstance(await ep.receive(), SetEpochCallbackRole)
-            assert isinstance(await ep.receive(), StartEpoch)
+    async with scheduling(memory_network, 2, 1, total_samples=8, batch_size=4,
+                          num_epochs=1) as (c, _):
         await c.ranks[0].send(batch(0))
         await trio.sleep(1)
         await c.ranks[1].send(batch(1))
@@ -75,18 +114,12 @@ async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(
             assert isinstance(await ep.receive(), SyncNow)
             step = await ep.receive()
             assert isinstance(step, SetGlobalStep) and step.global_step == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_no_sync_until_every_live_rank_reported_a_batch(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=8, batch_size=1,
-                                         num_epochs=1).run)
-        for _, ep in sorted(c.ranks.items()):
-            await ep.receive()
-            await ep.receive()
+    async with scheduling(memory_network, 1, 2, total_samples=8, batch_size=1,
+                          num_epochs=1) as (c, _):
         for step in range(1, 4):
             await c.ranks[0].send(batch(0, step))
         with trio.move_on_after(5) as waited:
@@ -97,51 +130,25 @@ async def test_no_sync_until_every_live_rank_reported_a_batch(
         step_msg = await c.ranks[0].receive()
         # the global step counts lock-step steps: the slowest rank took one
         assert isinstance(step_msg, SetGlobalStep) and step_msg.global_step == 1
-        nursery.cancel_scope.cancel()
 
 
-async def test_ten_samples_over_two_ranks_plan_zero_five_and_five_five_after_one_role(
-        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=10, batch_size=5,
-                                         num_epochs=1).run)
-        plans = {}
-        for rank, ep in sorted(c.ranks.items()):
-            assert await ep.receive() == SetEpochCallbackRole(rank=0)
-            start = await ep.receive()
-            assert isinstance(start, StartEpoch)
-            plans[rank] = (start.plan.epoch, start.plan.partition_offset,
-                           start.plan.partition_size)
-        assert plans == {0: (0, 0, 5), 1: (0, 5, 5)}
-        nursery.cancel_scope.cancel()
-
-
-async def test_partition_ratios_one_to_three_over_twelve_give_three_and_nine(
-        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(2, 1), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=12, batch_size=3, num_epochs=1,
-                                         partition_ratios=[1, 3]).run)
-        sizes = []
-        for _, ep in sorted(c.ranks.items()):
-            await ep.receive()
-            start = await ep.receive()
-            assert isinstance(start, StartEpoch)
-            sizes.append((start.plan.partition_offset, start.plan.partition_size))
-        assert sizes == [(0, 3), (3, 9)]
-        nursery.cancel_scope.cancel()
+@pytest.mark.parametrize(("hosts", "per_host", "total", "batch_size", "ratios", "plans"), [
+    (1, 2, 10, 5, None, {0: (0, 0, 5), 1: (0, 5, 5)}),  # ten samples: zero-five and five-five
+    (2, 1, 12, 3, [1, 3], {0: (0, 0, 3), 1: (0, 3, 9)}),  # ratios one to three: three and nine
+])
+async def test_plans_are_contiguous_equal_or_by_ratio_after_one_role(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, hosts: int,
+        per_host: int, total: int, batch_size: int, ratios: list[float] | None,
+        plans: dict[int, Plan]) -> None:
+    kw = {"total_samples": total, "batch_size": batch_size, "partition_ratios": ratios}
+    async with scheduling(memory_network, hosts, per_host, num_epochs=1, **kw) as (_, first):
+        assert first == plans
 
 
 async def test_two_epochs_of_eight_samples_each_rank_sees_two_start_epochs_then_shutdown(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
-    async with open_local_cluster(layout(2, 1), network=memory_network) as c:
-        async with trio.open_nursery() as nursery:
-            for rank, ep in sorted(c.ranks.items()):
-                nursery.start_soon(answer_with_metrics, ep, seen[rank])
-            summary = await SyncScheduler(c.coord, total_samples=8, batch_size=4,
-                                          num_epochs=2).run()
+    summary, seen = await run_answering(memory_network, {0: 1.0, 1: 1.0}, total_samples=8,
+                                        batch_size=4, num_epochs=2)
     assert summary.epochs_completed == 2 and len(summary.epoch_metrics) == 2
     for rank in (0, 1):
         kinds = [type(m).__name__ for m in seen[rank]]
@@ -154,13 +161,8 @@ async def test_two_epochs_of_eight_samples_each_rank_sees_two_start_epochs_then_
 
 async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every_rank(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    seen: dict[int, list[ControlMsg]] = {0: [], 1: []}
-    async with open_local_cluster(layout(2, 1), network=memory_network) as c:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer_with_metrics, c.ranks[0], seen[0], 10.0)
-            nursery.start_soon(answer_with_metrics, c.ranks[1], seen[1], 11.0)
-            summary = await SyncScheduler(c.coord, total_samples=10, batch_size=5,
-                                          num_epochs=1).run()
+    summary, seen = await run_answering(memory_network, {0: 10.0, 1: 11.0}, total_samples=10,
+                                        batch_size=5, num_epochs=1)
     for rank in (0, 1):
         (agg,) = [m for m in seen[rank] if isinstance(m, EpochAggregated)]
         em = agg.metrics
@@ -180,30 +182,19 @@ async def test_epoch_losses_ten_and_eleven_aggregate_to_ten_and_a_half_for_every
 
 async def test_a_rank_that_exits_cleanly_mid_epoch_has_its_unsynced_share_extended_to_the_others(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(1, 3), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=9, batch_size=1,
-                                         num_epochs=1).run)
-        for _, ep in sorted(c.ranks.items()):
-            await ep.receive()
-            await ep.receive()
+    async with scheduling(memory_network, 1, 3, total_samples=9, batch_size=1,
+                          num_epochs=1) as (c, _):
         await c.ranks[2].send(batch(2))
         await c.ranks[2].send(ft.wire.Exiting(rank=2))  # 1 of its 3 samples done, never synced
         got = [await c.ranks[r].receive() for r in (0, 1)]
         assert got == [ft.wire.ExtendPartition(partition_offset=6, partition_size=2),
                        ft.wire.ExtendPartition(partition_offset=8, partition_size=1)]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_rank_that_dies_after_a_sync_is_credited_up_to_its_sync_ack_only(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
-    async with (open_local_cluster(layout(1, 2), network=memory_network) as c,
-                trio.open_nursery() as nursery):
-        nursery.start_soon(SyncScheduler(c.coord, total_samples=12, batch_size=1,
-                                         num_epochs=1).run)
-        for _, ep in sorted(c.ranks.items()):
-            await ep.receive()
-            await ep.receive()
+    async with scheduling(memory_network, 1, 2, total_samples=12, batch_size=1,
+                          num_epochs=1) as (c, _):
         for rank in (0, 1):  # samples 0 and 6
             await c.ranks[rank].send(batch(rank, 1))
         for rank in (0, 1):
@@ -216,7 +207,6 @@ async def test_a_rank_that_dies_after_a_sync_is_credited_up_to_its_sync_ack_only
         while not isinstance(msg := await c.ranks[0].receive(), ft.wire.ExtendPartition):
             pass
         assert msg == ft.wire.ExtendPartition(partition_offset=7, partition_size=5)
-        nursery.cancel_scope.cancel()
 
 
 async def test_every_rank_exiting_before_the_run_ends_raises_cluster_failure(

@@ -202,11 +202,18 @@ async def run_with_takeover(c: SimCluster, *, cancel_at: float, outage: float,
     with trio.move_on_after(cancel_at) as scope:
         await first.run()
     assert scope.cancelled_caught, "the first scheduler finished before it was cancelled"
+    second, summary = await take_over(c, outage=outage, **kw)
+    return first, second, summary
+
+
+async def take_over(c: SimCluster, *, outage: float,
+                    **kw: Any) -> tuple[SyncScheduler, RunSummary]:
+    """After ``outage`` (virtual seconds) with no scheduler, run a new one on the same
+    coordinator (it resumes from ``coord.checkpoint``) to the end."""
     await trio.sleep(outage)
     second = SyncScheduler(c.coord, **kw)
     with trio.fail_after(600):
-        summary = await second.run()
-    return first, second, summary
+        return second, await second.run()
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -327,10 +334,7 @@ def test_a_scheduler_that_dies_right_after_any_checkpoint_is_resumed_without_los
             if not scope.cancelled_caught:  # fewer checkpoints than that: nothing to resume
                 assert first.epochs_completed == epochs
                 return
-            await trio.sleep(outage)
-            second = SyncScheduler(c.coord, **kw)
-            with trio.fail_after(600):
-                summary = await second.run()
+            second, summary = await take_over(c, outage=outage, **kw)
         records = [c.sims[r].record for r in range(3)]
         assert_synced_exactly_once(records, total, range(epochs))
         assert summary.resumed and summary.epochs_completed == epochs

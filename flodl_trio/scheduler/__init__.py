@@ -3,9 +3,13 @@ vocabulary of a formed :class:`~flodl_trio.Coordinator`.
 
 How it decides, in one place:
 
-
-How it decides, in one place:
-
+- **Phases.** One value says where a scheduler is: ``BUILT``, ``STARTING``, then ``FORMING``
+  (the process group forms before an epoch goes out), ``ANCHOR_DUE`` / ``ANCHORING`` (a resume
+  inside an epoch, see *Checkpoints and resumption*), ``EPOCH`` / ``SYNCING`` (an epoch runs;
+  a ``SyncNow`` is out), ``FINISHING`` / ``FINAL_SYNC`` / ``CLOSING`` (after the last epoch)
+  and ``DONE``. The moves between them are one table (``scheduler/_phase.py``); each turn of
+  the scheduler's loop reads what arrived, settles ranks that left or came back, then takes
+  the step of its phase.
 - **Partitions.** Each epoch's plans are computed once, when the epoch is first dispatched, over
   the ranks live at that moment: equal sizes, or ``partition_ratios`` (one per world rank; only the
   live ranks' ratios count) rounded by largest remainder, contiguous, covering

@@ -1,6 +1,7 @@
 """The :class:`SyncScheduler` (the reference Sync-policy scheduler, SPEC §11). How it decides
-is told in one place, the docstring of :mod:`flodl_trio.scheduler`; its checkpoints and its
-resumption are in :mod:`flodl_trio.scheduler._resume`.
+is told in one place, the docstring of :mod:`flodl_trio.scheduler`; the order of its phases is
+the table of :mod:`flodl_trio.scheduler._phase`; its checkpoints and its resumption are in
+:mod:`flodl_trio.scheduler._resume`.
 """
 
 from __future__ import annotations
@@ -13,50 +14,37 @@ import trio
 
 from .. import _timeouts as T
 from .._callbacks import Callbacks
-from .._errors import BroadcastError, ClusterFailure, ConfigError, FlodlError, SendError
+from .._errors import ConfigError
 from ..events import Note
 from ..wire import (
-    Batch,
-    CheckpointResult,
-    ControlMsg,
     EpochAggregated,
-    EvalResult,
     ExtendPartition,
-    NewNcclIdGenerated,
-    SaveReason,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
     StartEpoch,
-    SyncAck,
     SyncNow,
-    TimingMsg,
 )
-from ._checkpoint import Resumption, read_checkpoint
+from ._checkpoint import Resumption, checkpoint_map, read_checkpoint
 from ._epoch_ledger import EpochLedger
-from ._epoch_math import (
-    EpochCoverage,
-    Range,
-    check_cadence,
-    check_count,
-    check_ratios,
-)
-from ._parts import Inbox, InboxClosed, Members, RunSummary
+from ._epoch_math import EpochCoverage, check_cadence, check_count, check_ratios
+from ._lockstep import Lockstep
+from ._outbox import Outbox
+from ._parts import Members, RunSummary, no_rank_left, why_gone
+from ._phase import Phase, PhaseEvent, PhaseMachine
+from ._reading import Reader
 from ._reformation import ProcessGroupKeeper
-from ._resume import Resuming
+from ._resume import anchor_credit, announce, repeat_share, resume_start
 
 if TYPE_CHECKING:
     from ..coordinator import Coordinator
 
 log = logging.getLogger("flodl_trio.scheduler")
 
-# Deaths also surface on the timeline (which wakes the loop at once); the poll only backs that up.
-_POLL_INTERVAL = 0.25
-
 # ---------------------------------------------------------------------------- the scheduler
 
 
-class SyncScheduler(Resuming):
+class SyncScheduler:
     """Drive ``num_epochs`` epochs of ``total_samples`` samples with the Sync policy.
 
     Args:
@@ -91,7 +79,8 @@ class SyncScheduler(Resuming):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ConfigError(f"SyncScheduler: expected reform_timeout > 0 seconds, got "
                               f"{reform_timeout!r}")
-        self._group = (ProcessGroupKeeper(coord.timeline, self._send, float(timeout))
+        self._outbox = Outbox(coord)
+        self._group = (ProcessGroupKeeper(coord.timeline, self._outbox.send, float(timeout))
                        if process_group else None)
         total = check_count("total_samples", total_samples)
         batch = check_count("batch_size", batch_size)
@@ -102,31 +91,21 @@ class SyncScheduler(Resuming):
         saved = coord.checkpoint
         self._resume: Resumption | None = (
             None if saved is None else read_checkpoint(saved, **self._settings))
-        self._awaiting_batch: set[int] = set()
-        self._awaiting_ack: set[int] = set()
-        self._steps: dict[int, int] = {}  # batches since the last sync, per rank
         self._members = Members()
-        self._deferred_epoch: int | None = None  # dispatched once the process group formed
-        self._role: int | None = None
         self._callbacks = Callbacks(
             checkpoint_every=check_cadence("checkpoint_every", checkpoint_every),
-            eval_every=check_cadence("eval_every", eval_every), send=self._send,
-            move_role=self._move_role)
+            eval_every=check_cadence("eval_every", eval_every), send=self._outbox.send,
+            move_role=self._outbox.move_role)
         # Built after every check, so that an invalid argument is a ConfigError first.
         self._ledger = EpochLedger(coord.timeline, total_samples=total, batch_size=batch,
                                    world_size=coord.world_size, ratios=ratios)
-        self._inbox = Inbox(coord.timing, coord.metrics, _POLL_INTERVAL)
-        self._global_step = 0
-        self._syncs = 0
-        self._sync_open = False  # a SyncNow went out and not every ack is in
-        self._finishing = False
-        self._final_sync_done = False
-        self._done = False
-        self._ran = False
-        self._first_epoch = 0 if self._resume is None else self._resume.epoch
-        self._anchor_due = False
-        self._anchoring = None
-        self._restarted: set[int] = set()  # anchored by a SyncAck that cannot be theirs
+        res = self._resume
+        self._lockstep = (Lockstep() if res is None
+                          else Lockstep(global_step=res.global_step, syncs=res.syncs))
+        self._reader = Reader(coord, ledger=self._ledger, lockstep=self._lockstep,
+                              members=self._members, group=self._group,
+                              callbacks=self._callbacks)
+        self._phase = PhaseMachine()
 
     async def run(self) -> RunSummary:
         """Run every epoch, then broadcast ``Shutdown``.
@@ -140,33 +119,28 @@ class SyncScheduler(Resuming):
             FlodlError: the coordinator closed its channels (it is shutting down).
             ConfigError: ``run`` was called twice.
         """
-        if self._ran:
+        if self._phase.now is not Phase.BUILT:
             raise ConfigError("SyncScheduler.run: a scheduler runs once; create another one")
-        self._ran = True
+        self._phase.fire(PhaseEvent.RUN)
         coord = self._coord
         started = trio.current_time()
         async with coord.timeline.subscribe() as events:
-            if self._resume is not None:
-                await self._begin_resume(self._resume)
-            elif self._group is not None:
-                self._deferred_epoch = 0
-                await self._group.begin(self._survivors(), "the first session")
+            if self._resume is None:
+                await self._open_epoch(0, "the first session")
             else:
-                await self._dispatch(0)
-            while not self._done:
-                self._drain()
+                await self._begin_resume(self._resume)
+            while not self._phase.done:
+                self._reader.drain()
                 await self._reconcile()
                 await self._act()
-                if not self._done:
-                    try:
-                        await self._inbox.wait_any(events.channel)
-                    except InboxClosed:
-                        raise self._closed() from None
+                if not self._phase.done:
+                    await self._reader.wait(events.channel)
         return RunSummary(
-            epochs_completed=self._ledger.epochs_completed, syncs=self._syncs,
-            global_step=self._global_step, epoch_metrics=self._ledger.aggregated,
+            epochs_completed=self._ledger.epochs_completed, syncs=self._lockstep.syncs,
+            global_step=self._lockstep.global_step, epoch_metrics=self._ledger.aggregated,
             deaths={r: coord.dead_reason(r) or "" for r in sorted(coord.dead_ranks)},
-            elapsed_s=trio.current_time() - started, first_epoch=self._first_epoch,
+            elapsed_s=trio.current_time() - started,
+            first_epoch=0 if self._resume is None else self._resume.epoch,
             resumed=self._resume is not None, epoch_losses=self._epoch_losses(),
         )
 
@@ -178,104 +152,66 @@ class SyncScheduler(Resuming):
         """
         return self._ledger.coverage
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ checkpoints
 
-    def _closed(self) -> FlodlError:
-        return FlodlError(f"SyncScheduler: the coordinator closed its timing/metrics channels "
-                          f"(it is shutting down) during epoch {self._ledger.epoch}")
+    async def _save(self, *, between: int | None = None, durable: bool = True) -> None:
+        """Checkpoint through the coordinator: the current epoch's shares, or (``between``) the
+        epoch about to be dispatched (``num_epochs`` once the last one closed); ``durable``:
+        written before this returns, else with the coordinator's next paced write."""
+        ledger = self._ledger
+        if between is None and self._phase.after_last_epoch:
+            # A sync after the last epoch (the final one, or one every rank left): the run is
+            # between its last epoch and the end, which a resume reads as finished; the
+            # current epoch's numbers would name a closed epoch and be refused as corrupt.
+            between = self._num_epochs
+        await self._coord.save_checkpoint(checkpoint_map(
+            **self._settings, epoch=ledger.epoch if between is None else between,
+            epochs_completed=ledger.epochs_completed, global_step=self._lockstep.global_step,
+            syncs=self._lockstep.syncs, shares={} if between is not None else ledger.shares,
+            last_steps=ledger.last_steps, losses=self._epoch_losses()), durable=durable)
 
-    def _drain(self) -> None:
-        try:
-            self._inbox.drain(self._on_timing, self._ledger.on_metrics)
-        except InboxClosed:
-            raise self._closed() from None
+    def _epoch_losses(self) -> tuple[float | None, ...]:
+        """Every closed epoch's ``avg_loss`` (see ``RunSummary.epoch_losses``): the
+        checkpoint's for the epochs before this scheduler, then its own."""
+        before: tuple[float | None, ...] = ()
+        if self._resume is not None:
+            closed = self._resume.epochs_completed
+            known = self._resume.losses[:closed]
+            before = known + (None,) * (closed - len(known))
+        # A rank that reported has an entry; an epoch with none has no loss (not 0.0).
+        return before + tuple(m.avg_loss if any(m.per_rank) else None
+                              for m in self._ledger.aggregated)
 
-    def _on_timing(self, msg: TimingMsg) -> None:
-        rank = int(msg.rank)
-        if self._members.ignores(rank):  # no share in this epoch
-            return
-        if isinstance(msg, Batch):
-            if not self._ledger.on_batch(rank, int(msg.step_count)):
-                return  # before its anchoring SyncAck after a resume, which counts it
-            self._steps[rank] = self._steps.get(rank, 0) + 1
-            self._awaiting_batch.discard(rank)
-        elif isinstance(msg, SyncAck):
-            if not self._ledger.on_sync_ack(rank, int(msg.step_count)):
-                self._restarted.add(rank)
-            self._awaiting_ack.discard(rank)
-        elif isinstance(msg, NewNcclIdGenerated) and self._group is not None:
-            self._group.on_uid(rank, msg.uid)
-        elif isinstance(msg, CheckpointResult | EvalResult):
-            self._callbacks.on_result(rank, msg)
-
-    # ------------------------------------------------------------------ sending
-
-    async def _send(self, rank: int, msg: ControlMsg) -> None:
-        try:
-            await self._coord.send_control(rank, msg)
-        except SendError as exc:
-            # The failed write declared the rank dead (or it already was); _reconcile handles it.
-            log.warning("%s", exc)
-
-    async def _broadcast(self, msg: ControlMsg) -> None:
-        try:
-            await self._coord.broadcast_control(msg)
-        except BroadcastError as exc:
-            log.warning("%s", exc)
-
-    # ------------------------------------------------------------------ deciding
+    # ------------------------------------------------------------------ who takes part
 
     def _survivors(self) -> list[int]:
         return self._members.survivors(self._coord.live_ranks)
+
+    @property
+    def _regroup(self) -> bool:
+        """Ranks came back: the group is re-formed with them before the next epoch."""
+        return self._group is not None and bool(self._members.joining & self._coord.live_ranks)
 
     async def _fold_joiners(self) -> list[int]:
         """At an epoch boundary: ranks that came back take part from now on; each learns the
         role and the global step first (a restarted rank knows neither)."""
         joiners = self._members.take_joiners(self._coord.live_ranks)
-        if self._role is None:  # the first dispatch tells everyone
+        role = self._outbox.role
+        if role is None:  # the first dispatch tells everyone
             return joiners
         for rank in joiners:
-            self._awaiting_batch.add(rank)
-            self._steps[rank] = 0
-            await self._send(rank, SetEpochCallbackRole(rank=self._role))
-            await self._send(rank, SetGlobalStep(global_step=self._global_step))
+            self._lockstep.join(rank)
+            await self._outbox.send_each(rank, [
+                SetEpochCallbackRole(rank=role),
+                SetGlobalStep(global_step=self._lockstep.global_step)])
         return joiners
-
-    def _no_rank_left(self) -> ClusterFailure:
-        coord = self._coord
-        why = {rank: reason for rank in coord.dead_ranks
-               if (reason := coord.dead_reason(rank)) is not None}
-        return ClusterFailure(SaveReason.ALL_RANKS_LOST, coord.dead_ranks,
-                              f"scheduler: no live rank left in epoch {self._ledger.epoch} of "
-                              f"{self._num_epochs}", why=why)
-
-    async def _dispatch(self, epoch: int) -> None:
-        await self._fold_joiners()
-        live = self._survivors()
-        if not live:
-            raise self._no_rank_left()
-        plans = self._ledger.plan(epoch, live)
-        if self._role is None:  # first dispatch: every rank learns the role before StartEpoch
-            self._role = live[0]
-            self._awaiting_batch = set(live)
-            self._steps = dict.fromkeys(live, 0)
-            await self._broadcast(SetEpochCallbackRole(rank=self._role))
-        self._ledger.begin(epoch, plans)
-        await self._save()  # ahead of the StartEpochs: a resumed scheduler repeats them
-        self._coord.timeline.event(Note(what="epoch_started",
-                                        fields={"epoch": epoch, "ranks": sorted(plans)}))
-        for rank in sorted(plans):
-            await self._send(rank, StartEpoch(plan=plans[rank]))
 
     async def _reconcile(self) -> None:
         """Fold newly dead or exited ranks: redistribute their remainders, move the role."""
         coord = self._coord
         # A rank that died and came back between two looks is a death all the same: what it
-        # owed of this epoch died with its old process.
+        # owed of this epoch died with its old process (so did a resumed share's restarted one).
         new = self._members.newly_gone(coord.dead_ranks, coord.exited_ranks, coord.rejoins)
-        if self._restarted:  # a resumed share's rank is a new process: the old one is gone
-            new = sorted(set(new) | (self._restarted - self._members.gone))
-            self._restarted.clear()
         if new:
             await self._fold_gone(new)
         back = self._members.returned(coord.live_ranks)
@@ -285,128 +221,145 @@ class SyncScheduler(Resuming):
                 "ranks": back, "from_epoch": self._ledger.epoch + 1}))
 
     async def _fold_gone(self, new: Sequence[int]) -> None:
-        coord = self._coord
-        self._drain()  # count every batch the coordinator read from them before the death
-        remainders: list[tuple[int, list[Range]]] = []
+        """Settle ranks that left; hand their remainders over, re-form the group, move the
+        role and the callbacks they held."""
+        self._reader.drain()  # count every batch the coordinator read from them before the death
         members = [r for r in new if r not in self._members.joining]  # of the current group
         shares = self._ledger.shares
         settled = any(r in shares and shares[r].done is None for r in new)
+        remainders = [(rank, rest) for rank in new if (rest := self._ledger.settle(rank))]
         for rank in new:
-            rest = self._ledger.settle(rank)
-            if rest:
-                remainders.append((rank, rest))
             self._members.leave(rank)
-            for waiting in (self._awaiting_batch, self._awaiting_ack):
-                waiting.discard(rank)
-            if self._anchoring is not None:
-                self._anchoring.pop(rank, None)
+            self._lockstep.forget(rank)
         survivors = self._survivors()
         if not survivors:
-            if self._finishing and not remainders:
-                self._done = True  # every epoch is aggregated; nobody is left to shut down
-                return
-            raise self._no_rank_left()
-        handed: list[dict[int, list[Range]]] = []
-        for dead, rest in remainders:
-            log.info("rank %d left %d unsynced samples of epoch %d; extending ranks %s", dead,
-                     sum(s for _, s in rest), self._ledger.epoch, survivors)
-            given = self._ledger.hand_over(rest, survivors)
-            handed.append(given)
-            self._coord.timeline.event(Note(what="redistributed", fields={
-                "epoch": self._ledger.epoch, "from_rank": dead,
-                "to": {str(r): [list(rng) for rng in p] for r, p in given.items()}}))
-        if settled and not self._resuming:
+            if not (self._phase.after_last_epoch and not remainders):
+                raise no_rank_left(self._coord, self._ledger.epoch, self._num_epochs)
+            # Every epoch is aggregated and nobody is left to shut down. A final sync still
+            # open ends with nobody left to ack it, and is saved like a completed one.
+            sync_open = self._phase.sync_open
+            self._phase.fire(PhaseEvent.ALL_GONE)
+            if sync_open:
+                await self._save()
+            return
+        handed = [self._ledger.redistribute(dead, rest, survivors) for dead, rest in remainders]
+        if settled and not self._phase.resuming:
             # Durable: what a dead rank is credited with cannot be re-derived from it, and a
             # resumed scheduler repeats the extensions that follow, never new ones.
             await self._save()
             for given in handed:
                 for rank, part in given.items():
-                    for offset, size in part:
-                        await self._send(rank, ExtendPartition(partition_offset=offset,
-                                                               partition_size=size))
-        if self._group is not None and not self._finishing and members:
-            await self._group.after_gone(
-                [(r, coord.dead_reason(r) or ("exited cleanly" if r in coord.exited_ranks
-                                              else "died and came back"))
-                 for r in members], survivors)
-        if self._role in self._members.gone:
-            await self._move_role(survivors[0])
-        await self._callbacks.retarget(self._members.gone, self._role)
+                    await self._outbox.send_each(rank, [
+                        ExtendPartition(partition_offset=o, partition_size=n) for o, n in part])
+        if self._group is not None and not self._phase.after_last_epoch and members:
+            await self._group.after_gone([(r, why_gone(self._coord, r)) for r in members],
+                                         survivors)
+        if self._outbox.role in self._members.gone:
+            await self._outbox.move_role(survivors[0])
+        await self._callbacks.retarget(self._members.gone, self._outbox.role)
 
-    @property
-    def _regroup(self) -> bool:
-        """Ranks came back: the group is re-formed with them before the next epoch."""
-        return self._group is not None and bool(self._members.joining & self._coord.live_ranks)
+    # ------------------------------------------------------------------ the phases' steps
 
-    @property
-    def _group_waiting(self) -> bool:
-        return self._group is not None and self._group.waiting
-
-    async def _move_role(self, rank: int) -> None:
-        log.info("epoch callback role moves from rank %s to rank %d", self._role, rank)
-        self._role = rank
-        await self._broadcast(SetEpochCallbackRole(rank=rank))
-
-    async def _sync(self, participants: Sequence[int]) -> None:
-        self._syncs += 1
-        self._sync_open = True
-        self._global_step += min(self._steps.get(r, 0) for r in participants)
-        self._coord.timeline.event(Note(what="sync", fields={"global_step": self._global_step}))
-        await self._broadcast(SyncNow())
-        await self._broadcast(SetGlobalStep(global_step=self._global_step))
-        live = self._survivors()
-        self._steps = dict.fromkeys(live, 0)
-        self._awaiting_batch = set(live)
-        self._awaiting_ack = set(live)
+    async def _open_epoch(self, epoch: int, why: str) -> None:
+        """``STARTING``: dispatch ``epoch``, or first form the process group (``FORMING``)."""
+        if self._group is None:
+            await self._dispatch(epoch)
+        else:
+            self._phase.form_group_before(epoch)
+            await self._group.begin(self._survivors(), why)
 
     async def _act(self) -> None:
+        """One step of the phase the scheduler is in, from what it read so far."""
         if self._group is not None and self._group.waiting:
             if await self._group.advance(self._survivors()):
                 return  # no collective (SyncNow) and no new epoch before the group exists
-        if self._anchor_due and not self._group_waiting:
+        phase = self._phase.now
+        if phase is Phase.FORMING:
+            await self._dispatch(self._phase.deferred_epoch)
+            return
+        if phase is Phase.ANCHOR_DUE:
             await self._send_anchor()
             return
-        if self._anchoring is not None:
-            if not self._awaiting_ack:
+        if phase is Phase.ANCHORING:
+            if self._lockstep.all_acked:
                 await self._finish_anchor()
             return
-        if self._sync_open and not self._awaiting_ack:
-            self._sync_open = False
+        if self._phase.sync_open and self._lockstep.all_acked:
+            self._phase.fire(PhaseEvent.ACKED)
             # A sync completed. Paced, not durable: a resumed scheduler re-derives what the
             # live ranks synced since from their anchoring SyncAck (docs/failover.rst).
             await self._save(durable=False)
-        if self._deferred_epoch is not None and not self._group_waiting:
-            epoch, self._deferred_epoch = self._deferred_epoch, None
-            await self._dispatch(epoch)
-            return
         if self._callbacks.failed:
-            await self._callbacks.fail_over(self._survivors(), self._role)
-        if not self._finishing:
-            if not self._awaiting_batch and not self._awaiting_ack:
-                live = self._survivors()
-                if live:
-                    await self._sync(live)
-            if self._ledger.complete and not self._awaiting_ack:
-                if self._ledger.unsynced:
-                    # The epoch ends with a sync: no batch of it may die unsynced after it closed.
-                    stepped = [r for r in self._survivors() if self._steps.get(r, 0) > 0]
-                    await self._sync(stepped or self._survivors())
-                else:
-                    await self._aggregate()
+            await self._callbacks.fail_over(self._survivors(), self._outbox.role)
+        if self._phase.in_epoch:
+            await self._epoch_step()
+        elif not self._phase.done:
+            await self._after_last_epoch_step()
+
+    async def _epoch_step(self) -> None:
+        """``EPOCH`` / ``SYNCING``: sync once every live rank stepped; close the epoch once every
+        ``Metrics`` is in, after one more sync if some batch of it is unsynced."""
+        lockstep = self._lockstep
+        if lockstep.all_stepped and lockstep.all_acked:
+            live = self._survivors()
+            if live:
+                await self._sync(live)
+        # In SYNCING here only if the SyncNow just sent found nobody left to ack it; the next
+        # look settles those ranks.
+        if self._phase.now is Phase.EPOCH and self._ledger.complete and lockstep.all_acked:
+            if self._ledger.unsynced:
+                # The epoch ends with a sync: no batch of it may die unsynced after it closed.
+                survivors = self._survivors()
+                await self._sync(lockstep.stepped(survivors) or survivors)
+            else:
+                await self._aggregate()
+
+    async def _after_last_epoch_step(self) -> None:
+        """``FINISHING`` / ``FINAL_SYNC`` / ``CLOSING``: the final sync if two or more ranks
+        stepped since the last one, then ``Shutdown`` once every callback is answered."""
+        if not self._lockstep.all_acked:
             return
-        if self._awaiting_ack or self._done:
-            return
-        if not self._final_sync_done:
-            self._final_sync_done = True
-            stepped = [r for r in self._survivors() if self._steps.get(r, 0) > 0]
-            if len(self._survivors()) >= 2 and stepped:
+        if self._phase.now is Phase.FINISHING:
+            survivors = self._survivors()
+            stepped = self._lockstep.stepped(survivors)
+            if len(survivors) >= 2 and stepped:
                 await self._sync(stepped)
                 return
+            self._phase.fire(PhaseEvent.NO_FINAL_SYNC)
         if not self._callbacks.pending:
-            await self._broadcast(Shutdown())
-            self._done = True
+            await self._outbox.broadcast(Shutdown())
+            self._phase.fire(PhaseEvent.SHUTDOWN)
+
+    async def _dispatch(self, epoch: int) -> None:
+        """Plan ``epoch`` over the live ranks and send the plans (``EPOCH``)."""
+        self._phase.fire(PhaseEvent.DISPATCH)
+        await self._fold_joiners()
+        live = self._survivors()
+        if not live:
+            raise no_rank_left(self._coord, self._ledger.epoch, self._num_epochs)
+        plans = self._ledger.plan(epoch, live)
+        if self._outbox.role is None:  # first dispatch: every rank learns the role first
+            self._lockstep.start(live)
+            await self._outbox.name_role(live[0])
+        self._ledger.begin(epoch, plans)
+        await self._save()  # ahead of the StartEpochs: a resumed scheduler repeats them
+        self._coord.timeline.event(Note(what="epoch_started",
+                                        fields={"epoch": epoch, "ranks": sorted(plans)}))
+        for rank in sorted(plans):
+            await self._outbox.send(rank, StartEpoch(plan=plans[rank]))
+
+    async def _sync(self, participants: Sequence[int]) -> None:
+        """``SyncNow`` then ``SetGlobalStep`` (``SYNCING``, or ``FINAL_SYNC``)."""
+        self._phase.fire(PhaseEvent.SYNC_SENT)
+        step = self._lockstep.open_sync(participants)
+        self._coord.timeline.event(Note(what="sync", fields={"global_step": step}))
+        await self._outbox.broadcast(SyncNow())
+        await self._outbox.broadcast(SetGlobalStep(global_step=step))
+        self._lockstep.expect_acks(self._survivors())
 
     async def _aggregate(self) -> None:
+        """Close the epoch; dispatch the next one (``EPOCH``), or form the group first with the
+        ranks that came back (``FORMING``), or after the last one move to ``FINISHING``."""
         metrics = self._ledger.close()
         epoch = self._ledger.epoch
         log.info("epoch %d aggregated: avg_loss %.4f", epoch, metrics.avg_loss)
@@ -418,25 +371,79 @@ class SyncScheduler(Resuming):
         self._coord.timeline.event(Note(what="epoch_covered", fields={
             "epoch": epoch, "exactly_once": cov.exactly_once, "samples": cov.samples,
             "total": cov.total, "gaps": cov.gaps, "overlaps": cov.overlaps}))
-        await self._broadcast(EpochAggregated(metrics=metrics))
+        await self._outbox.broadcast(EpochAggregated(metrics=metrics))
         completed = epoch + 1
         # The close is durable by itself only when something goes out before the next
         # epoch's checkpoint (callbacks), or no such checkpoint follows at once; otherwise
         # that one, durable ahead of the StartEpochs, holds it: one write per boundary.
         at_once = (completed < self._num_epochs and not self._regroup
-                   and not self._callbacks.due(completed, self._role))
+                   and not self._callbacks.due(completed, self._outbox.role))
         await self._save(between=completed, durable=not at_once)
-        await self._callbacks.after_epoch(completed, self._role)
-        if completed < self._num_epochs:
-            if self._group is not None and self._regroup:
-                if at_once:  # a rank came back meanwhile: the next epoch waits for the group
-                    await self._save(between=completed)
-                # The group is re-formed with the ranks that came back before they get work.
-                joiners = await self._fold_joiners()
-                self._deferred_epoch = completed
-                await self._group.begin(self._survivors(), f"rank(s) {joiners} rejoined")
-                return
-            await self._dispatch(completed)
-        else:
-            self._finishing = True
+        await self._callbacks.after_epoch(completed, self._outbox.role)
+        if completed >= self._num_epochs:
+            self._phase.fire(PhaseEvent.LAST_CLOSED)
             self._ledger.finish()
+        elif self._group is not None and self._regroup:
+            if at_once:  # a rank came back meanwhile: the next epoch waits for the group
+                await self._save(between=completed)
+            # The group is re-formed with the ranks that came back before they get work.
+            joiners = await self._fold_joiners()
+            self._phase.form_group_before(completed)
+            await self._group.begin(self._survivors(), f"rank(s) {joiners} rejoined")
+        else:
+            await self._dispatch(completed)
+
+    # ------------------------------------------------------------------ resuming (_resume)
+
+    async def _begin_resume(self, res: Resumption) -> None:
+        """``STARTING`` from a checkpoint: settle the ranks that left since, then ``CLOSING``
+        (a finished run), the next epoch (between two), or ``ANCHOR_DUE`` (inside one)."""
+        coord = self._coord
+        self._members.baseline(coord.rejoins)
+        self._ledger.restore(res.epoch, res.shares, res.epochs_completed, res.last_steps)
+        announce(coord.timeline, res, self._num_epochs)
+        start = resume_start(res, num_epochs=self._num_epochs, live=coord.live_ranks,
+                             gone=coord.dead_ranks | coord.exited_ranks)
+        for rank in start.left_before:
+            self._members.leave(rank)  # gone before the checkpoint: nothing to settle
+        if start.where == "finished":  # the run had ended: only Shutdown is left
+            self._phase.fire(PhaseEvent.RESUME_FINISHED)
+            self._ledger.finish()
+        elif start.where == "between":  # the next epoch was not dispatched
+            await self._open_epoch(res.epoch, "resuming the run")
+        else:
+            await self._resume_in_epoch(start.joining, start.gone_since)
+
+    async def _resume_in_epoch(self, joining: frozenset[int], gone: Sequence[int]) -> None:
+        self._members.join_next_epoch(joining)
+        self._phase.fire(PhaseEvent.RESUME_IN_EPOCH)  # no extension before the anchor
+        if gone:
+            await self._fold_gone(gone)
+        survivors = self._survivors()
+        if not survivors:
+            raise no_rank_left(self._coord, self._ledger.epoch, self._num_epochs)
+        await self._outbox.name_role(survivors[0])
+        if self._group is not None and not self._group.waiting:
+            await self._group.begin(survivors, "resuming the run")
+
+    async def _send_anchor(self) -> None:
+        """``ANCHOR_DUE``: the anchoring sync; each rank's ``SyncAck`` says how far it got."""
+        self._phase.fire(PhaseEvent.ANCHOR_SENT)
+        self._lockstep.open_anchor(anchor_credit(self._ledger.shares, self._survivors()))
+        self._coord.timeline.event(Note(what="sync", fields={
+            "global_step": self._lockstep.global_step}))
+        await self._outbox.broadcast(SyncNow())
+
+    async def _finish_anchor(self) -> None:
+        """``ANCHORING``, every share anchored: move the global step on, checkpoint, and send
+        each rank its share again (a rank ignores what it already has)."""
+        self._phase.fire(PhaseEvent.ANCHORED)
+        survivors = self._survivors()
+        shares = self._ledger.shares
+        step = self._lockstep.close_anchor(shares, survivors)
+        await self._outbox.broadcast(SetGlobalStep(global_step=step))
+        self._lockstep.restart(survivors)
+        await self._save()
+        for rank in survivors:
+            if rank in shares:
+                await self._outbox.send_each(rank, repeat_share(self._ledger.epoch, shares[rank]))

@@ -19,9 +19,7 @@ from ._epoch_math import (
     batches_needed,
     coverage,
     plan_epoch,
-    processed_ranges,
     split_remainder,
-    unprocessed_ranges,
 )
 from ._parts import Share
 
@@ -134,7 +132,7 @@ class EpochLedger:
             return False
         self._last_step[rank] = max(self._last_step.get(rank, 0), step)
         if share is not None:
-            share.batches += 1
+            share.count_batch()
         return True
 
     def on_sync_ack(self, rank: int, step: int) -> bool:
@@ -155,12 +153,11 @@ class EpochLedger:
                             "restarted process", rank, step, done, self._epoch, share.synced,
                             batches_needed(share.ranges, self._batch_size))
                 return False
-            share.batches = done
-            share.anchored = True
+            share.anchor(done)
             if done == batches_needed(share.ranges, self._batch_size):
                 self._awaiting_metrics.discard(rank)  # done; its Metrics may have been read
         self._last_step[rank] = max(self._last_step.get(rank, 0), step)
-        share.synced = share.batches
+        share.mark_synced()
         return True
 
     def on_metrics(self, msg: Metrics) -> None:
@@ -201,8 +198,7 @@ class EpochLedger:
         rest: list[Range] = []
         share = self._shares.get(rank)
         if share is not None and share.done is None:
-            rest = unprocessed_ranges(share.ranges, share.synced, self._batch_size)
-            share.done = processed_ranges(share.ranges, share.synced, self._batch_size)
+            rest = share.leave(self._batch_size)
             if rest:
                 self._metrics.pop(rank, None)
         self._awaiting_metrics.discard(rank)
@@ -216,9 +212,20 @@ class EpochLedger:
         parts = split_remainder(rest, len(survivors))
         given = {r: part for r, part in zip(survivors, parts, strict=True) if part}
         for rank, part in given.items():
-            self._shares[rank].ranges.extend(part)
-            self._shares[rank].extended = True
+            self._shares[rank].extend(part)
             self._awaiting_metrics.add(rank)
+        return given
+
+    def redistribute(self, dead: int, rest: Sequence[Range],
+                     survivors: Sequence[int]) -> dict[int, list[Range]]:
+        """:meth:`hand_over` what ``dead`` left, and note on the timeline who took which
+        samples (``redistributed``)."""
+        log.info("rank %d left %d unsynced samples of epoch %d; extending ranks %s", dead,
+                 sum(s for _, s in rest), self._epoch, survivors)
+        given = self.hand_over(rest, survivors)
+        self._timeline.event(Note(what="redistributed", fields={
+            "epoch": self._epoch, "from_rank": dead,
+            "to": {str(r): [list(rng) for rng in p] for r, p in given.items()}}))
         return given
 
     def close(self) -> EpochMetrics:

@@ -1,17 +1,21 @@
-"""The scheduler's small record types: its run summary, a rank's share of an epoch, and its
-reading of the coordinator's channels."""
+"""The scheduler's small record types: its run summary, a rank's share of an epoch, its reading
+of the coordinator's channels, who takes part, and what it says of ranks that left."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 import trio
 
-from ..wire import EpochMetrics, Metrics, TimingMsg
-from ._epoch_math import Range
+from .._errors import ClusterFailure
+from ..wire import EpochMetrics, Metrics, SaveReason, TimingMsg
+from ._epoch_math import Range, processed_ranges, unprocessed_ranges
+
+if TYPE_CHECKING:
+    from ..coordinator import Coordinator
 
 _T = TypeVar("_T")
 
@@ -74,6 +78,30 @@ class Share:
     @property
     def assigned(self) -> int:
         return sum(s for _, s in self.ranges)
+
+    def count_batch(self) -> None:
+        """The rank reported one more ``Batch`` of this share."""
+        self.batches += 1
+
+    def anchor(self, done: int) -> None:
+        """After a resume: the rank's first ``SyncAck`` says it did ``done`` batches."""
+        self.batches = done
+        self.anchored = True
+
+    def mark_synced(self) -> None:
+        """A ``SyncAck`` of the rank: every batch it reported so far is synced."""
+        self.synced = self.batches
+
+    def extend(self, part: list[Range]) -> None:
+        """A remainder handed over: ``part`` follows the plan and earlier extensions."""
+        self.ranges.extend(part)
+        self.extended = True
+
+    def leave(self, batch_size: int) -> list[Range]:
+        """The rank left: it is credited with what its synced batches covered (``done``); what
+        is left of the share, in order."""
+        self.done = processed_ranges(self.ranges, self.synced, batch_size)
+        return unprocessed_ranges(self.ranges, self.synced, batch_size)
 
 
 class InboxClosed(Exception):
@@ -154,13 +182,15 @@ class Members:
 
     ``gone``: ranks that died or exited, whose share is settled. ``joining``: ranks back from
     the dead (issue 26) that wait for the next epoch to get work. A rank whose rejoin count
-    moved between two looks died and came back unseen: it is gone all the same.
+    moved between two looks died and came back unseen: it is gone all the same, and so is one
+    whose anchoring ``SyncAck`` after a resume cannot be the share holder's (:meth:`restarted`).
     """
 
     def __init__(self) -> None:
         self.gone: set[int] = set()
         self.joining: set[int] = set()
         self._rejoins_seen: dict[int, int] = {}
+        self._restarted: set[int] = set()
 
     def baseline(self, rejoins: Mapping[int, int]) -> None:
         """Take the coordinator's rejoin counts as seen (a scheduler that resumes a run: the
@@ -182,11 +212,22 @@ class Members:
         missed = {r for r, n in rejoins.items()
                   if n != self._rejoins_seen.get(r, 0) and r not in self.gone}
         self._rejoins_seen = dict(rejoins)
-        return sorted(((dead | exited) - self.gone) | missed)
+        restarted, self._restarted = self._restarted - self.gone, set()
+        return sorted(((dead | exited) - self.gone) | missed | restarted)
+
+    def restarted(self, rank: int) -> None:
+        """``rank``'s anchoring ``SyncAck`` cannot be the share holder's: a new process holds
+        the rank, the old one is gone (it is at the next :meth:`newly_gone`)."""
+        self._restarted.add(rank)
 
     def leave(self, rank: int) -> None:
         self.joining.discard(rank)
         self.gone.add(rank)
+
+    def join_next_epoch(self, ranks: Iterable[int]) -> None:
+        """``ranks`` have no share in the current epoch (a resume found them live without
+        one): they get work from the next epoch."""
+        self.joining.update(ranks)
 
     def returned(self, live: frozenset[int]) -> list[int]:
         """Gone ranks that are live again; they join at the next epoch."""
@@ -200,3 +241,18 @@ class Members:
         joiners = sorted(self.joining & live)
         self.joining.clear()
         return joiners
+
+
+def why_gone(coord: Coordinator, rank: int) -> str:
+    """Why ``rank`` left, as the coordinator says (for a re-formation's error message)."""
+    return coord.dead_reason(rank) or ("exited cleanly" if rank in coord.exited_ranks
+                                       else "died and came back")
+
+
+def no_rank_left(coord: Coordinator, epoch: int, num_epochs: int) -> ClusterFailure:
+    """The failure of a run with no live rank left in ``epoch``, naming why each one died."""
+    why = {rank: reason for rank in coord.dead_ranks
+           if (reason := coord.dead_reason(rank)) is not None}
+    return ClusterFailure(SaveReason.ALL_RANKS_LOST, coord.dead_ranks,
+                          f"scheduler: no live rank left in epoch {epoch} of {num_epochs}",
+                          why=why)

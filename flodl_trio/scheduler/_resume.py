@@ -28,6 +28,11 @@ over from it. Epochs closed before it are not run again. The current epoch goes 
    so that one whose commands died with the previous scheduler gets them. The epoch then runs as
    usual.
 
+In the scheduler's phases (:mod:`flodl_trio.scheduler._phase`) a resume is ``STARTING`` then,
+inside an epoch, ``ANCHOR_DUE`` (step 1 done, the anchoring ``SyncNow`` waits for the process
+group if any) and ``ANCHORING`` (step 2) before the epoch runs (``EPOCH``, step 3 done). This
+module decides (no I/O); the scheduler sends.
+
 Only a rank that dies in the same window, after acknowledging a sync that the checkpoint does not
 hold (with a paced store, up to ``1 / store_write_rate`` seconds of syncs), is credited less than
 it synced (as is one whose ``SyncAck`` died with its relay): that part is processed again (at
@@ -36,175 +41,72 @@ least once).
 
 from __future__ import annotations
 
-import abc
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
-from .._errors import ClusterFailure
+import attrs
+
 from ..events import Note
-from ..wire import (
-    ControlMsg,
-    EpochPlan,
-    ExtendPartition,
-    SetEpochCallbackRole,
-    SetGlobalStep,
-    StartEpoch,
-    SyncNow,
-)
-from ._checkpoint import Resumption, checkpoint_map
-from ._epoch_ledger import EpochLedger
-from ._parts import Members
-from ._reformation import ProcessGroupKeeper
-
-if TYPE_CHECKING:
-    from ..coordinator import Coordinator
+from ..timeline import Timeline
+from ..wire import ControlMsg, EpochPlan, ExtendPartition, StartEpoch
+from ._checkpoint import Resumption
+from ._parts import Share
 
 log = logging.getLogger("flodl_trio.scheduler")
 
 
-class Resuming(abc.ABC):
-    """The checkpoint and resume part of :class:`SyncScheduler` (which provides the rest)."""
+@attrs.frozen
+class ResumeStart:
+    """How a scheduler taking a run over begins, from its checkpoint and the coordinator's view.
 
-    _coord: Coordinator
-    _ledger: EpochLedger
-    _members: Members
-    _group: ProcessGroupKeeper | None
-    _settings: dict[str, Any]
-    _num_epochs: int
-    _global_step: int
-    _syncs: int
-    _steps: dict[int, int]
-    _awaiting_batch: set[int]
-    _awaiting_ack: set[int]
-    _role: int | None
-    _deferred_epoch: int | None
-    _finishing: bool
-    _final_sync_done: bool
-    _anchor_due: bool  # resuming: the anchoring SyncNow goes out once it may
-    _anchoring: dict[int, int] | None  # rank -> batches credited at the resume, until anchored
-    _resume: Resumption | None
+    Attributes:
+        where: ``"finished"`` (every epoch closed: only ``Shutdown`` is left), ``"between"``
+            (the next epoch was not dispatched) or ``"in_epoch"`` (the epoch goes on, anchored).
+        left_before: ranks gone that hold no share of the checkpoint: nothing to settle.
+        joining: live ranks without a share of the current epoch: work from the next one.
+        gone_since: ranks that hold a share and are no longer live: settled like a death.
+    """
 
-    @abc.abstractmethod
-    def _survivors(self) -> list[int]:
-        """The ranks that take part in the current epoch, ascending."""
+    where: Literal["finished", "between", "in_epoch"]
+    left_before: frozenset[int]
+    joining: frozenset[int] = frozenset()
+    gone_since: tuple[int, ...] = ()
 
-    @abc.abstractmethod
-    def _no_rank_left(self) -> ClusterFailure:
-        """The failure to raise when no live rank is left."""
 
-    @abc.abstractmethod
-    async def _send(self, rank: int, msg: ControlMsg) -> None:
-        """Send one control message (a failure is logged: the rank is dead)."""
+def resume_start(res: Resumption, *, num_epochs: int, live: frozenset[int],
+                 gone: frozenset[int]) -> ResumeStart:
+    """Decide how to take the run over (``gone``: the ranks dead or exited)."""
+    held = frozenset(r for r, share in res.shares.items() if share.done is None)
+    left = gone - held
+    if res.epoch >= num_epochs:
+        return ResumeStart("finished", left)
+    if not res.shares:
+        return ResumeStart("between", left)
+    return ResumeStart("in_epoch", left, joining=live - held,
+                       gone_since=tuple(sorted(held - live)))
 
-    @abc.abstractmethod
-    async def _broadcast(self, msg: ControlMsg) -> None:
-        """Broadcast one control message (failures are logged)."""
 
-    @abc.abstractmethod
-    async def _dispatch(self, epoch: int) -> None:
-        """Plan ``epoch`` over the live ranks and send the plans."""
+def announce(timeline: Timeline, res: Resumption, num_epochs: int) -> None:
+    """Log and note (``scheduler_resumed``) where the run is taken over."""
+    log.info("resuming from the checkpoint: epoch %d of %d, %d closed, global step %d",
+             res.epoch, num_epochs, res.epochs_completed, res.global_step)
+    timeline.event(Note(what="scheduler_resumed", fields={
+        "epoch": res.epoch, "epochs_completed": res.epochs_completed,
+        "global_step": res.global_step}))
 
-    @abc.abstractmethod
-    async def _fold_gone(self, new: Sequence[int]) -> None:
-        """Settle ranks that left and hand their remainders over."""
 
-    async def _save(self, *, between: int | None = None, durable: bool = True) -> None:
-        """Checkpoint through the coordinator: the current epoch's shares, or (``between``) the
-        epoch about to be dispatched (``num_epochs`` once the last one closed); ``durable``:
-        written before this returns, else with the coordinator's next paced write."""
-        ledger = self._ledger
-        await self._coord.save_checkpoint(checkpoint_map(
-            **self._settings, epoch=ledger.epoch if between is None else between,
-            epochs_completed=ledger.epochs_completed, global_step=self._global_step,
-            syncs=self._syncs, shares={} if between is not None else ledger.shares,
-            last_steps=ledger.last_steps, losses=self._epoch_losses()), durable=durable)
+def anchor_credit(shares: Mapping[int, Share], survivors: Sequence[int]) -> dict[int, int]:
+    """The ranks the anchoring ``SyncNow`` anchors (survivors with a share), each with the
+    batches the checkpoint credits it with."""
+    return {r: shares[r].synced for r in survivors if r in shares}
 
-    def _epoch_losses(self) -> tuple[float | None, ...]:
-        """Every closed epoch's ``avg_loss`` (see ``RunSummary.epoch_losses``): the
-        checkpoint's for the epochs before this scheduler, then its own."""
-        before: tuple[float | None, ...] = ()
-        if self._resume is not None:
-            closed = self._resume.epochs_completed
-            known = self._resume.losses[:closed]
-            before = known + (None,) * (closed - len(known))
-        # A rank that reported has an entry; an epoch with none has no loss (not 0.0).
-        return before + tuple(m.avg_loss if any(m.per_rank) else None
-                              for m in self._ledger.aggregated)
 
-    @property
-    def _resuming(self) -> bool:
-        """Resuming and not yet anchored: no extension goes out before the anchoring sync."""
-        return self._anchor_due or self._anchoring is not None
-
-    async def _begin_resume(self, res: Resumption) -> None:
-        """Take the run over from the checkpoint: settle the ranks that left since; the
-        anchoring sync goes out from ``_act``."""
-        coord = self._coord
-        self._global_step, self._syncs = res.global_step, res.syncs
-        self._members.baseline(coord.rejoins)
-        self._ledger.restore(res.epoch, res.shares, res.epochs_completed, res.last_steps)
-        log.info("resuming from the checkpoint: epoch %d of %d, %d closed, global step %d",
-                 res.epoch, self._num_epochs, res.epochs_completed, res.global_step)
-        coord.timeline.event(Note(what="scheduler_resumed", fields={
-            "epoch": res.epoch, "epochs_completed": res.epochs_completed,
-            "global_step": res.global_step}))
-        held = {r for r, share in res.shares.items() if share.done is None}
-        for rank in (coord.dead_ranks | coord.exited_ranks) - held:
-            self._members.leave(rank)  # gone before the checkpoint: nothing to settle
-        if res.epoch >= self._num_epochs:  # the run had ended: only Shutdown is left
-            self._finishing = self._final_sync_done = True
-            self._ledger.finish()
-            return
-        if not res.shares:  # between two epochs: the next one was not dispatched
-            if self._group is not None:
-                self._deferred_epoch = res.epoch
-                await self._group.begin(self._survivors(), "resuming the run")
-            else:
-                await self._dispatch(res.epoch)
-            return
-        self._members.joining.update(coord.live_ranks - held)
-        self._anchor_due = True
-        gone = sorted(held - coord.live_ranks)
-        if gone:
-            await self._fold_gone(gone)
-        survivors = self._survivors()
-        if not survivors:
-            raise self._no_rank_left()
-        self._role = survivors[0]
-        await self._broadcast(SetEpochCallbackRole(rank=self._role))
-        if self._group is not None and not self._group.waiting:
-            await self._group.begin(survivors, "resuming the run")
-
-    async def _send_anchor(self) -> None:
-        """The anchoring sync: each rank's ``SyncAck`` says how far it got in its share."""
-        self._anchor_due = False
-        shares = self._ledger.shares
-        live = [r for r in self._survivors() if r in shares]
-        self._anchoring = {r: shares[r].synced for r in live}
-        self._syncs += 1
-        self._coord.timeline.event(Note(what="sync", fields={"global_step": self._global_step}))
-        await self._broadcast(SyncNow())
-        self._awaiting_ack = set(live)
-
-    async def _finish_anchor(self) -> None:
-        """Every share is anchored: move the global step on, checkpoint, and send each rank its
-        share again (a rank ignores what it already has)."""
-        credited, self._anchoring = self._anchoring or {}, None
-        survivors = self._survivors()
-        shares = self._ledger.shares
-        self._global_step += min((shares[r].batches - credited[r] for r in survivors
-                                  if r in credited), default=0)
-        await self._broadcast(SetGlobalStep(global_step=self._global_step))
-        self._steps = dict.fromkeys(survivors, 0)
-        self._awaiting_batch = set(survivors)
-        await self._save()
-        for rank in survivors:
-            if rank not in shares:
-                continue
-            (offset, size), *extensions = shares[rank].ranges
-            await self._send(rank, StartEpoch(plan=EpochPlan(
-                epoch=self._ledger.epoch, partition_offset=offset, partition_size=size)))
-            for offset, size in extensions:
-                await self._send(rank, ExtendPartition(partition_offset=offset,
-                                                       partition_size=size))
+def repeat_share(epoch: int, share: Share) -> list[ControlMsg]:
+    """The commands of a share, sent again after the anchor: ``StartEpoch`` with the plan, then
+    each extension in order (a rank ignores what it already has)."""
+    (offset, size), *extensions = share.ranges
+    msgs: list[ControlMsg] = [StartEpoch(plan=EpochPlan(epoch=epoch, partition_offset=offset,
+                                                        partition_size=size))]
+    msgs.extend(ExtendPartition(partition_offset=o, partition_size=s) for o, s in extensions)
+    return msgs
