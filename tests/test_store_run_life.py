@@ -252,3 +252,32 @@ async def test_an_etcd_leader_whose_lease_deadline_passed_knows_it_lost_without_
     finally:
         await store.aclose()
         await standby.aclose()
+
+
+@pytest.mark.parametrize("send", ["broadcast", "send_control", "heartbeat"])
+async def test_a_leader_woken_with_its_lease_lapsed_sends_no_record_before_it_steps_down(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, send: str
+) -> None:
+    """Issue 35's nemesis: a coordinator stopped past its lease, once woken, broadcast
+    ``SyncNow`` and ``SetGlobalStep`` (its scheduler's next move) before it noticed that its
+    lease was gone; the relays had not seen the newer generation yet, so every rank was handed
+    a deposed coordinator's commands. Whatever it sends first after waking -- a broadcast, one
+    rank's command, its own heartbeat -- it steps down instead, and no relay gets a record."""
+    store = MemoryStore()
+    async with cluster(memory_network, store) as c:
+        with pytest.raises(ft.LeadershipLost, match="its lease ran out"):
+            async with c.coordinator("coord-1") as coord:
+                await trio.sleep(5)
+                store.lapse()
+                heard = {host: len(relay.messages) for host, relay in c.relays.items()}
+                if send == "broadcast":
+                    await coord.broadcast_control(ft.SyncNow())
+                elif send == "send_control":
+                    await coord.send_control(0, ft.SetGlobalStep(global_step=7))
+                else:
+                    await trio.sleep(60)  # its CoordHeartbeat is due every second
+                pytest.fail(f"the deposed coordinator's {send} returned")
+        for host, relay in c.relays.items():
+            with trio.fail_after(1):
+                await relay.eof.wait()
+            assert relay.messages[heard[host]:] == [], (host, relay.messages[heard[host]:])

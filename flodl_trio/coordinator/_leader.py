@@ -75,6 +75,7 @@ class Leader:
         self._body_scope: trio.CancelScope | None = None
         self.standby: StandbyView | None = None
         liveness.guard_with(self.still_leads)
+        sender.guard_with(self.still_leads)
 
     async def lead(self, store: SessionStore, *, fresh: bool = False,
                    standby: bool = False) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from .._coord_types import BroadcastResult
@@ -41,6 +43,20 @@ class Sender:
         self.resumes = trio.Event()
         self.resumes.set()
         self._resume_progress = trio.Event()  # one of them resumed or was given up on
+        self._leads: Callable[[], bool] = lambda: True
+
+    def guard_with(self, leads: Callable[[], bool]) -> None:
+        """Ask ``leads`` before anything is sent: a coordinator whose store's leadership ran out
+        while it did not run (a SIGSTOP past its lease) must not hand its ranks one more
+        command, nor a heartbeat, before it finds out; ``leads`` steps it down instead."""
+        self._leads = leads
+
+    async def _stepped_down(self, what: str) -> SendError:
+        """The error of a send refused because the coordinator stepped down (a checkpoint
+        first: the user's block is cancelled by the step-down, so it usually sees that)."""
+        await trio.lowlevel.checkpoint()
+        return SendError(f"{what}: expected to send as the store's leader, but the coordinator "
+                         "stepped down (its leadership was lost); nothing was sent")
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
         """Host the relay writer tasks where an outside cancellation cannot reach them;
@@ -80,6 +96,8 @@ class Sender:
         if (isinstance(rank, bool) or not isinstance(rank, int)
                 or not 0 <= rank < self._world_size):
             raise SendError(f"{what}: expected a rank in [0, {self._world_size}), got {rank!r}")
+        if not self._leads():
+            raise await self._stepped_down(what)
         conn = self._roster.relay_of(rank)
         while (conn is not None and conn.awaiting_resume and not self.resumes.is_set()
                and not self._roster.shutting_down):
@@ -143,6 +161,8 @@ class Sender:
         sends never wait on a relay. With ``only_idle``, a relay whose writer still has
         something queued or in flight is skipped (a heartbeat behind a backlog adds nothing).
         Failures are counted as lost broadcasts when the writers report them."""
+        if not self._leads():
+            return
         groups, failed = self._groups()
         if only_idle:
             groups = {conn: ranks for conn, ranks in groups.items() if conn.idle}
@@ -158,7 +178,7 @@ class Sender:
     def post_to(self, conn: RelayConn, msg: ControlMsg) -> None:
         """Queue ``msg`` for ``conn``'s live ranks only and return at once (best effort)."""
         ranks = self._roster.live_of(conn)
-        if ranks and conn.alive:
+        if ranks and conn.alive and self._leads():
             conn.submit_fanout(ranks, self._codec.encode(msg), None)
 
     def fence(self, rank: int, reason: str) -> RelayConn | None:
@@ -166,7 +186,7 @@ class Sender:
         a ``Fenced`` frame to the rank, then ``FenceRank`` to the relay. Returns the relay
         connection, or None when it is gone already (there is no one to tell)."""
         conn = self._roster.relay_of(rank)
-        if conn is None or not conn.alive or conn.awaiting_resume:
+        if conn is None or not conn.alive or conn.awaiting_resume or not self._leads():
             return None
         conn.submit_frame(rank, self._codec.encode(Fenced(rank=rank, reason=reason)), None)
         conn.submit_control(FenceRank(rank=rank, reason=reason), None)
@@ -182,6 +202,8 @@ class Sender:
             # Relays of an adopted session: resumed or given up on. (Only then: a wait is a
             # checkpoint, and a broadcast is queued whole before its first checkpoint.)
             await self.resumes.wait()
+        if not self._leads():
+            raise await self._stepped_down(f"broadcast of {label}")
         groups, failed = self._groups()
         frame = self._codec.encode(msg)
         # Every relay's writer task gets its record now; they write concurrently.
