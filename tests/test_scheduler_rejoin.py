@@ -155,3 +155,49 @@ def test_a_rank_that_died_and_came_back_unseen_is_settled_then_works_from_the_ne
     members.leave(2)
     assert members.returned(frozenset({0, 1, 3})) == []
     assert members.survivors(frozenset({0, 1, 3})) == [0, 1, 3]
+
+
+async def test_ranks_that_came_back_take_the_epoch_over_when_every_member_of_it_died(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    """Issue 35's nemesis: host-a died mid-epoch and came back (its ranks joining from the next
+    epoch), then host-b, the last member of the epoch, died too: the scheduler raised
+    ``ClusterFailure(ALL_RANKS_LOST)`` with two live ranks. The ranks that came back now take the
+    epoch's remainder over (a plan, then extensions) and the run completes, every epoch covered
+    exactly once."""
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=30)
+    async with trio.open_nursery() as nursery:
+        a = start(nursery, memory_network, "host-a", [0, 1], salt)
+        b = start(nursery, memory_network, "host-b", [2, 3], salt)
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
+                                       timeline=log) as coord:
+            scheduler = SyncScheduler(coord, total_samples=SAMPLES, batch_size=BATCH,
+                                      num_epochs=3)
+            back: list[SimHost] = []
+
+            async def both_die_in_turn() -> None:
+                await wait_until(functools.partial(_worked_in, a, 1), limit=60)
+                a.scope.cancel()
+                await a.done.wait()
+                await wait_until(lambda: coord.dead_ranks == {0, 1}, limit=5)
+                back.append(start(nursery, memory_network, "host-a", [0, 1], salt))
+                await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=3)
+                b.scope.cancel()  # the last member of epoch 1 dies before it closed
+                await b.done.wait()
+
+            nursery.start_soon(both_die_in_turn)
+            summary = await scheduler.run()
+        nursery.cancel_scope.cancel()
+
+    assert summary.epochs_completed == 3
+    assert all(c.exact for c in scheduler.coverage), scheduler.coverage
+    assert set(summary.deaths) == {2, 3}
+    # The ranks that came back worked in epoch 1 (the one whose members all died) and after.
+    started = [m.plan.epoch for m in back[0].records[0].of_type(ft.wire.StartEpoch)]
+    assert started == [1, 2], started
+    for epoch in range(3):
+        seen = {i for h in (a, b, *back) for rec in h.records.values()
+                for i in rec.samples(epoch)}
+        assert seen == set(range(SAMPLES)), epoch

@@ -369,34 +369,39 @@ class RelayConn:
     async def run_writer(self) -> None:
         """The single writer of this connection (runs in the coordinator's nursery)."""
         self._writer_started = True
-        receive = self._open_queue().receive
-        async for item in receive:
-            batch = [item]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(receive.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
+        try:
+            receive = self._open_queue().receive
+            async for item in receive:
+                batch = [item]
+                while len(batch) < _BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                self._queued -= len(batch)
+                self._writing = True
+                abandoned = self._ended.is_set()
+                stalled = False
+                if abandoned:
+                    failure: str | None = f"connection lost ({self._end_text()})"
+                else:
+                    failure, stalled = await self._write(batch)
+                self._writing = False
+                for _, _, delivery in batch:
+                    if delivery is not None:
+                        delivery.settle(self, failure)
+                if failure is not None and not abandoned:
+                    self.on_lost(self, failure, stalled)
+                elif failure is None and any(mark == _RETIRE for _, mark, _ in batch):
+                    with trio.move_on_after(self._retire_grace):
+                        await self._ended.wait()  # the relay closed its side: the reader ended
                     break
-            self._queued -= len(batch)
-            self._writing = True
-            abandoned = self._ended.is_set()
-            stalled = False
-            if abandoned:
-                failure: str | None = f"connection lost ({self._end_text()})"
-            else:
-                failure, stalled = await self._write(batch)
-            self._writing = False
-            for _, _, delivery in batch:
-                if delivery is not None:
-                    delivery.settle(self, failure)
-            if failure is not None and not abandoned:
-                self.on_lost(self, failure, stalled)
-            elif failure is None and any(mark == _RETIRE for _, mark, _ in batch):
-                with trio.move_on_after(self._retire_grace):
-                    await self._ended.wait()  # the relay closed its side: the reader ended
-                break
-        # Lost (or shut down): nothing more will be written, and the reader must stop too.
-        await self.close()
+        finally:
+            # Lost, shut down, or cancelled before it wrote anything (the writers stopped
+            # while a step-down had just started it): the stream is closed all the same, and
+            # the reader must stop too.
+            with trio.CancelScope(shield=True):
+                await self.close()
 
     async def _write(self, batch: list[tuple[bytes, int, Delivery | None]]
                      ) -> tuple[str | None, bool]:

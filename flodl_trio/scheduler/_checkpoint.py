@@ -58,8 +58,9 @@ def checkpoint_map(*, total_samples: int, batch_size: int, num_epochs: int, epoc
     synced_samples = 0
     for rank in sorted(shares):
         share = shares[rank]
-        credited = (share.done if share.done is not None
-                    else processed_ranges(share.ranges, share.synced, batch_size))
+        credited = share.earlier + (
+            share.done if share.done is not None
+            else processed_ranges(share.ranges, share.synced, batch_size))
         synced_samples += sum(size for _, size in credited)
         entry: dict[str, Any] = {
             "rank": rank, "ranges": [[o, s] for o, s in share.ranges],
@@ -67,6 +68,8 @@ def checkpoint_map(*, total_samples: int, batch_size: int, num_epochs: int, epoc
             "extended": share.extended}
         if share.done is not None:
             entry["done"] = [[o, s] for o, s in share.done]
+        if share.earlier:
+            entry["earlier"] = [[o, s] for o, s in share.earlier]
         entries.append(entry)
     return {
         "format": FORMAT, "total_samples": total_samples, "batch_size": batch_size,
@@ -119,12 +122,15 @@ def read_checkpoint(data: Mapping[str, Any], *, total_samples: int, batch_size: 
         ranges = _ranges(entry.get("ranges"), f"ranges of rank {rank}", bad)
         done = (None if entry.get("done") is None
                 else _ranges(entry.get("done"), f"done of rank {rank}", bad))
+        earlier = ([] if entry.get("earlier") is None
+                   else _ranges(entry.get("earlier"), f"earlier of rank {rank}", bad))
         extended = entry.get("extended")
         if not isinstance(extended, bool) or not ranges or rank in shares:
             raise bad(f"one share per rank with ranges and an 'extended' flag (rank {rank})")
         shares[rank] = Share(ranges, synced=_count(entry.get("synced"), "synced", bad),
                              start_step=_count(entry.get("start_step"), "start_step", bad),
-                             anchored=done is not None, extended=extended, done=done)
+                             anchored=done is not None, extended=extended, done=done,
+                             earlier=earlier)
     steps = data.get("last_steps")
     if not isinstance(steps, list):
         raise bad(f"a list of [rank, step] as last_steps, got {steps!r}")

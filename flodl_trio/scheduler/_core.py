@@ -27,7 +27,7 @@ from ..wire import (
 )
 from ._checkpoint import Resumption, checkpoint_map, read_checkpoint
 from ._epoch_ledger import EpochLedger
-from ._epoch_math import EpochCoverage, check_cadence, check_count, check_ratios
+from ._epoch_math import EpochCoverage, Range, check_cadence, check_count, check_ratios
 from ._lockstep import Lockstep
 from ._outbox import Outbox
 from ._parts import Members, RunSummary, no_rank_left, why_gone
@@ -232,6 +232,8 @@ class SyncScheduler:
             self._members.leave(rank)
             self._lockstep.forget(rank)
         survivors = self._survivors()
+        if not survivors and remainders and self._phase.in_epoch and not self._phase.resuming:
+            survivors = await self._enlist_joiners()
         if not survivors:
             if not (self._phase.after_last_epoch and not remainders):
                 raise no_rank_left(self._coord, self._ledger.epoch, self._num_epochs)
@@ -242,21 +244,47 @@ class SyncScheduler:
             if sync_open:
                 await self._save()
             return
+        shares = self._ledger.shares
+        fresh = [r for r in survivors  # not members of the epoch (yet): back from a death
+                 if r not in shares or shares[r].done is not None]
         handed = [self._ledger.redistribute(dead, rest, survivors) for dead, rest in remainders]
         if settled and not self._phase.resuming:
             # Durable: what a dead rank is credited with cannot be re-derived from it, and a
             # resumed scheduler repeats the extensions that follow, never new ones.
             await self._save()
-            for given in handed:
-                for rank, part in given.items():
-                    await self._outbox.send_each(rank, [
-                        ExtendPartition(partition_offset=o, partition_size=n) for o, n in part])
+            await self._send_handed(handed, fresh)
         if self._group is not None and not self._phase.after_last_epoch and members:
             await self._group.after_gone([(r, why_gone(self._coord, r)) for r in members],
                                          survivors)
         if self._outbox.role in self._members.gone:
             await self._outbox.move_role(survivors[0])
         await self._callbacks.retarget(self._members.gone, self._outbox.role)
+
+    async def _enlist_joiners(self) -> list[int]:
+        """Every member of the epoch left with work unsynced while ranks that came back wait
+        for the next epoch: they take this one over instead (the run would otherwise fail with
+        live ranks). Returns them; they learn the role and the global step first."""
+        joiners = await self._fold_joiners()
+        if joiners:
+            log.info("every rank of epoch %d left; rank(s) %s, back from a death, take its "
+                     "remainder over", self._ledger.epoch, joiners)
+            self._coord.timeline.event(Note(what="ranks_enlisted", fields={
+                "ranks": joiners, "epoch": self._ledger.epoch}))
+        return self._survivors()
+
+    async def _send_handed(self, handed: Sequence[dict[int, list[Range]]],
+                           fresh: Sequence[int]) -> None:
+        """Send each remainder handed over: an extension to a rank already in the epoch, the
+        whole share (a plan, then extensions) to one that begins the epoch with it."""
+        for given in handed:
+            for rank, part in given.items():
+                if rank not in fresh:
+                    await self._outbox.send_each(rank, [
+                        ExtendPartition(partition_offset=o, partition_size=n) for o, n in part])
+        for rank in fresh:
+            share = self._ledger.shares.get(rank)
+            if share is not None:
+                await self._outbox.send_each(rank, repeat_share(self._ledger.epoch, share))
 
     # ------------------------------------------------------------------ the phases' steps
 

@@ -212,7 +212,18 @@ class EpochLedger:
         parts = split_remainder(rest, len(survivors))
         given = {r: part for r, part in zip(survivors, parts, strict=True) if part}
         for rank, part in given.items():
-            self._shares[rank].extend(part)
+            share = self._shares.get(rank)
+            if share is None or share.done is not None:
+                # Not a member of the epoch (back from a death): it begins the epoch here, and
+                # what its earlier process is credited with stays counted.
+                first, *more = part
+                share = self._shares[rank] = Share(
+                    [first], start_step=self._last_step.get(rank, 0),
+                    earlier=[] if share is None else share.credited)
+                if more:
+                    share.extend(list(more))
+            else:
+                share.extend(part)
             self._awaiting_metrics.add(rank)
         return given
 
@@ -235,8 +246,7 @@ class EpochLedger:
             world_size=self._world_size, total_samples=self._total)
         self._aggregated.append(metrics)
         self._coverage.append(coverage(self._epoch, self._total, {
-            r: share.ranges if share.done is None else share.done
-            for r, share in self._shares.items()}))
+            r: share.credited for r, share in self._shares.items()}))
         return metrics
 
     def finish(self) -> None:

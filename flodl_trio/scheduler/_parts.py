@@ -64,7 +64,9 @@ class Share:
     ``batches`` counts the batches it reported, ``synced`` those reported before its last
     ``SyncAck`` (only those are credited if it leaves). ``start_step`` is its step count before
     its first batch of the epoch. A share restored from a checkpoint is not ``anchored`` until
-    the rank's first ``SyncAck`` says, by its step count, how far it got.
+    the rank's first ``SyncAck`` says, by its step count, how far it got. ``earlier`` is what
+    an earlier process of the same rank is credited with in this epoch: it died, came back and
+    took the epoch over when every other member of it had left.
     """
 
     ranges: list[Range]
@@ -74,6 +76,13 @@ class Share:
     anchored: bool = True
     extended: bool = False
     done: list[Range] | None = None  # set when the rank left: what it is credited for
+    earlier: list[Range] = attrs.Factory(list)
+
+    @property
+    def credited(self) -> list[Range]:
+        """What the epoch's accounting counts for this rank: its earlier process's credit, then
+        its share (all of it while it is a member; what it synced once it left)."""
+        return [*self.earlier, *(self.ranges if self.done is None else self.done)]
 
     @property
     def assigned(self) -> int:
