@@ -85,10 +85,12 @@ def deaths_by_leaders(h: History) -> tuple[list[Entry], list[Entry]]:
 def rule_false_deaths(h: History) -> list[Violation]:
     """No rank declared dead unless the schedule did something to it, its host or its link
     that the docs say kills it (docs/recovery.rst lists the kinds)."""
+    ends = h.by_type["run_end"]
+    over = ends[0]["t"] if ends else float("inf")
     out = []
     for death in deaths_by_leaders(h)[0]:
-        if justified(h, death):
-            continue
+        if justified(h, death) or death["t"] > over:
+            continue  # after the end: the rule "after the run" reports the adoption
         out.append(Violation(
             "false death", f"rank {death['rank']} ({death.get('host')}) declared dead by "
             f"{death.get('by')} (generation {death.get('generation')}) with no fault that "
@@ -276,6 +278,14 @@ def rule_after_run(h: History) -> list[Violation]:
     end = ends[0]["t"]
     stopped = {e["name"] for e in h.by_type["still_running"]}
     out = []
+    for e in h.by_type["elected"]:
+        if e["t"] > end:
+            dead = sorted({d["rank"] for d in h.by_type["dead"] if d.get("by") == e["by"]})
+            out.append(Violation(
+                "after the run", f"{e['by']} was elected (generation {e['generation']}) after "
+                f"the run ended and adopted the finished session; it declared ranks {dead} "
+                "dead", e["t"], h.slice(e["t"], before=3, after=15, keep=lambda x: x.get(
+                    "by") == e["by"] or x["type"] in ("run_end", "run_exit"))))
     for e in h.by_type["proc_exit"]:
         if e["t"] < end or e.get("code") == 0 or e["name"] in stopped:
             continue
