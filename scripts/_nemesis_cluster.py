@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -115,6 +116,7 @@ class Cluster:
         self.final: Proc | None = None  # the coordinator that ended it
         self.leader_generation: int | None = None  # the store's, as last read
         self.last_owner: str | None = None
+        self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
 
     @property
     def store_url(self) -> str:
@@ -223,6 +225,7 @@ class Cluster:
                     self._react(proc)
             if not self.finished.is_set():
                 self._notice_end()
+                self._notice_progress()
             await trio.sleep(0.1)
 
     def _notice_end(self) -> None:
@@ -242,6 +245,13 @@ class Cluster:
     def _exited(self, proc: Proc) -> None:
         self.record("proc_exit", name=proc.name, role=proc.role, pid=proc.pid,
                     incarnation=proc.incarnation, code=proc.code)
+
+    def _notice_progress(self) -> None:
+        for proc in self.coords.values():
+            for line in _lines(proc.files["out"])[-5:]:
+                match = re.match(r"epoch (\d+)/\d+:", line)
+                if match:
+                    self.epochs_closed = max(self.epochs_closed, int(match.group(1)))
 
     def _react(self, proc: Proc) -> None:
         if proc.role == "coordinator" and proc is self.final:

@@ -130,7 +130,7 @@ def select(kinds: str | None, exclude: str | None) -> list[Kind]:
 
 
 def plan(seed: int, window: float, kinds: Sequence[Kind], timings: Timings, *,
-         gap: tuple[float, float] = (3.0, 6.0)) -> list[Planned]:
+         gap: tuple[float, float] = (2.0, 4.0)) -> list[Planned]:
     """The schedule of a run: faults from 0 to ``window`` seconds, drawn from ``seed`` only."""
     rng = random.Random(seed)
     out: list[Planned] = []

@@ -65,7 +65,8 @@ def justified(h: History, death: Entry) -> bool:
                 f["start"] - 0.5 <= death["t"] <= f["end"] + after:
             return True
     for r in h.by_type["restart"]:
-        if r.get("target") in (host, f"rank {rank}") and r["t"] - 0.5 <= death["t"] <= \
+        # only deaths after it: a restart the death itself caused (its rank exited) is no cause
+        if r.get("target") in (host, f"rank {rank}") and r["t"] <= death["t"] <= \
                 r["t"] + after:
             return True
     return False
@@ -284,8 +285,9 @@ def rule_after_run(h: History) -> list[Violation]:
             out.append(Violation(
                 "after the run", f"{e['by']} was elected (generation {e['generation']}) after "
                 f"the run ended and adopted the finished session; it declared ranks {dead} "
-                "dead", e["t"], h.slice(e["t"], before=3, after=15, keep=lambda x: x.get(
-                    "by") == e["by"] or x["type"] in ("run_end", "run_exit"))))
+                "dead", e["t"], h.slice(e["t"], before=3, after=15,
+                                        keep=lambda x, by=e["by"]: x.get("by") == by
+                                        or x["type"] in ("run_end", "run_exit"))))
     for e in h.by_type["proc_exit"]:
         if e["t"] < end or e.get("code") == 0 or e["name"] in stopped:
             continue
