@@ -5,8 +5,9 @@ the cluster formed), its kind, how long it lasts and a draw that picks its targe
 (the etcd leader or a follower, the leading coordinator or the standby, a host, a rank). Faults on
 different targets overlap; at most one cluster-wide fault (coordinator, etcd) runs at a time and
 the next one waits ``SETTLE_S`` after it healed (a takeover in progress is not a fault of its
-own); at most ``MAX_HOSTS_DOWN`` hosts are under a fault at once, so the run never loses all its
-ranks (the failure policy's limit, which the schedule does not mean to reach).
+own); at most ``hosts_down`` hosts (2 by default, ``--max-hosts-down``) are under a fault at
+once, so the run never loses all its ranks (the failure policy's limit, which the schedule does
+not mean to reach).
 
 Each kind says whether the documented deadlines make its target's ranks die (``kills``): the
 checker accepts a death only inside the window of a fault that may cause it.
@@ -25,7 +26,6 @@ from _nemesis_actions import ACTIONS
 from _nemesis_cluster import Cluster, Timings
 
 SETTLE_S = 8.0       # after a cluster-wide fault healed, before the next one
-MAX_HOSTS_DOWN = 2   # hosts under a fault at once
 WAIT_FOR_TARGET_S = 30.0  # a fault whose target is busy waits this long, then is skipped
 
 
@@ -151,8 +151,9 @@ class Nemesis:
     """Runs a schedule against a cluster: each fault in a task of its own, at its time."""
 
     def __init__(self, cluster: Cluster, schedule: Sequence[Planned],
-                 record: Callable[..., None]) -> None:
+                 record: Callable[..., None], *, hosts_down: int = 2) -> None:
         self.cluster = cluster
+        self.hosts_down = hosts_down
         self.schedule = list(schedule)
         self.record = record
         self.busy: set[str] = set()
@@ -203,7 +204,7 @@ class Nemesis:
             self.busy.add("cluster")
             return "cluster"
         down = [t for t in self.busy if t.startswith("host-")]
-        if len(down) >= MAX_HOSTS_DOWN:
+        if len(down) >= self.hosts_down:
             return None
         free = [h for h in hosts if h not in self.busy and self.cluster.host_whole(h)]
         if not free:

@@ -75,13 +75,15 @@ class History:
 
     def line(self, entry: Entry) -> str:
         skip = {"t", "type", "files", "schedule"}
-        fields = " ".join(f"{k}={_short(v)}" for k, v in entry.items() if k not in skip)
+        fields = " ".join(f"{k}={self._value(v)}" for k, v in entry.items() if k not in skip)
         return f"{entry['t'] - self.t0:9.3f}s {entry['type']:<14} {fields}"
 
-
-def _short(value: Any) -> str:
-    text = str(value)
-    return text if len(text) <= 90 else text[:87] + "..."
+    def _value(self, value: Any) -> str:
+        """A field for one line: a wall-clock time as seconds since the start, text cut."""
+        if isinstance(value, float) and value > 1e9:
+            return f"{value - self.t0:.3f}s"
+        text = str(value)
+        return text if len(text) <= 90 else text[:87] + "..."
 
 
 def about(*, rank: int | None = None, host: str | None = None,

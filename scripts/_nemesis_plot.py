@@ -30,45 +30,62 @@ def draw(entries: Sequence[Entry], report: Report, path: str) -> None:
     ranks = sorted({e["rank"] for e in h.by_type["rank_msg"]} | {
         d["rank"] for d in h.by_type["dead"]})
     slots = sorted({e["name"] for e in h.by_type["proc_start"] if e["role"] == "coordinator"})
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(14, 7),
-                                      gridspec_kw={"height_ratios": [3, 1]})
-    lanes = [f"rank {r}" for r in ranks] + slots
+    lanes = [f"rank {r}" for r in ranks] + slots + ["etcd"]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(14, 7.5),
+                                      gridspec_kw={"height_ratios": [4, 1]})
     for i, r in enumerate(ranks):
         for start, stop, color in rank_spans(h, r, end):
-            top.broken_barh([(start, stop - start)], (i - 0.35, 0.7), color=color)
+            top.broken_barh([(start, stop - start)], (i - 0.3, 0.45), color=color)
     for j, slot in enumerate(slots):
         y = len(ranks) + j
         for start, stop, color, label in coordinator_spans(h, slot, end):
-            top.broken_barh([(start, stop - start)], (y - 0.35, 0.7), color=color)
+            top.broken_barh([(start, stop - start)], (y - 0.3, 0.45), color=color)
             if label:
-                top.text(start + 0.2, y, label, va="center", fontsize=7)
-    kinds = sorted({f["kind"] for f in h.faults})
-    palette = plt.get_cmap("tab20")
-    colors = {k: palette(i % 20) for i, k in enumerate(kinds)}
-    for f in h.faults:
-        for ax in (top, bottom):
-            ax.axvspan(f["start"] - h.t0, f["end"] - h.t0, color=colors[f["kind"]], alpha=0.25,
-                       lw=0)
-        top.text(f["start"] - h.t0, len(lanes) - 0.3, str(f["index"]), fontsize=6,
-                 rotation=90, va="bottom")
+                top.text(start + 0.2, y - 0.08, label, va="center", fontsize=7)
+    colors = draw_faults(top, h, lanes, plt.get_cmap("tab20"))
     times, closed = epochs_closed(h)
     bottom.step(times, closed, where="post", color="black")
     bottom.set_ylabel("epochs closed")
     bottom.set_ylim(0, max(h.epochs, 1) + 0.5)
     for v in report.violations:
-        top.axvline(v.t - h.t0, color="red", lw=1, ls="--")
+        for ax in (top, bottom):
+            ax.axvline(v.t - h.t0, color="red", lw=0.8, ls="--")
     top.set_yticks(range(len(lanes)), lanes, fontsize=8)
-    top.set_ylim(-0.6, len(lanes) + 0.8)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k], alpha=0.5) for k in kinds]
-    top.legend(handles, kinds, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-               title="faults")
-    bottom.set_xlabel("seconds since the nemesis started")
-    top.set_title(f"{len(h.faults)} faults of {len(kinds)} kinds, {len(report.violations)} "
-                  f"violations (red), epochs exactly once {report.exactly_once:.2f}, run exit "
+    top.set_ylim(-0.6, len(lanes) - 0.2)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in (ALIVE, DEAD, LEADER, STANDBY)]
+    top.legend(handles, [*colors, "rank alive", "rank dead", "leading (gN)", "standby"],
+               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+               title="faults (bars above their target)")
+    bottom.set_xlabel("seconds since the nemesis started (red dashes: violations)")
+    top.set_title(f"{len(h.faults)} faults of {len(colors)} kinds, {len(report.violations)} "
+                  f"violations, epochs exactly once {report.exactly_once:.2f}, run exit "
                   f"{report.exit_code}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def draw_faults(ax: Any, h: History, lanes: list[str], cmap: Any) -> dict[str, Any]:
+    """Each fault as a thin bar just above the lanes of its target (a host's: its ranks'),
+    numbered as in the history; returns the colour of each kind."""
+    kinds = sorted({f["kind"] for f in h.faults})
+    colors = {k: cmap(i % 20) for i, k in enumerate(kinds)}
+    for f in h.faults:
+        target = str(f.get("target", ""))
+        if f["kind"].startswith("etcd"):
+            rows = [lanes.index("etcd")]
+        elif target in lanes:
+            rows = [lanes.index(target)]
+        else:
+            rows = [lanes.index(f"rank {r}") for r in f.get("ranks") or []
+                    if f"rank {r}" in lanes]
+        for row in rows:
+            ax.broken_barh([(f["start"] - h.t0, f["end"] - f["start"])], (row + 0.2, 0.22),
+                           color=colors[f["kind"]])
+        if rows:
+            ax.text(f["start"] - h.t0, max(rows) + 0.47, str(f["index"]), fontsize=6)
+    return colors
 
 
 def rank_spans(h: History, rank: int, end: float) -> list[tuple[float, float, str]]:

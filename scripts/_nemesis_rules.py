@@ -24,14 +24,16 @@ def rule_epochs(h: History) -> list[Violation]:
         if old is None or key >= (old.get("generation") or 0, old["t"]):
             latest[note["epoch"]] = note
     out = []
+    missing = [epoch + 1 for epoch in range(h.epochs) if epoch not in latest]
+    if missing:
+        t = h.entries[-1]["t"] if h.entries else 0.0
+        out.append(Violation("epochs", f"{len(missing)} epoch(s) never closed by any "
+                             f"coordinator: {_ranges(missing)}", t, h.slice(
+                                 t, before=60, keep=lambda e: e["type"] in (
+                                     "epoch_covered", "run_end", "cluster_failed"))))
     for epoch in range(h.epochs):
         note = latest.get(epoch)
-        if note is None:
-            t = h.entries[-1]["t"] if h.entries else 0.0
-            out.append(Violation("epochs", f"epoch {epoch + 1} was never closed by any "
-                                 "coordinator", t, h.slice(t, keep=lambda e: e["type"] in (
-                                     "epoch_covered", "run_end", "cluster_failed"))))
-        elif not note.get("exactly_once"):
+        if note is not None and not note.get("exactly_once"):
             out.append(Violation(
                 "epochs", f"epoch {epoch + 1} closed by {note.get('by')} (generation "
                 f"{note.get('generation')}) with {note.get('gaps')} samples missed and "
@@ -41,11 +43,28 @@ def rule_epochs(h: History) -> list[Violation]:
     return out
 
 
+def _ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``1-3, 5``."""
+    out: list[str] = []
+    for n in numbers:
+        if out and out[-1].split("-")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
+
+
 def exactly_once_fraction(h: History) -> float:
+    """The fraction of the run's epochs whose last closing coordinator counted every sample
+    exactly once (an epoch never closed counts as not)."""
     if h.epochs <= 0:
         return 0.0
-    bad = {int(v.message.split()[1]) - 1 for v in rule_epochs(h)}
-    return (h.epochs - len(bad)) / h.epochs
+    exact: dict[int, tuple[tuple[int, float], bool]] = {}
+    for note in h.by_type["epoch_covered"]:
+        key = (note.get("generation") or 0, note["t"])
+        if note["epoch"] not in exact or key >= exact[note["epoch"]][0]:
+            exact[note["epoch"]] = (key, bool(note.get("exactly_once")))
+    return sum(1 for e in range(h.epochs) if exact.get(e, ((0, 0.0), False))[1]) / h.epochs
 
 
 def _death_window(h: History) -> float:
@@ -262,7 +281,7 @@ def rule_run_end(h: History) -> list[Violation]:
         out.append(Violation("run end", f"{end['name']} ended the run after {end.get('epochs')}"
                              f"/{h.epochs} epochs: {end.get('failed')}", end["t"], around))
     exits = [e for e in h.by_type["run_exit"] if e["name"] == end["name"]]
-    if not exits or exits[0].get("code") != 0:
+    if not out and (not exits or exits[0].get("code") != 0):
         code = exits[0].get("code") if exits else "none (it did not exit)"
         out.append(Violation("run end", f"{end['name']} exited with {code} after it ended the "
                              "run", exits[0]["t"] if exits else last, around))
@@ -278,9 +297,13 @@ def rule_after_run(h: History) -> list[Violation]:
         return []
     end = ends[0]["t"]
     stopped = {e["name"] for e in h.by_type["still_running"]}
+    # the coordinator that ended the run is judged by "run end"; one elected after it by this
+    # rule's first part (its failure then is part of that story)
+    judged = {f"{ends[0]['name']}#{ends[0].get('incarnation')}"}
     out = []
     for e in h.by_type["elected"]:
         if e["t"] > end:
+            judged.add(e["by"])
             dead = sorted({d["rank"] for d in h.by_type["dead"] if d.get("by") == e["by"]})
             out.append(Violation(
                 "after the run", f"{e['by']} was elected (generation {e['generation']}) after "
@@ -289,7 +312,8 @@ def rule_after_run(h: History) -> list[Violation]:
                                         keep=lambda x, by=e["by"]: x.get("by") == by
                                         or x["type"] in ("run_end", "run_exit"))))
     for e in h.by_type["proc_exit"]:
-        if e["t"] < end or e.get("code") == 0 or e["name"] in stopped:
+        if e["t"] < end or e.get("code") == 0 or e["name"] in stopped or \
+                f"{e['name']}#{e.get('incarnation')}" in judged:
             continue
         out.append(Violation("after the run", f"{e['name']} exited with {e.get('code')} after "
                              "the run ended", e["t"], h.slice(e["t"], before=20, after=1,

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     schedule = faults.plan(args.seed, minutes * 60, kinds, timings)
     history = History()
     history.record("config", seed=args.seed, minutes=minutes, kinds=[k.name for k in kinds],
+                   max_hosts_down=args.max_hosts_down,
                    timings={"scale": timings.scale, "heartbeat_timeout": timings.heartbeat_timeout,
                             "resume_timeout": timings.resume_timeout, "grace": timings.grace,
                             "lease_ttl": timings.lease_ttl,
@@ -168,7 +169,8 @@ def run(args: argparse.Namespace, root: Path, history: History,
     timings = Timings()
     cluster = Cluster(root, timings, layout_for(minutes), history.record)
     history.record("layout", **vars_of(cluster.layout), world=cluster.layout.world)
-    nemesis = faults.Nemesis(cluster, schedule, history.record)
+    nemesis = faults.Nemesis(cluster, schedule, history.record,
+                             hosts_down=args.max_hosts_down)
     interrupted = False
     try:
         trio.run(drive, cluster, nemesis, minutes * 60)
@@ -219,6 +221,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "--list-kinds)")
     parser.add_argument("--exclude", help="comma-separated fault kinds to leave out")
     parser.add_argument("--list-kinds", action="store_true", help="print the kinds and exit")
+    parser.add_argument("--max-hosts-down", type=int, default=2, metavar="N",
+                        help="hosts under a fault at once (of 4)")
     parser.add_argument("--history", metavar="PATH", help="write the history here (JSONL)")
     parser.add_argument("--plot", metavar="PATH", help="draw the run as a PNG (matplotlib)")
     parser.add_argument("--keep-logs", action="store_true",
