@@ -149,16 +149,21 @@ def _set_link(cluster: Cluster, host: str, plan: FaultPlan, *, live: bool) -> No
                     proxy.plan(plan, connection=conn.index)
 
 
+STALL_RATE = 1.0  # bytes per second a stalled link still passes (no frame completes in time)
+
+
 async def _link_stall(cluster: Cluster, entry: dict[str, Any], host: str, _: float) -> Heal:
-    # The chaos proxy holds each chunk it reads for the delay: every chunk read from now on
-    # waits ``seconds`` (the one being read when the plan changes passes), so the link stalls
-    # for about ``seconds`` from the next chunk on, both ways.
+    # The chaos proxy drips 1 byte a second both ways, one byte per sleep, and reads the plan
+    # again before each byte: the link stalls at the next byte and flows again within a second
+    # of the heal. (A delay was held by a pump already waiting for its next read when the plan
+    # changed: a stall came back up to its whole length later, after the heal.)
     cluster.held.add(host)
     entry.update(target=host, ranks=cluster.layout.ranks_of(host))
-    _set_link(cluster, host, FaultPlan().delay(entry["seconds"], "both"), live=True)
+    _set_link(cluster, host, FaultPlan().drip(STALL_RATE, "both"), live=True)
 
     async def heal() -> None:
         _set_link(cluster, host, FaultPlan(), live=True)
+        await trio.sleep(1 / STALL_RATE)  # the byte each pump may still be sleeping on
         await _host_heal(cluster, host, entry["kind"])()
 
     return heal

@@ -77,8 +77,8 @@ KINDS: tuple[Kind, ...] = (
          "intervals a healthy rank can look stale), then SIGCONT: nobody may die"),
     Kind(name="link-stall", scope="host",
          seconds=lambda t: (1.0, max(1.5, t.heartbeat_timeout / 2 - 1.0)), weight=2,
-         kills=False, what="stall a relay's upstream both ways (chaos proxy delay) shorter "
-         "than heartbeat_timeout: nobody may die"),
+         kills=False, what="stall a relay's upstream both ways (the chaos proxy drips 1 byte/s) "
+         "shorter than heartbeat_timeout: nobody may die"),
     Kind(name="link-stall-long", scope="host",
          seconds=lambda t: (t.heartbeat_timeout + 2.0, t.grace - 6.0), weight=1, kills=True,
          what="stall a relay's upstream past heartbeat_timeout, within the relay's grace: its "
