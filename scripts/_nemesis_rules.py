@@ -297,6 +297,8 @@ def rule_after_run(h: History) -> list[Violation]:
         return []
     end = ends[0]["t"]
     stopped = {e["name"] for e in h.by_type["still_running"]}
+    if ends[0].get("failed"):  # the relays and ranks of a failed run fail with it
+        stopped |= {e["name"] for e in h.by_type["proc_exit"] if e["role"] != "coordinator"}
     # the coordinator that ended the run is judged by "run end"; one elected after it by this
     # rule's first part (its failure then is part of that story)
     judged = {f"{ends[0]['name']}#{ends[0].get('incarnation')}"}
