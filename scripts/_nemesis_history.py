@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 
 Entry = dict[str, Any]
+# Relay-local messages a rank is handed: not records of any coordinator.
+RELAY_LOCAL = frozenset({"CoordinatorReconnecting", "CoordinatorResumed"})
 
 
 @attrs.define

@@ -22,10 +22,11 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from _nemesis_cluster import Cluster
-from _nemesis_procs import Proc
+if TYPE_CHECKING:
+    from _nemesis_cluster import Cluster
+    from _nemesis_procs import Proc
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (\S+) (\w+) (.*)$")
 _ELECTED = re.compile(r"leading session store \S+ as generation (\d+) \((.*)\)")
@@ -33,8 +34,6 @@ _DURABLE = re.compile(r"relay '[^']+': the coordinator is durable \(generation (
 _RESUMED = re.compile(r"relay '[^']+' resumed with the coordinator \(generation (\d+)")
 _LOST = re.compile(r"relay '[^']+': lost the coordinator \((.*)\); re-dialing")
 _ENDING = re.compile(r"relay '[^']+' ending: (.*)")
-# Relay-local messages a rank is handed: not records of any coordinator.
-RELAY_LOCAL = {"CoordinatorReconnecting", "CoordinatorResumed"}
 
 
 def log_lines(path: Path) -> Iterator[tuple[float, str, str]]:
@@ -50,7 +49,7 @@ def log_lines(path: Path) -> Iterator[tuple[float, str, str]]:
             yield stamp + int(match.group(2)) / 1000, match.group(4), match.group(5)
 
 
-def collect(cluster: Cluster, recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def collect(cluster: Cluster) -> list[dict[str, Any]]:
     """Every entry the logs of the run's processes give."""
     out: list[dict[str, Any]] = []
     for proc in cluster.procs:

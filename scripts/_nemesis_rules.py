@@ -5,8 +5,7 @@ history that shows it. docs/recovery.rst states every rule and where in the docs
 
 from __future__ import annotations
 
-from _nemesis_history import Entry, History, Violation, about
-from _nemesis_logs import RELAY_LOCAL
+from _nemesis_history import RELAY_LOCAL, Entry, History, Violation, about
 
 RSS_LIMIT_MB = 200.0   # a coordinator of 8 ranks: ~60 MB; past this it grows with the faults
 FD_LIMIT = 96          # a coordinator of 4 relays holds ~30 descriptors
@@ -215,7 +214,7 @@ def rule_deposed_records(h: History) -> list[Violation]:
     was elected (a coordinator frozen over that election and woken up: anything received after
     its SIGCONT; otherwise anything received ``LATE_S`` after the election, unless a fault
     delayed that rank's path)."""
-    groups: dict[tuple[int, int, int], list[Entry]] = {}
+    groups: dict[int, list[Entry]] = {}
     per_host = h.layout_ranks
     for msg in attributed(h):
         later = h.superseded(msg["generation"])
@@ -229,17 +228,18 @@ def rule_deposed_records(h: History) -> list[Violation]:
             deposed = msg["t"] > later + LATE_S and not _path_delayed(h, host, later - 30,
                                                                       msg["t"])
         if deposed:
-            groups.setdefault((msg["rank"], msg["incarnation"], msg["generation"]),
-                              []).append(msg)
+            groups.setdefault(msg["generation"], []).append(msg)
     out = []
-    for (rank, _, generation), msgs in groups.items():
+    for generation, msgs in sorted(groups.items()):
         first = msgs[0]
+        ranks = sorted({m["rank"] for m in msgs})
         labels = ", ".join(sorted({m["label"] for m in msgs}))
+        later = h.superseded(generation) or first["t"]
         out.append(Violation(
-            "deposed records", f"rank {rank} was handed {len(msgs)} record(s) ({labels}) of "
-            f"generation {generation} from {first['t'] - h.t0:.3f} s on, after generation "
-            f"{generation} was superseded", first["t"],
-            h.slice(first["t"], before=10, keep=lambda e, r=rank, g=generation: (
+            "deposed records", f"ranks {ranks} were handed {len(msgs)} record(s) ({labels}) "
+            f"of generation {generation} from {first['t'] - h.t0:.3f} s on; generation "
+            f"{generation} was superseded at {later - h.t0:.3f} s", first["t"],
+            h.slice(first["t"], before=10, keep=lambda e, r=first["rank"]: (
                 e["type"] in ("fault", "heal", "elected", "stepped_down")
                 or (e["type"] == "rank_msg" and e["rank"] == r)))))
     return out
