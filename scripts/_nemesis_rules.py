@@ -154,6 +154,14 @@ def rule_one_coordinator(h: History) -> list[Violation]:
                 f"{join['host']} {join['t'] - later:.2f} s after a newer generation was "
                 "elected", join["t"], h.slice(join["t"], keep=about(host=join["host"],
                                                                      generation=generation))))
+    by_generation: dict[int, Entry] = {}
+    for e in h.by_type["elected"]:
+        first = by_generation.setdefault(e["generation"], e)
+        if first is not e and first.get("by") != e.get("by"):
+            out.append(Violation(
+                "one coordinator", f"{e.get('by')} and {first.get('by')} were both elected "
+                f"with generation {e['generation']}", e["t"], h.slice(e["t"], keep=lambda x: (
+                    x["type"] in ("elected", "stepped_down", "store_leader")))))
     top: Entry | None = None
     for e in sorted(h.by_type["relay_accept"], key=lambda e: e["t"]):
         if top is not None and e["generation"] < top["generation"]:

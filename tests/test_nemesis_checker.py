@@ -127,6 +127,13 @@ def test_a_superseded_coordinator_accepting_a_relay_is_caught() -> None:
                              "newer generation was elected")
 
 
+def test_two_coordinators_elected_with_one_generation_are_caught() -> None:
+    history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=1,
+                           adopted=True)]
+    found = only(history, "one coordinator")
+    assert found.message == "coord-b#0 and coord-a#0 were both elected with generation 1"
+
+
 def test_relays_accepting_an_older_generation_after_a_newer_one_is_caught() -> None:
     history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=2, adopted=True),
                e(6.5, "relay_accept", host="host-0", incarnation=0, generation=2, how="resume"),
