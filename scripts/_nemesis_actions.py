@@ -10,7 +10,6 @@ under it; the heal restarts them.
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,17 +23,8 @@ Heal = Callable[[], Awaitable[None]]
 Action = Callable[[Cluster, dict[str, Any], str, float], Awaitable[Heal]]
 
 
-def _leader_slot(cluster: Cluster) -> str | None:
-    owner = cluster.last_owner or ""
-    match = re.search(r"pid (\d+)", owner)
-    for slot, proc in cluster.coords.items():
-        if match and proc.running and proc.pid == int(match.group(1)):
-            return slot
-    return None
-
-
 async def _coord_kill(cluster: Cluster, entry: dict[str, Any], _: str, draw: float) -> Heal:
-    leader = _leader_slot(cluster) or "coord-a"
+    leader = cluster.leader_slot() or "coord-a"
     other = "coord-b" if leader == "coord-a" else "coord-a"
     slot = leader if draw < 0.75 else other
     cluster.held.add(slot)
@@ -52,7 +42,7 @@ async def _coord_kill(cluster: Cluster, entry: dict[str, Any], _: str, draw: flo
 
 
 async def _coord_stop(cluster: Cluster, entry: dict[str, Any], _: str, draw: float) -> Heal:
-    slot = _leader_slot(cluster) or "coord-a"
+    slot = cluster.leader_slot() or "coord-a"
     proc = cluster.coords[slot]
     cluster.held.add(slot)
     entry.update(target=slot, pid=proc.pid, generation=cluster.leader_generation)

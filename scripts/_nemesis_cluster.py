@@ -34,7 +34,9 @@ import trio
 from _etcd import EtcdCluster, free_port
 from _nemesis_procs import Proc, Registry, fd_count, rss_mb
 
+from flodl_trio import FlodlError
 from flodl_trio.chaos import ChaosProxy, open_chaos_proxy
+from flodl_trio.status import fetch_state
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "flodl_trio", "--log-level", "INFO"]
@@ -117,6 +119,8 @@ class Cluster:
         self.leader_generation: int | None = None  # the store's, as last read
         self.last_owner: str | None = None
         self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
+        # the ranks the leader says are live (its /state.json), as last read
+        self.live_ranks: frozenset[int] = frozenset(range(layout.world))
 
     @property
     def store_url(self) -> str:
@@ -286,6 +290,8 @@ class Cluster:
                     self.last_owner = leader["owner"]
                 elif leader is None:
                     self.last_owner = None
+            if tick % 2 == 0:
+                await self._read_live()
             if tick % 4 == 0:
                 for slot, proc in self.coords.items():
                     if proc.running:
@@ -293,6 +299,33 @@ class Cluster:
                                     fds=fd_count(proc.pid))
             tick += 1
             await trio.sleep(0.25)
+
+    def leader_slot(self) -> str | None:
+        """The slot whose running process leads, by the PID in the store's leader key."""
+        match = re.search(r"pid (\d+)", self.last_owner or "")
+        for slot, proc in self.coords.items():
+            if match and proc.running and proc.pid == int(match.group(1)):
+                return slot
+        return None
+
+    async def _read_live(self) -> None:
+        """The leader's live ranks from its status page (kept as they were when it does not
+        answer: a takeover, a stopped leader)."""
+        slot = self.leader_slot()
+        if slot is None:
+            return
+        with trio.move_on_after(1.0):
+            try:
+                state = await fetch_state(("127.0.0.1", self.coord_ports[slot]), timeout=1.0)
+            except (OSError, FlodlError):
+                return
+            live = state.get("live")
+            if isinstance(live, list):
+                self.live_ranks = frozenset(int(r) for r in live)
+
+    def host_recovered(self, host: str) -> bool:
+        """Its processes run and the leader counts its ranks live again."""
+        return self.host_whole(host) and set(self.layout.ranks_of(host)) <= self.live_ranks
 
     def read_leader(self) -> dict[str, Any] | None:
         """The leader key (owner, generation) from the first member that answers, or None."""

@@ -203,11 +203,12 @@ class Nemesis:
                 return None
             self.busy.add("cluster")
             return "cluster"
-        down = [t for t in self.busy if t.startswith("host-")]
-        if len(down) >= self.hosts_down:
-            return None
-        free = [h for h in hosts if h not in self.busy and self.cluster.host_whole(h)]
-        if not free:
+        # A host is down while a fault holds it and until the leader counts its ranks live
+        # again: the schedule never takes more hosts than that at once (every rank lost is the
+        # failure policy's limit, which it does not mean to reach).
+        down = {h for h in hosts if h in self.busy or not self.cluster.host_recovered(h)}
+        free = [h for h in hosts if h not in down]
+        if len(down) >= self.hosts_down or not free:
             return None
         host = free[int(draw * len(free))]
         self.busy.add(host)
