@@ -50,8 +50,27 @@ def layout_for(minutes: float) -> Layout:
     return Layout(epochs=epochs)
 
 
-async def drive(cluster: Cluster, nemesis: faults.Nemesis, window: float) -> None:
-    """Start the cluster, run the schedule, wait (bounded) for the run's end and exits."""
+async def drive(cluster: Cluster, nemesis: faults.Nemesis, window: float) -> bool:
+    """Start the cluster, run the schedule, wait (bounded) for the run's end and exits.
+    Returns True when SIGTERM stopped it (everything is stopped by the caller either way)."""
+    terminated = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(_stop_on_signal, signals, terminated, outer.cancel_scope)
+            await _drive(cluster, nemesis, window)
+            outer.cancel_scope.cancel()
+    return terminated.is_set()
+
+
+async def _stop_on_signal(signals: Any, terminated: trio.Event,
+                          scope: trio.CancelScope) -> None:
+    async for _ in signals:
+        terminated.set()
+        scope.cancel()
+        return
+
+
+async def _drive(cluster: Cluster, nemesis: faults.Nemesis, window: float) -> None:
     async with trio.open_nursery() as nursery:
         await cluster.start(nursery)
         nursery.start_soon(cluster.supervise)
@@ -146,11 +165,16 @@ def _run_in(root: Path, spec: Round, history: History,
     nemesis = faults.Nemesis(cluster, schedule, history.record, hosts_down=spec.hosts_down)
     interrupted = False
     try:
-        trio.run(drive, cluster, nemesis, spec.minutes * 60)
+        interrupted = trio.run(drive, cluster, nemesis, spec.minutes * 60)
     except KeyboardInterrupt:
         interrupted = True
-        print("nemesis: interrupted; stopping every process", file=sys.stderr)
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is None:
+            raise
+        interrupted = True
     finally:
+        if interrupted:
+            print("nemesis: interrupted; stopping every process", file=sys.stderr)
         sessions = [p.pid for p in cluster.procs]
         cluster.stop_everything()
     history.record("teardown", leftovers=session_leftovers(sessions),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,10 @@ MIN_ROUND = 1.0      # a soak does not start a round of fewer minutes of faults 
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Started in the background by a shell without job control, a process inherits SIGINT
+    # ignored, and Ctrl-C (or `kill -INT`) would never stop the cluster; Trio turns this handler
+    # into a KeyboardInterrupt, after which every child is stopped by its PID.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parse(argv)
     if args.list_kinds:
         for kind in faults.KINDS:
@@ -75,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = Round(index=len(rounds), seed=args.seed + len(rounds), minutes=window,
                      kinds=kinds, hosts_down=args.max_hosts_down, keep_logs=args.keep_logs)
         began = time.monotonic()
-        history, report, interrupted = run_round(spec)
+        try:
+            history, report, interrupted = run_round(spec)
+        except KeyboardInterrupt:  # between two rounds' processes: nothing runs any more
+            print("nemesis: interrupted", file=sys.stderr)
+            return 130
         rounds.append((spec, report, (time.monotonic() - began) / 60))
         save(args, spec, history.events, report)
         print(f"\n=== round {spec.index} (seed {spec.seed}): " + report.text(), flush=True)
