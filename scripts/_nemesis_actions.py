@@ -27,13 +27,13 @@ async def _coord_kill(cluster: Cluster, entry: dict[str, Any], _: str, draw: flo
     leader = cluster.leader_slot() or "coord-a"
     other = "coord-b" if leader == "coord-a" else "coord-a"
     slot = leader if draw < 0.75 else other
-    cluster.held.add(slot)
+    cluster.hold(slot)
     proc = cluster.coords[slot]
     entry.update(target=slot, pid=proc.pid, leader=slot == leader)
     proc.kill()
 
     async def heal() -> None:
-        cluster.held.discard(slot)
+        cluster.release(slot)
         if not cluster.finished.is_set():
             cluster.record("restart", target=slot, cause="coord-kill healed")
             cluster.start_coordinator(slot, standby=True)
@@ -44,13 +44,13 @@ async def _coord_kill(cluster: Cluster, entry: dict[str, Any], _: str, draw: flo
 async def _coord_stop(cluster: Cluster, entry: dict[str, Any], _: str, draw: float) -> Heal:
     slot = cluster.leader_slot() or "coord-a"
     proc = cluster.coords[slot]
-    cluster.held.add(slot)
+    cluster.hold(slot)
     entry.update(target=slot, pid=proc.pid, generation=cluster.leader_generation)
     proc.signal(signal.SIGSTOP)
 
     async def heal() -> None:
         proc.signal(signal.SIGCONT)
-        cluster.held.discard(slot)
+        cluster.release(slot)
 
     return heal
 
@@ -103,7 +103,7 @@ def signal_pid(pid: int, sig: int) -> None:
 
 
 async def _relay_kill(cluster: Cluster, entry: dict[str, Any], host: str, _: float) -> Heal:
-    cluster.held.add(host)
+    cluster.hold(host)
     entry.update(target=host, ranks=cluster.layout.ranks_of(host))
     cluster.relays[host].kill()
     return _host_heal(cluster, host, "relay-kill")
@@ -111,7 +111,7 @@ async def _relay_kill(cluster: Cluster, entry: dict[str, Any], host: str, _: flo
 
 def _host_heal(cluster: Cluster, host: str, cause: str) -> Heal:
     async def heal() -> None:
-        cluster.held.discard(host)
+        cluster.release(host)
         if not cluster.finished.is_set() and not cluster.host_whole(host):
             cluster.record("restart", target=host, cause=f"{cause} healed")
             cluster.start_host(host)
@@ -147,7 +147,7 @@ async def _link_stall(cluster: Cluster, entry: dict[str, Any], host: str, _: flo
     # again before each byte: the link stalls at the next byte and flows again within a second
     # of the heal. (A delay was held by a pump already waiting for its next read when the plan
     # changed: a stall came back up to its whole length later, after the heal.)
-    cluster.held.add(host)
+    cluster.hold(host)
     entry.update(target=host, ranks=cluster.layout.ranks_of(host))
     _set_link(cluster, host, FaultPlan().drip(STALL_RATE, "both"), live=True)
 
@@ -160,7 +160,7 @@ async def _link_stall(cluster: Cluster, entry: dict[str, Any], host: str, _: flo
 
 
 async def _link_cut(cluster: Cluster, entry: dict[str, Any], host: str, _: float) -> Heal:
-    cluster.held.add(host)
+    cluster.hold(host)
     entry.update(target=host, ranks=cluster.layout.ranks_of(host))
     _set_link(cluster, host, FaultPlan().reset(), live=False)
     for proxy in cluster.proxies[host]:
@@ -176,12 +176,12 @@ async def _link_cut(cluster: Cluster, entry: dict[str, Any], host: str, _: float
 async def _rank_kill(cluster: Cluster, entry: dict[str, Any], host: str, draw: float) -> Heal:
     ranks = cluster.layout.ranks_of(host)
     rank = ranks[int(draw * 1009) % len(ranks)]
-    cluster.held.add(host)
+    cluster.hold(host)
     entry.update(target=f"rank {rank}", host=host, ranks=[rank])
     cluster.ranks[rank].kill()
 
     async def heal() -> None:
-        cluster.held.discard(host)
+        cluster.release(host)
         if not cluster.finished.is_set():
             cluster.record("restart", target=f"rank {rank}", cause="rank-kill healed")
             cluster.start_rank(rank)

@@ -34,7 +34,7 @@ import trio
 from _etcd import EtcdCluster, free_port
 from _nemesis_procs import Proc, Registry, fd_count, rss_mb
 
-from flodl_trio import FlodlError
+from flodl_trio import FlodlError, SessionSalt
 from flodl_trio.chaos import ChaosProxy, open_chaos_proxy
 from flodl_trio.status import fetch_state
 
@@ -102,7 +102,7 @@ class Cluster:
         self.tmp = root / "tmp"
         self.tmp.mkdir()
         self.salt_file = root / "salt"
-        self.salt_file.write_text(base64.b16encode(os.urandom(16)).decode().lower())
+        self.salt_file.write_text(SessionSalt.generate().hex())
         env = dict(os.environ, FLODL_NET_TIMEOUT_SCALE=f"{timings.scale:g}",
                    TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
         self.procs = Registry(root, env)
@@ -121,6 +121,14 @@ class Cluster:
         self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
         # the ranks the leader says are live (its /state.json), as last read
         self.live_ranks: frozenset[int] = frozenset(range(layout.world))
+
+    def hold(self, part: str) -> None:
+        """A fault holds ``part`` (a host, a coordinator slot): the supervisor does not restart
+        it until :meth:`release`."""
+        self.held.add(part)
+
+    def release(self, part: str) -> None:
+        self.held.discard(part)
 
     @property
     def store_url(self) -> str:
