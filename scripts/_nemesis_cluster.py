@@ -22,7 +22,6 @@ import json
 import os
 import re
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -32,7 +31,16 @@ from typing import Any
 import attrs
 import trio
 from _etcd import EtcdCluster, free_port
-from _nemesis_procs import Proc, Registry, fd_count, rss_mb
+from _nemesis_procs import (
+    Proc,
+    Registry,
+    fd_count,
+    generation_of,
+    lines_of,
+    read_summary,
+    rss_mb,
+    wait_for_line,
+)
 
 from flodl_trio import FlodlError, SessionSalt
 from flodl_trio.chaos import ChaosProxy, open_chaos_proxy
@@ -121,6 +129,7 @@ class Cluster:
         self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
         # the ranks the leader says are live (its /state.json), as last read
         self.live_ranks: frozenset[int] = frozenset(range(layout.world))
+        self._generations: dict[int, int] = {}  # coordinator PID -> the generation it led
 
     def hold(self, part: str) -> None:
         """A fault holds ``part`` (a host, a coordinator slot): the supervisor does not restart
@@ -241,11 +250,17 @@ class Cluster:
             await trio.sleep(0.1)
 
     def _notice_end(self) -> None:
-        """A coordinator that wrote its summary ended the run, unless it was deposed: a
-        deposed one says so (``LeadershipLost``) and the run goes on under its successor."""
-        for proc in self.coords.values():
+        """A coordinator that wrote its summary ended the run, unless it was deposed: it says
+        so (``LeadershipLost``), or a newer generation was elected meanwhile (one woken after
+        its lease ran out may fail the run in its summary before it notices) and the run goes
+        on under its successor."""
+        generations = {slot: self._generation(proc) for slot, proc in self.coords.items()}
+        newest = max([g for g in generations.values() if g is not None]
+                     + [self.leader_generation or 0])
+        for slot, proc in self.coords.items():
             summary = read_summary(proc)
-            if summary is None or "LeadershipLost" in str(summary.get("failed", "")):
+            if summary is None or "LeadershipLost" in str(summary.get("failed", "")) or \
+                    generations[slot] != newest:
                 continue
             self.final = proc
             self.finished.set()
@@ -254,13 +269,18 @@ class Cluster:
                         epochs=summary.get("epochs_completed"))
             return
 
-    def _exited(self, proc: Proc) -> None:
-        self.record("proc_exit", name=proc.name, role=proc.role, pid=proc.pid,
-                    incarnation=proc.incarnation, code=proc.code)
+    def _generation(self, proc: Proc) -> int | None:
+        """``proc``'s generation once it logged one (kept: it never changes)."""
+        if proc.pid not in self._generations:
+            found = generation_of(proc)
+            if found is None:
+                return None
+            self._generations[proc.pid] = found
+        return self._generations[proc.pid]
 
     def _notice_progress(self) -> None:
         for proc in self.coords.values():
-            for line in _lines(proc.files["out"])[-5:]:
+            for line in lines_of(proc.files["out"])[-5:]:
                 match = re.match(r"epoch (\d+)/\d+:", line)
                 if match:
                     self.epochs_closed = max(self.epochs_closed, int(match.group(1)))
@@ -370,35 +390,4 @@ async def _serve_proxy(target: tuple[str, int], *,
         await trio.sleep_forever()
 
 
-def read_summary(proc: Proc) -> dict[str, Any] | None:
-    """The coordinator's ``--summary-file`` once it is written whole (None before)."""
-    try:
-        summary = json.loads(proc.files["summary"].read_text())
-    except (OSError, ValueError, KeyError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-async def wait_for_line(proc: Proc, kind: str, text: str, limit: float) -> str:
-    """The first line of ``proc``'s ``kind`` file containing ``text`` (bounded by ``limit``)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        for line in _lines(proc.files[kind]):
-            if text in line:
-                return line
-        proc.poll()
-        if not proc.running:
-            break
-        await trio.sleep(0.05)
-    raise RuntimeError(f"{proc.name}: no line with {text!r} within {limit:g} s (exit "
-                       f"{proc.code}); last lines:\n" + "\n".join(proc.tail(kind, 15)))
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-
-
-__all__ = ["Cluster", "Layout", "Timings", "wait_for_line"]
+__all__ = ["Cluster", "Layout", "Timings"]

@@ -8,12 +8,17 @@ that is restarted gets a new Proc, with its own log files (``NAME.N.out`` / ``.e
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+import trio
 
 # How long a child gets to exit after SIGKILL before the driver gives up waiting (bounded).
 REAP_S = 5.0
@@ -175,3 +180,43 @@ def rss_mb(pid: int) -> float | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def generation_of(proc: Proc) -> int | None:
+    """The generation a coordinator logged it leads with (None: it never led)."""
+    for line in reversed(lines_of(proc.files["err"])):
+        match = re.search(r"leading session store \S+ as generation (\d+)", line)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def read_summary(proc: Proc) -> dict[str, Any] | None:
+    """The coordinator's ``--summary-file`` once it is written whole (None before)."""
+    try:
+        summary = json.loads(proc.files["summary"].read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+async def wait_for_line(proc: Proc, kind: str, text: str, limit: float) -> str:
+    """The first line of ``proc``'s ``kind`` file containing ``text`` (bounded by ``limit``)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        for line in lines_of(proc.files[kind]):
+            if text in line:
+                return line
+        proc.poll()
+        if not proc.running:
+            break
+        await trio.sleep(0.05)
+    raise RuntimeError(f"{proc.name}: no line with {text!r} within {limit:g} s (exit "
+                       f"{proc.code}); last lines:\n" + "\n".join(proc.tail(kind, 15)))
+
+
+def lines_of(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
