@@ -269,6 +269,10 @@ class Cluster:
                         epochs=summary.get("epochs_completed"))
             return
 
+    def _exited(self, proc: Proc) -> None:
+        self.record("proc_exit", name=proc.name, role=proc.role, pid=proc.pid,
+                    incarnation=proc.incarnation, code=proc.code)
+
     def _generation(self, proc: Proc) -> int | None:
         """``proc``'s generation once it logged one (kept: it never changes)."""
         if proc.pid not in self._generations:
