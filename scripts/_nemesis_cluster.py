@@ -267,6 +267,8 @@ class Cluster:
             self.record("run_end", name=proc.name, incarnation=proc.incarnation,
                         failed=summary.get("failed"),
                         epochs=summary.get("epochs_completed"))
+            if not proc.running:  # it exited before this pass read its summary
+                self.record("run_exit", name=proc.name, code=proc.code)
             return
 
     def _exited(self, proc: Proc) -> None:
