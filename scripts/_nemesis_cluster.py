@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 import trio
-from _etcd import EtcdCluster, free_port
+from _etcd import EtcdCluster
 from _nemesis_procs import (
     Proc,
     Registry,
@@ -39,6 +39,7 @@ from _nemesis_procs import (
     lines_of,
     read_summary,
     rss_mb,
+    stable_port,
     wait_for_line,
 )
 
@@ -115,11 +116,12 @@ class Cluster:
                    TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
         self.procs = Registry(root, env)
         self.etcd = EtcdCluster(root / "etcd", size=3)
-        self.coord_ports = {"coord-a": free_port(), "coord-b": free_port()}
+        ports = _distinct_ports(2 + layout.hosts)
+        self.coord_ports = {"coord-a": ports[0], "coord-b": ports[1]}
         self.coords: dict[str, Proc] = {}
         self.relays: dict[str, Proc] = {}
         self.ranks: dict[int, Proc] = {}
-        self.rank_ports = {host: free_port() for host in layout.host_names}
+        self.rank_ports = dict(zip(layout.host_names, ports[2:], strict=True))
         self.proxies: dict[str, list[ChaosProxy]] = {}
         self.held: set[str] = set()  # parts a fault holds: the supervisor leaves them alone
         self.finished = trio.Event()  # a coordinator ended the run (exit 0 or a failure)
@@ -386,6 +388,15 @@ class Cluster:
         """Kill every child by PID and stop etcd (idempotent; runs on every way out)."""
         self.procs.kill_all()
         self.etcd.stop()
+
+
+def _distinct_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:  # bounded: stable_port raises after its tries
+        port = stable_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 async def _serve_proxy(target: tuple[str, int], *,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -220,3 +222,24 @@ def lines_of(path: Path) -> list[str]:
         return path.read_text(errors="replace").splitlines()
     except OSError:
         return []
+
+
+def stable_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: a part restarted on its port
+    (a coordinator slot, a relay's rank port) must find it free, and a port from the ephemeral
+    range can meanwhile be taken as the local end of any outgoing connection (one the proxies
+    or the relays dial, or another program's)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):  # bounded: a port taken between this check and its bind is retried
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000..{low - 1} after 200 tries")
