@@ -1,17 +1,15 @@
 """The cluster a nemesis run (scripts/nemesis.py) attacks: real processes on loopback.
 
 - a 3-member etcd cluster (scripts/_etcd.py ``EtcdCluster``), the session store;
-- two coordinator slots, ``coord-a`` and ``coord-b`` (``flodl-trio coordinator --store etcd://...
-  --epochs E``, the reference SyncScheduler), each on a port of its own: ``coord-a`` starts as
-  the leader, ``coord-b`` as its ``--standby``; a coordinator that exits before the run ended
-  (killed, deposed) is started again on its port as the next standby, as ``systemd`` would;
+- coordinator slots ``coord-a`` (the leader) and ``coord-b`` (its ``--standby``): ``flodl-trio
+  coordinator --store etcd://... --epochs E`` (the reference SyncScheduler), each on a port of
+  its own; one that exits before the run ended is started again there as the next standby;
 - ``hosts`` relays (``flodl-trio relay --coordinator PA,PB``) of ``ranks_per_host`` simulated
   ranks each (scripts/_nemesis_rank.py); each relay dials the two coordinator ports through two
-  chaos proxies of its own (:func:`flodl_trio.chaos.open_chaos_proxy`), its *link*, so that the
-  nemesis can stall or cut it. A host whose relay or rank exited before the run ended is started
-  again whole (relay and ranks), unless a fault holds it (the fault restarts it when it heals).
+  chaos proxies of its own (:func:`flodl_trio.chaos.open_chaos_proxy`), its *link*. A host whose
+  relay or rank exited before the run ended is started again whole, unless a fault holds it.
 
-Every child gets ``FLODL_NET_TIMEOUT_SCALE`` (:class:`Timings`) and a ``TMPDIR`` inside the run
+Every child gets ``FLODL_NET_TIMEOUT_SCALE`` (:class:`Timings`) and a ``TMPDIR`` in the run
 directory, which must be empty at the end (no temporary file leaked).
 """
 
@@ -34,12 +32,12 @@ from _etcd import EtcdCluster
 from _nemesis_procs import (
     Proc,
     Registry,
+    distinct_ports,
     fd_count,
     generation_of,
     lines_of,
     read_summary,
     rss_mb,
-    stable_port,
     wait_for_line,
 )
 
@@ -116,7 +114,7 @@ class Cluster:
                    TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
         self.procs = Registry(root, env)
         self.etcd = EtcdCluster(root / "etcd", size=3)
-        ports = _distinct_ports(2 + layout.hosts)
+        ports = distinct_ports(2 + layout.hosts)
         self.coord_ports = {"coord-a": ports[0], "coord-b": ports[1]}
         self.coords: dict[str, Proc] = {}
         self.relays: dict[str, Proc] = {}
@@ -388,15 +386,6 @@ class Cluster:
         """Kill every child by PID and stop etcd (idempotent; runs on every way out)."""
         self.procs.kill_all()
         self.etcd.stop()
-
-
-def _distinct_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:  # bounded: stable_port raises after its tries
-        port = stable_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 async def _serve_proxy(target: tuple[str, int], *,

@@ -243,3 +243,13 @@ def stable_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free loopback port in 10000..{low - 1} after 200 tries")
+
+
+def distinct_ports(n: int) -> list[int]:
+    """``n`` different :func:`stable_port` ports."""
+    ports: list[int] = []
+    while len(ports) < n:  # bounded: stable_port raises after its tries
+        port = stable_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
