@@ -25,7 +25,7 @@ import trio
 from _nemesis_actions import ACTIONS
 from _nemesis_cluster import Cluster, Timings
 
-SETTLE_S = 8.0       # after a cluster-wide fault healed, before the next one
+SETTLE_S = 6.0       # after a cluster-wide fault healed, before the next one
 WAIT_FOR_TARGET_S = 30.0  # a fault whose target is busy waits this long, then is skipped
 
 

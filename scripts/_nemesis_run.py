@@ -26,8 +26,8 @@ import trio
 from _nemesis_cluster import Cluster, Layout, Timings
 from _nemesis_procs import fd_count, session_leftovers
 
-SAMPLES_PER_S = 220.0      # the cluster's throughput with faults, to size the run's epochs
-TAIL_S = 75.0              # after the window: the run's last epochs, then everyone's exit
+SAMPLES_PER_S = 300.0      # the cluster's pace without faults: the run outlasts the window
+TAIL_S = 100.0             # after the window: the run's last epochs (bounded)
 EXIT_WAIT_S = 20.0         # after the run ended: relays and ranks exit on their own
 CLEAN_EPOCHS = 2           # the run's last epochs: no fault starts once they began
 
@@ -44,7 +44,8 @@ class History:
 
 
 def layout_for(minutes: float) -> Layout:
-    """Enough epochs that the run outlasts the fault window (at a pessimistic throughput)."""
+    """Enough epochs that the run outlasts the fault window even at the pace of a run without
+    faults (the faults then last the whole window; the epochs left after it run clean)."""
     base = Layout()
     epochs = max(4, math.ceil(minutes * 60 * SAMPLES_PER_S / base.total_samples))
     return Layout(epochs=epochs)

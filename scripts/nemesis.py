@@ -43,7 +43,7 @@ from _etcd import etcd_binary
 from _nemesis_cluster import Timings
 from _nemesis_run import Round, run_round
 
-QUICK_MINUTES = 1.7  # the fault window of --quick: the whole run stays under 4 minutes
+QUICK_MINUTES = 1.5  # the fault window of --quick: the whole run stays under 4 minutes
 MIN_ROUND = 1.0      # a soak does not start a round of fewer minutes of faults than this
 
 
