@@ -60,6 +60,40 @@ async def test_a_list_is_tried_in_turn_and_a_dead_first_address_does_not_stop_th
         await join_one_rank(target, bound)
 
 
+async def test_a_listed_address_that_accepts_but_never_answers_does_not_capture_the_relay(
+) -> None:
+    # A standby coordinator binds its port and waits for the leadership: the kernel accepts
+    # connections it never answers (so does a proxy in front of a dead coordinator). Listed
+    # first, it took every attempt (each one began with the first address that connected, and
+    # its handshake timed out), so the relays never reached the leader listed after it and the
+    # leader declared every rank dead after resume_timeout (found by scripts/nemesis.py).
+    silent = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    quiet = ("127.0.0.1", silent.socket.getsockname()[1])
+    salt = ft.SessionSalt.generate()
+    relay_cfg = ft.RelayConfig(handshake_timeout=0.5, connect_timeout=20)
+    with trio.fail_after(6):  # the old code: no join before connect_timeout (20 s)
+        bound = await ft.bind_coordinator(("127.0.0.1", 0))
+        target = coordinator_target(f"127.0.0.1:{quiet[1]},127.0.0.1:{bound.address[1]}",
+                                    config=relay_cfg)
+        async with trio.open_nursery() as nursery:
+            async def relay(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                async with ft.open_relay(target, salt=salt, host="h", ranks=[0],
+                                         world_size=1, config=relay_cfg) as r:
+                    task_status.started(r.rank_address)
+                    await r.wait_closed()
+
+            async def rank(address: Any) -> None:
+                async with ft.open_rank(address, salt=salt, rank=0, world_size=1) as ep:
+                    async for _ in ep:
+                        pass
+
+            nursery.start_soon(rank, await nursery.start(relay))
+            cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=20)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                assert coord.live_ranks == frozenset({0})
+    await silent.aclose()
+
+
 async def test_a_list_where_nothing_listens_is_a_refused_connection_for_the_relay() -> None:
     ports = [etcd_helper.free_port() for _ in range(2)]
     target = coordinator_target(",".join(f"127.0.0.1:{p}" for p in ports), config=CONFIG)

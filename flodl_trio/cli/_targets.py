@@ -1,5 +1,6 @@
 """Where ``flodl-trio relay --coordinator`` dials: one ``HOST:PORT``, a fixed list of them
-(tried in turn on every attempt), or ``etcd://HOST:PORT/PREFIX`` / ``etcds://...`` (a
+(tried in turn on every attempt, each attempt beginning after the address the previous one
+connected to), or ``etcd://HOST:PORT/PREFIX`` / ``etcds://...`` (a
 :class:`~flodl_trio.relay.StoreDialer`: the leader's address, read from the coordinators'
 session store again on every attempt, and watched while connected, so that a relay that lost
 its coordinator, or whose coordinator froze, finds the standby that took over; the same TLS
@@ -43,15 +44,25 @@ class CoordinatorDialer:
         self.addresses = tuple(addresses)
         self.keepalive = KeepAlive.within(config.write_stall_timeout,
                                           write_stall=config.write_stall_timeout)
+        self._start = 0  # where the next attempt begins in a fixed list
 
     async def __call__(self) -> trio.abc.Stream:
+        found = self.addresses
+        # A fixed list: each attempt begins after the address the previous one connected to. A
+        # standby binds its port and waits for the leadership, so the kernel accepts
+        # connections it never answers (so does a proxy in front of a dead coordinator): began
+        # at the first address every time, every attempt connected there, timed out in its
+        # handshake, and the leader listed after it was never reached.
+        start = self._start % len(found)
         last: OSError | None = None
-        for host, port in self.addresses:
+        for offset in range(len(found)):
+            host, port = found[(start + offset) % len(found)]
             try:
                 stream = await trio.open_tcp_stream(host, port)
             except OSError as exc:
                 last = exc
                 continue
+            self._start = start + offset + 1
             stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             enable_keepalive(stream, self.keepalive)
             return stream
