@@ -54,9 +54,13 @@ PREFIX = "flodl/nemesis"
 class Timings:
     """The deadlines of the run (docs/recovery.rst explains each choice).
 
-    ``scale`` is ``FLODL_NET_TIMEOUT_SCALE`` for every child: the relays' and ranks'
-    ``coord_liveness_timeout`` (30 s), ``handshake_timeout`` (10 s) and ``write_stall_timeout``
-    (30 s) are scaled by it, as nothing on their command lines sets them.
+    ``scale`` is ``FLODL_NET_TIMEOUT_SCALE`` for every child: ``handshake_timeout`` (10 s) and
+    ``write_stall_timeout`` (30 s) are scaled by it. The relays' and ranks'
+    ``coord_liveness_timeout`` are given on their command lines: the relay's 2/3 of the ranks'
+    (docs/deadlines.rst), and both long enough that a leader stopped a little past its lease
+    (``coord-stop``) is left for the standby by the store's lease, not by its relays' silence.
+    The lease is given on the store URL with the test cluster's election timeout (0.5 s), so
+    that it is the shortest etcd accepts for three members (docs/failover.rst).
     """
 
     scale: float = 0.2
@@ -64,11 +68,15 @@ class Timings:
     resume_timeout: float = 10.0     # coordinator --resume-timeout
     grace: float = 20.0              # relay --coordinator-grace
     formation_timeout: float = 90.0  # 17 processes starting on 2 busy cores
-    lease_ttl: float = 2.0           # the CLI's etcd lease (EtcdStore's default)
+    lease_ttl: float = 3.0           # ?ttl= on the store URL: min_ttl of 3 members at 0.5 s
+    election_timeout: float = 0.5    # the test cluster's (scripts/_etcd.py)
+    relay_liveness: float = 8.0      # relay --coord-liveness-timeout
+    rank_liveness: float = 12.0      # rank --coord-liveness-timeout (1.5 x the relay's)
 
     @property
     def coord_liveness(self) -> float:
-        return 30.0 * self.scale
+        """The relays' ``coord_liveness_timeout``: how long they wait for a silent leader."""
+        return self.relay_liveness
 
     @property
     def handshake(self) -> float:
@@ -109,7 +117,7 @@ class Cluster:
         self.tmp = root / "tmp"
         self.tmp.mkdir()
         self.salt_file = root / "salt"
-        self.salt_file.write_text(SessionSalt.generate().hex())
+        SessionSalt.generate().save(self.salt_file)  # mode 0600, as --salt-file requires
         env = dict(os.environ, FLODL_NET_TIMEOUT_SCALE=f"{timings.scale:g}",
                    TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
         self.procs = Registry(root, env)
@@ -129,6 +137,7 @@ class Cluster:
         self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
         # the ranks the leader says are live (its /state.json), as last read
         self.live_ranks: frozenset[int] = frozenset(range(layout.world))
+        self.recovering: set[str] = set()  # hosts a fault killed, until seen live again
         self._generations: dict[int, int] = {}  # coordinator PID -> the generation it led
 
     def hold(self, part: str) -> None:
@@ -141,7 +150,9 @@ class Cluster:
 
     @property
     def store_url(self) -> str:
-        return f"etcd://{self.etcd.endpoints}/{PREFIX}"
+        t = self.timings
+        return (f"etcd://{self.etcd.endpoints}/{PREFIX}?ttl={t.lease_ttl:g}"
+                f"&election_timeout={t.election_timeout:g}")
 
     # ------------------------------------------------------------------ starting parts
 
@@ -174,7 +185,8 @@ class Cluster:
             return [*CLI, "relay", "--coordinator", links, "--host", host, "--ranks",
                     ",".join(map(str, ranks)), "--world-size", str(self.layout.world),
                     "--salt-file", str(self.salt_file), "--rank-port",
-                    str(self.rank_ports[host]), "--coordinator-grace", f"{t.grace:g}"]
+                    str(self.rank_ports[host]), "--coordinator-grace", f"{t.grace:g}",
+                    "--coord-liveness-timeout", f"{t.relay_liveness:g}"]
 
         self.relays[host] = relay = self.procs.start(f"relay {host}", "relay", argv)
         self._started(relay, host=host)
@@ -190,7 +202,8 @@ class Cluster:
                     f"127.0.0.1:{self.rank_ports[host]}", "--rank", str(rank), "--world-size",
                     str(lay.world), "--salt-file", str(self.salt_file), "--batch-ms",
                     f"{lay.batch_ms:g}", "--batch-size", str(lay.batch_size), "--log",
-                    str(files["log"])]
+                    str(files["log"]), "--coord-liveness-timeout",
+                    f"{self.timings.rank_liveness:g}"]
 
         self.ranks[rank] = proc = self.procs.start(f"rank {rank}", "rank", argv, extra=("log",))
         self._started(proc, host=host, rank=rank)
@@ -356,10 +369,18 @@ class Cluster:
             live = state.get("live")
             if isinstance(live, list):
                 self.live_ranks = frozenset(int(r) for r in live)
+                self.recovering = {h for h in self.recovering
+                                   if not set(self.layout.ranks_of(h)) <= self.live_ranks}
+
+    def mark_recovering(self, host: str) -> None:
+        """A fault killed ``host``'s ranks: it is not recovered before the leader's status page,
+        read from now on, counts them live again."""
+        self.recovering.add(host)
 
     def host_recovered(self, host: str) -> bool:
         """Its processes run and the leader counts its ranks live again."""
-        return self.host_whole(host) and set(self.layout.ranks_of(host)) <= self.live_ranks
+        return (self.host_whole(host) and host not in self.recovering
+                and set(self.layout.ranks_of(host)) <= self.live_ranks)
 
     def read_leader(self) -> dict[str, Any] | None:
         """The leader key (owner, generation) from the first member that answers, or None."""

@@ -191,6 +191,11 @@ class Nemesis:
         try:
             await self._inject(kind, fault, target, stop)
         finally:
+            if kind.kills and kind.scope != "cluster":
+                # Its ranks died: the host is down until a fresh look at the leader counts
+                # them live again (a stale status, e.g. while the leader is stopped, must not
+                # let the schedule take one more host than --max-hosts-down allows).
+                self.cluster.mark_recovering(target)
             self.busy.discard(target)
             if kind.scope == "cluster":
                 self.settled_at = trio.current_time() + SETTLE_S

@@ -12,8 +12,9 @@ the clock of every other log of the run)::
     1712345678.223456 msg CoordinatorResumed 2
     1712345679.000000 end ok Shutdown            (or: end lost CoordinatorLost: ...)
 
-Deadlines come from ``FLODL_NET_TIMEOUT_SCALE`` as for the command (``RankConfig()``). Exit
-status as ``flodl-trio rank``: 0 after a graceful ``Shutdown``, 1 otherwise.
+Deadlines come from ``FLODL_NET_TIMEOUT_SCALE`` as for the command, but
+``--coord-liveness-timeout``. Exit status as ``flodl-trio rank``: 0 after a graceful
+``Shutdown``, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Logged:
 async def run(args: argparse.Namespace, salt: ft.SessionSalt, log: TextIO) -> int:
     host, _, port = args.relay.rpartition(":")
     async with ft.open_rank((host, int(port)), salt=salt, rank=args.rank,
-                            world_size=args.world_size, config=ft.RankConfig()) as ep:
+                            world_size=args.world_size, config=ft.RankConfig(
+                                coord_liveness_timeout=args.coord_liveness_timeout)) as ep:
         write(log, "connected")
         sim = SimulatedRank(Logged(ep, log),  # type: ignore[arg-type]
                             batch_size=args.batch_size, batch_ms=args.batch_ms, jitter=0.2,
@@ -100,6 +102,7 @@ def main() -> int:
     parser.add_argument("--batch-ms", type=float, default=100.0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--coord-liveness-timeout", type=float, default=30.0)
     args = parser.parse_args()
     with open(args.log, "a", encoding="utf-8") as log:
         write(log, "start")

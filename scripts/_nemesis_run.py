@@ -143,6 +143,7 @@ def run_round(spec: Round) -> tuple[History, checker.Report, bool]:
                             "resume_timeout": timings.resume_timeout, "grace": timings.grace,
                             "lease_ttl": timings.lease_ttl,
                             "coord_liveness": timings.coord_liveness,
+                            "rank_liveness": timings.rank_liveness,
                             "handshake": timings.handshake},
                    schedule=[attrs.asdict(p) for p in schedule])
     root = Path(tempfile.mkdtemp(prefix="flodl-nemesis-"))
