@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from .._version import __version__
@@ -44,7 +45,12 @@ EXIT_CODES = """exit codes: 0 the run completed as asked; 1 it failed (one line 
 2 usage error; 130 / 143 stopped by SIGINT / SIGTERM (after a graceful shutdown)."""
 
 
+_Command = Callable[[str, str, str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``flodl-trio`` parser: the global options, then one sub-parser per command (in the
+    order ``--help`` lists them)."""
     parser = _Parser(prog="flodl-trio", formatter_class=_Help, epilog=EXIT_CODES,
                      description="flodl-trio: the control plane of a multi-host training "
                      "cluster, on Trio.")
@@ -55,17 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def _command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
 
-    p = _command("salt", "print a fresh session salt (32 hex chars), or write it to a file",
+    for add in (_add_salt, _add_coordinator, _add_relay, _add_rank, _add_status, _add_demo,
+                _add_plot):
+        add(command)
+    return parser
+
+
+def _add_salt(command: _Command) -> None:
+    """``salt``: a fresh session salt."""
+    p = command("salt", "print a fresh session salt (32 hex chars), or write it to a file",
                  "Print a fresh random session salt, or write it to FILE (mode 0600, for "
                  "--salt-file);\ngive the same one to every process of a run.")
     p.add_argument("file", nargs="?", metavar="FILE",
                    help="write the salt here instead (mode 0600: only you may read it; an "
                    "existing file is never overwritten)")
 
-    p = _command("coordinator", "run a coordinator (optionally driving a simulated run)",
+
+def _add_coordinator(command: _Command) -> None:
+    """``coordinator``: its listener, deadlines and simulated run."""
+    p = command("coordinator", "run a coordinator (optionally driving a simulated run)",
                  "Run a coordinator. With --epochs, drive a simulated training run with the "
                  "reference SyncScheduler\nand exit 0 once every epoch completed; without it, "
                  "hold the cohort until every rank exits\n(0 if all exited cleanly, 1 if any "
@@ -100,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "same (a rank whose batches disagree is reported)")
     p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
     p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
+    _add_store_options(p)
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="after the run, keep serving the finished run's status page on "
+                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
+
+
+def _add_store_options(p: argparse.ArgumentParser) -> None:
+    """The coordinator's session store (docs/failover.rst)."""
     p.add_argument("--store", metavar="URL",
                    help="keep the session in a store so that a restarted or standby "
                    "coordinator adopts the running cohort: sqlite:PATH, "
@@ -120,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --store: write the session at most N times a second, changes "
                    "meanwhile coalesced (default 1; epoch boundaries are written at once; "
                    "docs/failover.rst)")
-    p.add_argument("--linger", type=float, default=0.0, metavar="S",
-                   help="after the run, keep serving the finished run's status page on "
-                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
 
-    p = _command("relay", "run a host relay",
+
+def _add_relay(command: _Command) -> None:
+    """``relay``: its coordinator, host, ranks and rank port."""
+    p = command("relay", "run a host relay",
                  "Run a host relay: accept the local ranks on loopback, then carry their frames "
                  "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
                  "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
@@ -159,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="tracebacks and the full detail of a refusal or a salt that differs")
 
-    p = _command("rank", "run one simulated rank",
+
+def _add_rank(command: _Command) -> None:
+    """``rank``: one simulated rank."""
+    p = command("rank", "run one simulated rank",
                  "Run one simulated rank (SimulatedRank): it processes the samples it is given "
                  "in batches,\nanswers syncs and exits 0 on a graceful Shutdown, 1 on a failed "
                  "run or a lost coordinator.\n\n" + EXIT_CODES)
@@ -181,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
     _add_salt_args(p)
 
-    p = _command("status", "print a coordinator's /state.json (--watch: a live view)",
+
+def _add_status(command: _Command) -> None:
+    """``status``: a coordinator's status page."""
+    p = command("status", "print a coordinator's /state.json (--watch: a live view)",
                  "Query a coordinator's status page (its --listen port). Exits 0 with an "
                  "answer, 1 without one;\nwith --watch, 0 once the coordinator went away.")
     p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
@@ -194,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="seconds between --watch refreshes, 0.2 to 60")
 
-    p = _command("demo", "a whole local cluster as separate processes on loopback",
+
+def _add_demo(command: _Command) -> None:
+    """``demo``: a local cluster of processes."""
+    p = command("demo", "a whole local cluster as separate processes on loopback",
                  "Run a coordinator, one relay per host and simulated ranks as separate "
                  "processes on loopback,\ntell the story (formation, deaths, redistributions) "
                  "and exit 0 once every epoch completed.\n\n" + EXIT_CODES)
@@ -228,10 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linger", type=float, default=0.0, metavar="S",
                    help="keep the live page (printed at the start) up S seconds after the run")
 
-    p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
+
+def _add_plot(command: _Command) -> None:
+    """``plot``: a timeline as a picture."""
+    p = command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
                  "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "
                  "lost broadcasts and deaths.")
     p.add_argument("timeline", metavar="TIMELINE.jsonl", help="a --timeline file")
     p.add_argument("-o", "--output", default="timeline.png", metavar="PNG",
                    help="where to write the picture")
-    return parser
