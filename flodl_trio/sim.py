@@ -98,6 +98,20 @@ class SimRecord:
         """The received messages of one class, in order."""
         return [m for m in self.received if isinstance(m, cls)]
 
+    def note_batch(self, epoch: int, offset: int, size: int) -> None:
+        """One more batch reported: ``size`` samples of ``epoch`` from ``offset``."""
+        self.processed.append((epoch, offset, size))
+        self.batches += 1
+
+    def note_sync(self) -> None:
+        """One more ``SyncNow`` answered: its ``SyncAck`` covers every batch reported so far."""
+        self.syncs += 1
+        self.synced.extend(self.processed[len(self.synced):])
+
+    def note_failure(self) -> None:
+        """The rank stopped because of ``fail_after_batches`` (or another ``fail_*``)."""
+        self.failed = True
+
 
 class SimulatedRank:
     """A flodl-like worker over one rank endpoint.
@@ -164,7 +178,6 @@ class SimulatedRank:
         self._fail_on_new_nccl_id = fail_on_new_nccl_id
         self._fail_after_syncs = fail_after_syncs
         self._send_lock = trio.Lock()  # a SyncAck counts exactly the Batch frames before it
-        self._acked = 0  # len(record.processed) at the last SyncAck
         self._plan: tuple[int, int, int] | None = None  # (epoch, offset, size) in progress
         self._extensions: set[tuple[int, int]] = set()  # received in the current epoch
         self._random = random.Random(seed)
@@ -211,7 +224,7 @@ class SimulatedRank:
         return self.record
 
     async def _fail(self) -> None:
-        self.record.failed = True
+        self.record.note_failure()
         log.info("rank %d: simulated %s after %d batches", self.rank, self._fail_mode,
                  self.record.batches)
         if self._fail_mode == "crash":
@@ -235,43 +248,12 @@ class SimulatedRank:
             await self._on_command(msg)
 
     async def _on_command(self, msg: ControlMsg) -> None:
-        ep = self.endpoint
         if isinstance(msg, StartEpoch):
-            plan = msg.plan
-            key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
-            if key == self._plan:
-                log.debug("rank %d: StartEpoch repeats the plan in progress; ignored", self.rank)
-                return
-            self._plan, self._extensions = key, set()
-            if self._queue:
-                log.warning("rank %d: StartEpoch(%d) while %d ranges of epoch %s are unprocessed",
-                            self.rank, plan.epoch, len(self._queue), self._epoch)
-            self._generation += 1
-            self._epoch = int(plan.epoch)
-            self._epoch_started = trio.current_time()
-            self._epoch_batches = self._epoch_samples = 0
-            self._loss_sum = self._compute_ms = 0.0
-            self._queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
-            self._wake.set()
+            self._start_epoch(msg)
         elif isinstance(msg, ExtendPartition):
-            if self._epoch is None:
-                log.warning("rank %d: ExtendPartition before any StartEpoch; ignored", self.rank)
-                return
-            extension = (int(msg.partition_offset), int(msg.partition_size))
-            if extension in self._extensions:
-                log.debug("rank %d: ExtendPartition %s repeated; ignored", self.rank, extension)
-                return
-            self._extensions.add(extension)
-            self._queue.append(extension)
-            self._wake.set()
+            self._extend(msg)
         elif isinstance(msg, SyncNow):
-            async with self._send_lock:
-                self.record.syncs += 1
-                self.record.synced.extend(self.record.processed[self._acked:])
-                self._acked = len(self.record.processed)
-                await ep.send(SyncAck(rank=self.rank, step_count=ep.step_count))
-            if self.record.syncs == self._fail_after_syncs:
-                await self._fail()
+            await self._answer_sync()
         elif isinstance(msg, SetGlobalStep):
             self._global_step = int(msg.global_step)
             self._steps_since_global = 0
@@ -280,22 +262,67 @@ class SimulatedRank:
         elif isinstance(msg, SetEpochCallbackRole):
             self.role = int(msg.rank)
         elif isinstance(msg, RequestNewNcclId):
-            asked = len(self.record.of_type(RequestNewNcclId))
-            if asked == self._fail_on_new_nccl_id:
-                await self._fail()
-                return
-            # Where a real rank would name the store it now serves; unique per request.
-            uid = f"sim://rank-{self.rank}/{asked}"
-            await ep.send(NewNcclIdGenerated(rank=self.rank, uid=uid.encode()))
+            await self._answer_new_nccl_id()
         elif isinstance(msg, NewNcclSession):
             self.group = (int(msg.new_rank), int(msg.new_world_size), bytes(msg.uid))
         elif isinstance(msg, Checkpoint) and msg.target_rank == self.rank:
             error = "simulated checkpoint failure" if self._fail_checkpoint else None
-            await ep.send(CheckpointResult(rank=self.rank, version=msg.version, elapsed_ms=0.0,
-                                           error=error))
+            await self.endpoint.send(CheckpointResult(rank=self.rank, version=msg.version,
+                                                      elapsed_ms=0.0, error=error))
         elif isinstance(msg, ExecuteEvalCallback) and msg.target_rank == self.rank:
-            await ep.send(EvalResult(rank=self.rank, schedule_id=msg.schedule_id,
-                                     epoch=msg.epoch, metric=self._loss(), elapsed_ms=0.0))
+            await self.endpoint.send(EvalResult(rank=self.rank, schedule_id=msg.schedule_id,
+                                                epoch=msg.epoch, metric=self._loss(),
+                                                elapsed_ms=0.0))
+
+    def _start_epoch(self, msg: StartEpoch) -> None:
+        """The epoch's plan replaces the work queued (a repeat of the plan in progress is
+        ignored: a resumed scheduler sends it again)."""
+        plan = msg.plan
+        key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
+        if key == self._plan:
+            log.debug("rank %d: StartEpoch repeats the plan in progress; ignored", self.rank)
+            return
+        self._plan, self._extensions = key, set()
+        if self._queue:
+            log.warning("rank %d: StartEpoch(%d) while %d ranges of epoch %s are unprocessed",
+                        self.rank, plan.epoch, len(self._queue), self._epoch)
+        self._generation += 1
+        self._epoch = int(plan.epoch)
+        self._epoch_started = trio.current_time()
+        self._epoch_batches = self._epoch_samples = 0
+        self._loss_sum = self._compute_ms = 0.0
+        self._queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
+        self._wake.set()
+
+    def _extend(self, msg: ExtendPartition) -> None:
+        """Queue an extension of the epoch's share (once: a repeat is ignored)."""
+        if self._epoch is None:
+            log.warning("rank %d: ExtendPartition before any StartEpoch; ignored", self.rank)
+            return
+        extension = (int(msg.partition_offset), int(msg.partition_size))
+        if extension in self._extensions:
+            log.debug("rank %d: ExtendPartition %s repeated; ignored", self.rank, extension)
+            return
+        self._extensions.add(extension)
+        self._queue.append(extension)
+        self._wake.set()
+
+    async def _answer_sync(self) -> None:
+        ep = self.endpoint
+        async with self._send_lock:
+            self.record.note_sync()
+            await ep.send(SyncAck(rank=self.rank, step_count=ep.step_count))
+        if self.record.syncs == self._fail_after_syncs:
+            await self._fail()
+
+    async def _answer_new_nccl_id(self) -> None:
+        asked = len(self.record.of_type(RequestNewNcclId))
+        if asked == self._fail_on_new_nccl_id:
+            await self._fail()
+            return
+        # Where a real rank would name the store it now serves; unique per request.
+        uid = f"sim://rank-{self.rank}/{asked}"
+        await self.endpoint.send(NewNcclIdGenerated(rank=self.rank, uid=uid.encode()))
 
     # ------------------------------------------------------------------ batches
 
@@ -343,8 +370,7 @@ class SimulatedRank:
                 self._epoch_samples += n
                 self._loss_sum += loss
                 self._compute_ms += seconds * 1000.0
-                self.record.processed.append((self._epoch, offset, n))
-                self.record.batches += 1
+                self.record.note_batch(self._epoch, offset, n)
                 ep.step_count += 1
                 await ep.send(Batch(rank=self.rank, batch_ms=seconds * 1000.0, data_ms=0.0,
                                     step_count=ep.step_count, param_norm=None,
