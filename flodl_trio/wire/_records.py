@@ -25,7 +25,6 @@ from ._constants import (
     RecordKind,
 )
 from ._crypto import Mac64
-from ._frames import _attach
 from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
@@ -160,7 +159,7 @@ class RecordOpener(_RecordKeys):
             WireError: the opener is poisoned (an earlier record failed); the same error again.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
@@ -176,7 +175,7 @@ class RecordOpener(_RecordKeys):
                 poisoned: every later call raises the same error.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         if self._pos < len(self._buf):
             # A partial record is waiting: complete it in the buffer.
             self._buf += data
@@ -214,7 +213,7 @@ class RecordOpener(_RecordKeys):
             WireError: as :meth:`feed`; the opener is poisoned from then on.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         try:
             rec = self._open(self._buf, self._pos)
         except WireError as exc:
@@ -270,7 +269,7 @@ class RecordOpener(_RecordKeys):
         return rec
 
     def _poison(self, exc: WireError, before: list[Record]) -> WireError:
-        self._error = _attach(exc, before)
+        self._error = exc.carrying(before)
         self._buf = bytearray()
         self._pos = 0
         return exc
