@@ -25,6 +25,11 @@ class Callback:
     target: int
     tried: set[int] = attrs.Factory(set)
 
+    def move_to(self, rank: int) -> None:
+        """Send it to ``rank`` from now on; the rank it was on counts as having tried it."""
+        self.tried.add(self.target)
+        self.target = rank
+
     def message(self) -> ControlMsg:
         if self.kind == "checkpoint":
             return Checkpoint(version=self.number, target_rank=self.target)
@@ -92,8 +97,7 @@ class Callbacks:
         """Resend to the role rank every callback whose rank left."""
         for cb in self._open.values():
             if cb.target in gone and role is not None:
-                cb.tried.add(cb.target)
-                cb.target = role
+                cb.move_to(role)
                 await self._send(cb.target, cb.message())
 
     async def fail_over(self, survivors: Sequence[int], role: int | None) -> None:
@@ -116,5 +120,5 @@ class Callbacks:
             if candidate != role:
                 await self._move_role(candidate)
                 role = candidate
-            cb.target = candidate
+            cb.move_to(candidate)
             await self._send(candidate, cb.message())

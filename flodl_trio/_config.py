@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -37,83 +37,56 @@ def _rate(default: float) -> Any:
     return attrs.field(default=default, converter=_PER_SECOND, validator=_check_rate)
 
 
-def _to_seconds(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
-    # A bare float() converter let "abc" or None escape as ValueError/TypeError, not ConfigError,
-    # and turned True into 1.0 s: a bool is a flag, not a duration.
-    if isinstance(value, bool):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected a number of seconds, got "
-            f"{value!r} (a bool is not a duration)"
-        )
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected a number of seconds, got {value!r}"
-        ) from None
+def _number(what: str, bool_is_not: str) -> attrs.Converter[Any, float]:
+    """An attrs converter to float that names the field and ``what`` it expected."""
+
+    def convert(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
+        where = f"{type(inst).__name__}.{attribute.name}"
+        # A bare float() converter let "abc" or None escape as ValueError/TypeError, not
+        # ConfigError, and turned True into 1.0 s: a bool is a flag, not a duration.
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected {what}, got {value!r} (a bool is not "
+                              f"{bool_is_not})")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
+
+    return attrs.Converter(convert, takes_self=True, takes_field=True)
 
 
-_SECONDS = attrs.Converter(_to_seconds, takes_self=True, takes_field=True)
+_SECONDS = _number("a number of seconds", "a duration")
+_PER_SECOND = _number("a number per second", "a rate")
+
+_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def _to_rate(value: Any, inst: Any, attribute: attrs.Attribute[Any]) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name}: expected a number per "
-                          f"second, got {value!r} (a bool is not a rate)")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name}: expected a number per "
-                          f"second, got {value!r}") from None
+def _refusing(bad: Callable[[Any], bool], expected: str) -> _Validator:
+    """An attrs validator: ``ConfigError`` naming the field and what it ``expected`` when
+    ``bad(value)``."""
+
+    def check(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if bad(value):
+            raise ConfigError(f"{type(inst).__name__}.{attribute.name}: expected {expected}, "
+                              f"got {value!r}")
+
+    return check
 
 
-_PER_SECOND = attrs.Converter(_to_rate, takes_self=True, takes_field=True)
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
-def _check_deadline(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
-    if math.isnan(value) or value <= 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected seconds > 0 (math.inf disables "
-            f"it), got {value!r}"
-        )
-
-
-def _check_cadence(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected a finite number of seconds > 0, "
-            f"got {value!r}"
-        )
-
-
-def _check_rate(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
-    if math.isnan(value) or value <= 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected a rate > 0 per second "
-            f"(math.inf: no pacing), got {value!r}"
-        )
-
-
-def _check_grace(inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
-    if math.isnan(value) or value < 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected seconds >= 0 (0 disables it, "
-            f"math.inf waits for ever), got {value!r}"
-        )
-
-
-def _positive_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected an integer > 0, got {value!r}"
-        )
-
-
-def _non_negative_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name}: expected an integer >= 0, got {value!r}"
-        )
+_check_deadline = _refusing(lambda v: math.isnan(v) or v <= 0,
+                            "seconds > 0 (math.inf disables it)")
+_check_cadence = _refusing(lambda v: not math.isfinite(v) or v <= 0,
+                           "a finite number of seconds > 0")
+_check_rate = _refusing(lambda v: math.isnan(v) or v <= 0,
+                        "a rate > 0 per second (math.inf: no pacing)")
+_check_grace = _refusing(lambda v: math.isnan(v) or v < 0,
+                         "seconds >= 0 (0 disables it, math.inf waits for ever)")
+_positive_int = _refusing(lambda v: _not_int(v) or v <= 0, "an integer > 0")
+_non_negative_int = _refusing(lambda v: _not_int(v) or v < 0, "an integer >= 0")
 
 
 @attrs.frozen

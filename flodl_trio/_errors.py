@@ -7,7 +7,7 @@ log line alone is enough to find the misbehaving process.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     from ._coord_types import BroadcastResult
@@ -23,6 +23,12 @@ class ConfigError(FlodlError, ValueError):
 
 class WireError(FlodlError):
     """Bytes on the wire do not form a valid FT/2 frame, record or message."""
+
+    def carrying(self, frames: list[Any]) -> Self:
+        """This error, carrying the whole frames a decoder's ``feed`` decoded before it
+        (:func:`flodl_trio.wire.frames_before` reads them)."""
+        self.frames_before = frames
+        return self
 
 
 class AuthError(WireError):

@@ -30,7 +30,7 @@ import trio
 
 from ._errors import FlodlError, FlodlInternalError
 
-__all__ = ["Lifecycle", "choose_one_exception", "open_lifecycle"]
+__all__ = ["Lifecycle", "choose_one_exception", "open_lifecycle", "raise_keeping_context"]
 
 log = logging.getLogger("flodl_trio.lifecycle")
 
@@ -132,7 +132,7 @@ async def open_lifecycle(
         if recorded is None:
             return
         error = recorded
-    _raise_keeping_context(error)
+    raise_keeping_context(error)
 
 
 def choose_one_exception(
@@ -206,7 +206,8 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _raise_keeping_context(exc: BaseException) -> NoReturn:
+def raise_keeping_context(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` with the ``__context__`` it has now (an ``open_*`` generator's last step)."""
     # ``raise`` inside a generator that is handling the body's exception would overwrite the
     # ``__context__`` chosen above (with the exception itself, or the group).
     context = exc.__context__

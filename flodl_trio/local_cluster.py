@@ -13,7 +13,6 @@ real loopback TCP (``transport="tcp"``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol
@@ -21,11 +20,12 @@ from typing import Any, Literal, Protocol
 import attrs
 import trio
 
+from ._cluster_parts import ClusterNetwork, Running, Started, one_error
 from ._config import CoordinatorConfig, RankConfig, RelayConfig, relay_config_for
 from ._errors import ConfigError, FlodlError
-from ._lifecycle import choose_one_exception
+from ._lifecycle import raise_keeping_context
 from .chaos import FaultPlan, FaultyDialer
-from .coordinator import Coordinator, bind_coordinator, open_coordinator
+from .coordinator import Coordinator, open_coordinator
 from .net._memory_network import MemoryNetwork
 from .net._transport import Dialer
 from .rank import RankEndpoint, open_rank
@@ -121,52 +121,16 @@ def layout(hosts: int, ranks_per_host: int) -> dict[str, list[int]]:
             for h in range(hosts)}
 
 
-class _Started:
-    """The ``task_status`` of a raw rank: ``started()`` counts it as connected."""
-
-    def __init__(self, on_started: Callable[[], None]) -> None:
-        self._on_started = on_started
-        self.called = False
-
-    def started(self, value: object = None) -> None:
-        if self.called:
-            raise RuntimeError("open_local_cluster: a raw rank called task_status.started() "
-                               "twice")
-        self.called = True
-        self._on_started()
-
-
-class _Running:
-    """The relay and rank tasks still running, by name; ``all_done`` once there are none."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = set(names)
-        self.all_done = trio.Event()
-        if not self.names:
-            self.all_done.set()
-
-    def finished(self, name: str) -> None:
-        self.names.discard(name)
-        if not self.names:
-            self.all_done.set()
-
-
 @asynccontextmanager
 async def open_local_cluster(
-    hosts: Mapping[str, Sequence[int]],
-    *,
-    transport: Literal["memory", "tcp"] = "memory",
-    network: MemoryNetwork | None = None,
-    salt: SessionSalt | None = None,
-    coord_config: CoordinatorConfig | None = None,
-    relay_config: RelayConfig | None = None,
-    rank_config: RankConfig | None = None,
-    timeline: Timeline | None = None,
+    hosts: Mapping[str, Sequence[int]], *, transport: Literal["memory", "tcp"] = "memory",
+    network: MemoryNetwork | None = None, salt: SessionSalt | None = None,
+    coord_config: CoordinatorConfig | None = None, relay_config: RelayConfig | None = None,
+    rank_config: RankConfig | None = None, timeline: Timeline | None = None,
     rank_configs: Mapping[int, RankConfig] | None = None,
     rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = None,
     rank_errors: tuple[type[Exception], ...] = (FlodlError,),
-    raw_ranks: Mapping[int, RawRankMain] | None = None,
-    teardown_timeout: float = 60.0,
+    raw_ranks: Mapping[int, RawRankMain] | None = None, teardown_timeout: float = 60.0,
     store: SessionStore | None = None,
     faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = None,
 ) -> AsyncIterator[LocalCluster]:
@@ -210,229 +174,226 @@ async def open_local_cluster(
         RuntimeError: a raw rank ended without calling ``task_status.started()``.
         trio.TooSlowError: a relay or rank did not end within ``teardown_timeout``.
     """
-    all_ranks = sorted(r for rs in hosts.values() for r in rs)
-    if not all_ranks or all_ranks != list(range(len(all_ranks))):
-        raise ConfigError(f"open_local_cluster: expected the hosts' ranks to be exactly "
-                          f"0..W-1 once each, got {all_ranks}")
-    raws = dict(raw_ranks or {})
-    if not set(raws) <= set(all_ranks):
-        raise ConfigError(f"open_local_cluster: expected raw_ranks among the ranks "
-                          f"{all_ranks}, got {sorted(raws)}")
-    plans = dict(faults or {})
-    strangers = [repr(part) for part in plans if part not in hosts and part not in all_ranks]
-    if strangers:
-        raise ConfigError(f"open_local_cluster: expected faults for hosts {sorted(hosts)} or "
-                          f"ranks {all_ranks}, got [{', '.join(strangers)}]")
-    if not teardown_timeout >= 0:
-        raise ConfigError(f"open_local_cluster: expected teardown_timeout >= 0 seconds, got "
-                          f"{teardown_timeout!r}")
-    world = len(all_ranks)
-    relay_config = relay_config_for(relay_config, [rank_config or RankConfig(),
-                                                   *(rank_configs or {}).values()])
-    salt = salt or SessionSalt.generate()
-    cfg = coord_config or CoordinatorConfig(world_size=world)
-    net = network
-    if transport == "memory" and net is None:
-        net = MemoryNetwork()
-    listen: Any
-    if transport == "memory":
-        assert net is not None
-        listen = net.listener(COORDINATOR_NAME)
-        memory_net = net
+    plan = _Plan.checked(hosts, raw_ranks, faults, teardown_timeout, relay_config,
+                         _RankPlan(rank_config, dict(rank_configs or {}), rank_main, rank_errors))
+    builder = _ClusterBuilder(plan, salt or SessionSalt.generate(),
+                              await ClusterNetwork.open(transport, network, COORDINATOR_NAME))
+    async with builder.run(coord_config or CoordinatorConfig(world_size=plan.world),
+                           timeline=timeline, store=store) as cluster:
+        yield cluster
 
-        async def dial_coordinator() -> trio.abc.Stream:
-            return await memory_net.connect(COORDINATOR_NAME)
-        target: Any = dial_coordinator
-    elif transport == "tcp":
-        listen = await bind_coordinator(("127.0.0.1", 0))
-        target = listen.address
-    else:
-        raise ConfigError(f"open_local_cluster: transport must be 'memory' or 'tcp', got "
-                          f"{transport!r}")
 
-    relays: dict[str, Relay] = {}
-    ranks: dict[int, RankEndpoint] = {}
-    connected: set[int] = set()
-    all_connected = trio.Event()
-    release = trio.Event()
-    rank_stops: dict[int, trio.CancelScope] = {}
-    relay_stops: dict[str, trio.CancelScope] = {}
-    rank_done = {rank: trio.Event() for rank in all_ranks}
-    outcomes: dict[int, object] = {}
-    relay_exits: dict[str, RelayExit] = {}
-    configs = dict(rank_configs or {})
-    running = _Running([f"relay {h!r}" for h in hosts] + [f"rank {r}" for r in all_ranks])
+@attrs.frozen
+class _RankPlan:
+    """How every rank is opened and run (``rank_config``, ``rank_configs``, ``rank_main`` and
+    ``rank_errors`` of :func:`open_local_cluster`)."""
 
-    def rank_connected(rank: int) -> None:
-        connected.add(rank)
-        if len(connected) == world:
-            all_connected.set()
+    config: RankConfig | None
+    configs: dict[int, RankConfig]
+    main: Callable[[RankEndpoint], Awaitable[object]] | None
+    errors: tuple[type[Exception], ...]
 
-    async def run_rank(rank: int, dial: Any) -> None:
+
+@attrs.frozen
+class _Plan:
+    """What :func:`open_local_cluster` was asked to build, checked before anything starts."""
+
+    hosts: dict[str, list[int]]
+    world: int
+    raws: dict[int, RawRankMain]
+    faults: dict[str | int, FaultPlan | Sequence[FaultPlan]]
+    teardown_timeout: float
+    relay_config: RelayConfig
+    rank: _RankPlan
+
+    @classmethod
+    def checked(
+        cls, hosts: Mapping[str, Sequence[int]], raw_ranks: Mapping[int, RawRankMain] | None,
+        faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None,
+        teardown_timeout: float, relay_config: RelayConfig | None, rank: _RankPlan,
+    ) -> _Plan:
+        """The plan, or ``ConfigError`` naming the first thing that does not fit."""
+        all_ranks = sorted(r for rs in hosts.values() for r in rs)
+        if not all_ranks or all_ranks != list(range(len(all_ranks))):
+            raise ConfigError(f"open_local_cluster: expected the hosts' ranks to be exactly "
+                              f"0..W-1 once each, got {all_ranks}")
+        raws = dict(raw_ranks or {})
+        if not set(raws) <= set(all_ranks):
+            raise ConfigError(f"open_local_cluster: expected raw_ranks among the ranks "
+                              f"{all_ranks}, got {sorted(raws)}")
+        plans = dict(faults or {})
+        strangers = [repr(part) for part in plans if part not in hosts and part not in all_ranks]
+        if strangers:
+            raise ConfigError(f"open_local_cluster: expected faults for hosts {sorted(hosts)} or "
+                              f"ranks {all_ranks}, got [{', '.join(strangers)}]")
+        if not teardown_timeout >= 0:
+            raise ConfigError(f"open_local_cluster: expected teardown_timeout >= 0 seconds, got "
+                              f"{teardown_timeout!r}")
+        relay = relay_config_for(relay_config, [rank.config or RankConfig(),
+                                                *rank.configs.values()])
+        return cls({host: list(rs) for host, rs in hosts.items()}, len(all_ranks), raws, plans,
+                   teardown_timeout, relay, rank)
+
+
+class _ClusterBuilder:
+    """The parts of a local cluster as they start: the steps that start them, and the one that
+    lets them end."""
+
+    def __init__(self, plan: _Plan, salt: SessionSalt, network: ClusterNetwork) -> None:
+        self._plan = plan
+        self._salt = salt
+        self._network = network
+        self._relays: dict[str, Relay] = {}
+        self._ranks: dict[int, RankEndpoint] = {}
+        self._connected: set[int] = set()
+        self._all_connected = trio.Event()
+        self._release = trio.Event()
+        self._rank_stops: dict[int, trio.CancelScope] = {}
+        self._relay_stops: dict[str, trio.CancelScope] = {}
+        self._rank_done = {rank: trio.Event() for rank in range(plan.world)}
+        self._outcomes: dict[int, object] = {}
+        self._relay_exits: dict[str, RelayExit] = {}
+        self._running = Running([f"relay {h!r}" for h in plan.hosts]
+                                 + [f"rank {r}" for r in range(plan.world)])
+
+    @asynccontextmanager
+    async def run(self, config: CoordinatorConfig, *, timeline: Timeline | None,
+                  store: SessionStore | None) -> AsyncIterator[LocalCluster]:
+        """Start the relays (each starts its ranks) and the coordinator; yield the cluster once
+        every rank is connected; then let the parts end and raise the one exception chosen."""
+        # What the block (the body, or the coordinator around it) raised: it leaves the cluster
+        # once the relays and ranks have ended, since cancelling them sooner would cut what they
+        # still deliver (a ShutdownWithSave a test asserts on).
+        first: BaseException | None = None
+        body_exc: BaseException | None = None
+        too_slow: trio.TooSlowError | None = None
+        failures: list[BaseException] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for host, host_ranks in self._plan.hosts.items():
+                    nursery.start_soon(self._run_relay, host, host_ranks, nursery)
+                try:
+                    async with open_coordinator(self._network.listen, salt=self._salt,
+                                                config=config, timeline=timeline,
+                                                store=store) as coord:
+                        await self._all_connected.wait()
+                        try:
+                            yield self._cluster(coord)
+                        except BaseException as exc:
+                            # The body's own: it wins even if the coordinator's shutdown was
+                            # then cut short (a part failing) and open_coordinator raised
+                            # Cancelled.
+                            body_exc = exc
+                            raise
+                        finally:
+                            # Ranks leave cleanly (Exiting) before the coordinator shuts down,
+                            # so the shutdown does not wait out its grace period for ranks
+                            # nobody iterates.
+                            self._release.set()
+                except BaseException as exc:
+                    first = exc
+                too_slow = await self._wind_down(nursery)
+        except BaseExceptionGroup as group:
+            failures.extend(group.exceptions)
+        error = one_error(body_exc, first, failures, too_slow)
+        if error is not None:
+            raise_keeping_context(error)
+
+    def _cluster(self, coord: Coordinator) -> LocalCluster:
+        return LocalCluster(coord, self._relays, self._ranks, self._salt, self._network.shown,
+                            self._outcomes, self._relay_exits, self._rank_stops,
+                            self._relay_stops, self._rank_done)
+
+    async def _wind_down(self, nursery: trio.Nursery) -> trio.TooSlowError | None:
+        """Once the coordinator is closed, its Shutdown, Goodbye or EOF ends the relays and
+        ranks: wait ``teardown_timeout`` for them, then cancel those left and name them."""
+        self._release.set()
+        # (Cancelled from outside, this wait raises at once.)
+        with trio.move_on_after(self._plan.teardown_timeout):
+            await self._running.all_done.wait()
+        if not self._running.names:
+            return None
+        nursery.cancel_scope.cancel()
+        return trio.TooSlowError(
+            f"open_local_cluster: expected every relay and rank to end within "
+            f"teardown_timeout={self._plan.teardown_timeout:g}s of the coordinator closing, "
+            f"still running: {', '.join(sorted(self._running.names))}")
+
+    async def _run_relay(self, host: str, host_ranks: list[int], nursery: trio.Nursery) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                self._relay_stops[host] = scope
+                rank_listen = self._network.rank_port(host)
+                upstream = self._network.upstream(host, self._plan.faults)
+                async with open_relay(upstream, salt=self._salt, host=host, ranks=host_ranks,
+                                      world_size=self._plan.world, rank_listen=rank_listen,
+                                      config=self._plan.relay_config) as relay:
+                    self._relays[host] = relay
+                    self._start_ranks(host, host_ranks, relay, nursery)
+                    self._relay_exits[host] = await relay.wait_closed()
+        finally:
+            self._running.finished(f"relay {host!r}")
+
+    def _start_ranks(self, host: str, host_ranks: list[int], relay: Relay,
+                     nursery: trio.Nursery) -> None:
+        dial = self._network.rank_dialer(host, relay)
+        # open_rank dials TCP by address (its messages name it).
+        plain: Any = dial if self._network.memory is not None else relay.rank_address
+        for r in host_ranks:
+            if r in self._plan.raws:
+                slot = RawRankSlot(r, host, self._plan.world, self._salt, dial)
+                nursery.start_soon(self._run_one_rank, r, self._run_raw_rank, slot,
+                                   self._plan.raws[r])
+            elif r in self._plan.faults:
+                nursery.start_soon(self._run_one_rank, r, self._run_rank, r,
+                                   FaultyDialer(dial, self._plan.faults[r]))
+            else:
+                nursery.start_soon(self._run_one_rank, r, self._run_rank, r, plain)
+
+    async def _run_one_rank(self, rank: int, body: Callable[..., Awaitable[None]],
+                            *args: Any) -> None:
+        try:
+            await body(*args)
+        finally:
+            self._rank_done[rank].set()
+            self._running.finished(f"rank {rank}")
+
+    def _rank_connected(self, rank: int) -> None:
+        self._connected.add(rank)
+        if len(self._connected) == self._plan.world:
+            self._all_connected.set()
+
+    async def _run_rank(self, rank: int, dial: Any) -> None:
+        how = self._plan.rank
         with trio.CancelScope() as scope:
-            rank_stops[rank] = scope
+            self._rank_stops[rank] = scope
             try:
-                async with open_rank(dial, salt=salt, rank=rank, world_size=world,
-                                     config=configs.get(rank, rank_config)) as ep:
-                    ranks[rank] = ep
-                    rank_connected(rank)
-                    if rank_main is None:
-                        await release.wait()
+                async with open_rank(dial, salt=self._salt, rank=rank,
+                                     world_size=self._plan.world,
+                                     config=how.configs.get(rank, how.config)) as ep:
+                    self._ranks[rank] = ep
+                    self._rank_connected(rank)
+                    if how.main is None:
+                        await self._release.wait()
                         return
-                    result = await rank_main(ep)
-                outcomes[rank] = result
-            except rank_errors as exc:
-                if rank_main is None:
+                    result = await how.main(ep)
+                self._outcomes[rank] = result
+            except how.errors as exc:
+                if how.main is None:
                     raise
-                outcomes[rank] = exc
+                self._outcomes[rank] = exc
 
-    async def run_raw_rank(slot: RawRankSlot, main: RawRankMain) -> None:
-        status = _Started(lambda: rank_connected(slot.rank))
+    async def _run_raw_rank(self, slot: RawRankSlot, main: RawRankMain) -> None:
+        status = Started(lambda: self._rank_connected(slot.rank))
         with trio.CancelScope() as scope:
-            rank_stops[slot.rank] = scope
+            self._rank_stops[slot.rank] = scope
             try:
-                outcomes[slot.rank] = await main(slot, task_status=status)
-            except rank_errors as exc:
+                self._outcomes[slot.rank] = await main(slot, task_status=status)
+            except self._plan.rank.errors as exc:
                 if not status.called:
                     raise
-                outcomes[slot.rank] = exc
+                self._outcomes[slot.rank] = exc
             if not status.called:
                 # The cluster would wait for it forever (trio's nursery.start raises too).
                 raise RuntimeError(f"open_local_cluster: raw rank {slot.rank} returned without "
                                    f"calling task_status.started()")
-
-    async def run_one_rank(rank: int, body: Callable[..., Awaitable[None]], *args: Any) -> None:
-        try:
-            await body(*args)
-        finally:
-            rank_done[rank].set()
-            running.finished(f"rank {rank}")
-
-    async def run_relay(host: str, host_ranks: Sequence[int], nursery: trio.Nursery) -> None:
-        try:
-            with trio.CancelScope() as scope:
-                relay_stops[host] = scope
-                rank_listen: Any = None
-                if transport == "memory":
-                    assert net is not None
-                    rank_listen = net.listener(f"relay:{host}")
-                upstream: Any = target
-                if host in plans:
-                    upstream = FaultyDialer(_tcp_dialer(target) if isinstance(target, tuple)
-                                            else target, plans[host])
-                async with open_relay(upstream, salt=salt, host=host, ranks=host_ranks,
-                                      world_size=world, rank_listen=rank_listen,
-                                      config=relay_config) as relay:
-                    relays[host] = relay
-                    dial = _rank_port_dialer(net if transport == "memory" else None, host,
-                                             relay)
-                    # open_rank dials TCP by address (its messages name it).
-                    target_of_ranks: Any = dial if transport == "memory" else relay.rank_address
-                    for r in host_ranks:
-                        if r in raws:
-                            slot = RawRankSlot(r, host, world, salt, dial)
-                            nursery.start_soon(run_one_rank, r, run_raw_rank, slot, raws[r])
-                        elif r in plans:
-                            nursery.start_soon(run_one_rank, r, run_rank, r,
-                                               FaultyDialer(dial, plans[r]))
-                        else:
-                            nursery.start_soon(run_one_rank, r, run_rank, r, target_of_ranks)
-                    relay_exits[host] = await relay.wait_closed()
-        finally:
-            running.finished(f"relay {host!r}")
-
-    # What the block (the body, or the coordinator around it) raised: it leaves the cluster once
-    # the relays and ranks have ended, since cancelling them sooner would cut what they still
-    # deliver (a ShutdownWithSave a test asserts on).
-    first: BaseException | None = None
-    body_exc: BaseException | None = None
-    too_slow: trio.TooSlowError | None = None
-    failures: list[BaseException] = []
-    try:
-        async with trio.open_nursery() as nursery:
-            for host, host_ranks in hosts.items():
-                nursery.start_soon(run_relay, host, list(host_ranks), nursery)
-            try:
-                async with open_coordinator(listen, salt=salt, config=cfg,
-                                            timeline=timeline, store=store) as coord:
-                    await all_connected.wait()
-                    try:
-                        yield LocalCluster(coord, relays, ranks, salt, net, outcomes,
-                                           relay_exits, rank_stops, relay_stops, rank_done)
-                    except BaseException as exc:
-                        # The body's own: it wins even if the coordinator's shutdown was then
-                        # cut short (a part failing) and open_coordinator raised Cancelled.
-                        body_exc = exc
-                        raise
-                    finally:
-                        # Ranks leave cleanly (Exiting) before the coordinator shuts down, so the
-                        # shutdown does not wait out its grace period for ranks nobody iterates.
-                        release.set()
-            except BaseException as exc:
-                first = exc
-            release.set()
-            # The coordinator is closed: its Shutdown, Goodbye or EOF ends the relays and ranks.
-            # (Cancelled from outside, this wait raises at once.)
-            with trio.move_on_after(teardown_timeout):
-                await running.all_done.wait()
-            if running.names:
-                too_slow = trio.TooSlowError(
-                    f"open_local_cluster: expected every relay and rank to end within "
-                    f"teardown_timeout={teardown_timeout:g}s of the coordinator closing, "
-                    f"still running: {', '.join(sorted(running.names))}")
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        failures.extend(group.exceptions)
-    own = body_exc if body_exc is not None and not isinstance(body_exc, trio.Cancelled) else first
-    candidates = [own, first, *failures]
-    failures = [exc for i, exc in enumerate(candidates)
-                if exc is not None and all(exc is not seen for seen in candidates[:i])]
-    cancelled_from_outside = trio.current_effective_deadline() == -math.inf
-    if (own is None or isinstance(own, trio.Cancelled)) and not cancelled_from_outside:
-        # One part failed (a rank_main's AssertionError, ...): that is the error, not an
-        # internal one; the parts are the caller's code.
-        own = _only_failure(failures)
-    error: BaseException | None = too_slow
-    if failures:
-        error = choose_one_exception(
-            BaseExceptionGroup("local cluster", failures), body_exc=own, failure=too_slow,
-            what="local cluster", cancelled_from_outside=cancelled_from_outside)
-    if error is None:
-        return
-    # A raise while the body's exception is being handled would overwrite the context chosen
-    # above (as in flodl_trio._lifecycle).
-    context = error.__context__
-    try:
-        raise error
-    finally:
-        error.__context__ = context
-        del error, context
-
-
-def _only_failure(excs: Sequence[BaseException]) -> BaseException | None:
-    """The one exception in ``excs`` (groups flattened) that is not a cancellation, if one."""
-    found: list[BaseException] = []
-    todo = list(excs)
-    while todo:
-        exc = todo.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            todo.extend(exc.exceptions)
-        elif not isinstance(exc, trio.Cancelled):
-            found.append(exc)
-    return found[0] if len(found) == 1 else None
-
-
-def _rank_port_dialer(net: MemoryNetwork | None, host: str, relay: Relay) -> Dialer:
-    if net is not None:
-        memory = net
-
-        async def dial_memory() -> trio.abc.Stream:
-            return await memory.connect(f"relay:{host}")
-        return dial_memory
-    return _tcp_dialer(relay.rank_address)
-
-
-def _tcp_dialer(address: tuple[str, int]) -> Dialer:
-    async def dial_tcp() -> trio.abc.Stream:
-        return await trio.open_tcp_stream(*address)
-    return dial_tcp

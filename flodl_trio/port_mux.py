@@ -107,6 +107,18 @@ class MuxStats:
         self.routed: dict[str, int] = dict.fromkeys(LEG_NAMES, 0)
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
 
+    def count_accepted(self) -> None:
+        """One more connection accepted from the listeners."""
+        self.accepted += 1
+
+    def count_routed(self, leg: str) -> None:
+        """One more connection handed to ``leg``."""
+        self.routed[leg] += 1
+
+    def count_dropped(self, reason: str) -> None:
+        """One more connection closed by the mux, for ``reason`` (see ``DROP_REASONS``)."""
+        self.dropped[reason] += 1
+
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready copy of the counters."""
         return {
@@ -318,7 +330,7 @@ class PortMux:
         """Route a connection whose magic is already here at once, without a task of its own
         (a relay sends it as it connects, so in a burst it waits in the backlog with it);
         else the stream (holding what was read) for a ``_route`` task, which waits for it."""
-        self.stats.accepted += 1
+        self.stats.count_accepted()
         if isinstance(stream, trio.SocketStream) and (fd := stream.socket.fileno()) >= 0:
             try:
                 data = os.read(fd, _PEEK_CHUNK)
@@ -329,7 +341,7 @@ class PortMux:
                 leg_name = leg_for_magic(data) if len(data) >= MAGIC_LEN else None
                 routed = PrefixedStream(stream, data, remote_address=remote)
                 if leg_name is not None and self._legs[leg_name]._offer(routed) is None:
-                    self.stats.routed[leg_name] += 1
+                    self.stats.count_routed(leg_name)
                     return None
                 stream = routed  # _route reads the rest of the magic, or drops it
         self._peeking.admit()
@@ -344,10 +356,10 @@ class PortMux:
             # At most max_peeking connections wait for their magic (the accept loop waits for
             # room); the oldest is shed once stale, so silent dialers cannot pile up (or keep a
             # relay out) until peek_timeout.
-            with self._peeking.slot(unread=unread_probe(stream)) as pending:
-                # One scope for both ends of the wait: shed (cancelled) or peek_timeout.
+            # One scope for both ends of the wait: shed (cancelled) or peek_timeout.
+            with self._peeking.slot(unread=unread_probe(stream),
+                                    deadline=trio.current_time() + self.peek_timeout) as pending:
                 scope = pending.scope
-                scope.deadline = trio.current_time() + self.peek_timeout
                 with scope:
                     saw_eof = await _peek(stream, received)
             if scope.cancelled_caught and trio.current_time() < scope.deadline:
@@ -366,12 +378,12 @@ class PortMux:
                                                                        self.peek_timeout)
                     if dropped is None:
                         routed = True
-                        self.stats.routed[leg_name] += 1
+                        self.stats.count_routed(leg_name)
                         return
                     reason = dropped
             else:
                 reason = "eof_before_magic" if saw_eof else "peek_timeout"
-            self.stats.dropped[reason] += 1
+            self.stats.count_dropped(reason)
             logger.debug("port mux: dropped connection from %s (%s)", remote, reason)
         finally:
             if not routed:
@@ -389,6 +401,24 @@ async def _peek(stream: trio.abc.Stream, received: bytearray) -> bool:
             return True
         received += chunk
     return False
+
+
+async def _checked_or_closed(
+    listeners: Sequence[trio.abc.Listener[trio.abc.Stream]], *, peek_timeout: float,
+    queue_size: int, legs: Sequence[str],
+) -> tuple[str, ...]:
+    """The legs served from the start, or ``ConfigError`` once ``listeners`` are closed (they
+    were handed to the mux: a bad call must not leak them)."""
+    try:
+        if math.isnan(peek_timeout) or peek_timeout < 0:
+            raise ConfigError(f"peek_timeout must be >= 0 seconds, got {peek_timeout!r}")
+        if queue_size < 1:
+            raise ConfigError(f"queue_size must be >= 1, got {queue_size!r}")
+        return _check_legs(legs)
+    except ConfigError:
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+        raise
 
 
 def _check_legs(legs: Sequence[str]) -> tuple[str, ...]:
@@ -440,16 +470,8 @@ async def open_port_mux(
     """
     if isinstance(listeners, trio.abc.Listener):
         listeners = [listeners]
-    try:
-        if math.isnan(peek_timeout) or peek_timeout < 0:
-            raise ConfigError(f"peek_timeout must be >= 0 seconds, got {peek_timeout!r}")
-        if queue_size < 1:
-            raise ConfigError(f"queue_size must be >= 1, got {queue_size!r}")
-        served = _check_legs(legs)
-    except ConfigError:
-        for listener in listeners:  # they were handed to us: do not leak them on a bad call
-            await trio.aclose_forcefully(listener)
-        raise
+    served = await _checked_or_closed(listeners, peek_timeout=peek_timeout,
+                                      queue_size=queue_size, legs=legs)
     mux = PortMux(listeners, peek_timeout=peek_timeout, legs=served, queue_size=queue_size,
                   max_peeking=max_peeking, keepalive=keepalive)
     body_error: Exception | None = None

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import pytest
 
 from ._config import CoordinatorConfig, RankConfig, RelayConfig
-from ._errors import FlodlError
 from .chaos import ChaosProxy, FaultPlan, open_chaos_proxy
 from .local_cluster import LocalCluster, RawRankMain, open_local_cluster
 from .rank import RankEndpoint
+from .store import SessionStore
 from .testing import EventLog, MemoryNetwork
 from .timeline import Timeline
 from .wire import SessionSalt
@@ -55,6 +55,7 @@ class LocalClusterFactory(Protocol):
         raw_ranks: Mapping[int, RawRankMain] | None = ...,
         teardown_timeout: float = ...,
         faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = ...,
+        store: SessionStore | None = ...,
     ) -> AbstractAsyncContextManager[LocalCluster]: ...
 
 
@@ -95,28 +96,13 @@ def local_cluster_factory(memory_network: MemoryNetwork) -> LocalClusterFactory:
     """
 
     def factory(
-        hosts: Mapping[str, Sequence[int]],
-        *,
-        transport: Literal["memory", "tcp"] = "memory",
-        salt: SessionSalt | None = None,
-        coord_config: CoordinatorConfig | None = None,
-        relay_config: RelayConfig | None = None,
-        rank_config: RankConfig | None = None,
-        timeline: Timeline | None = None,
-        rank_configs: Mapping[int, RankConfig] | None = None,
-        rank_main: Callable[[RankEndpoint], Awaitable[object]] | None = None,
-        rank_errors: tuple[type[Exception], ...] = (FlodlError,),
-        raw_ranks: Mapping[int, RawRankMain] | None = None,
-        teardown_timeout: float = 60.0,
-        faults: Mapping[str | int, FaultPlan | Sequence[FaultPlan]] | None = None,
+        hosts: Mapping[str, Sequence[int]], **options: Any,
     ) -> AbstractAsyncContextManager[LocalCluster]:
-        return open_local_cluster(
-            hosts, transport=transport, network=memory_network if transport == "memory" else None,
-            salt=salt, coord_config=coord_config, relay_config=relay_config,
-            rank_config=rank_config, timeline=timeline, rank_configs=rank_configs,
-            rank_main=rank_main, rank_errors=rank_errors, raw_ranks=raw_ranks,
-            teardown_timeout=teardown_timeout, faults=faults,
-        )
+        if "network" in options:
+            raise TypeError("local_cluster_factory: network= is this test's memory_network; "
+                            "pass transport='tcp' for loopback sockets instead")
+        memory = options.get("transport", "memory") == "memory"
+        return open_local_cluster(hosts, network=memory_network if memory else None, **options)
 
     return factory
 
@@ -132,13 +118,8 @@ def chaos_proxy_factory() -> Iterator[ChaosProxyFactory]:
     opened: list[ChaosProxy] = []
 
     @asynccontextmanager
-    async def factory(
-        target: tuple[str, int],
-        *,
-        listen: tuple[str, int] = ("127.0.0.1", 0),
-        close_grace: float = 0.5,
-    ) -> AsyncIterator[ChaosProxy]:
-        async with open_chaos_proxy(target, listen=listen, close_grace=close_grace) as proxy:
+    async def factory(target: tuple[str, int], **options: Any) -> AsyncIterator[ChaosProxy]:
+        async with open_chaos_proxy(target, **options) as proxy:
             opened.append(proxy)
             yield proxy
 

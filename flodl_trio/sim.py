@@ -26,37 +26,15 @@ from typing import Literal, TypeVar
 import attrs
 import trio
 
+from . import wire
 from ._errors import ConfigError, CoordinatorLost, SendError
 from .rank import RankEndpoint
-from .wire import (
-    Batch,
-    Checkpoint,
-    CheckpointResult,
-    ControlMsg,
-    CoordinatorReconnecting,
-    CoordinatorResumed,
-    EvalResult,
-    ExecuteEvalCallback,
-    ExtendPartition,
-    Metrics,
-    NewNcclIdGenerated,
-    NewNcclSession,
-    RequestNewNcclId,
-    SetEpochCallbackRole,
-    SetGlobalStep,
-    Shutdown,
-    ShutdownWithSave,
-    StartEpoch,
-    SyncAck,
-    SyncNow,
-    Throttle,
-)
 
 __all__ = ["SimRecord", "SimulatedCrash", "SimulatedRank"]
 
 log = logging.getLogger("flodl_trio.sim")
 
-_M = TypeVar("_M", bound=ControlMsg)
+_M = TypeVar("_M", bound=wire.ControlMsg)
 
 
 class SimulatedCrash(Exception):
@@ -83,7 +61,7 @@ class SimRecord:
     synced: list[tuple[int, int, int]] = attrs.Factory(list)
     batches: int = 0
     syncs: int = 0
-    received: list[ControlMsg] = attrs.Factory(list)
+    received: list[wire.ControlMsg] = attrs.Factory(list)
     failed: bool = False
 
     def samples(self, epoch: int) -> list[int]:
@@ -97,6 +75,20 @@ class SimRecord:
     def of_type(self, cls: type[_M]) -> list[_M]:
         """The received messages of one class, in order."""
         return [m for m in self.received if isinstance(m, cls)]
+
+    def note_batch(self, epoch: int, offset: int, size: int) -> None:
+        """One more batch reported: ``size`` samples of ``epoch`` from ``offset``."""
+        self.processed.append((epoch, offset, size))
+        self.batches += 1
+
+    def note_sync(self) -> None:
+        """One more ``SyncNow`` answered: its ``SyncAck`` covers every batch reported so far."""
+        self.syncs += 1
+        self.synced.extend(self.processed[len(self.synced):])
+
+    def note_failure(self) -> None:
+        """The rank stopped because of ``fail_after_batches`` (or another ``fail_*``)."""
+        self.failed = True
 
 
 class SimulatedRank:
@@ -164,7 +156,6 @@ class SimulatedRank:
         self._fail_on_new_nccl_id = fail_on_new_nccl_id
         self._fail_after_syncs = fail_after_syncs
         self._send_lock = trio.Lock()  # a SyncAck counts exactly the Batch frames before it
-        self._acked = 0  # len(record.processed) at the last SyncAck
         self._plan: tuple[int, int, int] | None = None  # (epoch, offset, size) in progress
         self._extensions: set[tuple[int, int]] = set()  # received in the current epoch
         self._random = random.Random(seed)
@@ -211,7 +202,7 @@ class SimulatedRank:
         return self.record
 
     async def _fail(self) -> None:
-        self.record.failed = True
+        self.record.note_failure()
         log.info("rank %d: simulated %s after %d batches", self.rank, self._fail_mode,
                  self.record.batches)
         if self._fail_mode == "crash":
@@ -225,77 +216,91 @@ class SimulatedRank:
     async def _read_commands(self) -> None:
         async for msg in self.endpoint:
             self.record.received.append(msg)
-            if isinstance(msg, Shutdown | ShutdownWithSave):
+            if isinstance(msg, wire.Shutdown | wire.ShutdownWithSave):
                 return
-            if isinstance(msg, CoordinatorReconnecting | CoordinatorResumed):
+            if isinstance(msg, wire.CoordinatorReconnecting | wire.CoordinatorResumed):
                 continue  # the relay's news about the coordinator: nothing to simulate
-            if not isinstance(msg, Throttle) and self._throttled:
+            if not isinstance(msg, wire.Throttle) and self._throttled:
                 self._throttled = False
                 self._wake.set()
             await self._on_command(msg)
 
-    async def _on_command(self, msg: ControlMsg) -> None:
-        ep = self.endpoint
-        if isinstance(msg, StartEpoch):
-            plan = msg.plan
-            key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
-            if key == self._plan:
-                log.debug("rank %d: StartEpoch repeats the plan in progress; ignored", self.rank)
-                return
-            self._plan, self._extensions = key, set()
-            if self._queue:
-                log.warning("rank %d: StartEpoch(%d) while %d ranges of epoch %s are unprocessed",
-                            self.rank, plan.epoch, len(self._queue), self._epoch)
-            self._generation += 1
-            self._epoch = int(plan.epoch)
-            self._epoch_started = trio.current_time()
-            self._epoch_batches = self._epoch_samples = 0
-            self._loss_sum = self._compute_ms = 0.0
-            self._queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
-            self._wake.set()
-        elif isinstance(msg, ExtendPartition):
-            if self._epoch is None:
-                log.warning("rank %d: ExtendPartition before any StartEpoch; ignored", self.rank)
-                return
-            extension = (int(msg.partition_offset), int(msg.partition_size))
-            if extension in self._extensions:
-                log.debug("rank %d: ExtendPartition %s repeated; ignored", self.rank, extension)
-                return
-            self._extensions.add(extension)
-            self._queue.append(extension)
-            self._wake.set()
-        elif isinstance(msg, SyncNow):
-            async with self._send_lock:
-                self.record.syncs += 1
-                self.record.synced.extend(self.record.processed[self._acked:])
-                self._acked = len(self.record.processed)
-                await ep.send(SyncAck(rank=self.rank, step_count=ep.step_count))
-            if self.record.syncs == self._fail_after_syncs:
-                await self._fail()
-        elif isinstance(msg, SetGlobalStep):
+    async def _on_command(self, msg: wire.ControlMsg) -> None:
+        if isinstance(msg, wire.StartEpoch):
+            self._start_epoch(msg)
+        elif isinstance(msg, wire.ExtendPartition):
+            self._extend(msg)
+        elif isinstance(msg, wire.SyncNow):
+            await self._answer_sync()
+        elif isinstance(msg, wire.SetGlobalStep):
             self._global_step = int(msg.global_step)
             self._steps_since_global = 0
-        elif isinstance(msg, Throttle):
+        elif isinstance(msg, wire.Throttle):
             self._throttled = True
-        elif isinstance(msg, SetEpochCallbackRole):
+        elif isinstance(msg, wire.SetEpochCallbackRole):
             self.role = int(msg.rank)
-        elif isinstance(msg, RequestNewNcclId):
-            asked = len(self.record.of_type(RequestNewNcclId))
-            if asked == self._fail_on_new_nccl_id:
-                await self._fail()
-                return
-            # Where a real rank would name the store it now serves; unique per request.
-            uid = f"sim://rank-{self.rank}/{asked}"
-            await ep.send(NewNcclIdGenerated(rank=self.rank, uid=uid.encode()))
-        elif isinstance(msg, NewNcclSession):
+        elif isinstance(msg, wire.RequestNewNcclId):
+            await self._answer_new_nccl_id()
+        elif isinstance(msg, wire.NewNcclSession):
             self.group = (int(msg.new_rank), int(msg.new_world_size), bytes(msg.uid))
-        elif isinstance(msg, Checkpoint) and msg.target_rank == self.rank:
+        elif isinstance(msg, wire.Checkpoint) and msg.target_rank == self.rank:
             error = "simulated checkpoint failure" if self._fail_checkpoint else None
-            await ep.send(CheckpointResult(rank=self.rank, version=msg.version, elapsed_ms=0.0,
-                                           error=error))
-        elif isinstance(msg, ExecuteEvalCallback) and msg.target_rank == self.rank:
-            await ep.send(EvalResult(rank=self.rank, schedule_id=msg.schedule_id,
-                                     epoch=msg.epoch, metric=self._loss(), elapsed_ms=0.0))
+            await self.endpoint.send(wire.CheckpointResult(
+                rank=self.rank, version=msg.version, elapsed_ms=0.0, error=error))
+        elif isinstance(msg, wire.ExecuteEvalCallback) and msg.target_rank == self.rank:
+            await self.endpoint.send(wire.EvalResult(
+                rank=self.rank, schedule_id=msg.schedule_id, epoch=msg.epoch,
+                metric=self._loss(), elapsed_ms=0.0))
+
+    def _start_epoch(self, msg: wire.StartEpoch) -> None:
+        """The epoch's plan replaces the work queued (a repeat of the plan in progress is
+        ignored: a resumed scheduler sends it again)."""
+        plan = msg.plan
+        key = (int(plan.epoch), int(plan.partition_offset), int(plan.partition_size))
+        if key == self._plan:
+            log.debug("rank %d: StartEpoch repeats the plan in progress; ignored", self.rank)
+            return
+        self._plan, self._extensions = key, set()
+        if self._queue:
+            log.warning("rank %d: StartEpoch(%d) while %d ranges of epoch %s are unprocessed",
+                        self.rank, plan.epoch, len(self._queue), self._epoch)
+        self._generation += 1
+        self._epoch = int(plan.epoch)
+        self._epoch_started = trio.current_time()
+        self._epoch_batches = self._epoch_samples = 0
+        self._loss_sum = self._compute_ms = 0.0
+        self._queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
+        self._wake.set()
+
+    def _extend(self, msg: wire.ExtendPartition) -> None:
+        """Queue an extension of the epoch's share (once: a repeat is ignored)."""
+        if self._epoch is None:
+            log.warning("rank %d: ExtendPartition before any StartEpoch; ignored", self.rank)
+            return
+        extension = (int(msg.partition_offset), int(msg.partition_size))
+        if extension in self._extensions:
+            log.debug("rank %d: ExtendPartition %s repeated; ignored", self.rank, extension)
+            return
+        self._extensions.add(extension)
+        self._queue.append(extension)
+        self._wake.set()
+
+    async def _answer_sync(self) -> None:
+        ep = self.endpoint
+        async with self._send_lock:
+            self.record.note_sync()
+            await ep.send(wire.SyncAck(rank=self.rank, step_count=ep.step_count))
+        if self.record.syncs == self._fail_after_syncs:
+            await self._fail()
+
+    async def _answer_new_nccl_id(self) -> None:
+        asked = len(self.record.of_type(wire.RequestNewNcclId))
+        if asked == self._fail_on_new_nccl_id:
+            await self._fail()
+            return
+        # Where a real rank would name the store it now serves; unique per request.
+        uid = f"sim://rank-{self.rank}/{asked}"
+        await self.endpoint.send(wire.NewNcclIdGenerated(rank=self.rank, uid=uid.encode()))
 
     # ------------------------------------------------------------------ batches
 
@@ -343,12 +348,11 @@ class SimulatedRank:
                 self._epoch_samples += n
                 self._loss_sum += loss
                 self._compute_ms += seconds * 1000.0
-                self.record.processed.append((self._epoch, offset, n))
-                self.record.batches += 1
+                self.record.note_batch(self._epoch, offset, n)
                 ep.step_count += 1
-                await ep.send(Batch(rank=self.rank, batch_ms=seconds * 1000.0, data_ms=0.0,
-                                    step_count=ep.step_count, param_norm=None,
-                                    batch_loss=loss))
+                await ep.send(wire.Batch(rank=self.rank, batch_ms=seconds * 1000.0,
+                                         data_ms=0.0, step_count=ep.step_count,
+                                         param_norm=None, batch_loss=loss))
             if self._fail_after is not None and self.record.batches >= self._fail_after:
                 await self._fail()
                 return
@@ -358,7 +362,7 @@ class SimulatedRank:
         if self._queue or self._epoch is None:
             return
         epoch_ms = (trio.current_time() - self._epoch_started) * 1000.0
-        await self.endpoint.send(Metrics(
+        await self.endpoint.send(wire.Metrics(
             rank=self.rank, epoch=self._epoch,
             avg_loss=self._loss_sum / self._epoch_batches if self._epoch_batches else 0.0,
             batches_processed=self._epoch_batches, epoch_ms=epoch_ms,

@@ -32,6 +32,16 @@ class _Subscriber:
         self.send = send
         self.dropped = 0
 
+    def offer(self, stamped: Stamped) -> None:
+        """Queue ``stamped`` without waiting: a subscriber that is behind drops it (counted),
+        one that is gone gets nothing."""
+        try:
+            self.send.send_nowait(stamped)
+        except trio.WouldBlock:
+            self.dropped += 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
 
 # The latest notes of each name kept apart from the window of events (the status page reads
 # the epochs' coverage from them): as many as the page lists epochs.
@@ -71,12 +81,7 @@ class Timeline:
             self._file.write(json.dumps(stamped.to_dict(), default=str) + "\n")
             self._file.flush()
         for sub in self._subscribers:
-            try:
-                sub.send.send_nowait(stamped)
-            except trio.WouldBlock:
-                sub.dropped += 1
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            sub.offer(stamped)
         return stamped
 
     def events(self, kind: type[Event] | None = None) -> list[Event]:

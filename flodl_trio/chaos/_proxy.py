@@ -87,6 +87,11 @@ class ProxiedConnection:
         """Whether both sockets of this connection are closed."""
         return self._done.is_set()
 
+    def use_plan(self, plan: FaultPlan) -> None:
+        """Put ``plan`` in force from the next chunk on (offsets still count from the first
+        byte)."""
+        self.plan = plan
+
     def _path(self, direction: str) -> tuple[trio.SocketStream | None, ...]:
         if direction not in ("up", "down"):
             raise ConfigError(f"direction must be 'up' or 'down', got {direction!r}")
@@ -291,7 +296,7 @@ class ChaosProxy:
             raise ConfigError(f"plan: connection must be an index >= 0, got {connection!r}")
         self._plans[connection] = fault_plan
         if connection < len(self._connections):
-            self._connections[connection].plan = fault_plan
+            self._connections[connection].use_plan(fault_plan)
 
     async def kill_all(self) -> None:
         """Close every live connection now (both sides) and wait until they are closed."""

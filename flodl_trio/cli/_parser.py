@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from .._version import __version__
@@ -32,6 +33,16 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
         return super()._get_help_string(action)
 
 
+def _add_world_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, required=True, metavar="N",
+                   help="number of global ranks (required)")
+
+
+def _add_batch_size(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
+                   help=help_text)
+
+
 def _add_salt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--salt-file", metavar="FILE",
                    help="file holding the 32-hex-char session salt, mode 0600 (`flodl-trio "
@@ -44,7 +55,12 @@ EXIT_CODES = """exit codes: 0 the run completed as asked; 1 it failed (one line 
 2 usage error; 130 / 143 stopped by SIGINT / SIGTERM (after a graceful shutdown)."""
 
 
+_Command = Callable[[str, str, str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``flodl-trio`` parser: the global options, then one sub-parser per command (in the
+    order ``--help`` lists them)."""
     parser = _Parser(prog="flodl-trio", formatter_class=_Help, epilog=EXIT_CODES,
                      description="flodl-trio: the control plane of a multi-host training "
                      "cluster, on Trio.")
@@ -55,25 +71,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def _command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
 
-    p = _command("salt", "print a fresh session salt (32 hex chars), or write it to a file",
-                 "Print a fresh random session salt, or write it to FILE (mode 0600, for "
-                 "--salt-file);\ngive the same one to every process of a run.")
+    for add in (_add_salt, _add_coordinator, _add_relay, _add_rank, _add_status, _add_demo,
+                _add_plot):
+        add(command)
+    return parser
+
+
+def _add_salt(command: _Command) -> None:
+    """``salt``: a fresh session salt."""
+    p = command("salt", "print a fresh session salt (32 hex chars), or write it to a file",
+                "Print a fresh random session salt, or write it to FILE (mode 0600, for "
+                "--salt-file);\ngive the same one to every process of a run.")
     p.add_argument("file", nargs="?", metavar="FILE",
                    help="write the salt here instead (mode 0600: only you may read it; an "
                    "existing file is never overwritten)")
 
-    p = _command("coordinator", "run a coordinator (optionally driving a simulated run)",
-                 "Run a coordinator. With --epochs, drive a simulated training run with the "
-                 "reference SyncScheduler\nand exit 0 once every epoch completed; without it, "
-                 "hold the cohort until every rank exits\n(0 if all exited cleanly, 1 if any "
-                 "was declared dead).\n\n" + EXIT_CODES)
+
+def _add_coordinator(command: _Command) -> None:
+    """``coordinator``: its listener, deadlines and simulated run."""
+    p = command("coordinator", "run a coordinator (optionally driving a simulated run)",
+                "Run a coordinator. With --epochs, drive a simulated training run with the "
+                "reference SyncScheduler\nand exit 0 once every epoch completed; without it, "
+                "hold the cohort until every rank exits\n(0 if all exited cleanly, 1 if any "
+                "was declared dead).\n\n" + EXIT_CODES)
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where relays dial and the status page answers (port 0: any free port)")
-    p.add_argument("--world-size", type=int, required=True, metavar="N",
-                   help="number of global ranks (required)")
+    _add_world_size(p)
     _add_salt_args(p)
     p.add_argument("--tls-cert", metavar="PEM", help="serve every connection over TLS")
     p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
@@ -95,11 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "every rank exits or a signal)")
     p.add_argument("--total-samples", type=int, default=DEFAULT_TOTAL_SAMPLES, metavar="N",
                    help="dataset size the scheduler partitions across the ranks")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
-                   help="samples per batch the scheduler plans with; the ranks must use the "
-                   "same (a rank whose batches disagree is reported)")
+    _add_batch_size(p, "samples per batch the scheduler plans with; the ranks must use the "
+                    "same (a rank whose batches disagree is reported)")
     p.add_argument("--port-file", metavar="FILE", help="write HOST:PORT here once bound")
     p.add_argument("--summary-file", metavar="FILE", help="write the run summary (JSON) here")
+    _add_store_options(p)
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="after the run, keep serving the finished run's status page on "
+                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
+
+
+def _add_store_options(p: argparse.ArgumentParser) -> None:
+    """The coordinator's session store (docs/failover.rst)."""
     p.add_argument("--store", metavar="URL",
                    help="keep the session in a store so that a restarted or standby "
                    "coordinator adopts the running cohort: sqlite:PATH, "
@@ -120,14 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --store: write the session at most N times a second, changes "
                    "meanwhile coalesced (default 1; epoch boundaries are written at once; "
                    "docs/failover.rst)")
-    p.add_argument("--linger", type=float, default=0.0, metavar="S",
-                   help="after the run, keep serving the finished run's status page on "
-                   "--listen for S seconds before exiting (SIGINT or SIGTERM end it sooner)")
 
-    p = _command("relay", "run a host relay",
-                 "Run a host relay: accept the local ranks on loopback, then carry their frames "
-                 "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
-                 "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
+
+def _add_relay(command: _Command) -> None:
+    """``relay``: its coordinator, host, ranks and rank port."""
+    p = command("relay", "run a host relay",
+                "Run a host relay: accept the local ranks on loopback, then carry their frames "
+                "to the coordinator.\nExits 0 once its ranks exited or the coordinator shut "
+                "down cleanly, 1 if the upstream link broke.\n\n" + EXIT_CODES)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                    help="the coordinator's --listen address (required); or several, "
                    "HOST:PORT,HOST:PORT, tried in turn on every attempt; or "
@@ -144,8 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
     p.add_argument("--ranks", required=True, metavar="LIST",
                    help="global ranks of this host, e.g. 0-3,8 (required)")
-    p.add_argument("--world-size", type=int, required=True, metavar="N",
-                   help="number of global ranks (required)")
+    _add_world_size(p)
     p.add_argument("--rank-port", type=int, default=0, metavar="PORT",
                    help="loopback port the local ranks dial (0: any free port, printed)")
     p.add_argument("--model-sig", metavar="NAME=HEX", action="append", default=[],
@@ -159,20 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="tracebacks and the full detail of a refusal or a salt that differs")
 
-    p = _command("rank", "run one simulated rank",
-                 "Run one simulated rank (SimulatedRank): it processes the samples it is given "
-                 "in batches,\nanswers syncs and exits 0 on a graceful Shutdown, 1 on a failed "
-                 "run or a lost coordinator.\n\n" + EXIT_CODES)
+
+def _add_rank(command: _Command) -> None:
+    """``rank``: one simulated rank."""
+    p = command("rank", "run one simulated rank",
+                "Run one simulated rank (SimulatedRank): it processes the samples it is given "
+                "in batches,\nanswers syncs and exits 0 on a graceful Shutdown, 1 on a failed "
+                "run or a lost coordinator.\n\n" + EXIT_CODES)
     p.add_argument("--relay", required=True, metavar="HOST:PORT",
                    help="the address the relay printed for its ranks (required)")
     p.add_argument("--rank", type=int, required=True, metavar="R",
                    help="this rank's global rank (required)")
-    p.add_argument("--world-size", type=int, required=True, metavar="N",
-                   help="number of global ranks (required)")
+    _add_world_size(p)
     p.add_argument("--batch-ms", type=float, default=20.0, metavar="MS",
                    help="simulated milliseconds per batch")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
-                   help="samples per batch; must equal the coordinator's --batch-size")
+    _add_batch_size(p, "samples per batch; must equal the coordinator's --batch-size")
     p.add_argument("--jitter", type=float, default=0.1, metavar="FRACTION",
                    help="random spread of each batch time, as a fraction of --batch-ms")
     p.add_argument("--coord-liveness-timeout", type=float, default=None, metavar="S",
@@ -181,9 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
     _add_salt_args(p)
 
-    p = _command("status", "print a coordinator's /state.json (--watch: a live view)",
-                 "Query a coordinator's status page (its --listen port). Exits 0 with an "
-                 "answer, 1 without one;\nwith --watch, 0 once the coordinator went away.")
+
+def _add_status(command: _Command) -> None:
+    """``status``: a coordinator's status page."""
+    p = command("status", "print a coordinator's /state.json (--watch: a live view)",
+                "Query a coordinator's status page (its --listen port). Exits 0 with an "
+                "answer, 1 without one;\nwith --watch, 0 once the coordinator went away.")
     p.add_argument("address", metavar="HOST:PORT", help="the coordinator's address")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds for the whole exchange")
@@ -194,18 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="seconds between --watch refreshes, 0.2 to 60")
 
-    p = _command("demo", "a whole local cluster as separate processes on loopback",
-                 "Run a coordinator, one relay per host and simulated ranks as separate "
-                 "processes on loopback,\ntell the story (formation, deaths, redistributions) "
-                 "and exit 0 once every epoch completed.\n\n" + EXIT_CODES)
+
+def _add_demo(command: _Command) -> None:
+    """``demo``: a local cluster of processes."""
+    p = command("demo", "a whole local cluster as separate processes on loopback",
+                "Run a coordinator, one relay per host and simulated ranks as separate "
+                "processes on loopback,\ntell the story (formation, deaths, redistributions) "
+                "and exit 0 once every epoch completed.\n\n" + EXIT_CODES)
     p.add_argument("--hosts", type=int, default=3, metavar="N", help="relay processes")
     p.add_argument("--ranks-per-host", type=int, default=2, metavar="N",
                    help="rank processes per relay")
     p.add_argument("--epochs", type=int, default=3, metavar="E", help="epochs to train")
     p.add_argument("--total-samples", type=int, default=DEFAULT_TOTAL_SAMPLES, metavar="N",
                    help="dataset size")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
-                   help="samples per batch (coordinator and ranks alike)")
+    _add_batch_size(p, "samples per batch (coordinator and ranks alike)")
     p.add_argument("--batch-ms", type=float, default=25.0, metavar="MS",
                    help="base batch time; host i runs (1 + i) times slower")
     p.add_argument("--kill-relay", metavar="HOST@SECONDS", action="append", default=[],
@@ -228,10 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linger", type=float, default=0.0, metavar="S",
                    help="keep the live page (printed at the start) up S seconds after the run")
 
-    p = _command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
-                 "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "
-                 "lost broadcasts and deaths.")
+
+def _add_plot(command: _Command) -> None:
+    """``plot``: a timeline as a picture."""
+    p = command("plot", "draw a timeline JSONL as a PNG (needs matplotlib)",
+                "Draw one lane per rank (alive, dead, exited) with formation, epochs, syncs, "
+                "lost broadcasts and deaths.")
     p.add_argument("timeline", metavar="TIMELINE.jsonl", help="a --timeline file")
     p.add_argument("-o", "--output", default="timeline.png", metavar="PNG",
                    help="where to write the picture")
-    return parser

@@ -97,6 +97,25 @@ class HubConn:
         self.unsent = bytearray()  # queued bytes the socket did not take yet
         self.held: Any = None  # an event held until ``unsent`` is written
 
+    def held_under(self, fd: int) -> None:
+        """The hub holds it, its socket registered under ``fd``."""
+        self.fd = fd
+
+    def hold(self, event: Any) -> None:
+        """Keep ``event`` until the socket took every byte of :attr:`unsent`."""
+        self.held = event
+
+    def take_held(self) -> Any:
+        """The event held (None if none), no longer held."""
+        event, self.held = self.held, None
+        return event
+
+    def let_go(self) -> None:
+        """The hub no longer holds it: no descriptor, nothing held, nothing unsent."""
+        self.fd = -1
+        self.held = None
+        self.unsent.clear()
+
 
 class HandshakeHub:
     """Runs the handshakes of every :class:`HubConn` it is given, in :meth:`run`'s one task.
@@ -148,7 +167,7 @@ class HandshakeHub:
         if stale is not None:  # its socket was closed from outside and the number reused
             self._drop(stale)
             stale.on_error(trio.ClosedResourceError("the connection was closed"))
-        conn.fd = fd
+        conn.held_under(fd)
         self._conns[fd] = conn
         if self._kept.get(fd) is conn.sock:  # back for its next step: still registered
             del self._kept[fd]
@@ -273,21 +292,21 @@ class HandshakeHub:
             return
         if out := machine.data_to_send():
             if conn.unsent:
-                conn.unsent += out
+                conn.unsent.extend(out)
             else:
                 written = self._write_some(conn, out)
                 if written < 0:
                     self._fail(conn, trio.BrokenResourceError(f"writing: {os.strerror(-written)}"))
                     return
                 if written < len(out):
-                    conn.unsent += out[written:]
+                    conn.unsent.extend(out[written:])
                     self._epoll.modify(conn.fd, _IN | _OUT)
                 elif conn.on_sent is not None:
                     conn.on_sent()
         if event is NEED_DATA:
             return
         if conn.unsent:
-            conn.held = event  # delivered once the socket took everything before it
+            conn.hold(event)  # delivered once the socket took everything before it
             return
         self._deliver(conn, event)
 
@@ -315,7 +334,7 @@ class HandshakeHub:
         self._epoll.modify(conn.fd, _IN)
         if conn.on_sent is not None:
             conn.on_sent()
-        event, conn.held = conn.held, None
+        event = conn.take_held()
         if event is not None:
             self._deliver(conn, event)
 
@@ -344,9 +363,7 @@ class HandshakeHub:
     def _forget(self, conn: HubConn) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
-        conn.fd = -1
-        conn.held = None
-        conn.unsent.clear()
+        conn.let_go()
 
     def _unregister(self, fd: int, sock: trio.socket.SocketType) -> None:
         if sock.fileno() == fd:  # closed (from outside, or by a callback): the kernel removed it

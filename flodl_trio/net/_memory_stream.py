@@ -49,6 +49,23 @@ class Pipe:
     def wake(self) -> None:
         self.changed.unpark_all()
 
+    def write(self, chunk: bytes) -> None:
+        """Buffer ``chunk`` for the reader (the writer checked there is room) and wake it."""
+        self.buffer += chunk
+        self.wake()
+
+    def end_writing(self) -> None:
+        """The writer sent EOF: the reader drains what is buffered, then sees ``b""``."""
+        self.eof = True
+        self.wake()
+
+    def end_reading(self) -> None:
+        """The reader closed: what is buffered is dropped, and what the writer sends from now
+        on has nowhere to go."""
+        self.reader_gone = True
+        self.buffer.clear()
+        self.wake()
+
 
 class MemoryConnection:
     """The record of one connection made through a :class:`MemoryNetwork`.
@@ -74,6 +91,13 @@ class MemoryConnection:
         self._to_client = Pipe(buffer_size)
         self.client = MemoryStream(self, is_client=True)
         self.server = MemoryStream(self, is_client=False)
+
+    def count_sent(self, count: int, *, by_client: bool) -> None:
+        """``count`` more bytes put into the buffer towards the server (or the client)."""
+        if by_client:
+            self.bytes_to_server += count
+        else:
+            self.bytes_to_client += count
 
     def pipes(self, *, is_client: bool) -> tuple[Pipe, Pipe]:
         """The (outgoing, incoming) buffers of one end."""
@@ -172,13 +196,9 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                 room = pipe.capacity - len(pipe.buffer)
                 if room > 0:
                     chunk = payload[sent : sent + room]
-                    pipe.buffer += chunk
+                    pipe.write(chunk)
                     sent += len(chunk)
-                    if self.is_client:
-                        self.connection.bytes_to_server += len(chunk)
-                    else:
-                        self.connection.bytes_to_client += len(chunk)
-                    pipe.wake()
+                    self.connection.count_sent(len(chunk), by_client=self.is_client)
                     continue
                 await pipe.changed.park()
 
@@ -207,8 +227,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
             self._check_usable()
             self._eof_sent = True
-            self._outgoing.eof = True
-            self._outgoing.wake()
+            self._outgoing.end_writing()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         """Return the bytes available (at most ``max_bytes``), blocking while there are none.
@@ -259,12 +278,9 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         self._closed = True
         self._released = True
         # The peer drains what we already sent, then sees EOF.
-        self._outgoing.eof = True
-        self._outgoing.wake()
+        self._outgoing.end_writing()
         # Whatever the peer sends from now on has nowhere to go.
-        self._incoming.reader_gone = True
-        self._incoming.buffer.clear()
-        self._incoming.wake()
+        self._incoming.end_reading()
 
     async def aclose(self) -> None:
         """Close this end (idempotent; always checkpoints, closes even when cancelled).

@@ -20,6 +20,7 @@ mid-handshake and re-dial (83 re-dials at 16,384 ranks, 1,423 at 65,536, before 
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,10 +103,10 @@ class PendingSlot:
 
     def __init__(self, owner: PendingHandshakes, token: int, now: float,
                  unread: Callable[[], bool] | None,
-                 on_shed: Callable[[], None] | None = None) -> None:
+                 on_shed: Callable[[], None] | None = None, deadline: float = math.inf) -> None:
         self._owner = owner
         self.token = token
-        self.scope = trio.CancelScope()
+        self.scope = trio.CancelScope(deadline=deadline)
         self.on_shed = on_shed
         self.since = now
         self.entered = now
@@ -115,6 +116,10 @@ class PendingSlot:
         """The peer's turn starts now (the coordinator just wrote to it, the Challenge): its
         age counts from here, not from the time the coordinator took to get to it."""
         self._owner.touch(self)
+
+    def turn_began(self, now: float) -> None:
+        """Its peer's turn began at ``now`` (:meth:`PendingHandshakes.touch` moved it last)."""
+        self.since = now
 
 
 class PendingHandshakes:
@@ -214,7 +219,7 @@ class PendingHandshakes:
     def touch(self, slot: PendingSlot) -> None:
         """``slot``'s peer's turn starts now (see :meth:`PendingSlot.touch`)."""
         if self._slots.pop(slot.token, None) is not None:
-            slot.since = trio.current_time()
+            slot.turn_began(trio.current_time())
             self._slots[slot.token] = slot  # now the youngest
 
     def _wake(self) -> None:
@@ -223,7 +228,8 @@ class PendingHandshakes:
             self._changed = None
 
     def take(self, *, unread: Callable[[], bool] | None = None,
-             on_shed: Callable[[], None] | None = None) -> PendingSlot:
+             on_shed: Callable[[], None] | None = None,
+             deadline: float = math.inf) -> PendingSlot:
         """Take the slot of one connection (the one :meth:`admit` counted, if any); give it
         back with :meth:`release`. When it is shed, ``on_shed`` is called (else its ``scope``
         is cancelled).
@@ -232,6 +238,8 @@ class PendingHandshakes:
             unread: whether the peer's bytes wait unread (:func:`unread_probe`); None: its age
                 alone decides.
             on_shed: what sheds it, for a handshake that runs without a task of its own.
+            deadline: the deadline of its ``scope`` (Trio time): one scope for both ends of
+                the wait, shed or too slow.
         """
         if self._admitted:
             self._admitted -= 1
@@ -239,7 +247,7 @@ class PendingHandshakes:
             self._shed_beyond(self.limit - 1)
         token = self._next
         self._next += 1
-        slot = PendingSlot(self, token, trio.current_time(), unread, on_shed)
+        slot = PendingSlot(self, token, trio.current_time(), unread, on_shed, deadline)
         self._slots[token] = slot
         self.peak = max(self.peak, len(self))
         self._wake()  # an acceptor waiting may now find the oldest's age
@@ -252,10 +260,11 @@ class PendingHandshakes:
             self._wake()
 
     @contextmanager
-    def slot(self, *, unread: Callable[[], bool] | None = None) -> Iterator[PendingSlot]:
+    def slot(self, *, unread: Callable[[], bool] | None = None,
+             deadline: float = math.inf) -> Iterator[PendingSlot]:
         """:meth:`take` and :meth:`release` around a handshake that runs inside the yielded
-        slot's ``scope``, which is cancelled when it is shed."""
-        slot = self.take(unread=unread)
+        slot's ``scope``, which is cancelled when it is shed (or at ``deadline``)."""
+        slot = self.take(unread=unread, deadline=deadline)
         try:
             yield slot
         finally:

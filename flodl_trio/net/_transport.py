@@ -163,21 +163,13 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
 
 
 async def dial_and_handshake(
-    target: DialTarget,
-    handshake: Callable[[trio.abc.Stream], Awaitable[T]],
-    *,
-    connect_timeout: float,
-    what: str,
-    peer: str,
-    expected: str,
-    retry_on: tuple[type[BaseException], ...],
-    final: tuple[type[BaseException], ...] = (),
+    target: DialTarget, handshake: Callable[[trio.abc.Stream], Awaitable[T]], *,
+    connect_timeout: float, what: str, peer: str, expected: str,
+    retry_on: tuple[type[BaseException], ...], final: tuple[type[BaseException], ...] = (),
     on_retry: Callable[[BaseException], None] | None = None,
-    retry_interval: float = CONNECT_RETRY_INTERVAL,
-    keepalive: KeepAlive | None = None,
+    retry_interval: float = CONNECT_RETRY_INTERVAL, keepalive: KeepAlive | None = None,
     on_dial_error: Callable[[OSError, float], None] | None = None,
-    retry_unresolvable: bool = False,
-    on_waiting: OnWaiting | None = None,
+    retry_unresolvable: bool = False, on_waiting: OnWaiting | None = None,
 ) -> T:
     """Dial ``target`` and run ``handshake`` on the stream, re-dialing until ``connect_timeout``.
 
@@ -211,41 +203,54 @@ async def dial_and_handshake(
     """
     deadline = trio.current_time() + connect_timeout
     last: BaseException | None = None
-    told = on_waiting is None
-
-    def dial_failed(exc: OSError, until: float) -> None:
-        nonlocal told
-        if on_dial_error is not None:
-            on_dial_error(exc, until)
-        if not told and on_waiting is not None:
-            told = True
-            on_waiting(exc, deadline)
-
+    dial_failed = _DialFailures(on_dial_error, on_waiting, deadline)
     while True:
         stream = await dial(target, connect_timeout=max(0.0, deadline - trio.current_time()),
-                            what=what, keepalive=keepalive, on_error=dial_failed,
+                            what=what, keepalive=keepalive, on_error=dial_failed.tell,
                             retry_unresolvable=retry_unresolvable)
         try:
-            return await handshake(stream)
+            return await _handshake_or_close(stream, handshake)
         except final:
-            await trio.aclose_forcefully(stream)
             raise
         except retry_on as exc:
-            await trio.aclose_forcefully(stream)
             last = exc
             if on_retry is not None:
                 on_retry(exc)
-        except BaseException:
-            await trio.aclose_forcefully(stream)
-            raise
         if trio.current_time() + retry_interval >= deadline:
             break
         log.info("%s: attempt failed (%r); re-dialing in %gs", what, last, retry_interval)
         await trio.sleep(retry_interval)
-    raise HandshakeError(
-        f"{what}: expected {expected} from {peer} within connect_timeout="
-        f"{connect_timeout:g}s; last attempt failed: {last!r}"
-    )
+    raise HandshakeError(f"{what}: expected {expected} from {peer} within connect_timeout="
+                         f"{connect_timeout:g}s; last attempt failed: {last!r}")
+
+
+class _DialFailures:
+    """Tells ``on_dial_error`` of every connection of a series that could not be made, and
+    ``on_waiting`` of the first one only (with the whole series' deadline)."""
+
+    def __init__(self, on_dial_error: Callable[[OSError, float], None] | None,
+                 on_waiting: OnWaiting | None, deadline: float) -> None:
+        self._on_dial_error = on_dial_error
+        self._on_waiting = on_waiting
+        self._deadline = deadline
+
+    def tell(self, exc: OSError, until: float) -> None:
+        if self._on_dial_error is not None:
+            self._on_dial_error(exc, until)
+        if self._on_waiting is not None:
+            on_waiting, self._on_waiting = self._on_waiting, None
+            on_waiting(exc, self._deadline)
+
+
+async def _handshake_or_close(
+    stream: trio.abc.Stream, handshake: Callable[[trio.abc.Stream], Awaitable[T]],
+) -> T:
+    """What ``handshake`` returns on ``stream``; the stream is closed if it raises."""
+    try:
+        return await handshake(stream)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
 
 
 def _set_nodelay(stream: Any) -> None:

@@ -87,34 +87,36 @@ def unprocessed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -
 
     A range of ``n`` samples takes ``ceil(n / batch_size)`` batches, the last one possibly short.
     """
-    left = batches
-    rest: list[Range] = []
-    for offset, size in ranges:
-        need = -(-size // batch_size)
-        if left >= need:
-            left -= need
-            continue
-        done = left * batch_size
-        left = 0
-        rest.append((offset + done, size - done))
-    return rest
+    return _split_ranges(ranges, batches, batch_size)[1]
 
 
 def processed_ranges(ranges: Sequence[Range], batches: int, batch_size: int) -> list[Range]:
     """What ``batches`` batches covered of ``ranges`` (processed in order): the complement of
     :func:`unprocessed_ranges`, a prefix."""
+    return _split_ranges(ranges, batches, batch_size)[0]
+
+
+def _split_ranges(ranges: Sequence[Range], batches: int,
+                  batch_size: int) -> tuple[list[Range], list[Range]]:
+    """``ranges`` (processed in order) split into what ``batches`` batches covered and what is
+    left; an empty range counts as covered until the batches run short, then as neither."""
     left = batches
     done: list[Range] = []
+    rest: list[Range] = []
+    short = False
     for offset, size in ranges:
         need = -(-size // batch_size)
         if left >= need:
             left -= need
-            done.append((offset, size))
+            if not short:
+                done.append((offset, size))
             continue
-        if left > 0:
-            done.append((offset, left * batch_size))
-        break
-    return done
+        covered = left * batch_size
+        left, short = 0, True
+        if covered > 0:
+            done.append((offset, covered))
+        rest.append((offset + covered, size - covered))
+    return done, rest
 
 
 @attrs.frozen

@@ -5,13 +5,15 @@ Re-exports only; the code lives in its private modules.
 
 from ._http import (
     BOARD_ROUTES as BOARD_ROUTES,
-    PHASES as PHASES,
-    PROMETHEUS_CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE,
     ROUTES as ROUTES,
     StateFn as StateFn,
     fetch_state,
-    render_prometheus,
     serve_status,
+)
+from ._prometheus import (
+    PHASES as PHASES,
+    PROMETHEUS_CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE,
+    render_prometheus,
 )
 
 __all__ = [

@@ -10,18 +10,13 @@ like ``GET`` without the body, every other method gets 405 with ``Allow: GET, HE
 path 404. Every connection
 gets exactly one response, then closes; the whole exchange is bounded by ``request_timeout`` and
 the request head by ``max_request_bytes``, so a slow or hostile client costs one task for a bounded
-time and a bounded amount of memory.
-
-The Prometheus text is written here by hand on purpose: ``prometheus_client`` keeps a
-process-global default registry, and two coordinators in one process (tests do this) would collide
-in it or have to juggle private registries. Ten gauge lines do not need a library.
+time and a bounded amount of memory. ``/metrics`` is written by :mod:`._prometheus`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from http import HTTPStatus
@@ -35,15 +30,14 @@ from ..net._keepalive import KeepAlive, enable_keepalive
 from ..net._listen import serve_each
 from ..net._transport import STREAM_GONE
 from ._board_feed import BoardFeed, BoardFn
+from ._prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 
 logger = logging.getLogger("flodl_trio.status")
 
 StateFn = Callable[[], Mapping[str, Any]]
 
-PHASES: Final = ("forming", "running", "shutting_down", "closed")
 ROUTES: Final = ("/state.json", "/healthz", "/metrics")
 BOARD_ROUTES: Final = ("/", "/board.json", "/events")
-PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _RECEIVE_CHUNK: Final = 4096
 # After the response, read and discard what the client still sends for at most this long (or
 # until request_timeout): closing with unread bytes makes the kernel send RST, and a client that
@@ -219,111 +213,6 @@ async def _send_response(
         data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
     data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
     await stream.send_all(data)
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(int(value))
-    number = float(value)
-    if math.isnan(number):
-        return "NaN"
-    if math.isinf(number):
-        return "+Inf" if number > 0 else "-Inf"
-    return repr(number)
-
-
-def _count(value: object) -> int:
-    if isinstance(value, int | float):
-        return int(value)
-    if isinstance(value, Mapping | list | tuple | set | frozenset):
-        return len(value)
-    return 0
-
-
-def render_prometheus(state: Mapping[str, Any]) -> str:
-    """Render a status document in the Prometheus text exposition format 0.0.4.
-
-    Args:
-        state: the coordinator's status document; missing keys count as zero or empty.
-
-    Returns:
-        The exposition text: every metric is prefixed ``flodl_trio_``; counters end in
-        ``_total``; ``flodl_trio_phase{phase=...}`` is one-hot over the phases.
-    """
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        metric = f"flodl_trio_{name}"
-        lines.append(f"# HELP {metric} {help_text}")
-        lines.append(f"# TYPE {metric} {kind}")
-        lines.extend(f"{metric}{labels} {_number(value)}" for labels, value in samples)
-
-    family("world_size", "gauge", "Ranks in the world.", [("", _count(state.get("world_size")))])
-    covered = _count(state.get("covered"))
-    family("ranks_covered", "gauge", "Ranks announced by a joined relay.", [("", covered)])
-    relays = state.get("relays") or []
-    family("relays", "gauge", "Relays that joined (connected now or not).", [("", _count(relays))])
-    connected = sum(1 for relay in relays if isinstance(relay, Mapping) and relay.get("connected"))
-    family("relays_connected", "gauge", "Relays whose connection is up now.", [("", connected)])
-    family("ranks_live", "gauge", "Ranks alive.", [("", _count(state.get("live")))])
-    family("ranks_dead", "gauge", "Ranks declared dead.", [("", _count(state.get("dead")))])
-    family("ranks_exited", "gauge", "Ranks exited cleanly.", [("", _count(state.get("exited")))])
-    lost = _count(state.get("lost_broadcasts"))
-    family("lost_broadcasts_total", "counter", "Broadcasts that missed a live rank.", [("", lost)])
-    for key, help_text in (
-        ("fenced_ranks", "Ranks declared dead that were told so and cut off."),
-        ("relay_write_stalls", "Relays lost because they stopped reading (write stall)."),
-        ("relays_disconnected", "Relay connections closed because all their ranks were dead."),
-    ):
-        family(f"{key}_total", "counter", help_text, [("", _count(state.get(key)))])
-    rejected = state.get("rejected_handshakes") or {}
-    family(
-        "rejected_handshakes_total",
-        "counter",
-        "Connections rejected before authenticating, by reason.",
-        [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(rejected.items())],
-    )
-    family("pending_handshakes", "gauge",
-           "Connections in formation whose Hello has not verified yet (max_pending_handshakes).",
-           [("", _count(state.get("pending_handshakes")))])
-    invalid = state.get("invalid_frames") or {}
-    family(
-        "invalid_frames_total",
-        "counter",
-        "Frames from authenticated relays dropped (forged, foreign rank, undecodable), by reason.",
-        [(f'{{reason="{_escape_label(str(k))}"}}', _count(v)) for k, v in sorted(invalid.items())],
-    )
-    uptime = float(state.get("uptime_s") or 0.0)
-    family("uptime_seconds", "gauge", "Seconds since the coordinator started.", [("", uptime)])
-    phase = str(state.get("phase", ""))
-    phases = [*PHASES, phase] if phase and phase not in PHASES else list(PHASES)
-    family(
-        "phase",
-        "gauge",
-        "The coordinator's phase (one-hot).",
-        [(f'{{phase="{_escape_label(p)}"}}', int(p == phase)) for p in phases],
-    )
-    store = state.get("store")
-    if isinstance(store, Mapping):  # with a session store (docs/failover.rst)
-        kind = f'{{kind="{_escape_label(str(store.get("kind", "")))}"}}'
-        for key, name, kind_, help_text in _STORE_FAMILIES:
-            if isinstance(store.get(key), int | float):
-                family(name, kind_, help_text, [(kind, store[key])])
-    return "\n".join(lines) + "\n"
-
-
-_STORE_FAMILIES: Final = (
-    ("size_bytes", "store_size_bytes", "gauge",
-     "Bytes the session store takes (SQLite: database and WAL; etcd: the member's database)."),
-    ("writes", "store_writes_total", "counter", "Session states this coordinator wrote."),
-    ("revision", "store_revision", "gauge", "etcd's revision (one per write to the cluster)."),
-    ("last_write_age_s", "store_last_write_age_seconds", "gauge",
-     "Seconds since the session store's last write ended."),
-)
 
 
 def _parse_address(address: str | tuple[str, int]) -> tuple[str, int]:

@@ -167,6 +167,23 @@ class _Shared:
         self.state = data
         self.revision += 1
 
+    def overwrite_state(self, data: bytes) -> None:
+        """Hold ``data`` as the state, not counted as a write (a test's corruption)."""
+        self.state = data
+
+    def lead(self, owner: str) -> int:
+        """``owner`` takes the leadership as the next generation, which is returned."""
+        self.generation += 1
+        self.leader = self.generation
+        self.owner = owner
+        self.poke()
+        return self.generation
+
+    def publish(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        """The leader's addresses are ``addresses`` from now on."""
+        self.addresses = addresses
+        self.poke()
+
     def poke(self) -> None:
         self.revision += 1
         self.changed.set()
@@ -222,12 +239,9 @@ class MemoryStore(SessionStore):
         shared = self._shared
         while shared.leader is not None:
             await shared.changed.wait()
-        shared.generation += 1
-        shared.leader = self._generation = shared.generation
+        self._generation = shared.lead(owner)
         self._lapsed = False
-        shared.owner = owner
-        shared.poke()
-        return shared.generation
+        return self._generation
 
     async def current_leader(self) -> str | None:
         await trio.lowlevel.checkpoint()
@@ -261,7 +275,7 @@ class MemoryStore(SessionStore):
 
     def corrupt(self, data: bytes) -> None:
         """Store raw bytes as the state (for tests of :class:`StoreCorrupt`)."""
-        self._shared.state = data
+        self._shared.overwrite_state(data)
 
     async def publish_address(self, addresses: Sequence[tuple[str, int]]) -> None:
         await trio.lowlevel.checkpoint()
@@ -269,8 +283,7 @@ class MemoryStore(SessionStore):
             raise LeadershipLost(f"store {self.description}: publish_address refused: this "
                                  f"handle does not lead (no acquire, or it released)")
         self._fence(self._generation, "publish_address")
-        self._shared.addresses = tuple(addresses)
-        self._shared.poke()
+        self._shared.publish(tuple(addresses))
 
     async def resolve_address(self) -> tuple[tuple[str, int], ...]:
         await trio.lowlevel.checkpoint()
@@ -279,8 +292,7 @@ class MemoryStore(SessionStore):
     async def release(self) -> None:
         await trio.lowlevel.checkpoint()
         if self._generation is not None and self._shared.leader == self._generation:
-            self._shared.leader = None
-            self._shared.poke()
+            self._shared.drop_leader(tell=True)
         self._generation = None
 
     async def usage(self) -> StoreUsage:

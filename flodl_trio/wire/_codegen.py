@@ -22,22 +22,9 @@ from typing import Any
 
 import attrs
 
+from . import _specs as specs
 from ._schema import StructSpec, WireMessage, spec_of
-from ._specs import (
-    F32_MAX,
-    Blob,
-    Bool,
-    EnumSpec,
-    Float,
-    Mismatch,
-    Opt,
-    Pair,
-    Seq,
-    Spec,
-    Text,
-    TextMap,
-    UInt,
-)
+from ._specs import F32_MAX, Mismatch, Spec
 
 
 class _Source:
@@ -58,26 +45,26 @@ class _Source:
     def bad(self, spec: Spec, x: str) -> str | None:
         """An expression that is true when ``x`` is not valid *and returned as is*, or None when
         ``spec`` converts its value (then use :meth:`convert`)."""
-        if isinstance(spec, UInt):
+        if isinstance(spec, specs.UInt):
             return f"type({x}) is not int or not 0 <= {x} < {spec.limit}"
-        if isinstance(spec, Float):
+        if isinstance(spec, specs.Float):
             if spec.bits == 32:
                 # nan and ±inf are f32 values; only finite values beyond f32's range are refused.
                 return f"type({x}) is not float or (abs({x}) > _F32_MAX and abs({x}) != _inf)"
             return f"type({x}) is not float"
-        if isinstance(spec, Bool):
+        if isinstance(spec, specs.Bool):
             return f"type({x}) is not bool"
-        if isinstance(spec, Text):
+        if isinstance(spec, specs.Text):
             if not spec.min_bytes and spec.max_bytes is None:
                 return f"type({x}) is not str"
             size = f"len({x}.encode('utf-8', 'surrogatepass'))"
             upper = "" if spec.max_bytes is None else f" <= {spec.max_bytes}"
             return f"type({x}) is not str or not {spec.min_bytes} <= {size}{upper}"
-        if isinstance(spec, Blob):
+        if isinstance(spec, specs.Blob):
             if spec.length is None:
                 return f"type({x}) is not bytes"
             return f"type({x}) is not bytes or len({x}) != {spec.length}"
-        if isinstance(spec, Opt):
+        if isinstance(spec, specs.Opt):
             inner = self.bad(spec.inner, x)
             return None if inner is None else f"{x} is not None and ({inner})"
         return None
@@ -90,17 +77,17 @@ class _Source:
                 _install(spec.cls)  # a nested struct is generated before the classes using it
             return self.name(f"load_{spec.cls.__name__}", spec.cls._fast_load)
         lines: list[str]
-        if isinstance(spec, EnumSpec):
+        if isinstance(spec, specs.EnumSpec):
             members = self.name(f"{spec.cls.__name__}_members", {int(m): m for m in spec.cls})
             # A value outside the enum goes to the reference path: it applies the fallback
             # member (SaveReason) or raises the error listing the known values.
             lines = [f"    if {self.bad(spec.uint, 'x')}:", "        raise Mismatch",
                      f"    m = {members}.get(x)", "    if m is None:", "        raise Mismatch",
                      "    return m"]  # fmt: skip
-        elif isinstance(spec, Opt):
+        elif isinstance(spec, specs.Opt):
             inner = self.convert(spec.inner, label)
             lines = [f"    return None if x is None else {inner}(x)"]
-        elif isinstance(spec, Seq):
+        elif isinstance(spec, specs.Seq):
             lines = ["    if type(x) is not list:", "        raise Mismatch"]
             bad = self.bad(spec.inner, "e")
             if bad is not None:
@@ -109,14 +96,14 @@ class _Source:
             else:
                 inner = self.convert(spec.inner, f"{label}_item")
                 lines += [f"    return tuple([{inner}(e) for e in x])"]
-        elif isinstance(spec, Pair):
+        elif isinstance(spec, specs.Pair):
             names = [f"a{i}" for i in range(len(spec.items))]
             lines = [f"    if type(x) is not list or len(x) != {len(names)}:",
                      "        raise Mismatch", f"    {_targets(names)} = x"]  # fmt: skip
             items = zip(names, spec.items, strict=True)
             lines += self.checks([(n, s, f"{label}_{i}") for i, (n, s) in enumerate(items)])
             lines += [f"    return ({_targets(names)})"]
-        elif isinstance(spec, TextMap):
+        elif isinstance(spec, specs.TextMap):
             lines = ["    if type(x) is not dict:", "        raise Mismatch"]
             bad = self.bad(spec.inner, "e")
             if bad is not None:
@@ -194,9 +181,9 @@ def build_dumper(cls: type[WireMessage], index: int | None) -> Callable[[Any], l
     src = _Source(cls.__name__)
     items = [] if index is None else [str(index)]
     for name, spec in cls._fields:
-        if spec.plain or (isinstance(spec, Seq) and spec.inner.plain):  # a tuple is an array
+        if spec.plain or (isinstance(spec, specs.Seq) and spec.inner.plain):  # a tuple is an array
             items.append(f"self.{name}")
-        elif isinstance(spec, EnumSpec):
+        elif isinstance(spec, specs.EnumSpec):
             items.append(f"int(self.{name})")
         else:
             items.append(f"{src.name(f'dump_{name}', spec.dump)}(self.{name})")

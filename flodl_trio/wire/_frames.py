@@ -249,11 +249,6 @@ def frames_before(exc: BaseException) -> list[Any]:
     return frames
 
 
-def _attach(exc: WireError, frames: list[Any]) -> WireError:
-    exc.frames_before = frames  # type: ignore[attr-defined]
-    return exc
-
-
 class _Poisonable:
     """A decoder that raised stays broken: a stream that lost sync never resynchronises."""
 
@@ -267,13 +262,13 @@ class _Poisonable:
         return not self._buf
 
     def _poison(self, exc: WireError, frames: list[Any]) -> WireError:
-        self._error = _attach(exc, frames)
+        self._error = exc.carrying(frames)
         self._buf.clear()
         return exc
 
     def _check_poison(self) -> None:
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
 
     def eof_error(self, who: str) -> WireError | None:
         """The error for an EOF now, or None when EOF is clean."""

@@ -365,8 +365,7 @@ class CoordinatorHandshake(UpstreamMachine):
         self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(ack))
         key = conn_key(self._salt, self.coord_nonce, self.hello.nonce)
         self._sealer.rekey(key)
-        self._opener.rekey(key)
-        self._opener.max_payload = self._max_record_payload
+        self._opener.rekey(key, max_payload=self._max_record_payload)
         self._state = "acked"
 
     @property

@@ -11,7 +11,7 @@ carried by another module's message is never generated half-known.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import WireError
 from ._cbor import cbor_dumps, cbor_loads
@@ -93,21 +93,25 @@ from ._msg_timing import (
     TimingMsg,
 )
 
-# Not used here: the classes are shown as this module's (below), so this is where
-# typing.get_type_hints (Sphinx, hypothesis) looks up the wire types their annotations name.
-from ._schema import F32, F64, U8, U16, U32, U64, HostName, Nonce, WireMessage
+# F32 ... Nonce are not used here: the classes are shown as this module's (below), so this is
+# where typing.get_type_hints (Sphinx, hypothesis) looks up the wire types their annotations name.
+from ._schema import (  # noqa: F401
+    F32,
+    F64,
+    U8,
+    U16,
+    U32,
+    U64,
+    Family,
+    HostName,
+    Nonce,
+    WireMessage,
+)
 
+# What flodl_trio.wire re-exports (its __all__ takes this one): every message class and the
+# codec's entry points.
 __all__ = [
-    "CONTROL_MSG",
-    "F32",
-    "F64",
     "MAX_CADENCE",
-    "RELAY_CONTROL_MSG",
-    "TIMING_MSG",
-    "U8",
-    "U16",
-    "U32",
-    "U64",
     "Batch",
     "Cadence",
     "Challenge",
@@ -140,7 +144,6 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "HelloAck",
-    "HostName",
     "Intent",
     "IntentKind",
     "Liveness",
@@ -148,7 +151,6 @@ __all__ = [
     "Metrics",
     "NewNcclIdGenerated",
     "NewNcclSession",
-    "Nonce",
     "RankDropped",
     "RankExit",
     "Ready",
@@ -197,6 +199,8 @@ del _cls
 
 # ---------------------------------------------------------------- encode / decode
 
+_M = TypeVar("_M", bound=WireMessage)
+
 
 def encode(msg: WireMessage) -> bytes:
     """The CBOR payload of any message class."""
@@ -207,16 +211,12 @@ def encode(msg: WireMessage) -> bytes:
 
 def decode_control(b: bytes) -> ControlMsg:
     """Strictly decode a ControlMsg payload."""
-    msg = CONTROL_MSG.load(cbor_loads(b, "ControlMsg"))
-    assert isinstance(msg, ControlMsg)
-    return msg
+    return _decode(CONTROL_MSG, ControlMsg, b)
 
 
 def decode_timing(b: bytes) -> TimingMsg:
     """Strictly decode a TimingMsg payload."""
-    msg = TIMING_MSG.load(cbor_loads(b, "TimingMsg"))
-    assert isinstance(msg, TimingMsg)
-    return msg
+    return _decode(TIMING_MSG, TimingMsg, b)
 
 
 def decode_metrics(b: bytes) -> Metrics:
@@ -228,8 +228,13 @@ def decode_metrics(b: bytes) -> Metrics:
 
 def decode_relay(b: bytes) -> RelayControlMsg:
     """Strictly decode a RelayControlMsg payload."""
-    msg = RELAY_CONTROL_MSG.load(cbor_loads(b, "RelayControlMsg"))
-    assert isinstance(msg, RelayControlMsg)
+    return _decode(RELAY_CONTROL_MSG, RelayControlMsg, b)
+
+
+def _decode(family: Family, base: type[_M], b: bytes) -> _M:
+    """A ``base`` message of ``family`` from its CBOR payload (errors name ``base``)."""
+    msg = family.load(cbor_loads(b, base.__name__))
+    assert isinstance(msg, base)
     return msg
 
 

@@ -50,11 +50,12 @@ RankHandshakeEvent = NeedData | RankHelloReceived | RankConfirmed
 
 
 class _RankMachine:
-    def __init__(self) -> None:
+    def __init__(self, state: str) -> None:
         self._buf = bytearray()
         self._out = bytearray()
         self._eof = False
         self._error: FlodlError | None = None
+        self._state = state
 
     def receive_data(self, data: bytes) -> None:
         """Feed received bytes; ``b""`` means the peer closed its side."""
@@ -92,6 +93,13 @@ class _RankMachine:
                 f"{what}: peer closed the connection after {len(self._buf)} bytes of it"))
         return False
 
+    def _confirm(self, rank: int) -> RankConfirmed:
+        """The handshake is done: the bytes buffered start the length-framed stream."""
+        self._state = "done"
+        leftover = bytes(self._buf)
+        self._buf.clear()
+        return RankConfirmed(rank, leftover)
+
     def _take(self, n: int, what: str) -> bytes | None:
         """The first ``n`` buffered bytes, or None while they have not all arrived."""
         if len(self._buf) >= n:
@@ -117,11 +125,10 @@ class RankDialHandshake(_RankMachine):
     """
 
     def __init__(self, salt: SessionSalt, *, rank: int, world_size: int, relay: str) -> None:
-        super().__init__()
+        super().__init__("ack")
         self.rank = rank
         self.relay = relay
         self._salt = salt
-        self._state = "ack"
         self._out += encode_rank_hello(salt, rank, world_size)
 
     def next_event(self) -> RankHandshakeEvent:
@@ -132,28 +139,31 @@ class RankDialHandshake(_RankMachine):
             HandshakeError: the ack is not valid.
         """
         self._check()
-        if self._state == "ack":
-            ack = self._take(RANK_ACK_LEN, f"ack from relay {self.relay}")
-            if ack is None:
-                return NEED_DATA
-            try:
-                verify_rank_ack(self._salt, ack)
-            except HandshakeError as exc:
-                raise self._fail(HandshakeError(f"rank {self.rank}: from relay {self.relay}: "
-                                                f"{exc}")) from None
-            # The relay counts us only once this whole frame arrived (FT/2).
-            self._out += len_frame(encode_frame(self._salt,
-                                                Heartbeat(rank=self.rank, step_count=0)))
-            self._state = "confirm"
+        if self._state == "ack" and not self._verify_ack():
+            return NEED_DATA
         if self._state == "confirm":
             if not self._first_frame(f"rank {self.rank}: the relay {self.relay}'s first frame "
                                      "after its ack"):
                 return NEED_DATA
-            self._state = "done"
-            leftover = bytes(self._buf)
-            self._buf.clear()
-            return RankConfirmed(self.rank, leftover)
+            return self._confirm(self.rank)
         raise HandshakeError(f"rank {self.rank}: the handshake with {self.relay} already ended")
+
+    def _verify_ack(self) -> bool:
+        """Verify the relay's ack and answer it with a first ``Heartbeat``; False while the ack
+        has not all arrived."""
+        ack = self._take(RANK_ACK_LEN, f"ack from relay {self.relay}")
+        if ack is None:
+            return False
+        try:
+            verify_rank_ack(self._salt, ack)
+        except HandshakeError as exc:
+            raise self._fail(HandshakeError(f"rank {self.rank}: from relay {self.relay}: "
+                                            f"{exc}")) from None
+        # The relay counts us only once this whole frame arrived (FT/2).
+        self._out += len_frame(encode_frame(self._salt,
+                                            Heartbeat(rank=self.rank, step_count=0)))
+        self._state = "confirm"
+        return True
 
 
 class RankAcceptHandshake(_RankMachine):
@@ -170,14 +180,13 @@ class RankAcceptHandshake(_RankMachine):
 
     def __init__(self, salt: SessionSalt, *, world_size: int, host: str,
                  ranks: frozenset[int], peer: str) -> None:
-        super().__init__()
+        super().__init__("hello")
         self.peer = peer
         self.rank: int | None = None
         self._salt = salt
         self._world_size = world_size
         self._host = host
         self._ranks = ranks
-        self._state = "hello"
 
     def next_event(self) -> RankHandshakeEvent:
         """``RankHelloReceived`` for a valid hello; ``RankConfirmed`` once accepted.
@@ -187,20 +196,7 @@ class RankAcceptHandshake(_RankMachine):
         """
         self._check()
         if self._state == "hello":
-            data = self._take(RANK_HELLO_LEN, f"rank hello from {self.peer}")
-            if data is None:
-                return NEED_DATA
-            try:
-                rank = decode_rank_hello(self._salt, data, world_size=self._world_size)
-            except HandshakeError as exc:
-                raise self._fail(HandshakeError(f"{exc} (from {self.peer})")) from None
-            if rank not in self._ranks:
-                raise self._fail(HandshakeError(
-                    f"rank hello from {self.peer}: rank {rank} does not belong to host "
-                    f"{self._host!r} (its ranks are {sorted(self._ranks)})"))
-            self.rank = rank
-            self._state = "decide"
-            return RankHelloReceived(rank)
+            return self._validate_hello()
         if self._state == "decide":
             return NEED_DATA
         if self._state == "acked":
@@ -212,11 +208,26 @@ class RankAcceptHandshake(_RankMachine):
             notice = RelayWaiting(host=self._host, detail=f"relay {self._host!r} confirmed "
                                   f"rank {self.rank}; waiting for the cohort to form")
             self._out += len_frame(encode_frame(self._salt, notice))
-            self._state = "done"
-            leftover = bytes(self._buf)
-            self._buf.clear()
-            return RankConfirmed(self.rank, leftover)
+            return self._confirm(self.rank)
         raise HandshakeError(f"rank hello from {self.peer}: the handshake already ended")
+
+    def _validate_hello(self) -> RankHandshakeEvent:
+        """``RankHelloReceived`` once the whole hello arrived and is one of this host's ranks'
+        (NEED_DATA before)."""
+        data = self._take(RANK_HELLO_LEN, f"rank hello from {self.peer}")
+        if data is None:
+            return NEED_DATA
+        try:
+            rank = decode_rank_hello(self._salt, data, world_size=self._world_size)
+        except HandshakeError as exc:
+            raise self._fail(HandshakeError(f"{exc} (from {self.peer})")) from None
+        if rank not in self._ranks:
+            raise self._fail(HandshakeError(
+                f"rank hello from {self.peer}: rank {rank} does not belong to host "
+                f"{self._host!r} (its ranks are {sorted(self._ranks)})"))
+        self.rank = rank
+        self._state = "decide"
+        return RankHelloReceived(rank)
 
     def accept(self) -> None:
         """Send the ack."""

@@ -25,7 +25,6 @@ from ._constants import (
     RecordKind,
 )
 from ._crypto import Mac64
-from ._frames import _attach
 from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
@@ -58,8 +57,9 @@ def _check_direction(direction: int) -> int:
     return direction
 
 
-class RecordSealer:
-    """Seals the records one side sends: ``seal(kind, rank, payload) -> bytes``."""
+class _RecordKeys:
+    """What both ends of one direction hold: its key, the direction, the payload ceiling and the
+    sequence number of the next record."""
 
     __slots__ = ("_mac", "direction", "max_payload", "seq")
 
@@ -71,9 +71,18 @@ class RecordSealer:
         self.max_payload = max_payload
         self.seq = 0
 
-    def rekey(self, key: bytes) -> None:
-        """Switch keys; the sequence number keeps counting."""
+    def rekey(self, key: bytes, *, max_payload: int | None = None) -> None:
+        """Switch keys for the next record (and, given ``max_payload``, the payload ceiling:
+        the handshake's is lower); the sequence number keeps counting."""
         self._mac = Mac64(bytes(key))
+        if max_payload is not None:
+            self.max_payload = max_payload
+
+
+class RecordSealer(_RecordKeys):
+    """Seals the records one side sends: ``seal(kind, rank, payload) -> bytes``."""
+
+    __slots__ = ()
 
     def seal(self, kind: int, rank: int, payload: bytes | bytearray | memoryview) -> bytes:
         """One sealed record: header, tag, payload; the sequence number advances by one.
@@ -112,7 +121,7 @@ def _checked_seal_args(kind: Any, rank: Any, payload: Any) -> tuple[int, int, by
     return int(kind), int(rank), bytes(payload)
 
 
-class RecordOpener:
+class RecordOpener(_RecordKeys):
     """Incremental opener of the records one side receives.
 
     ``feed(data)`` buffers and returns every complete record. When the key changes between two
@@ -123,10 +132,7 @@ class RecordOpener:
     def __init__(
         self, key: bytes, direction: int, *, max_payload: int = MAX_RECORD_PAYLOAD
     ) -> None:
-        self._mac = Mac64(bytes(key))
-        self.direction = _check_direction(direction)
-        self.max_payload = max_payload
-        self.seq = 0
+        super().__init__(key, direction, max_payload=max_payload)
         self._buf = bytearray()
         self._pos = 0
         self._error: WireError | None = None
@@ -139,10 +145,6 @@ class RecordOpener:
     @property
     def buffered(self) -> int:
         return len(self._buf) - self._pos
-
-    def rekey(self, key: bytes) -> None:
-        """Switch keys for the next record; the sequence number keeps counting."""
-        self._mac = Mac64(bytes(key))
 
     def eof_error(self, who: str) -> WireError | None:
         """The error for an EOF now, or None when EOF is clean."""
@@ -157,7 +159,7 @@ class RecordOpener:
             WireError: the opener is poisoned (an earlier record failed); the same error again.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
@@ -173,7 +175,7 @@ class RecordOpener:
                 poisoned: every later call raises the same error.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         if self._pos < len(self._buf):
             # A partial record is waiting: complete it in the buffer.
             self._buf += data
@@ -211,7 +213,7 @@ class RecordOpener:
             WireError: as :meth:`feed`; the opener is poisoned from then on.
         """
         if self._error is not None:
-            raise _attach(self._error, [])
+            raise self._error.carrying([])
         try:
             rec = self._open(self._buf, self._pos)
         except WireError as exc:
@@ -267,7 +269,7 @@ class RecordOpener:
         return rec
 
     def _poison(self, exc: WireError, before: list[Record]) -> WireError:
-        self._error = _attach(exc, before)
+        self._error = exc.carrying(before)
         self._buf = bytearray()
         self._pos = 0
         return exc

@@ -23,6 +23,7 @@ from ._handshake import (
     NEED_DATA,
     Established,
     HandshakeEvent,
+    NeedData,
     RefusalReceived,
     UpstreamMachine,
 )
@@ -113,83 +114,98 @@ class RelayHandshake(UpstreamMachine):
             WireError: EOF or a malformed record. The machine is poisoned either way.
         """
         self._check()
-        who = f"relay {self.host!r}"
-        if self._state == "challenge":
-            try:
-                rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
-                                        "eof before challenge")
-            except AuthError as exc:
-                # Its own category: the relay gives up after a few of these in a row.
-                raise self._fail("wrong salt", AuthError(
-                    f"{who}: the coordinator at {self.coordinator} is not of this session "
-                    f"(Challenge did not verify with our salt): {exc}")) from None
-            if rec is None:
-                return NEED_DATA
-            challenge = self._control(rec, (Challenge,), f"{who}: from {self.coordinator}")
-            assert isinstance(challenge, Challenge)
-            self._coord_nonce = challenge.nonce
-            key = hs_key(self._salt, challenge.nonce)
-            self._sealer = RecordSealer(key, RELAY_TO_COORD)
-            hello: Hello | Resume
-            if self.generation is None:
-                hello = Hello(host=self.host, world_size=self._world_size,
-                              model_sigs=self._model_sigs, ranks=self._ranks,
-                              nonce=self.relay_nonce)
-            else:
-                hello = Resume(host=self.host, world_size=self._world_size,
-                               model_sigs=self._model_sigs, ranks=self._ranks,
-                               nonce=self.relay_nonce, generation=self.generation)
-            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(hello))
-            self._opener.rekey(key)
-            self._state = "ack"
-        if self._state == "ack":
-            rec = self._next_record(self._opener, f"{who}: HelloAck or Refused from "
-                                    f"{self.coordinator}",
-                                    "eof before helloack")
-            if rec is None:
-                return NEED_DATA
-            ack = self._control(rec, (HelloAck, Refused), f"{who}: from {self.coordinator}")
-            assert isinstance(ack, HelloAck | Refused) and self._sealer is not None
-            if not compare_digest(ack.nonce, self.relay_nonce):
-                raise self._fail("bad echo", AuthError(
-                    f"{who}: {type(ack).__name__} from {self.coordinator} does not echo our "
-                    "nonce (replayed coordinator records?)"))
-            if isinstance(ack, Refused):
-                self._state = "refused"
-                return RefusalReceived(ack.reason)
-            final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
-            self._sealer.rekey(final)
-            self._opener.rekey(final)
-            self._opener.max_payload = self._max_record_payload
-            self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
-            self._state = "welcome"
+        if self._state == "challenge" and not self._answer_challenge():
+            return NEED_DATA
+        if self._state == "ack" and (answer := self._take_ack()) is not None:
+            return answer
         if self._state == "welcome":
-            # The coordinator counts us only once it verified Ready; its first record after
-            # that says it did (a durable one's Generation comes just before it). A connection
-            # that ends before it is a failed attempt.
-            assert self._sealer is not None
-            while True:
-                rec = self._next_record(self._opener, f"{who}: the welcome from "
-                                        f"{self.coordinator} after Ready", "eof before welcome")
-                if rec is None:
-                    return NEED_DATA
-                if rec.kind != RecordKind.CONTROL:
-                    break
-                msg = self._control(rec, (Generation,), f"{who}: before the welcome from "
-                                    f"{self.coordinator}")
-                assert isinstance(msg, Generation)
-                if self.coordinator_generation is not None:
-                    raise self._fail("malformed", WireError(
-                        f"{who}: a second Generation ({msg.generation}) before the welcome "
-                        f"from {self.coordinator}"))
-                self.coordinator_generation = int(msg.generation)
-                self._check_generation()
+            return self._take_welcome()
+        raise HandshakeError(f"relay {self.host!r}: the upstream handshake already ended")
+
+    def _answer_challenge(self) -> bool:
+        """Verify the coordinator's ``Challenge`` and queue our ``Hello`` (or ``Resume``) under
+        the handshake key; False while the Challenge has not all arrived."""
+        try:
+            rec = self._next_record(self._opener, f"Challenge from {self.coordinator}",
+                                    "eof before challenge")
+        except AuthError as exc:
+            # Its own category: the relay gives up after a few of these in a row.
+            raise self._fail("wrong salt", AuthError(
+                f"relay {self.host!r}: the coordinator at {self.coordinator} is not of this "
+                f"session (Challenge did not verify with our salt): {exc}")) from None
+        if rec is None:
+            return False
+        challenge = self._control(rec, (Challenge,), f"relay {self.host!r}: from "
+                                  f"{self.coordinator}")
+        assert isinstance(challenge, Challenge)
+        self._coord_nonce = challenge.nonce
+        key = hs_key(self._salt, challenge.nonce)
+        self._sealer = RecordSealer(key, RELAY_TO_COORD)
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(self._hello()))
+        self._opener.rekey(key)
+        self._state = "ack"
+        return True
+
+    def _hello(self) -> Hello | Resume:
+        """``Hello`` to join; ``Resume`` (the same fields and the generation seen) to resume."""
+        if self.generation is None:
+            return Hello(host=self.host, world_size=self._world_size,
+                         model_sigs=self._model_sigs, ranks=self._ranks, nonce=self.relay_nonce)
+        return Resume(host=self.host, world_size=self._world_size, model_sigs=self._model_sigs,
+                      ranks=self._ranks, nonce=self.relay_nonce, generation=self.generation)
+
+    def _take_ack(self) -> NeedData | RefusalReceived | None:
+        """Verify ``HelloAck`` and answer ``Ready`` under the connection key (None: go on to
+        the welcome), or take a ``Refused``; NEED_DATA while the answer has not all arrived."""
+        who = f"relay {self.host!r}"
+        rec = self._next_record(self._opener, f"{who}: HelloAck or Refused from "
+                                f"{self.coordinator}", "eof before helloack")
+        if rec is None:
+            return NEED_DATA
+        ack = self._control(rec, (HelloAck, Refused), f"{who}: from {self.coordinator}")
+        assert isinstance(ack, HelloAck | Refused) and self._sealer is not None
+        if not compare_digest(ack.nonce, self.relay_nonce):
+            raise self._fail("bad echo", AuthError(
+                f"{who}: {type(ack).__name__} from {self.coordinator} does not echo our "
+                "nonce (replayed coordinator records?)"))
+        if isinstance(ack, Refused):
+            self._state = "refused"
+            return RefusalReceived(ack.reason)
+        final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
+        self._sealer.rekey(final)
+        self._opener.rekey(final, max_payload=self._max_record_payload)
+        self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
+        self._state = "welcome"
+        return None
+
+    def _take_welcome(self) -> HandshakeEvent:
+        """``Established`` once the coordinator's first record after our ``Ready`` arrived
+        (a durable coordinator's ``Generation`` comes just before it); else NEED_DATA."""
+        # The coordinator counts us only once it verified Ready; its first record after
+        # that says it did. A connection that ends before it is a failed attempt.
+        who = f"relay {self.host!r}"
+        assert self._sealer is not None
+        while True:
+            rec = self._next_record(self._opener, f"{who}: the welcome from "
+                                    f"{self.coordinator} after Ready", "eof before welcome")
+            if rec is None:
+                return NEED_DATA
+            if rec.kind != RecordKind.CONTROL:
+                break
+            msg = self._control(rec, (Generation,), f"{who}: before the welcome from "
+                                f"{self.coordinator}")
+            assert isinstance(msg, Generation)
+            if self.coordinator_generation is not None:
+                raise self._fail("malformed", WireError(
+                    f"{who}: a second Generation ({msg.generation}) before the welcome "
+                    f"from {self.coordinator}"))
+            self.coordinator_generation = int(msg.generation)
             self._check_generation()
-            self._state = "done"
-            self._done = True
-            return Established(self._sealer, self._opener, (rec,),
-                               generation=self.coordinator_generation)
-        raise HandshakeError(f"{who}: the upstream handshake already ended")
+        self._check_generation()
+        self._state = "done"
+        self._done = True
+        return Established(self._sealer, self._opener, (rec,),
+                           generation=self.coordinator_generation)
 
     def _check_generation(self) -> None:
         """Fail the attempt if the coordinator is older than one this relay already saw."""
