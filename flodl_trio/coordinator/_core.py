@@ -413,8 +413,7 @@ class Coordinator:
         self.timeline.event(ShutdownStarted(reason=reason))
         relays = self._roster.relays
         for conn in relays:
-            if conn.delivery_scope is not None:
-                conn.delivery_scope.cancel()
+            conn.stop_delivery()
         log.info("shutting down: %s", reason)
         tail = self._roster.invalid_frames_tail(trio.current_time())
         if tail is not None:

@@ -241,7 +241,6 @@ class Rejoins:
     def _join(self, conn: RelayConn) -> None:
         was_dead = self._roster.dead
         previous, dropped = self._roster.rejoin(conn, trio.current_time())
-        conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
         self._admitter.warn_cleartext(conn.peer)
         for old in dropped:  # every rank it carried is back elsewhere

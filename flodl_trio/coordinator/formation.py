@@ -341,7 +341,6 @@ class Formation:
     def _joined(self, conn: RelayConn, taken: dict[int, str | None]) -> None:
         """``conn``'s Ready verified and its welcome is written: it covers its ranks."""
         complete = self._roster.confirm(conn)
-        conn.on_lost = self._liveness.relay_lost
         self._sender.start_writer(conn)
         self.warn_cleartext(conn.peer)
         log.info("relay %r joined from %s with ranks %s", conn.host, conn.peer,
@@ -471,7 +470,7 @@ class Formation:
             host=hello.host, ranks=tuple(hello.ranks), peer=peer, stream=stream,
             sealer=machine.sealer, opener=machine.opener,
             write_stall_timeout=self._config.write_stall_timeout, index=self._conn_counter,
-            model_sigs=dict(hello.model_sigs))
+            model_sigs=dict(hello.model_sigs), on_lost=self._liveness.relay_lost)
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")
