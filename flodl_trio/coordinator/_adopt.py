@@ -71,7 +71,7 @@ class Adoption:
             roster.confirm(conn)
             self._pending[conn] = None
         if self._pending:
-            self._sender.resumes = trio.Event()
+            self._sender.await_resumes()
             for conn in list(self._pending):  # all dead or exited: not waited for
                 self.check(conn)
         log.info("adopted the session of %s as generation %d: %d relays to resume, %d ranks "

@@ -103,11 +103,17 @@ class Formation:
         self._started = 0.0
         self.failure: FormationError | None = None
         # True once a session was adopted from a store: relays of its roster await their resume.
-        self.adopting = False
+        self._adopting = False
         # The coordinator's generation with a session store (sent as Generation), else None.
-        self.generation: int | None = None
+        self._generation: int | None = None
         self._rejoins = Rejoins(self, roster=roster, sender=sender, liveness=liveness,
                                 readers=readers, config=config, timeline=timeline)
+
+    def leads(self, generation: int, *, adopted: bool) -> None:
+        """The coordinator leads its session store as ``generation`` (sent to every relay as
+        ``Generation``); ``adopted``: it adopted the store's session, whose relays resume."""
+        self._generation = generation
+        self._adopting = adopted
 
     @property
     def pending_handshakes(self) -> int:
@@ -218,7 +224,7 @@ class Formation:
                 with scope:
                     handshake = await coordinator_handshake(stream, self._salt, peer,
                                                             max_hello=self._max_hello,
-                                                            generation=self.generation,
+                                                            generation=self._generation,
                                                             on_sent=pending.touch)
             except Rejected as rej:
                 await trio.aclose_forcefully(stream)
@@ -259,13 +265,13 @@ class Formation:
         hello = received.hello
         ranks = tuple(hello.ranks)
         seen = received.generation
-        if seen is not None and self.generation is not None and seen > self.generation:
+        if seen is not None and self._generation is not None and seen > self._generation:
             # The relay follows a newer coordinator: this one is being deposed. It would
             # refuse our records anyway; no Refused, which would end it for good. Recorded
             # before the close: whoever sees the EOF finds the reject counted.
             self.reject(peer, "newer generation", f"relay {hello.host!r} at {peer}: Resume "
                         f"naming generation {seen}, expected at most this coordinator's "
-                        f"{self.generation}; closed (it follows a newer coordinator)")
+                        f"{self._generation}; closed (it follows a newer coordinator)")
             await trio.aclose_forcefully(stream)
             return
         if not self._roster.forming:  # a host that comes back, a spare (issue 26), a resume
@@ -274,7 +280,7 @@ class Formation:
         # A relay that lost its connection mid-handshake re-dials with the same host and ranks;
         # that is a reconnect, not a contradiction.
         superseded = self._roster.same_relay(hello.host, ranks)
-        if self.adopting:  # the same host's relay of the adopted roster, awaiting its resume
+        if self._adopting:  # the same host's relay of the adopted roster, awaiting its resume
             superseded += [old for old in self._roster.relays
                            if old.awaiting_resume and old.host == hello.host
                            and old not in superseded and not old.rank_set.isdisjoint(ranks)]
@@ -363,7 +369,7 @@ class Formation:
             return stream
         peer = peer_of(stream)
         machine = CoordinatorHandshake(self._salt, peer=peer, max_hello=self._max_hello,
-                                       generation=self.generation)
+                                       generation=self._generation)
         joining = HubJoining(hub, nursery, stream, peer)
         pending = HubConn(stream, sock, machine,
                           deadline=trio.current_time() + self._config.handshake_timeout,
@@ -429,9 +435,9 @@ class Formation:
         formation runs, no newer generation, no earlier connection of it, no dead rank, no
         contradiction and no refusal (each of those is judged again by ``after_hello``)."""
         seen = received.generation
-        if seen is not None and self.generation is not None and seen > self.generation:
+        if seen is not None and self._generation is not None and seen > self._generation:
             return False
-        if not self._roster.forming or self.adopting:
+        if not self._roster.forming or self._adopting:
             return False
         if self._roster.same_relay(hello.host, ranks):
             return False
