@@ -213,16 +213,6 @@ class RelayConn:
         or it is a relay awaiting its resume."""
         return self._paused_since is not None
 
-    @property
-    def paused_since(self) -> float | None:
-        """When its reader began waiting for room (see :attr:`paused`), else None."""
-        return self._paused_since
-
-    @property
-    def delivery_scope(self) -> trio.CancelScope | None:
-        """The scope of its reader's wait for room, while it waits."""
-        return self._delivery_scope
-
     @contextlib.contextmanager
     def reading_paused(self) -> Iterator[None]:
         """Around the reader's wait for room in a full channel: the coordinator is not reading

@@ -97,6 +97,16 @@ class HubConn:
         self.unsent = bytearray()  # queued bytes the socket did not take yet
         self.held: Any = None  # an event held until ``unsent`` is written
 
+    def then(self, *, deadline: float, on_event: Callable[[Any], None],
+             on_error: Callable[[BaseException], None],
+             on_sent: Callable[[], None] | None = None) -> None:
+        """Its next step (to give it back to the hub with :meth:`HandshakeHub.add`): the
+        machine's next event is due by ``deadline`` and goes to ``on_event``."""
+        self.deadline = deadline
+        self.on_event = on_event
+        self.on_error = on_error
+        self.on_sent = on_sent
+
 
 class HandshakeHub:
     """Runs the handshakes of every :class:`HubConn` it is given, in :meth:`run`'s one task.
