@@ -264,7 +264,7 @@ class Formation:
             machine = joining.pending.machine
             category = machine.failure_category  # type: ignore[attr-defined]
             self._outcome.reject(peer, category or "malformed", str(exc),
-                        wrong_salt=machine.salt_suspect)  # type: ignore[attr-defined]
+                                 wrong_salt=machine.salt_suspect)  # type: ignore[attr-defined]
         else:
             self._outcome.reject(peer, "connection error", f"{peer}: {exc!r}")
 
