@@ -192,7 +192,7 @@ class RelayConn:
                  index: int, write_stall_timeout: float) -> RelayConn:
         """A relay of an adopted session (SPEC §4.7) that has not resumed yet: it carries its
         ranks in the roster, but has no connection; nothing can be written to it (its ranks'
-        silence is not counted: ``paused_since`` is set) until a connection of the relay
+        silence is not counted: it is ``paused``) until a connection of the relay
         resumes and takes its ranks over."""
         return cls(host=host, ranks=ranks, peer="(not resumed)", stream=None, sealer=None,
                    opener=None, write_stall_timeout=write_stall_timeout, index=index,
