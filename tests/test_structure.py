@@ -1,15 +1,27 @@
-"""The package's shape: no module reaches into another object's underscored attributes, and no
-two modules import each other (directly or round a longer cycle).
+"""The package's shape: no module reaches into another object's underscored attributes, no
+module sets a field of an object another module owns, and no two modules import each other
+(directly or round a longer cycle).
 
 The rules are those of the project's structure check: ``name._attr`` where ``name`` is not
 ``self`` or ``cls`` (dunders allowed) is a private reach; every ``import``/``from ... import`` of a
 ``flodl_trio`` module counts as an edge (``TYPE_CHECKING`` imports and imports inside functions
 included), except a package importing its own submodules.
+
+A field set from outside (issue 36: ``x.attr = ...``, ``x.attr += ...``, ``x.a, x.b = ...``)
+is fine only where ``x`` is ``self``/``cls`` or an object of a class the same module defines (a
+record it builds). ``x``'s class is what the module can tell from an annotation, ``x =
+Class(...)``, ``with Class(...) as x``, ``self.x``'s declaration or a method's return
+annotation; where it cannot tell, the field must be one a class of the module declares. Trio's
+cancel scopes' ``deadline`` and ``shield`` are fine too (Trio's API is to set them). Anything
+else is another component's state: give its owner a method that says what happened.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import flodl_trio
@@ -25,6 +37,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache  # each test walks the same trees; none changes them
 def parsed_modules() -> dict[str, tuple[Path, ast.Module]]:
     return {module_name(p): (p, ast.parse(p.read_text(encoding="utf-8")))
             for p in sorted(ROOT.rglob("*.py"))}
@@ -110,12 +123,185 @@ def module_graph() -> dict[str, set[str]]:
     return graph
 
 
+# Fields still set from outside their owner in modules other engineers are reworking (issue 36
+# item 3: relay/, local_cluster, cli, wire, net, status, ...), as (module, field) pairs. Each
+# entry goes once its module gives the owner a method; nothing may be added.
+STILL_SET_FROM_OUTSIDE: frozenset[tuple[str, str]] = frozenset({
+    ("flodl_trio/rank_client.py", "step_count"),  # the endpoint's, set by the rank client
+    ("flodl_trio/relay/_open.py", "gone"),  # a rank link's
+    ("flodl_trio/relay/_open.py", "resume"),  # the pump's
+    ("flodl_trio/relay/pump.py", "dropped"),  # a rank link's
+    ("flodl_trio/relay/pump.py", "gone"),
+    ("flodl_trio/relay/pump.py", "writing"),
+    ("flodl_trio/relay/ranks.py", "early"),  # a rank link's
+    ("flodl_trio/relay/ranks.py", "early_eof"),
+    ("flodl_trio/sim.py", "step_count"),  # a simulated rank's endpoint's
+    ("flodl_trio/wire/_cbor.py", "fp"),  # the CBOR decoder's
+    ("flodl_trio/wire/_frames.py", "frames_before"),  # a WireError's
+    ("flodl_trio/wire/_handshake.py", "max_payload"),  # the record opener's
+    ("flodl_trio/wire/_relay_handshake.py", "max_payload"),
+})
+
+# Set on a Trio cancel scope, whose API they are.
+SCOPE_FIELDS = frozenset({"deadline", "shield"})
+
+
+def _named(ann: ast.expr | None) -> set[str]:
+    """The class names an annotation names (``X``, ``X | None``, ``"X"``, ``m.X``, ``X[T]``)."""
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return set()
+    if isinstance(ann, ast.Name):
+        return {ann.id}
+    if isinstance(ann, ast.Attribute):
+        return {ann.attr}
+    if isinstance(ann, ast.Subscript):
+        return _named(ann.value)
+    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+        return _named(ann.left) | _named(ann.right)
+    return set()
+
+
+def _made_by(value: ast.expr | None) -> set[str]:
+    """``X(...)``, ``m.X(...)`` and ``X.make(...)``: the names that may be the class (a
+    capitalised name: ``d.get(...)`` says nothing)."""
+    if not isinstance(value, ast.Call):
+        return set()
+    func = value.func
+    names = _named(func)
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        names.add(func.value.id)
+    return {name for name in names if name[:1].isupper()}
+
+
+def _targets(node: ast.AST) -> Iterator[ast.expr]:
+    found = (list(node.targets) if isinstance(node, ast.Assign) else
+             [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+    while found:
+        target = found.pop()
+        if isinstance(target, ast.Tuple | ast.List | ast.Starred):
+            found.extend(target.elts if not isinstance(target, ast.Starred) else [target.value])
+        else:
+            yield target
+
+
+def _kinds(scope: ast.AST, names: dict[str, set[str]], self_name: str | None) -> None:
+    """What ``scope`` tells of its names' classes (parameters, assignments, ``with``)."""
+    for node in ast.walk(scope):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+                names.setdefault(arg.arg, set()).update(_named(arg.annotation))
+        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+            names.setdefault(node.optional_vars.id, set()).update(_made_by(node.context_expr))
+        value = getattr(node, "value", None)
+        for target in _targets(node):
+            made = _made_by(value) | _named(getattr(node, "annotation", None))
+            if isinstance(value, ast.Name) and value.id == "cls" and self_name:
+                made.add(self_name)
+            if isinstance(target, ast.Name):
+                names.setdefault(target.id, set()).update(made)
+
+
+def _class_of(base: ast.expr, names: dict[str, set[str]], fields: dict[str, set[str]],
+              returns: dict[str, set[str]]) -> set[str]:
+    """The names that may be the class of ``base`` (empty: the module cannot tell)."""
+    if isinstance(base, ast.Name):
+        return names.get(base.id, set())
+    if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and (
+            base.value.id == "self"):
+        return fields.get(base.attr, set())
+    if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and isinstance(
+            base.func.value, ast.Name) and base.func.value.id == "self":
+        return returns.get(base.func.attr, set())
+    return set()
+
+
+def _declared_fields(tree: ast.Module) -> set[str]:
+    """The fields the module's classes declare: ``self.x = ...``, class-level annotations and
+    ``__slots__``."""
+    declared: set[str] = set()
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for node in ast.walk(cls):
+            for target in _targets(node):
+                if isinstance(target, ast.Attribute) and isinstance(
+                        target.value, ast.Name) and target.value.id == "self":
+                    declared.add(target.attr)
+                elif isinstance(target, ast.Name) and isinstance(node, ast.AnnAssign):
+                    declared.add(target.id)
+                elif isinstance(target, ast.Name) and target.id == "__slots__":
+                    value = getattr(node, "value", None)
+                    declared.update(elt.value for elt in getattr(value, "elts", ())
+                                    if isinstance(elt, ast.Constant))
+    return declared
+
+
+def foreign_assignments(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """``(line, target, field)`` of each field set on an object the module does not own."""
+    local = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    declared = _declared_fields(tree)
+    scopes: list[tuple[ast.AST, str | None]] = [
+        (node, node.name) for node in tree.body if isinstance(node, ast.ClassDef)]
+    scopes += [(node, None) for node in tree.body
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+    found = []
+    for scope, name in scopes:
+        fields: dict[str, set[str]] = {}
+        params: dict[str, set[str]] = {}  # what ``self.x = x`` says of x (its annotation)
+        _kinds(scope, params, name)
+        returns = {node.name: _named(node.returns) for node in ast.walk(scope)
+                   if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        for node in ast.walk(scope):
+            value = getattr(node, "value", None)
+            for target in _targets(node):
+                if isinstance(target, ast.Name) and isinstance(node, ast.AnnAssign):
+                    fields.setdefault(target.id, set()).update(_named(node.annotation))
+                elif isinstance(target, ast.Attribute) and isinstance(
+                        target.value, ast.Name) and target.value.id == "self":
+                    fields.setdefault(target.attr, set()).update(
+                        _made_by(value) | _named(getattr(node, "annotation", None))
+                        | (params.get(value.id, set()) if isinstance(value, ast.Name)
+                           else set()))
+        methods = [node for node in getattr(scope, "body", ())
+                   if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                   ] if name is not None else [scope]
+        for method in methods:
+            names: dict[str, set[str]] = {"self": {name or ""}, "cls": {name or ""}}
+            _kinds(method, names, name)
+            for node in ast.walk(method):
+                for target in _targets(node):
+                    if not isinstance(target, ast.Attribute) or target.attr.startswith("__"):
+                        continue
+                    owner = target.value
+                    if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                        continue
+                    kinds = _class_of(owner, names, fields, returns)
+                    if (kinds & local or (not kinds and target.attr in declared)
+                            or (target.attr in SCOPE_FIELDS
+                                and ast.unparse(owner).endswith("scope"))):
+                        continue
+                    found.append((node.lineno, ast.unparse(target), target.attr))
+    return sorted(set(found))
+
+
 def test_no_module_reaches_into_another_objects_underscored_attributes() -> None:
     found = {
         str(path.relative_to(ROOT.parent)): reaches
         for path, tree in parsed_modules().values()
         if (reaches := private_reaches(tree))
     }
+    assert found == {}
+
+
+def test_no_module_sets_a_field_of_an_object_another_module_owns() -> None:
+    found: dict[str, list[str]] = {}
+    for path, tree in parsed_modules().values():
+        module = str(path.relative_to(ROOT.parent))
+        for line, target, field in foreign_assignments(tree):
+            if (module, field) not in STILL_SET_FROM_OUTSIDE:
+                found.setdefault(module, []).append(f"line {line}: {target}")
     assert found == {}
 
 
@@ -131,3 +317,39 @@ def test_the_checks_see_a_reach_and_a_cycle_when_there_is_one() -> None:
     # The package's real graph is walked: the coordinator's modules are in it.
     graph = module_graph()
     assert "flodl_trio.coordinator._roster" in graph["flodl_trio.coordinator.formation"]
+
+
+def test_the_field_rule_tells_a_record_of_the_module_from_another_components_state() -> None:
+    tree = ast.parse(textwrap.dedent("""\
+        class Slot:
+            def __init__(self) -> None:
+                self.since = 0.0
+
+        class Owner:
+            def __init__(self, other: Other, slot: Slot) -> None:
+                self._other = other
+                self._slot = slot
+
+            def step(self, conn: Conn, record: Slot) -> None:
+                self._slot.since = 1.0
+                record.since += 1.0
+                made = Slot()
+                made.since = 2.0
+                with trio.CancelScope() as scope:
+                    scope.deadline = 3.0
+                self._other.flag = True
+                conn.paused_since, conn.scope = 1.0, None
+                self._other.since = 4.0
+
+        def helper(items):
+            for item in items:
+                item.since = 5.0
+                item.other = 6.0
+        """))
+    assert foreign_assignments(tree) == [
+        (17, "self._other.flag", "flag"),
+        (18, "conn.paused_since", "paused_since"),
+        (18, "conn.scope", "scope"),
+        (19, "self._other.since", "since"),
+        (24, "item.other", "other"),
+    ]

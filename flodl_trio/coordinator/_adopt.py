@@ -8,12 +8,12 @@ without waiting for anybody; the failure policy then judges the restored deaths 
 them before the failover.
 
 A relay of the roster that resumes (``Resume`` naming its ranks) takes its ranks over through
-the rejoin path (:mod:`._rejoin`): no ``DeclareAlive`` for ranks that never died. One that has
-not resumed within ``resume_timeout`` is given up on: its live ranks are declared dead the usual
-way (the reason names its host and the timeout) and it is lost; it may still come back later,
-as any dead host may. While any relay awaits its resume, ``broadcast_control`` and a
-``send_control`` to one of its ranks wait for it (or for its death): what the user sends after
-a failover reaches every rank that comes back.
+the rejoin rules (:mod:`._admission`, row 11): no ``DeclareAlive`` for ranks that never died.
+One that has not resumed within ``resume_timeout`` is given up on: its live ranks are declared
+dead the usual way (the reason names its host and the timeout) and it is lost; it may still
+come back later, as any dead host may. While any relay awaits its resume,
+``broadcast_control`` and a ``send_control`` to one of its ranks wait for it (or for its
+death): what the user sends after a failover reaches every rank that comes back.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Adoption:
             roster.confirm(conn)
             self._pending[conn] = None
         if self._pending:
-            self._sender.resumes = trio.Event()
+            self._sender.await_resumes()
             for conn in list(self._pending):  # all dead or exited: not waited for
                 self.check(conn)
         log.info("adopted the session of %s as generation %d: %d relays to resume, %d ranks "

@@ -99,7 +99,7 @@ class Coordinator:
         self._formed_at: float | None = None
         self._leader = Leader(salt=salt, config=config, roster=self._roster, sender=self._sender,
                               liveness=self._liveness, formation=self._formation)
-        self._roster.on_change = self._leader.changed
+        self._roster.report_changes_to(self._leader.changed)
 
     # ------------------------------------------------------------------ run (open_coordinator)
 
@@ -117,7 +117,7 @@ class Coordinator:
     def on_deposed(self, stop: Callable[[], None]) -> None:
         """Call ``stop`` (``open_coordinator``: stop every task) when the coordinator steps
         down."""
-        self._leader.on_deposed = stop
+        self._leader.when_deposed(stop)
 
     # ------------------------------------------------------------------ session store
 
@@ -331,7 +331,7 @@ class Coordinator:
             LeadershipLost: the coordinator was deposed before the write was durable.
             StoreUnavailable: the coordinator has shut down (nothing more is saved).
         """
-        self._leader.checkpoint = checked_checkpoint(checkpoint)
+        self._leader.keep_checkpoint(checked_checkpoint(checkpoint))
         await self._leader.flush(durable=durable)
 
     # ------------------------------------------------------------------ control
@@ -401,7 +401,7 @@ class Coordinator:
             await self._shutdown_done.wait()
             return
         self._shutdown_begun = True
-        self._sender.resumes.set()  # nobody waits for a resume any more
+        self._sender.forget_resumes()
         try:
             await self._shutdown_steps(reason)
         finally:
@@ -413,8 +413,7 @@ class Coordinator:
         self.timeline.event(ShutdownStarted(reason=reason))
         relays = self._roster.relays
         for conn in relays:
-            if conn.delivery_scope is not None:
-                conn.delivery_scope.cancel()
+            conn.stop_delivery()
         log.info("shutting down: %s", reason)
         tail = self._roster.invalid_frames_tail(trio.current_time())
         if tail is not None:

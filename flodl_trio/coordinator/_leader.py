@@ -114,7 +114,7 @@ class Leader:
             note = ended_note(state, generation=self.generation, fresh=fresh)
             if note is not None:
                 log.info("session store %s: %s", store.description, note)
-            self._formation.generation = self.generation
+            self._formation.leads(self.generation, adopted=self.resumed)
             log.info("leading session store %s as generation %d (%s)", store.description,
                      self.generation, "adopted its session" if self.resumed else "new session")
             persist.request()  # the new generation's state, at once
@@ -127,12 +127,21 @@ class Leader:
     def _adopt(self, state: SessionState, persist: Persistence, source: str) -> None:
         self.resumed = True
         if state.checkpoint is not None:
-            self.checkpoint = persist.checkpoint = dict(state.checkpoint)
+            self.keep_checkpoint(dict(state.checkpoint))
+            persist.keep_checkpoint(self.checkpoint)
         self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
                                   liveness=self._liveness, config=self._config, source=source)
         self._adoption.install(self.generation)
-        self._formation.adopting = True
         self._adopted_formed = state.formed and self._roster.complete
+
+    def when_deposed(self, stop: Callable[[], None]) -> None:
+        """Call ``stop`` (``open_coordinator``: stop every task) when it steps down."""
+        self.on_deposed = stop
+
+    def keep_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The scheduler's checkpoint, kept with the session from the next save on
+        (:meth:`flush` saves it)."""
+        self.checkpoint = checkpoint
 
     def standby_fields(self) -> dict[str, object]:
         """What the status documents say while the coordinator waits for its store's
@@ -211,7 +220,7 @@ class Leader:
         self._roster.begin_shutdown()  # no more deaths, rejoins or connections
         for conn in self._roster.relays:
             conn.abandon(f"the coordinator stepped down: {exc}")
-        self._sender.resumes.set()
+        self._sender.forget_resumes()
         self.formed_scope.cancel()
         if self._body_scope is not None:
             self._body_scope.cancel()
@@ -266,7 +275,7 @@ class Leader:
         if self._persist is None:
             await trio.lowlevel.checkpoint()
             return
-        self._persist.checkpoint = self.checkpoint
+        self._persist.keep_checkpoint(self.checkpoint)
         if durable:
             await self._persist.flush()
         else:

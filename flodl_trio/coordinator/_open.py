@@ -14,7 +14,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
-from .._lifecycle import open_lifecycle
+from .._lifecycle import Lifecycle, open_lifecycle
 from ..events import Listening
 from ..net._interfaces import dialable_addresses, interface_addresses
 from ..net._keepalive import KeepAlive
@@ -118,16 +118,10 @@ async def bind_coordinator(
 
 @asynccontextmanager
 async def open_coordinator(
-    listen: ListenSpec | CoordinatorBind,
-    *,
-    salt: SessionSalt,
-    config: CoordinatorConfig,
-    abort: trio.Event | None = None,
-    timeline: Timeline | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    store: SessionStore | None = None,
-    fresh: bool = False,
-    standby: bool = False,
+    listen: ListenSpec | CoordinatorBind, *, salt: SessionSalt, config: CoordinatorConfig,
+    abort: trio.Event | None = None, timeline: Timeline | None = None,
+    ssl_context: ssl.SSLContext | None = None, store: SessionStore | None = None,
+    fresh: bool = False, standby: bool = False,
 ) -> AsyncIterator[Coordinator]:
     """Run a coordinator; the block is entered once every rank is covered.
 
@@ -170,23 +164,65 @@ async def open_coordinator(
             (the body was cancelled) without a word to the relays.
         FlodlInternalError: an unexpected internal failure (``from`` the original group).
     """
-    bind: CoordinatorBind | None = None
-    direct: list[trio.abc.Listener[Any]] = []
+    bind, direct, coord = await _new_coordinator(
+        listen, salt=salt, config=config, timeline=timeline, tls=ssl_context is not None,
+        store=store, fresh=fresh, standby=standby)
+    mux_listeners, direct = _legs_of(coord, bind, direct, ssl_context, told=timeline is not None)
+    async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
+        coord.on_deposed(life.stop_tasks)
+        async with AsyncExitStack() as stack:
+            control = await _control_legs(stack, life, coord, config, bind=bind,
+                                          mux_listeners=mux_listeners, direct=direct)
+            async with _run(coord, life, stack, control, abort=abort, store=store, bind=bind,
+                            fresh=fresh, standby=standby) as formed:
+                yield formed
+
+
+def _legs_of(coord: Coordinator, bind: CoordinatorBind | None,
+             direct: list[trio.abc.Listener[Any]], ssl_context: ssl.SSLContext | None, *,
+             told: bool) -> tuple[list[Any], list[trio.abc.Listener[Any]]]:
+    """The listeners for the port mux (what ``bind`` bound) and the direct ones, inside TLS
+    with ``ssl_context``; the bound addresses go on the coordinator's own timeline unless
+    the caller gave its own timeline (``told``: ``bind_coordinator`` tells that one)."""
+    if bind is not None and not told:
+        for address in bind.addresses:
+            coord.timeline.event(Listening(address=format_address(address)))
+    mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
+    if ssl_context is None:
+        return mux_listeners, direct
+    # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or the
+    # handshake deadline), so a client that never finishes it cannot wedge anything.
+    return ([trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in mux_listeners],
+            [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct])
+
+
+async def _listen_on(listen: ListenSpec | CoordinatorBind, timeline: Timeline | None
+                     ) -> tuple[CoordinatorBind | None, list[trio.abc.Listener[Any]]]:
+    """What ``listen`` asks for: a bind (made now for a port or an address) or listeners."""
     if isinstance(listen, CoordinatorBind):
-        bind = listen
-    elif isinstance(listen, int | tuple):
-        bind = await bind_coordinator(listen, timeline=timeline)
-    elif isinstance(listen, trio.abc.Listener):
-        direct = [listen]
-    elif isinstance(listen, Sequence) and listen and all(
+        return listen, []
+    if isinstance(listen, int | tuple):
+        return await bind_coordinator(listen, timeline=timeline), []
+    if isinstance(listen, trio.abc.Listener):
+        return None, [listen]
+    if isinstance(listen, Sequence) and listen and all(
         isinstance(item, trio.abc.Listener) for item in listen
     ):
-        direct = [item for item in listen if isinstance(item, trio.abc.Listener)]
-    else:
-        raise ConfigError(
-            "open_coordinator: expected listen to be a port, (host, port), CoordinatorBind or "
-            f"trio.abc.Listener(s), got {listen!r}"
-        )
+        return None, [item for item in listen if isinstance(item, trio.abc.Listener)]
+    raise ConfigError(
+        "open_coordinator: expected listen to be a port, (host, port), CoordinatorBind or "
+        f"trio.abc.Listener(s), got {listen!r}"
+    )
+
+
+async def _new_coordinator(
+    listen: ListenSpec | CoordinatorBind, *, salt: SessionSalt, config: CoordinatorConfig,
+    timeline: Timeline | None, tls: bool, store: SessionStore | None, fresh: bool, standby: bool,
+) -> tuple[CoordinatorBind | None, list[trio.abc.Listener[Any]], Coordinator]:
+    """What ``listen`` asks for (a bind, or listeners) and the coordinator, its arguments
+    checked; on an error the listeners are closed (they are its to close, as they would be at
+    the end of the block)."""
+    bind, direct = await _listen_on(listen, timeline)
     try:
         if (fresh or standby) and store is None:
             raise ConfigError(f"open_coordinator: {'fresh' if fresh else 'standby'}=True is "
@@ -194,72 +230,74 @@ async def open_coordinator(
         if fresh and standby:
             raise ConfigError("open_coordinator: fresh=True discards the store's session, "
                               "standby=True stands by for it: expected one of them, got both")
-        coord = Coordinator(salt=salt, config=config, timeline=timeline,
-                            address=bind.address if bind else None, tls=ssl_context is not None)
+        return bind, direct, Coordinator(salt=salt, config=config, timeline=timeline,
+                                         address=bind.address if bind else None, tls=tls)
     except BaseException:
-        # Given to it, they are its to close (as they would be at the end of the block).
         with trio.CancelScope(shield=True):
             if bind is not None:
                 await bind.aclose()
             await close_all(direct)
         raise
-    if bind is not None and timeline is None:
-        for address in bind.addresses:
-            coord.timeline.event(Listening(address=format_address(address)))
-    mux_listeners: list[Any] = list(bind.listeners) if bind is not None else []
-    if ssl_context is not None:
-        # The TLS handshake happens on the first read, i.e. inside the mux's bounded peek (or
-        # the handshake deadline), so a client that never finishes it cannot wedge anything.
-        mux_listeners = [trio.SSLListener(lst, ssl_context, https_compatible=False)
-                         for lst in mux_listeners]
-        direct = [trio.SSLListener(lst, ssl_context, https_compatible=False) for lst in direct]
-    async with open_lifecycle("coordinator", failure=lambda: coord.failure) as life:
-        coord.on_deposed(life.stop_tasks)
-        async with AsyncExitStack() as stack:
-            if bind is not None:
-                stack.push_async_callback(bind.aclose)
-                mux = await stack.enter_async_context(
-                    open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
-                                  legs=("control", "status"), queue_size=MUX_QUEUE,
-                                  max_peeking=config.max_pending_handshakes,
-                                  keepalive=KeepAlive.within(
-                                      config.heartbeat_timeout,
-                                      write_stall=config.write_stall_timeout))
-                )
-                life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
-                                                request_timeout=config.peek_timeout,
-                                                board_fn=coord.board))
-                control: list[trio.abc.Listener[Any]] = [mux.control]
-            else:
-                for listener in direct:
-                    stack.push_async_callback(listener.aclose)
-                control = direct
-            setup_exc: BaseException | None = None
-            try:
-                # Every background task of the run starts here, and only here, in the
-                # lifecycle's nursery: out of the caller's reach until the block ends.
-                with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
-                    await life.nursery.start(coord.host_writers)  # strands a shielded host
-                if store is not None:
-                    await coord.lead(store, fresh=fresh, standby=standby)  # a standby waits
-                    stack.push_async_callback(_release, store, coord)
-                for task in coord.background_tasks(control, abort):
-                    life.nursery.start_soon(task)
-                if store is not None and bind is not None:
-                    life.nursery.start_soon(coord.publish_address, bind.addresses_for_peers())
-                await coord.formed()
-                with life.body() as body_scope:
-                    coord.cancel_on_failure(body_scope)
-                    yield coord
-            except BaseException as exc:
-                setup_exc = exc  # for the shutdown reason only
-                raise
-            finally:
-                reason = _shutdown_reason(coord, life.body_exc or setup_exc)
-                # Shielded, and the readers and writers it needs are out of the caller's reach:
-                # an outside cancellation still ends with Shutdown, half-close and drain.
-                with trio.CancelScope(shield=True):
-                    await coord.shutdown(reason)
+
+
+async def _control_legs(stack: AsyncExitStack, life: Lifecycle, coord: Coordinator,
+                        config: CoordinatorConfig, *, bind: CoordinatorBind | None,
+                        mux_listeners: list[Any], direct: list[trio.abc.Listener[Any]]
+                        ) -> list[trio.abc.Listener[Any]]:
+    """Where relay connections come from: the port mux's control leg over what ``bind``
+    bound (its status leg is served here), else the listeners given; each closed by
+    ``stack``."""
+    if bind is None:
+        for listener in direct:
+            stack.push_async_callback(listener.aclose)
+        return direct
+    stack.push_async_callback(bind.aclose)
+    mux = await stack.enter_async_context(
+        open_port_mux(mux_listeners, peek_timeout=config.peek_timeout,
+                      legs=("control", "status"), queue_size=MUX_QUEUE,
+                      max_peeking=config.max_pending_handshakes,
+                      keepalive=KeepAlive.within(config.heartbeat_timeout,
+                                                 write_stall=config.write_stall_timeout))
+    )
+    life.nursery.start_soon(partial(serve_status, mux.status, coord.state,
+                                    request_timeout=config.peek_timeout,
+                                    board_fn=coord.board))
+    return [mux.control]
+
+
+@asynccontextmanager
+async def _run(coord: Coordinator, life: Lifecycle, stack: AsyncExitStack,
+               control: list[trio.abc.Listener[Any]], *, abort: trio.Event | None,
+               store: SessionStore | None, bind: CoordinatorBind | None, fresh: bool,
+               standby: bool) -> AsyncIterator[Coordinator]:
+    """Start the run's background tasks, lead the store, wait for formation, hold the user's
+    block; whatever happens, end with the graceful shutdown."""
+    setup_exc: BaseException | None = None
+    try:
+        # Every background task of the run starts here, and only here, in the lifecycle's
+        # nursery: out of the caller's reach until the block ends.
+        with trio.CancelScope(shield=True):  # see open_lifecycle: a cancelled start
+            await life.nursery.start(coord.host_writers)  # strands a shielded host
+        if store is not None:
+            await coord.lead(store, fresh=fresh, standby=standby)  # a standby waits
+            stack.push_async_callback(_release, store, coord)
+        for task in coord.background_tasks(control, abort):
+            life.nursery.start_soon(task)
+        if store is not None and bind is not None:
+            life.nursery.start_soon(coord.publish_address, bind.addresses_for_peers())
+        await coord.formed()
+        with life.body() as body_scope:
+            coord.cancel_on_failure(body_scope)
+            yield coord
+    except BaseException as exc:
+        setup_exc = exc  # for the shutdown reason only
+        raise
+    finally:
+        reason = _shutdown_reason(coord, life.body_exc or setup_exc)
+        # Shielded, and the readers and writers it needs are out of the caller's reach: an
+        # outside cancellation still ends with Shutdown, half-close and drain.
+        with trio.CancelScope(shield=True):
+            await coord.shutdown(reason)
 
 
 # How long a coordinator that stepped down may spend giving up a leadership it no longer holds

@@ -70,6 +70,10 @@ class Persistence:
         self._closed = False
         self._urgent = trio.Event()  # a flush is waiting: save without pausing first
 
+    def keep_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """The scheduler's latest checkpoint: every write from now on holds it."""
+        self.checkpoint = checkpoint
+
     def request(self) -> None:
         """The state changed: the writer saves it (coalesced with other changes)."""
         self._requested += 1

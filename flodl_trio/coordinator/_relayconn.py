@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple, TypeVar
 
 import trio
@@ -34,6 +36,25 @@ QUEUE_LIMIT = 65536
 class _Queue(NamedTuple):
     send: trio.MemorySendChannel[_Item]
     receive: trio.MemoryReceiveChannel[_Item]
+
+
+class Lifecycle(enum.Enum):
+    """Where a relay connection is in its life. Only the connection advances it, forward only:
+    ``AWAITING`` or ``ADMITTED`` -> ``JOINED`` -> ``ENDED`` (a connection may end from any of
+    them). Whether its stream is closed yet is apart (``RelayConn.closed``): the end comes
+    first, the close when the writer is done."""
+
+    AWAITING = "awaiting its resume"  # a relay of an adopted session: no connection yet
+    ADMITTED = "admitted"  # its Hello was accepted; its Ready has not verified yet
+    JOINED = "joined"  # its Ready verified: its session is open, records may be written
+    ENDED = "ended"  # lost, stalled or retired: ``close_reason`` says which and why
+
+
+OnLost = Callable[["RelayConn", str, bool], None]
+
+
+def _unheard(conn: RelayConn, cause: str, stalled: bool) -> None:
+    """The default ``on_lost``: nobody is told (a connection that never joined)."""
 
 
 class CloseReason(NamedTuple):
@@ -95,9 +116,13 @@ class RelayConn:
     that does not fit is settled as lost and the connection is lost with ``queue full``, as
     after a write stall.
 
-    Its end is one :class:`CloseReason` (``close_reason``, the first wins); ``alive``,
-    ``lost_reason``, ``retired`` and ``stalled`` are read from it. ``closed`` says whether the
-    stream itself is closed yet (``/state.json``'s ``closed``; ``connected`` turns false first).
+    Its life is one :class:`Lifecycle` (``lifecycle``) that only its own methods advance: made
+    ``ADMITTED`` (or ``AWAITING`` its resume), ``JOINED`` by :meth:`open_session`, ``ENDED`` by
+    :meth:`abandon` or :meth:`retire`. Its end is one :class:`CloseReason` (``close_reason``, the
+    first wins); ``lost_reason``, ``retired`` and ``stalled`` are read from it. ``closed`` says
+    whether the stream itself is closed yet (``/state.json``'s ``closed``; ``connected`` turns
+    false first). While its reader waits for room in a full channel (:meth:`reading_paused`)
+    the coordinator is not reading it, so its ranks' silence does not count (``paused``).
 
     Fast path: when the writer is idle with nothing queued and the stream is plain TCP, the
     record is sealed and handed to the kernel at once with one non-blocking ``write``; whatever
@@ -120,6 +145,7 @@ class RelayConn:
         index: int,
         model_sigs: dict[str, bytes] | None = None,
         queue_limit: int = QUEUE_LIMIT,
+        on_lost: OnLost = _unheard,
     ) -> None:
         self.host = host
         self.model_sigs: dict[str, bytes] = dict(model_sigs or {})
@@ -135,8 +161,10 @@ class RelayConn:
         self.cadence: float | None = None
         self.write_stall_timeout = write_stall_timeout
         self.index = index
-        # Told once the connection is lost (liveness.relay_lost); ``stalled`` for a write stall.
-        self.on_lost: Callable[[RelayConn, str, bool], None] = lambda conn, cause, stalled: None
+        # Told when its writer finds the connection lost (liveness.relay_lost); ``stalled`` for
+        # a write stall. Nothing is written before it joined, so nothing calls it before.
+        self.on_lost: OnLost = on_lost
+        self._lifecycle = Lifecycle.AWAITING if stream is None else Lifecycle.ADMITTED
         self.queue_limit = queue_limit
         # The writer's queue and task, made on the first record the kernel did not take at
         # once (most relays never need either: see the class doc's fast path).
@@ -146,8 +174,9 @@ class RelayConn:
         self.close_reason: CloseReason | None = None
         # Backpressure bookkeeping: while the reader waits on a full channel the coordinator is
         # not reading this connection, so that time must not count towards heartbeat staleness.
-        self.paused_since: float | None = None
-        self.delivery_scope: trio.CancelScope | None = None
+        # A relay awaiting its resume is not read either: its silence never counts.
+        self._paused_since: float | None = None if stream is not None else trio.current_time()
+        self._delivery_scope: trio.CancelScope | None = None
         self._write_scope: trio.CancelScope | None = None
         self.closed = False  # the stream is closed (after the end, at the writer's exit)
         self._retire_grace = 0.0
@@ -163,18 +192,48 @@ class RelayConn:
                  index: int, write_stall_timeout: float) -> RelayConn:
         """A relay of an adopted session (SPEC §4.7) that has not resumed yet: it carries its
         ranks in the roster, but has no connection; nothing can be written to it (its ranks'
-        silence is not counted: ``paused_since`` is set) until a connection of the relay
+        silence is not counted: it is ``paused``) until a connection of the relay
         resumes and takes its ranks over."""
-        conn = cls(host=host, ranks=ranks, peer="(not resumed)", stream=None, sealer=None,
+        return cls(host=host, ranks=ranks, peer="(not resumed)", stream=None, sealer=None,
                    opener=None, write_stall_timeout=write_stall_timeout, index=index,
                    model_sigs=model_sigs)
-        conn.paused_since = trio.current_time()
-        return conn
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self._lifecycle
 
     @property
     def awaiting_resume(self) -> bool:
         """A relay of an adopted session that has not resumed (nor been given up on) yet."""
-        return self._stream is None and self.close_reason is None
+        return self._lifecycle is Lifecycle.AWAITING
+
+    @property
+    def paused(self) -> bool:
+        """Its ranks' silence does not count now: its reader waits for room in a full channel,
+        or it is a relay awaiting its resume."""
+        return self._paused_since is not None
+
+    @contextlib.contextmanager
+    def reading_paused(self) -> Iterator[None]:
+        """Around the reader's wait for room in a full channel: the coordinator is not reading
+        this connection meanwhile (:attr:`paused`), and :meth:`stop_delivery` ends the wait."""
+        self._paused_since = trio.current_time()
+        try:
+            with trio.CancelScope() as scope:
+                self._delivery_scope = scope
+                yield
+        finally:
+            self._delivery_scope = None
+            self._paused_since = None
+
+    def stop_delivery(self) -> None:
+        """Shutdown: nobody reads the channels any more; the reader's wait for room ends."""
+        if self._delivery_scope is not None:
+            self._delivery_scope.cancel()
+
+    def told_cadence(self, period: float) -> None:
+        """The relay was told (or is being told) to pace its heartbeats to ``period``."""
+        self.cadence = period
 
     @property
     def stream(self) -> trio.abc.Stream:
@@ -198,7 +257,8 @@ class RelayConn:
     @property
     def alive(self) -> bool:
         """Connected and not ended (a relay awaiting its resume is not connected yet)."""
-        return self.close_reason is None and not self.closed and self._stream is not None
+        return (self._lifecycle is Lifecycle.ADMITTED or self._lifecycle is Lifecycle.JOINED
+                ) and not self.closed
 
     @property
     def lost_reason(self) -> str | None:
@@ -225,11 +285,14 @@ class RelayConn:
 
     def open_session(self, codec: FrameCodec) -> CoordinatorSession:
         """The connection's one session, opened once its join is confirmed (its ``Ready``
-        verified) and before its writer starts; later calls return the same object."""
+        verified) and before its writer starts: the connection is ``JOINED``. Later calls
+        return the same object."""
         if self.session is None:
             # Records that came in the same read as the relay's Ready are in the opener already.
             self.session = CoordinatorSession(self.opener, self.sealer, codec, host=self.host,
                                               ranks=self.ranks)
+            if self._lifecycle is Lifecycle.ADMITTED:
+                self._lifecycle = Lifecycle.JOINED
         return self.session
 
     def submit_frame(self, rank: int, frame: bytes, delivery: Delivery | None) -> None:
@@ -262,7 +325,7 @@ class RelayConn:
         """The session to seal with, or None (``delivery`` settled as failed): the connection
         ended, or it has not joined yet (the handshake still owns the stream)."""
         session = self.session
-        if session is not None and self.alive:
+        if self._lifecycle is Lifecycle.JOINED and not self.closed:
             return session
         if delivery is not None:
             delivery.settle(self, f"connection lost ({self._end_text()})" if session is not None
@@ -364,6 +427,7 @@ class RelayConn:
         self._mark(_RETIRE, None)
         if self.close_reason is None:
             self.close_reason = CloseReason("retired", reason)
+            self._lifecycle = Lifecycle.ENDED
         self._retire_grace = grace
 
     async def run_writer(self) -> None:
@@ -439,6 +503,7 @@ class RelayConn:
         first = self.close_reason is None
         if first:
             self.close_reason = CloseReason("stalled" if stalled else "lost", reason)
+            self._lifecycle = Lifecycle.ENDED
         self._ended.set()
         if self._queue is not None:
             self._queue.send.close()

@@ -57,6 +57,10 @@ class Roster(LivenessRules[M]):
         # uncovered, a death or a clean exit (the rank's relay); formation complete (None).
         self.on_change: Callable[[M | None], None] = _unchanged
 
+    def report_changes_to(self, on_change: Callable[[M | None], None]) -> None:
+        """Call ``on_change`` after each change a session store keeps (see ``on_change``)."""
+        self.on_change = on_change
+
     # ------------------------------------------------------------------ views
 
     @property
@@ -229,6 +233,10 @@ class Roster(LivenessRules[M]):
     def same_relay(self, host: str, ranks: tuple[int, ...]) -> list[M]:
         """Registered relays with exactly this host and these ranks (a re-dial replaces them)."""
         return [old for old in self._by_host.get(host, ()) if old.ranks == ranks]
+
+    def relays_of_host(self, host: str) -> tuple[M, ...]:
+        """Registered relays of ``host``, in the order they registered."""
+        return tuple(self._by_host.get(host, ()))
 
     def register(self, relay: M, now: float) -> None:
         """Reserve ``relay``'s ranks; formation waits for :meth:`confirm` (its ``Ready``)."""

@@ -68,6 +68,15 @@ class Sender:
                 task_status.started()
                 await trio.sleep_forever()
 
+    def await_resumes(self) -> None:
+        """Relays of an adopted session await their resume (._adopt): from now on a broadcast,
+        or a send to one of their ranks, waits for them (:meth:`resumes_moved`)."""
+        self.resumes = trio.Event()
+
+    def forget_resumes(self) -> None:
+        """Nobody waits for a resume any more (shutdown, or the coordinator stepped down)."""
+        self.resumes.set()
+
     def resumes_moved(self, *, all_done: bool) -> None:
         """Relays awaiting their resume resumed or were given up on (``all_done``: none is
         left): wake the sends waiting for them."""

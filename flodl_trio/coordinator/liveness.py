@@ -264,7 +264,7 @@ class Liveness:
             # A lost relay is *not* skipped: without declare_dead_on_relay_loss its ranks are
             # declared by staleness, as in flodl (skipping them left them live forever).
             overdue, next_check = self._roster.stale(
-                trio.current_time(), timeout, lambda conn: conn.paused_since is not None)
+                trio.current_time(), timeout, lambda conn: conn.paused)
             for rank in overdue:
                 self.mark_dead(rank, reason)
             self._wake_event = trio.Event()
@@ -296,7 +296,7 @@ class Liveness:
             self.repace()
         if self.heartbeat_period == self._config.heartbeat_interval:
             return None
-        conn.cadence = self.heartbeat_period
+        conn.told_cadence(self.heartbeat_period)
         return Cadence(interval=self.heartbeat_period)
 
     def joined(self, conn: RelayConn) -> None:
@@ -311,7 +311,7 @@ class Liveness:
         connection that ended or has not joined)."""
         if not conn.alive or conn.session is None:
             return
-        conn.cadence = self.heartbeat_period
+        conn.told_cadence(self.heartbeat_period)
         # RelayConn.submit_control seals through the connection's CoordinatorSession, whose
         # send takes a Cadence; its annotation names only Goodbye and FenceRank.
         conn.submit_control(cast(Any, Cadence(interval=self.heartbeat_period)), None)

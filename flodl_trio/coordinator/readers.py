@@ -201,15 +201,12 @@ class Readers:
                                 msg: Any) -> None:
         """Wait until ``send`` takes ``msg``; that time is not the ranks' silence."""
         paused_at = trio.current_time()
-        conn.paused_since = paused_at
         try:
-            with trio.CancelScope() as conn.delivery_scope:
+            with conn.reading_paused():
                 await send.send(msg)  # shutdown cancels this wait: nobody will read any more
         except STREAM_GONE:
             return
         finally:
-            conn.delivery_scope = None
-            conn.paused_since = None
             # The coordinator was not reading this relay; that time is not the ranks' silence.
             self._roster.credit_pause(conn, trio.current_time() - paused_at)
 

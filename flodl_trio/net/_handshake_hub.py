@@ -116,6 +116,16 @@ class HubConn:
         self.held = None
         self.unsent.clear()
 
+    def then(self, *, deadline: float, on_event: Callable[[Any], None],
+             on_error: Callable[[BaseException], None],
+             on_sent: Callable[[], None] | None = None) -> None:
+        """Its next step (to give it back to the hub with :meth:`HandshakeHub.add`): the
+        machine's next event is due by ``deadline`` and goes to ``on_event``."""
+        self.deadline = deadline
+        self.on_event = on_event
+        self.on_error = on_error
+        self.on_sent = on_sent
+
 
 class HandshakeHub:
     """Runs the handshakes of every :class:`HubConn` it is given, in :meth:`run`'s one task.
