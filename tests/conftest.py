@@ -6,7 +6,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from cli_procs import Proc
+
+from helpers.cli_procs import Proc
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from cli_procs import PATIENCE, Proc, one_line
+
+from helpers.cli_procs import PATIENCE, Proc, one_line
 
 
 @pytest.mark.slow

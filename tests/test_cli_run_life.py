@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_procs import Proc
 
-from helpers import load_script
+from helpers.cli_procs import Proc
+from helpers.scripts import load_script
 
 pytestmark = pytest.mark.slow
 

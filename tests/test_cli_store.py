@@ -11,9 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cli_procs import Proc, one_line
-
-from helpers import load_script
+from helpers.cli_procs import Proc, one_line
+from helpers.scripts import load_script
 
 PATIENCE = 20.0  # real seconds, only a bound
 

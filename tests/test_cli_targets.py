@@ -17,7 +17,7 @@ from flodl_trio.cli._targets import CoordinatorDialer, coordinator_target
 from flodl_trio.relay import StoreDialer
 from flodl_trio.store import EtcdStore
 
-from helpers import load_script
+from helpers.scripts import load_script
 
 etcd_helper = load_script("_etcd")
 CONFIG = ft.RelayConfig()

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import trio
-from durable import ROSTER, cluster, until_stored
 
 from flodl_trio import wire
 from flodl_trio.events import RankDeclaredDead, RankRejoined
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import wait_until
+from helpers.durable import ROSTER, cluster, until_stored
 
 
 async def test_relays_that_resume_are_attached_without_a_death_or_declare_alive(

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import trio
-from durable import ROSTER, SIGS, cluster, stored, until_stored
 
 import flodl_trio as ft
 from flodl_trio.events import ClusterFailed
@@ -20,6 +19,7 @@ from flodl_trio.store import SessionState, salt_id
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import wait_until
+from helpers.durable import ROSTER, SIGS, cluster, stored, until_stored
 
 
 async def test_fresh_run_saves_its_roster_at_formation_before_the_block_is_entered(

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 import pytest
 import trio
-from durable import ROSTER, cluster, crash, stored, until_stored
 
 import flodl_trio as ft
 from flodl_trio.store import MemoryStore, SessionState
 
 from helpers import wait_until
+from helpers.durable import ROSTER, cluster, crash, stored, until_stored
 
 
 class SlowStore(MemoryStore):

@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cli_procs import Proc
+
+from helpers.cli_procs import Proc
 
 
 @pytest.mark.slow

@@ -19,16 +19,8 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 
-from helpers import (
-    COORD,
-    Recorder,
-    drain_and_close,
-    events_of,
-    live_task_names,
-    raw_relay_handshake,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, Recorder, events_of, live_task_names, start_host, wait_until
+from helpers.raw import drain_and_close, raw_relay_handshake
 
 SERVE = "flodl_trio.coordinator.formation.Formation.serve_connection"
 

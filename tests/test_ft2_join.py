@@ -13,13 +13,8 @@ import trio
 import flodl_trio as ft
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import (
-    COORD,
-    drain_and_close,
-    raw_coordinator_accept,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, start_host, wait_until
+from helpers.raw import drain_and_close, raw_coordinator_accept
 
 
 async def test_relays_with_agreeing_model_signatures_form(

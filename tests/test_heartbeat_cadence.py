@@ -22,14 +22,8 @@ from flodl_trio import wire
 from flodl_trio.events import RankDeclaredDead
 from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 
-from helpers import (
-    COORD,
-    Recorder,
-    raw_relay_handshake,
-    read_one_record,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, Recorder, start_host, wait_until
+from helpers.raw import raw_relay_handshake, read_one_record
 
 CONTROL = int(wire.RecordKind.CONTROL)
 EIGHT = {f"host-{r}": [r] for r in range(8)}

@@ -16,15 +16,8 @@ from flodl_trio.status import render_prometheus
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown
 
-from helpers import (
-    COORD,
-    RawRelay,
-    events_of,
-    raw_relay_handshake,
-    start_host,
-    start_rank,
-    wait_until,
-)
+from helpers import COORD, events_of, start_host, start_rank, wait_until
+from helpers.raw import RawRelay, raw_relay_handshake
 
 
 def test_counter_reports_a_burst_then_one_summary_per_interval_with_the_folded_counts() -> None:

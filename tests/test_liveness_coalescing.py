@@ -17,15 +17,8 @@ from flodl_trio.events import InvalidFrame, RankDeclaredDead
 from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 from flodl_trio.wire import Invalid, RankFrame, RankHeartbeat, RankLinkSession
 
-from helpers import (
-    COORD,
-    Recorder,
-    raw_coordinator_accept,
-    raw_relay_handshake,
-    read_one_record,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, Recorder, start_host, wait_until
+from helpers.raw import raw_coordinator_accept, raw_relay_handshake, read_one_record
 
 SALT = wire.SessionSalt(bytes(range(16)))
 CODEC = wire.FrameCodec(SALT)

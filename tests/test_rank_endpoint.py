@@ -17,14 +17,8 @@ from flodl_trio.events import RankDeclaredDead, RankExited
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import CoordHeartbeat, DeclareDead, Heartbeat, SetGlobalStep, Shutdown
 
-from helpers import (
-    COORD,
-    Recorder,
-    events_of,
-    raw_coordinator_accept,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, Recorder, events_of, start_host, wait_until
+from helpers.raw import raw_coordinator_accept
 
 
 async def test_rank_not_below_world_size_is_a_config_error_before_dialing() -> None:

@@ -18,13 +18,8 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import (
-    COORD,
-    raw_coordinator_accept,
-    raw_rank_accept,
-    read_one_record,
-    start_host,
-)
+from helpers import COORD, start_host
+from helpers.raw import raw_coordinator_accept, raw_rank_accept, read_one_record
 
 FAKE_RELAY = "fake-relay"
 WORLD = 4

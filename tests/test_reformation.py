@@ -20,7 +20,7 @@ from flodl_trio.sim import SimRecord, SimulatedCrash
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import NewNcclSession, RequestNewNcclId, StartEpoch
 
-from helpers import SimCluster, sim_cluster
+from helpers.sims import SimCluster, sim_cluster
 
 
 def args(**per_rank: dict[int, Any]) -> Callable[[int], dict[str, Any]]:

@@ -24,7 +24,8 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import COORD, RawRelay, drain_and_close, raw_relay_handshake, wait_until
+from helpers import COORD, wait_until
+from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
 
 SIGS = {"model": bytes(range(32))}
 

@@ -15,7 +15,8 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import COORD, drain_and_close, raw_relay_handshake, start_host, wait_until
+from helpers import COORD, start_host, wait_until
+from helpers.raw import drain_and_close, raw_relay_handshake
 
 
 async def test_host_restarted_after_the_final_shutdown_is_not_left_waiting_for_a_run_that_ended(

@@ -30,7 +30,8 @@ from flodl_trio.events import (
 from flodl_trio.testing import EventLog, MemoryNetwork
 from flodl_trio.wire import RankDropped, RecordKind, encode
 
-from helpers import COORD, RawRelay, drain_and_close, raw_relay_handshake, wait_until
+from helpers import COORD, wait_until
+from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
 
 SIGS = {"model": bytes(range(32))}
 
@@ -426,7 +427,7 @@ async def test_relay_joining_during_formation_is_told_the_deaths_declared_before
 ) -> None:
     from flodl_trio import wire
 
-    from helpers import read_one_record
+    from helpers.raw import read_one_record
 
     async with forming(memory_network) as run:
         a = await run.join("host-a", [0, 1])

@@ -25,7 +25,8 @@ from flodl_trio.events import (
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog
 
-from helpers import load_script, start_relay_processes, wait_until
+from helpers import wait_until
+from helpers.scripts import load_script, start_relay_processes
 
 RelayProcess = load_script("_relay_proc").RelayProcess
 SIM = ("--sim-batch-ms", "40", "--batch-size", "4")

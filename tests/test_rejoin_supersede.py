@@ -19,7 +19,8 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import COORD, drain_and_close, raw_relay_handshake, wait_until
+from helpers import COORD, wait_until
+from helpers.raw import drain_and_close, raw_relay_handshake
 
 
 def superseded(log: EventLog) -> list[tuple[str, tuple[int, ...]]]:

@@ -15,7 +15,8 @@ import flodl_trio as ft
 from flodl_trio.events import ClusterFailed, RankRejoined, RelayLost
 from flodl_trio.testing import EventLog
 
-from helpers import load_script, start_relay_processes, wait_until
+from helpers import wait_until
+from helpers.scripts import load_script, start_relay_processes
 
 RelayProcess = load_script("_relay_proc").RelayProcess
 

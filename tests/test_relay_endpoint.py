@@ -14,16 +14,8 @@ from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown
 
-from helpers import (
-    COORD,
-    Recorder,
-    events_of,
-    raw_coordinator_accept,
-    read_one_record,
-    start_host,
-    start_rank,
-    wait_until,
-)
+from helpers import COORD, Recorder, events_of, start_host, start_rank, wait_until
+from helpers.raw import raw_coordinator_accept, read_one_record
 
 
 async def raw_rank_hello(net: MemoryNetwork, relay: str, hello: bytes) -> bytes:

@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 import trio
-from durable_peer import accept_leg
-from frozen import Freeze, FrozenListener, FrozenStore, publish_once_leading
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -25,6 +23,8 @@ from flodl_trio.store import MemoryStore
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import HostRun, start_host, wait_until
+from helpers.durable_peer import accept_leg
+from helpers.frozen import Freeze, FrozenListener, FrozenStore, publish_once_leading
 
 ROSTER = (("host-a", (0, 1)), ("host-b", (2, 3)))
 LEASE_TTL = 2.0  # an etcd lease at its default TTL: the standby leads this long after the freeze

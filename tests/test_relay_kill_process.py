@@ -12,7 +12,8 @@ import trio
 import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayLost
 
-from helpers import EventLog, load_script, start_relay_processes
+from helpers import EventLog
+from helpers.scripts import load_script, start_relay_processes
 
 _relay_proc = load_script("_relay_proc")
 RelayProcess = _relay_proc.RelayProcess

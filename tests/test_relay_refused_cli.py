@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import trio
-from cli_procs import Proc, one_line
 
 import flodl_trio as ft
+
+from helpers.cli_procs import Proc, one_line
 
 SALT_HEX = "ab" * 16
 OTHER_SALT_HEX = "cd" * 16

@@ -13,21 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 import trio
-from durable_peer import (
-    GONE,
-    accept_leg,
-    finish,
-    joined_durably,
-    relay_of,
-    send_snapshots,
-)
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.net._handshake_io import run_handshake
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import read_one_record, wait_until
+from helpers import wait_until
+from helpers.durable_peer import GONE, accept_leg, finish, joined_durably, relay_of, send_snapshots
+from helpers.raw import read_one_record
 
 # ---------------------------------------------------------------- riding it out
 

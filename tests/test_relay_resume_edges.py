@@ -10,13 +10,21 @@ from typing import Any
 
 import pytest
 import trio
-from durable_peer import RANK_CFG, accept_leg, finish, joined_durably, relay_of, send_snapshots
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import read_one_record, wait_until
+from helpers import wait_until
+from helpers.durable_peer import (
+    RANK_CFG,
+    accept_leg,
+    finish,
+    joined_durably,
+    relay_of,
+    send_snapshots,
+)
+from helpers.raw import read_one_record
 
 
 @pytest.mark.parametrize("how", ["eof", "reset", "forged record", "write stall"])

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import trio
-from frozen import publish_once_leading
 
 import flodl_trio as ft
 from flodl_trio.net._transport import dial
@@ -19,6 +18,7 @@ from flodl_trio.store import MemoryStore
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import start_host, wait_until
+from helpers.frozen import publish_once_leading
 
 
 async def test_a_join_through_a_store_without_a_leader_says_what_it_waits_for_until_it_leads(

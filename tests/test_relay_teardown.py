@@ -8,7 +8,8 @@ import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, raw_coordinator_accept, start_host, wait_until
+from helpers import COORD, start_host, wait_until
+from helpers.raw import raw_coordinator_accept
 
 
 async def test_frames_verified_before_a_tampered_record_reach_every_rank(

@@ -19,7 +19,7 @@ from flodl_trio import wire
 from flodl_trio.relay.pump import Pump
 from flodl_trio.relay.ranks import LocalRanks
 
-from helpers import read_one_record
+from helpers.raw import read_one_record
 
 KEY = b"k" * 32
 

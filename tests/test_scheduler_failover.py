@@ -23,7 +23,7 @@ from flodl_trio.store import SessionState, salt_id
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import ExtendPartition, Shutdown, StartEpoch, SyncNow
 
-from helpers import SimCluster, sim_cluster
+from helpers.sims import SimCluster, sim_cluster
 
 
 def sim_args(batch_size: int, speeds: dict[int, float], **per_rank: dict[int, Any]) -> Any:

@@ -26,7 +26,8 @@ from flodl_trio.sim import SimRecord
 from flodl_trio.store import MemoryStore, SessionState
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import sim_cluster, wait_until
+from helpers import wait_until
+from helpers.sims import sim_cluster
 
 
 class RecordingStore(MemoryStore):

@@ -12,7 +12,7 @@ from flodl_trio.local_cluster import layout
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import sim_cluster
+from helpers.sims import sim_cluster
 
 
 def notes(timeline: Any, what: str) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 
-from helpers import live_task_names, raw_relay_handshake, wait_until
+from helpers import live_task_names, wait_until
+from helpers.raw import raw_relay_handshake
 
 UID = 48 * 1024  # a few of these fill a loopback socket's buffers
 

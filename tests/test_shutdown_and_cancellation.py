@@ -17,15 +17,8 @@ from flodl_trio.events import (
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
 
-from helpers import (
-    COORD,
-    RawRelay,
-    Recorder,
-    events_of,
-    raw_relay_handshake,
-    start_host,
-    wait_until,
-)
+from helpers import COORD, Recorder, events_of, start_host, wait_until
+from helpers.raw import RawRelay, raw_relay_handshake
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 

@@ -30,7 +30,7 @@ from flodl_trio.wire import (
     SyncNow,
 )
 
-from helpers import SimCluster, sim_cluster
+from helpers.sims import SimCluster, sim_cluster
 
 SILENT = ft.RankConfig(heartbeat_interval=1e6)  # a hung process: no heartbeats either
 

@@ -33,7 +33,7 @@ from flodl_trio.wire import (
     encode_fanout,
 )
 
-from helpers import raw_rank_accept
+from helpers.raw import raw_rank_accept
 
 
 async def _connected_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

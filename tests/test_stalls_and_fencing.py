@@ -21,17 +21,8 @@ from flodl_trio.relay._link import RankLink
 from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep
 
-from helpers import (
-    COORD,
-    RawRank,
-    RawRelay,
-    Recorder,
-    formed_at,
-    raw_relay_handshake,
-    start_host,
-    upstream_of,
-    wait_until as poll_until,
-)
+from helpers import COORD, Recorder, formed_at, start_host, upstream_of, wait_until as poll_until
+from helpers.raw import RawRank, RawRelay, raw_relay_handshake
 
 TWO_HOSTS = {"host-0": [0, 1], "host-1": [2, 3]}
 

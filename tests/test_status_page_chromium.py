@@ -21,7 +21,7 @@ import flodl_trio as ft
 from flodl_trio.coordinator._boardview import board_document
 from flodl_trio.status import serve_status
 
-from helpers import load_script, start_relay_processes
+from helpers.scripts import load_script, start_relay_processes
 
 _chromium = load_script("_chromium")
 

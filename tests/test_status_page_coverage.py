@@ -19,7 +19,7 @@ from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.status import serve_status
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import sim_cluster
+from helpers.sims import sim_cluster
 
 
 async def board_json(net: MemoryNetwork, coord: Coordinator) -> dict[str, Any]:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from store_helpers import state
 
 from flodl_trio import LeadershipLost
 from flodl_trio.store import EtcdStore, MemoryStore, SessionStore, SqliteStore
 
-from helpers import load_script
+from helpers.scripts import load_script
+from helpers.store import state
 
 etcd_helper = load_script("_etcd")
 _prefixes = itertools.count()

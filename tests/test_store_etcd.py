@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import trio
-from store_helpers import Flag, state
 
 from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
 from flodl_trio.store import EtcdStore
 
-from helpers import load_script
+from helpers.scripts import load_script
+from helpers.store import Flag, state
 
 etcd_helper = load_script("_etcd")
 pytestmark = pytest.mark.skipif(etcd_helper.etcd_binary() is None,

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 import trio
-from cli_procs import Proc, one_line
-from store_helpers import Flag, state
 
 from flodl_trio import RelayConfig, StoreAuthError, StoreUnavailable
 from flodl_trio.cli._targets import coordinator_target
 from flodl_trio.relay import StoreDialer
 from flodl_trio.store import EtcdStore, open_store
 
-from helpers import load_script
+from helpers.cli_procs import Proc, one_line
+from helpers.scripts import load_script
+from helpers.store import Flag, state
 
 etcd_helper = load_script("_etcd")
 pytestmark = [pytest.mark.slow,

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import trio
-from durable import cluster, stored
-from store_helpers import state
 
 from flodl_trio.status import render_prometheus
 from flodl_trio.store import MemoryStore, SessionState, SqliteStore
 from flodl_trio.store._sqlite import WAL_LIMIT
 from flodl_trio.testing import MemoryNetwork, open_local_cluster, wait_until
+
+from helpers.durable import cluster, stored
+from helpers.store import state
 
 
 class TimedStore(MemoryStore):

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import trio
-from store_helpers import state
 
 import flodl_trio as ft
 from flodl_trio.scheduler import SyncScheduler
@@ -25,7 +24,8 @@ from flodl_trio.status import fetch_state
 from flodl_trio.store import EtcdStore
 from flodl_trio.testing import open_local_cluster
 
-from helpers import load_script
+from helpers.scripts import load_script
+from helpers.store import state
 
 etcd_helper = load_script("_etcd")
 pytestmark = [pytest.mark.slow,

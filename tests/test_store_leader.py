@@ -14,7 +14,7 @@ import trio
 from flodl_trio import StoreCorrupt
 from flodl_trio.store import EtcdStore, MemoryStore, SqliteStore
 
-from helpers import load_script
+from helpers.scripts import load_script
 
 etcd_helper = load_script("_etcd")
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import trio
-from durable import ROSTER, cluster, stored
 
 import flodl_trio as ft
 from flodl_trio.events import ClusterFailed, RankDeclaredDead
@@ -22,7 +21,8 @@ from flodl_trio.status import fetch_state
 from flodl_trio.store import EtcdStore, MemoryStore, SessionState
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import load_script
+from helpers.durable import ROSTER, cluster, stored
+from helpers.scripts import load_script
 
 
 async def test_a_graceful_end_is_recorded_in_the_store_before_the_leadership_is_released(

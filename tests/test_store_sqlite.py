@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import trio
-from store_helpers import Flag, state
 
 from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
 from flodl_trio.store import SessionState, SqliteStore
+
+from helpers.store import Flag, state
 
 
 async def test_a_restarted_coordinator_loads_what_the_last_one_saved(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from datetime import datetime, timedelta
 
 import pytest
 import trio
-from cli_procs import Proc
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -23,6 +22,7 @@ from flodl_trio.cli._errors import error_line
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import COORD, start_host
+from helpers.cli_procs import Proc
 
 UNTIL = re.compile(r"until (\d\d:\d\d:\d\d)")
 

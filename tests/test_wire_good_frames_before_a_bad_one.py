@@ -18,16 +18,13 @@ from flodl_trio import wire
 from flodl_trio.events import RelayLost
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import (
-    COORD,
+from helpers import COORD, events_of, start_host, wait_until
+from helpers.raw import (
     RawRank,
-    events_of,
     raw_coordinator_accept,
     raw_rank_accept,
     raw_relay_handshake,
     read_one_record,
-    start_host,
-    wait_until,
 )
 
 OVERSIZED = struct.pack("<I", wire.MAX_LEN_FRAME + 1)  # a length prefix over the ceiling

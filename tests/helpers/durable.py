@@ -17,7 +17,7 @@ from flodl_trio.net._handshake_io import run_handshake
 from flodl_trio.store import MemoryStore, SessionState
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import RawRelay
+from helpers.raw import RawRelay
 
 SIGS = {"model": bytes(range(32))}
 ROSTER = (("host-a", (0, 1)), ("host-b", (2, 3)))

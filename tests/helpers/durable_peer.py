@@ -17,7 +17,8 @@ from flodl_trio import wire
 from flodl_trio.net._handshake_io import run_handshake
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, HostRun, read_one_record, start_host, wait_until
+from helpers import COORD, HostRun, start_host, wait_until
+from helpers.raw import read_one_record
 
 GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 # Ranks whose own watchdog would fire in 3 s: only the relay's feeding keeps them up in a gap.

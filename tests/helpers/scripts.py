@@ -1,0 +1,58 @@
+"""The programs of ``scripts/`` in the tests: loaded as modules, or started as processes."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import trio
+
+import flodl_trio as ft
+
+SCRIPTS = Path(__file__).resolve().parent.parent.parent / "scripts"
+TWO_HOSTS = (("host-a", [0, 1]), ("host-b", [2, 3]))
+
+
+@functools.cache
+def load_script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` as a module: the child programs and their parent-side handles.
+
+    For a package ``scripts/NAME/`` (the fault scenarios of ``scripts/_chaos``) the package is
+    also registered in ``sys.modules``, so that its modules import as ``NAME.x``, as they do for
+    a script run from ``scripts/`` (whose folder is the first entry of its ``sys.path``).
+    """
+    package = SCRIPTS / name
+    if package.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            name, package / "__init__.py", submodule_search_locations=[str(package)])
+    else:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if package.is_dir():
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def start_relay_processes(
+    nursery: trio.Nursery, coordinator: tuple[str, int], salt: ft.SessionSalt,
+    children: list[Any], *, hosts: Sequence[tuple[str, list[int]]] = TWO_HOSTS,
+    world_size: int = 4, extra: Sequence[str] = (),
+) -> list[Any]:
+    """One ``scripts/_relay_proc.py`` process (a relay and its ranks) per host, in order; each
+    joins ``children`` as soon as it started, so the caller's cleanup stops it whatever fails
+    next. Returns the new ones."""
+    relay_process = load_script("_relay_proc").RelayProcess
+    started = []
+    for host, ranks in hosts:
+        child = await relay_process.start(nursery, coordinator=coordinator, salt=salt, host=host,
+                                          ranks=ranks, world_size=world_size, extra=tuple(extra))
+        children.append(child)
+        started.append(child)
+    return started
