@@ -14,16 +14,6 @@ from __future__ import annotations
 from typing import Literal
 
 import trio
-from _streams import FaultyFirstDial
-from _util import (
-    COORD,
-    EventLog,
-    Outcome,
-    category,
-    first,
-    run_cluster,
-    upstream_handshake,
-)
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -37,6 +27,17 @@ from flodl_trio.events import (
     RelayLost,
 )
 from flodl_trio.testing import MemoryNetwork
+
+from .streams import FaultyFirstDial
+from .util import (
+    COORD,
+    EventLog,
+    Outcome,
+    category,
+    first,
+    run_cluster,
+    upstream_handshake,
+)
 
 Dir = Literal["up", "down"]
 UPSTREAM = upstream_handshake("host-a", (0, 1))

@@ -19,9 +19,10 @@ from typing import Any
 
 import attrs
 import trio
-from _procs import Child, child_env, cli, rank_address
 
 import flodl_trio as ft
+
+from .procs import Child, child_env, cli, rank_address
 
 SUBNET_PREFIX = 24
 ADDRESS_1 = "10.213.7.1"  # inside NS1 only

@@ -13,11 +13,12 @@ from typing import Literal
 
 import attrs
 import trio
-from _util import EventLog, Outcome, first
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import FormationFailed, RankDeclaredDead
+
+from .util import EventLog, Outcome, first
 
 SALT_ENV = "FLODL_SALT_HEX"
 _MAX_LINES = 100_000

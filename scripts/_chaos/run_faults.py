@@ -10,8 +10,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import trio
-from _streams import DuplicateOneSend, FaultyFirstDial, RecordingStream
-from _util import (
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.chaos import FaultPlan, FaultyStream
+from flodl_trio.events import HandshakeRejected, RankDeclaredDead, RelayJoined
+from flodl_trio.testing import MemoryNetwork
+
+from .streams import DuplicateOneSend, FaultyFirstDial, RecordingStream
+from .util import (
     COORD,
     EventLog,
     Outcome,
@@ -21,12 +28,6 @@ from _util import (
     upstream_handshake,
     wait_until,
 )
-
-import flodl_trio as ft
-from flodl_trio import wire
-from flodl_trio.chaos import FaultPlan, FaultyStream
-from flodl_trio.events import HandshakeRejected, RankDeclaredDead, RelayJoined
-from flodl_trio.testing import MemoryNetwork
 
 Fault = Literal["cut", "reset", "stall-write", "stall-silent"]
 FAULTS: tuple[Fault, ...] = ("cut", "reset", "stall-write", "stall-silent")

@@ -1,8 +1,9 @@
-"""Stall scenarios with real processes (issue 13), shared by ``test_chaos_stalls.py`` and the
-``stall`` family of ``scripts/chaos_sweep.py``: relay processes (the CLI as shipped, by default
-with ``FLODL_NET_TIMEOUT_SCALE=0.1``: relay write stall 3 s, shutdown grace 0.5 s), in-test rank
-endpoints or rank processes, an in-test coordinator; SIGSTOP/SIGCONT to freeze a process while
-its sockets stay open. Each scenario returns what it measured; the callers judge it.
+"""Stall scenarios with real processes (issue 13), shared by ``tests/chaos/test_chaos_stalls.py``
+and the ``stall`` family of ``scripts/chaos_sweep.py``: relay processes (the CLI as shipped, by
+default with ``FLODL_NET_TIMEOUT_SCALE=0.1``: relay write stall 3 s, shutdown grace 0.5 s),
+in-test rank endpoints or rank processes, an in-test coordinator; SIGSTOP/SIGCONT to freeze a
+process while its sockets stay open. Each scenario returns what it measured; the callers judge
+it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 import attrs
 import trio
-from _procs import Child, child_env, cli, rank_address
 
 import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayStalled
 from flodl_trio.testing import EventLog
 from flodl_trio.wire import NewNcclSession, SetGlobalStep
+
+from .procs import Child, child_env, cli, rank_address
 
 BIG = 4 * 1024 * 1024  # one frame this large fills a good part of a loopback socket's buffers
 

@@ -1,6 +1,6 @@
 """Helpers of the fault suite: handshake byte maps, hosts that record, one-fault clusters.
 
-Self-contained (no import of ``tests/helpers.py``), so ``pytest tests/chaos`` and
+Self-contained (no import of the tests' helpers), so ``pytest tests/chaos`` and
 ``scripts/chaos_sweep.py`` both work on their own. Everything here is built from the public API
 plus :mod:`flodl_trio.wire`, :mod:`flodl_trio.chaos` and :mod:`flodl_trio.testing`.
 """
@@ -13,11 +13,12 @@ from typing import Any
 
 import attrs
 import trio
-from _streams import plain_dialer
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.testing import EventLog, MemoryNetwork, wait_until
+
+from .streams import plain_dialer
 
 COORD = "coordinator"
 NONCE = bytes(16)  # CBOR lengths do not depend on the nonce's value, only on its length
