@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_DEFAULTS = "--kill-relay host-c@1.5 --timeline demo-timeline.jsonl"
 VENV_PIP = ".venv/bin/python -m pip install --quiet"
 

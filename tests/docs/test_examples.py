@@ -22,7 +22,7 @@ import pytest
 import flodl_trio
 from flodl_trio.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXAMPLES = ROOT / "examples"
 README = ROOT / "README.md"
