@@ -5,24 +5,17 @@ relay once the world is large."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
 
 import trio
 
 from flodl_trio import RankEndpoint, wire
 from flodl_trio.coordinator._board import MAX_HARDWARE_CHARS, MAX_PUSHING_RANKS, Board
 from flodl_trio.coordinator._boardview import RELAY_COLUMNS, board_document, page_phase
-from flodl_trio.coordinator._roster import Roster
 from flodl_trio.testing import MemoryNetwork, open_local_cluster, wait_until
 
+from helpers.board import big_world, metrics
+
 SVG_NS = 'xmlns="http://www.w3.org/2000/svg"'
-
-
-def metrics(rank: int, epoch: int, samples: int, epoch_ms: float) -> wire.Metrics:
-    return wire.Metrics(rank=rank, epoch=epoch, avg_loss=0.5 + rank, batches_processed=1,
-                        epoch_ms=epoch_ms, samples_processed=samples, share_complete_ms=1.0,
-                        compute_only_ms=1.0, data_starve_ms=0.0, scalars={})
 
 
 async def push_everything(ep: RankEndpoint) -> None:
@@ -91,32 +84,6 @@ def test_pushes_are_kept_for_the_ranks_that_pushed_last_and_the_rest_counted() -
     (push,) = [p for p in board.pushes() if p.rank == 45]
     assert push.svg is None and push.svg_error == (
         "rank 45: SVG of 70000 chars: expected at most 65536 bytes")
-
-
-class FakeRelay:
-    def __init__(self, host: str, ranks: Iterable[int]) -> None:
-        self.host = host
-        self.ranks = tuple(ranks)
-        self.rank_set = frozenset(self.ranks)
-        self.peer = f"127.0.0.1:{40000 + len(host)}"
-        self.alive = True
-        self.model_sigs: dict[str, bytes] = {}
-
-
-def big_world(world: int = 16384, per_relay: int = 8) -> tuple[Roster[Any], Board]:
-    roster: Roster[Any] = Roster(world)
-    board = Board(world)
-    for i in range(world // per_relay):
-        relay = FakeRelay(f"host-{i}", range(i * per_relay, (i + 1) * per_relay))
-        roster.register(relay, 0.0)
-        roster.confirm(relay)
-    roster.start_running(0.0)
-    for r in range(world):
-        board.on_message(wire.Heartbeat(rank=r, step_count=7))
-    for r in (9, 10, *range(1000, 1300)):
-        roster.mark_dead(r, f"rank {r} went silent")
-    roster.mark_exited(20)
-    return roster, board
 
 
 def test_a_16384_rank_world_is_one_row_of_counts_per_relay_and_the_last_deaths() -> None:

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import math
 
-import attrs
 from hypothesis import given, strategies as st
 
 import flodl_trio as ft
 from flodl_trio.coordinator._roster import Roster, ranks_text
 from flodl_trio.wire import SaveReason
 
-
-@attrs.frozen(eq=False)
-class FakeRelay:
-    host: str
-    ranks: tuple[int, ...]
-    peer: str = "10.0.0.1:4000"
-    alive: bool = True
-    model_sigs: dict[str, bytes] = attrs.Factory(dict)
+from helpers.board import FakeRelay
 
 
 def formed(world: int, per_relay: int) -> tuple[Roster[FakeRelay], list[FakeRelay]]:

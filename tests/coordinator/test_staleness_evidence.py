@@ -27,15 +27,7 @@ from flodl_trio.testing import EventLog, MemoryNetwork, open_local_cluster
 from flodl_trio.wire import Liveness
 
 from helpers import Recorder, wait_until
-
-
-@attrs.frozen(eq=False)
-class FakeRelay:
-    host: str
-    ranks: tuple[int, ...]
-    peer: str = "10.0.0.1:4000"
-    alive: bool = True
-    model_sigs: dict[str, bytes] = attrs.Factory(dict)
+from helpers.board import FakeRelay
 
 
 @attrs.frozen

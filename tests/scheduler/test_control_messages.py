@@ -14,7 +14,6 @@ from hypothesis import given, strategies as st
 import flodl_trio as ft
 from flodl_trio.local_cluster import layout, open_local_cluster
 from flodl_trio.scheduler import (
-    RunSummary,
     SyncScheduler,
     partition_sizes,
     plan_epoch,
@@ -23,41 +22,15 @@ from flodl_trio.scheduler import (
 )
 from flodl_trio.testing import LocalCluster, MemoryNetwork
 from flodl_trio.wire import (
-    Batch,
-    ControlMsg,
     EpochAggregated,
     EpochPlan,
-    Metrics,
     SetEpochCallbackRole,
     SetGlobalStep,
     StartEpoch,
     SyncNow,
 )
 
-
-def batch(rank: int, step: int = 1) -> Batch:
-    return Batch(rank=rank, batch_ms=1.0, data_ms=0.0, step_count=step, param_norm=None,
-                 batch_loss=1.0)
-
-
-def metrics_for(rank: int, plan_epoch_: int, samples: int, *, avg_loss: float = 1.0,
-                scalars: dict[str, tuple[float, int]] | None = None,
-                epoch_ms: float = 100.0) -> Metrics:
-    return Metrics(rank=rank, epoch=plan_epoch_, avg_loss=avg_loss, batches_processed=1,
-                   epoch_ms=epoch_ms, samples_processed=samples, share_complete_ms=epoch_ms,
-                   compute_only_ms=epoch_ms / 2, data_starve_ms=1.0,
-                   scalars=scalars if scalars is not None else {"loss": (avg_loss, 1)})
-
-
-async def answer_with_metrics(ep: ft.RankEndpoint, seen: list[ControlMsg],
-                              loss: float = 1.0) -> None:
-    """A minimal rank: every StartEpoch is answered with a Metrics for the whole plan."""
-    async for msg in ep:
-        seen.append(msg)
-        if isinstance(msg, StartEpoch):
-            await ep.send(metrics_for(ep.rank, msg.plan.epoch, msg.plan.partition_size,
-                                      avg_loss=loss, scalars={"loss": (loss * 2, 2)}))
-
+from helpers.scheduling import batch, run_answering
 
 # ---------------------------------------------------------------------------- wire sequences
 
@@ -88,19 +61,6 @@ async def first_plans(c: LocalCluster, *, role: int = 0) -> dict[int, Plan]:
         assert isinstance(start, StartEpoch)
         plans[rank] = (start.plan.epoch, start.plan.partition_offset, start.plan.partition_size)
     return plans
-
-
-async def run_answering(net: MemoryNetwork, losses: dict[int, float],
-                        **kw: Any) -> tuple[RunSummary, dict[int, list[ControlMsg]]]:
-    """A whole run over one rank per host, each answering every StartEpoch with a ``Metrics``
-    for its whole plan at its loss; the summary and what each rank received."""
-    seen: dict[int, list[ControlMsg]] = {rank: [] for rank in losses}
-    async with open_local_cluster(layout(len(losses), 1), network=net) as c:
-        async with trio.open_nursery() as nursery:
-            for rank, ep in sorted(c.ranks.items()):
-                nursery.start_soon(answer_with_metrics, ep, seen[rank], losses[rank])
-            summary = await SyncScheduler(c.coord, **kw).run()
-    return summary, seen
 
 
 async def test_one_batch_from_each_rank_brings_sync_now_then_set_global_step(

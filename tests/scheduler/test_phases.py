@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import trio
-from test_scheduler import batch, metrics_for, run_answering
 
 import flodl_trio as ft
 from flodl_trio.local_cluster import layout, open_local_cluster
@@ -19,6 +18,8 @@ from flodl_trio.scheduler._checkpoint import read_checkpoint
 from flodl_trio.scheduler._phase import TRANSITIONS, Phase, PhaseEvent, PhaseMachine
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import ControlMsg, EpochAggregated, SetGlobalStep, StartEpoch, SyncNow
+
+from helpers.scheduling import batch, metrics_for, run_answering
 
 # ---------------------------------------------------------------------------- the table
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import h11
 import pytest
 import trio
 import trio.testing
@@ -23,6 +22,8 @@ from flodl_trio.status import (
     serve_status,
 )
 from flodl_trio.testing import MemoryNetwork
+
+from helpers.http import get, parse_response, read_to_eof
 
 WEIRD_REASON = 'bad "mac"\\from\nscanner'
 
@@ -62,37 +63,6 @@ async def status_server(
         await mux.aclose()  # serve_status returns once its listener is closed
 
 
-def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
-    conn.send(h11.EndOfMessage())
-    conn.receive_data(raw)
-    conn.receive_data(b"")
-    response = conn.next_event()
-    assert isinstance(response, h11.Response)
-    headers = {k.decode(): v.decode() for k, v in response.headers}
-    body = bytearray()
-    for _ in range(len(raw) + 2):  # every event but the last consumes bytes
-        event = conn.next_event()
-        if isinstance(event, h11.EndOfMessage):
-            break
-        assert isinstance(event, h11.Data)
-        body += event.data
-    assert headers["content-length"] == str(len(body))
-    assert headers["connection"] == "close"
-    return response.status_code, headers, bytes(body)
-
-
-async def read_to_eof(stream: trio.abc.ReceiveStream, limit: int = 1 << 20) -> bytes:
-    data = bytearray()
-    while len(data) < limit:  # bounded by limit (and the caller's deadline)
-        chunk = await stream.receive_some()
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
-
-
 async def exchange(
     address: tuple[str, int], raw_request: bytes
 ) -> tuple[int, dict[str, str], bytes]:
@@ -112,10 +82,6 @@ async def read_until(stream: trio.abc.ReceiveStream, marker: bytes) -> bytes:
             break
         data += chunk
     return bytes(data)
-
-
-def get(path: str, method: str = "GET") -> bytes:
-    return f"{method} {path} HTTP/1.1\r\nHost: coord\r\nContent-Length: 0\r\n\r\n".encode()
 
 
 async def test_state_json_is_the_state_document() -> None:

@@ -16,10 +16,11 @@ from typing import Any
 import h11
 import trio
 import trio.testing
-from test_status_http import get, parse_response, read_to_eof
 
 from flodl_trio.status import serve_status
 from flodl_trio.testing import MemoryNetwork, MemoryStream, open_local_cluster
+
+from helpers.http import get, parse_response, read_to_eof
 
 
 class Board:

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import trio
-from test_status_http import get, parse_response, read_to_eof
 
 from flodl_trio import Coordinator
 from flodl_trio.coordinator._board import readable
@@ -19,6 +18,7 @@ from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.status import serve_status
 from flodl_trio.testing import MemoryNetwork
 
+from helpers.http import get, parse_response, read_to_eof
 from helpers.sims import sim_cluster
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_board import big_world, metrics
 
 import flodl_trio as ft
 from flodl_trio.coordinator._boardview import board_document
 from flodl_trio.status import serve_status
 
+from helpers.board import big_world, metrics
 from helpers.scripts import load_script, start_relay_processes
 
 _chromium = load_script("_chromium")
