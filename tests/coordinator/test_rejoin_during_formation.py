@@ -32,26 +32,14 @@ from flodl_trio.wire import RankDropped, RecordKind, encode
 
 from helpers import COORD, wait_until
 from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
-
-SIGS = {"model": bytes(range(32))}
+from helpers.rejoin import SIGS, RawCohort, quiet_config
 
 
 @attrs.define(eq=False)
-class Forming:
+class Forming(RawCohort):
     """A coordinator still forming (world 4); the test dials raw relays and hangs them up."""
 
-    net: MemoryNetwork
-    salt: ft.SessionSalt
-    nursery: trio.Nursery
-    timeline: EventLog
     done: trio.Event = attrs.Factory(trio.Event)
-    coord: Any = None
-
-    async def dial(self, host: str, ranks: list[int]) -> RawRelay:
-        raw = await raw_relay_handshake(await self.net.connect(COORD), self.salt, host, ranks,
-                                        world_size=4, model_sigs=SIGS)
-        self.nursery.start_soon(drain_and_close, raw.stream)
-        return raw
 
     async def join(self, host: str, ranks: list[int]) -> RawRelay:
         """A relay whose join completes (Ready verified, welcome read)."""
@@ -75,9 +63,6 @@ class Forming:
         await wait_until(lambda: any(ev.rank == rank for ev in
                                      self.timeline.events_of(RankDeclaredDead)), limit=1)
 
-    def refusals(self) -> list[str]:
-        return [ev.reason for ev in self.timeline.events_of(HandshakeRejected)]
-
     async def formed(self) -> Any:
         await wait_until(lambda: self.coord is not None, limit=1)
         assert self.timeline.events_of(FormationFailed) == []
@@ -86,8 +71,7 @@ class Forming:
 
 @asynccontextmanager
 async def forming(net: MemoryNetwork, **config: Any) -> AsyncIterator[Forming]:
-    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_interval=3600,
-                               heartbeat_timeout=3600, **config)
+    cfg = quiet_config(**config)
     async with trio.open_nursery() as nursery:
         run = Forming(net, ft.SessionSalt.generate(), nursery, EventLog())
 
@@ -316,8 +300,7 @@ async def test_rejoin_refused_after_its_ready_closes_its_whole_connection(
     # host-a's rejoin waits for its Ready; meanwhile host-b dies and the failure policy stops
     # the run, so the Ready arrives at a run with nothing to rejoin.
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_interval=3600,
-                               heartbeat_timeout=3600, max_failure=ft.MaxFailure.absolute(3))
+    cfg = quiet_config(max_failure=ft.MaxFailure.absolute(3))
     release = trio.Event()
     log = ReleaseOn(ClusterFailed, release)
     outcome: list[bool] = []
@@ -397,8 +380,7 @@ async def test_rejoin_still_waiting_for_its_ready_at_shutdown_leaves_nothing_ope
 async def test_max_failure_reached_during_formation_stops_the_run_once_it_formed(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_interval=3600,
-                               heartbeat_timeout=3600, max_failure=ft.MaxFailure.absolute(1))
+    cfg = quiet_config(max_failure=ft.MaxFailure.absolute(1))
     log = EventLog()
     body_ran = False
     async with trio.open_nursery() as nursery:

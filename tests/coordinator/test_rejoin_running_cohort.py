@@ -1,16 +1,15 @@
 """Who may rejoin a running cohort (issue 26), on the in-memory transport under MockClock: a relay
 whose named ranks are all dead is admitted and they are alive again; one naming a rank alive on
 another host, a rank of another host (takeover off), another world size or another model is
-refused at once, with the reason recorded, and the run goes on untouched. (The same host naming
-its own live ranks supersedes its old connection: tests/test_rejoin_supersede.py.)"""
+refused at once, with the reason recorded, and the run goes on untouched.
+
+A host restarted before the coordinator noticed its old relay died (issue 26b): its authenticated
+Hello supersedes the same host's live connection, whose ranks are declared dead the usual way and
+rejoin in the same handshake; another host, or the same host naming a rank alive on another host,
+is still refused."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
-
-import attrs
 import pytest
 import trio
 
@@ -18,93 +17,17 @@ import flodl_trio as ft
 from flodl_trio.events import (
     ClusterFailed,
     HandshakeRejected,
+    RankDeclaredDead,
     RankRejoined,
     RankTakenOver,
     RelayJoined,
+    RelayLost,
 )
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
-from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
-
-SIGS = {"model": bytes(range(32))}
-
-
-@attrs.define(eq=False)
-class Run:
-    """A running coordinator whose relays are raw peers the test dials and hangs up."""
-
-    net: MemoryNetwork
-    salt: ft.SessionSalt
-    nursery: trio.Nursery
-    timeline: EventLog
-    coord: Any = None
-    relays: dict[str, RawRelay] = attrs.Factory(dict)
-
-    async def dial(self, host: str, ranks: list[int], *, world_size: int = 4,
-                   model_sigs: dict[str, bytes] | None = None) -> RawRelay:
-        """One relay's full handshake; an admitted one keeps reading until :meth:`hang_up`."""
-        raw = await raw_relay_handshake(await self.net.connect(COORD), self.salt, host, ranks,
-                                        world_size=world_size,
-                                        model_sigs=SIGS if model_sigs is None else model_sigs)
-        self.nursery.start_soon(drain_and_close, raw.stream)
-        return raw
-
-    async def hang_up(self, raw: RawRelay, dead: set[int]) -> None:
-        """Close a relay's connection (a crash, as the coordinator sees it); wait for the
-        deaths it causes."""
-        await raw.stream.aclose()
-        await wait_until(lambda: dead <= self.coord.dead_ranks, limit=5)
-
-    def refusals(self) -> list[str]:
-        return [ev.reason for ev in self.timeline.events_of(HandshakeRejected)]
-
-
-class Recording(trio.abc.HalfCloseableStream):
-    """A stream that keeps a copy of every byte sent through it."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.sent = bytearray()
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.sent += data
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-@asynccontextmanager
-async def running(net: MemoryNetwork, **config: Any) -> AsyncIterator[Run]:
-    """host-a carries ranks 0 and 1, host-b ranks 2 and 3; formed; yields the run."""
-    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_interval=3600,
-                               heartbeat_timeout=3600, **config)
-    async with trio.open_nursery() as nursery:
-        run = Run(net, ft.SessionSalt.generate(), nursery, EventLog())
-
-        async def form() -> None:
-            for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-                run.relays[host] = await run.dial(host, ranks)
-
-        nursery.start_soon(form)
-        async with ft.open_coordinator(net.listener(COORD), salt=run.salt, config=cfg,
-                                       timeline=run.timeline) as coord:
-            run.coord = coord
-            await wait_until(lambda: len(run.relays) == 2, limit=1)
-            yield run
-            assert coord.failure is None
-            assert run.timeline.events_of(ClusterFailed) == []
-        nursery.cancel_scope.cancel()
+from helpers.raw import drain_and_close, raw_relay_handshake
+from helpers.rejoin import SIGS, NoReady, Recording, running
 
 
 async def test_relay_whose_ranks_are_all_dead_is_admitted_and_they_are_alive_again(
@@ -132,7 +55,7 @@ async def test_relay_of_another_host_naming_a_live_rank_is_refused_at_once_with_
 ) -> None:
     async with running(memory_network) as run:
         # host-a is alive: a stranger may not claim its ranks (its own double supersedes it
-        # since issue 26b: tests/test_rejoin_supersede.py).
+        # since issue 26b: below).
         started = trio.current_time()
         stranger = await run.dial("host-c", [1])
         assert not stranger.acked
@@ -243,24 +166,6 @@ async def test_a_recorded_rejoin_replayed_on_a_new_connection_is_refused(
         assert len(run.timeline.events_of(RankRejoined)) == 2  # the genuine rejoin only
 
 
-class NoReady(Recording):
-    """A relay's stream whose records after the coordinator's HelloAck never leave: its Ready
-    is lost on the way."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.reads = 0
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        data = await self.inner.receive_some(max_bytes)
-        self.reads += 1
-        return data
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self.reads < 2:  # the magic and the Hello go; from the Ready on, nothing does
-            await super().send_all(data)
-
-
 async def test_a_rejoin_whose_ready_was_lost_is_superseded_by_the_same_relay_redialing(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
@@ -288,3 +193,146 @@ async def test_a_rejoin_whose_ready_was_lost_is_superseded_by_the_same_relay_red
         assert trio.current_time() - started < 1
         assert run.coord.live_ranks == {0, 1, 2, 3}
         assert len(run.timeline.events_of(RankRejoined)) == 2
+
+
+# ----------------------------------------------------- a restarted host supersedes its connection
+
+
+def superseded(log: EventLog) -> list[tuple[str, tuple[int, ...]]]:
+    return [(ev.host, ev.ranks) for ev in log.events_of(RelayLost)
+            if ev.reason.startswith("superseded: ")]
+
+
+async def test_same_host_redialing_supersedes_its_live_connection_and_its_ranks_rejoin_at_once(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network) as run:
+        old = run.relays["host-a"]
+        started = trio.current_time()
+        assert (await run.dial("host-a", [0, 1])).acked
+        await wait_until(lambda: run.coord.live_ranks == {0, 1, 2, 3}
+                         and len(run.timeline.events_of(RankRejoined)) == 2, limit=1)
+        assert trio.current_time() - started < 0.5  # heartbeat_timeout is 3600 s here
+        assert superseded(run.timeline) == [("host-a", (0, 1))]
+        lost = run.timeline.events_of(RelayLost)[0]
+        assert "superseded: host 'host-a' re-joined from mem:coordinator:" in lost.reason
+        dead = run.timeline.events_of(RankDeclaredDead)
+        assert [(ev.rank, ev.host) for ev in dead] == [(0, "host-a"), (1, "host-a")]
+        assert all("superseded" in ev.reason for ev in dead), dead
+        assert run.refusals() == []
+        assert run.coord.state()["rejoins"] == {"0": 1, "1": 1}
+        # The old connection is closed: its peer read EOF (drain_and_close then closed its end,
+        # long before its 30 s limit), not silence.
+        await trio.sleep(0.1)
+        with pytest.raises(trio.ClosedResourceError):
+            await old.stream.receive_some(1)
+        await run.coord.send_control(1, ft.wire.SyncNow())  # addressed to the new connection
+
+
+async def test_same_host_naming_a_rank_alive_on_another_host_is_refused_and_supersedes_nothing(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network, allow_rank_takeover=True) as run:
+        assert not (await run.dial("host-a", [0, 1, 2])).acked
+        reasons = run.refusals()
+        assert len(reasons) == 1
+        assert "rank 2 is alive on relay 'host-b'" in reasons[0], reasons
+        assert run.coord.live_ranks == {0, 1, 2, 3}
+        assert run.timeline.events_of(RelayLost) == []
+        assert run.timeline.events_of(RankDeclaredDead) == []
+        await run.coord.send_control(0, ft.wire.SyncNow())  # host-a's old connection still works
+
+
+async def test_supersede_deaths_count_for_the_failure_policy(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=3600,
+                               heartbeat_interval=3600, max_failure=ft.MaxFailure.absolute(2))
+    async with trio.open_nursery() as nursery:
+        restarted: list[bool] = []
+
+        async def dial(host: str, ranks: list[int]) -> bool:
+            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, host,
+                                            ranks, world_size=4, model_sigs=SIGS)
+            nursery.start_soon(drain_and_close, raw.stream)
+            return raw.acked
+
+        async def form() -> None:
+            assert await dial("host-a", [0, 1]) and await dial("host-b", [2, 3])
+
+        async def restart_b() -> None:
+            restarted.append(await dial("host-b", [2, 3]))
+
+        nursery.start_soon(form)
+        with pytest.raises(ft.ClusterFailure, match="max_failure absolute"):
+            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                           config=cfg, timeline=log) as coord:
+                await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=1)
+                # Two momentary deaths reach max_failure=2: the run stops, the host stays out.
+                nursery.start_soon(restart_b)
+                await trio.sleep(10)  # the policy cancels the body long before
+        await wait_until(lambda: restarted != [], limit=5)
+        assert restarted == [False], restarted
+        rejected = [ev.reason for ev in log.events_of(HandshakeRejected)]
+        # "but cluster failure: MAX_FAILURE_EXCEEDED ...", or "but the coordinator is shutting
+        # down" once the failure has cancelled the body: either way, judged after the deaths.
+        assert len(rejected) == 1 and "expected a running cohort to rejoin, but " \
+            in rejected[0], rejected
+        assert [ev.reason for ev in log.events_of(ClusterFailed)] == ["MAX_FAILURE_EXCEEDED"]
+        assert log.events_of(RankRejoined) == []
+        assert superseded(log) == [("host-b", (2, 3))]
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_redials_of_a_restarted_host_end_with_one_connection_carrying_its_ranks(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network, handshake_timeout=30) as run:
+        outcome: list[bool] = []
+
+        async def first_attempt() -> None:  # supersedes the live connection, then goes quiet
+            stream = NoReady(await run.net.connect(COORD))
+            raw = await raw_relay_handshake(stream, run.salt, "host-a", [0, 1], world_size=4,
+                                            model_sigs=SIGS)
+            outcome.append(raw.acked)
+            await stream.aclose()
+
+        run.nursery.start_soon(first_attempt)
+        await wait_until(lambda: run.coord.dead_ranks == {0, 1}, limit=1)
+        assert outcome == []  # waiting for its Ready; its ranks are claimed
+        assert not (await run.dial("host-c", [0])).acked  # no one else's
+        started = trio.current_time()
+        assert (await run.dial("host-a", [0, 1])).acked  # the second re-dial wins
+        await wait_until(lambda: outcome == [False], limit=1)
+        assert trio.current_time() - started < 1
+        assert run.coord.live_ranks == {0, 1, 2, 3}
+        assert superseded(run.timeline) == [("host-a", (0, 1))]
+        assert len(run.timeline.events_of(RankDeclaredDead)) == 2
+        assert len(run.timeline.events_of(RankRejoined)) == 2
+
+
+async def test_old_connection_ending_as_it_is_superseded_is_lost_once(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network) as run:
+        old = run.relays["host-a"]
+        async with trio.open_nursery() as both:  # the crash resets as the restart dials
+            both.start_soon(old.stream.aclose)
+            both.start_soon(run.dial, "host-a", [0, 1])
+        await wait_until(lambda: run.coord.live_ranks == {0, 1, 2, 3}, limit=1)
+        assert [ev.host for ev in run.timeline.events_of(RelayLost)] == ["host-a"]
+        assert [ev.rank for ev in run.timeline.events_of(RankDeclaredDead)] == [0, 1]
+        assert len(run.timeline.events_of(RankRejoined)) == 2
+        assert run.refusals() == []
+
+
+async def test_supersede_declares_the_ranks_dead_even_without_declare_dead_on_relay_loss(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with running(memory_network, declare_dead_on_relay_loss=False) as run:
+        assert (await run.dial("host-b", [2, 3])).acked
+        await wait_until(lambda: len(run.timeline.events_of(RankRejoined)) == 2, limit=1)
+        assert [ev.rank for ev in run.timeline.events_of(RankDeclaredDead)] == [2, 3]
+        assert run.coord.live_ranks == {0, 1, 2, 3}
