@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests that run ``flodl-trio`` as real processes (tests/cli_procs.py)."""
+"""Fixtures shared by the tests that run ``flodl-trio`` as real processes
+(tests/helpers/cli_procs.py)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ def test_fresh_starts_a_new_session_over_another_runs_unfinished_one(
 
     path = tmp_path / "run.db"
 
-    async def crashed_run_of_another_salt() -> None:  # refused without --fresh: test_cli_store
+    # Refused without --fresh: tests/cli/test_store_options.py.
+    async def crashed_run_of_another_salt() -> None:
         store = SqliteStore(path)
         generation = await store.acquire(owner="a coordinator that crashed")
         await store.save(SessionState(salt_id=salt_id(SessionSalt(bytes(16))), world_size=2,

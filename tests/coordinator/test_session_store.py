@@ -3,7 +3,7 @@ MockClock, with raw relays driven by the test: a fresh run saves its session at 
 second coordinator on the same store adopts it (generation + 1, entered at once, the dead set,
 the failure count and the checkpoint restored), a foreign or damaged state is refused whole, a
 standby waits for the leader, and a deposed coordinator steps down without one more byte to a
-relay. (Relays resuming: tests/test_coordinator_resume.py.)
+relay. (Relays resuming: tests/coordinator/test_adopted_relays_resume.py.)
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ async def test_standby_waits_in_acquire_until_the_leader_crashed_then_adopts(
             ended = trio.current_time()
 
         ended = 0.0
-        await c.crashed_first_run(lead_then_crash)  # a graceful end: tests/test_store_run_life
+        await c.crashed_first_run(lead_then_crash)  # a graceful end: tests/store/test_run_life
         await wait_until(lambda: standby_entered, limit=1)
         assert standby_entered == [ended]
 

@@ -8,13 +8,13 @@ page that shows a file in pieces must still show everything the pieces use):
 2. it is executed as a module in a fresh namespace: its imports run and its functions and
    constants are defined. ``__name__`` is not ``"__main__"``, so a script's
    ``trio.run(main)`` guard does not start a cluster: blocks that need one are whole example
-   files, and tests/test_docs_and_examples.py runs those examples (embedding, CLI cluster,
+   files, and tests/docs/test_examples.py runs those examples (embedding, CLI cluster,
    chaos tests) for real;
 3. every name it reads anywhere, annotations included, is a builtin or is bound in the block
    itself (imported, defined, assigned, a parameter): a reader who copies the block has
    everything it uses.
 
-``>>>`` examples are doctests (tests/test_docs_and_examples.py); TOML blocks must parse.
+``>>>`` examples are doctests (tests/docs/test_examples.py); TOML blocks must parse.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ watch the leader it publishes, and move to a standby that took over as soon as i
 ``Resume`` with a newer generation -- seconds after the freeze, not after
 ``coord_liveness_timeout`` -- and never on a stale read.
 
-The leader is frozen as by ``SIGSTOP`` (tests/frozen.py: nothing it sends leaves, nothing it
+The leader is frozen as by ``SIGSTOP`` (tests/helpers/frozen.py: nothing it sends leaves, nothing it
 closes closes, its store lease is not renewed); real coordinators, relays and ranks over the
 in-memory network under MockClock.
 """

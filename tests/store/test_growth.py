@@ -3,7 +3,7 @@ wait to ``store_write_rate`` (a burst of checkpoints is a few writes, not one ea
 durable checkpoint at once; a death is durable within one interval; ``/state.json`` and
 ``/metrics`` say how big the store is and how often it was written; SQLite's write-ahead log
 stays under its limit. MockClock and MemoryStore, except the SQLite test (a real file). The real
-etcd part (revisions per sync, compaction) is tests/test_store_growth_etcd.py.
+etcd part (revisions per sync, compaction) is tests/store/test_growth_etcd.py.
 """
 
 from __future__ import annotations

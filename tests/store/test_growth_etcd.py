@@ -1,4 +1,4 @@
-"""Issue 34 against a real etcd (one member on loopback, tests/store_helpers.py's state): over a
+"""Issue 34 against a real etcd (one member on loopback, tests/helpers/store.py's state): over a
 run of many syncs the coordinator adds a bounded number of revisions, and its ``/state.json`` and
 ``/metrics`` report the store's size as etcd does; the leader compacts the history up to an older
 revision of its own state key, no further; etcd's alarms show up as problems."""
