@@ -14,14 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers.cli_procs import Proc
-from helpers.scripts import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -119,15 +117,6 @@ def test_demo_kill_coordinator_adopts_and_finishes_with_every_epoch_covered_once
             "host-a, host-b; no rank declared dead") in out
     assert "every epoch covered exactly once" in out and out.rstrip().endswith("run completed")
     assert list(tmp_path.iterdir()) == []  # its temporary directory (the store too) is gone
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Any]:
-    helper = load_script("_etcd")
-    if helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 def test_an_etcd_standby_takes_over_and_relays_find_it_through_the_store(

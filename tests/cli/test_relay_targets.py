@@ -5,8 +5,6 @@ never leads)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,14 +65,6 @@ async def test_a_list_where_nothing_listens_is_a_refused_connection_for_the_rela
         await target()  # the last address's error, whose cause says why
     from flodl_trio.cli._errors import causes
     assert any(isinstance(c, ConnectionRefusedError) for c in causes(caught.value))
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Any]:
-    if etcd_helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with etcd_helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 async def test_an_etcd_target_dials_the_address_its_leader_published(etcd: Any) -> None:

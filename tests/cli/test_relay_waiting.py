@@ -8,25 +8,13 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers.cli_procs import Proc, one_line
-from helpers.scripts import load_script
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Any]:
-    helper = load_script("_etcd")
-    if helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 def test_a_store_with_no_leader_is_one_line_at_once_and_the_ranks_hear_what_is_awaited(

@@ -12,14 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers.cli_procs import Proc
-from helpers.scripts import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -125,15 +123,6 @@ def test_fresh_starts_a_new_session_over_another_runs_unfinished_one(
     result = json.loads(summary.read_text())
     assert result["epochs_completed"] == 1 and result["first_epoch"] == 1  # counted from 1
     assert [m["epoch"] for m in result["epoch_metrics"]] == [1]
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Any]:
-    helper = load_script("_etcd")
-    if helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 def test_a_leader_woken_after_a_standby_took_over_says_only_that_it_steps_down(

@@ -1,5 +1,5 @@
-"""Helpers of the session-store tests (test_store_*.py): a state to save, and a flag that a
-background task (a standby, a leader's keeper) sets when it won or lost."""
+"""Helpers of the session-store tests (tests/store/): a state to save, a flag that a background
+task (a standby, a leader's keeper) sets when it won or lost, and those two tasks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from flodl_trio.store import SessionState, salt_id
+from flodl_trio.store import SessionState, SessionStore, salt_id
 from flodl_trio.wire import SessionSalt
 
 SALT = SessionSalt(bytes(range(16)))
@@ -40,3 +40,28 @@ class Flag:
     async def wait(self, limit: float) -> None:
         with trio.fail_after(limit):
             await self.event.wait()
+
+
+def keeping(nursery: trio.Nursery, leader: SessionStore) -> trio.CancelScope:
+    """Start ``leader`` renewing its leadership; cancelling the scope returned stops it (as a
+    crash or a frozen process would)."""
+    keeper = trio.CancelScope()
+
+    async def keep() -> None:
+        with keeper:
+            await leader.keep_leadership()
+
+    nursery.start_soon(keep)
+    return keeper
+
+
+def standing_by(nursery: trio.Nursery, standby: SessionStore, owner: str) -> Flag:
+    """Start ``standby`` waiting to lead as ``owner``; the flag is set to the generation it won,
+    when it won."""
+    won = Flag()
+
+    async def wait_as_standby() -> None:
+        won.set(await standby.acquire(owner=owner))
+
+    nursery.start_soon(wait_as_standby)
+    return won

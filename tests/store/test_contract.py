@@ -4,7 +4,7 @@ that a coordinator written against one behaves the same on the others."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,19 +13,9 @@ import trio
 from flodl_trio import LeadershipLost
 from flodl_trio.store import EtcdStore, MemoryStore, SessionStore, SqliteStore
 
-from helpers.scripts import load_script
 from helpers.store import state
 
-etcd_helper = load_script("_etcd")
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if etcd_helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with etcd_helper.EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
-        yield server.endpoint
 
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
@@ -40,7 +30,7 @@ async def two_handles(request: pytest.FixtureRequest,
     elif request.param == "sqlite":
         first, second = SqliteStore(tmp_path / "s.db"), SqliteStore(tmp_path / "s.db")
     else:
-        endpoint = request.getfixturevalue("etcd_endpoint")
+        endpoint = request.getfixturevalue("shared_etcd").endpoint
         where = f"flodl/contract{next(_prefixes)}"
         first, second = (EtcdStore(endpoint, where, ttl=1) for _ in range(2))
     yield first, second

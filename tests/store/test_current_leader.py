@@ -4,7 +4,6 @@ refuses a second coordinator that was not started as a standby)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +12,6 @@ import trio
 
 from flodl_trio import StoreCorrupt
 from flodl_trio.store import EtcdStore, MemoryStore, SqliteStore
-
-from helpers.scripts import load_script
-
-etcd_helper = load_script("_etcd")
 
 
 async def test_memory_store_names_its_leader_until_it_releases() -> None:
@@ -56,14 +51,6 @@ async def test_sqlite_store_of_a_foreign_file_is_refused_when_asked_for_its_lead
             await store.current_leader()
     finally:
         await store.aclose()
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Any]:
-    if etcd_helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with etcd_helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 async def test_etcd_store_names_its_leader_and_a_relay_resolves_its_address_without_leading(

@@ -9,7 +9,6 @@ import base64
 import itertools
 import json
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +19,13 @@ from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
 from flodl_trio.store import EtcdStore
 
 from helpers.scripts import load_script
-from helpers.store import Flag, state
+from helpers.store import Flag, keeping, standing_by, state
 
 etcd_helper = load_script("_etcd")
 pytestmark = pytest.mark.skipif(etcd_helper.etcd_binary() is None,
                                 reason="etcd is not installed (apt-get install etcd-server)")
 TTL = 1.0
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with etcd_helper.EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
-        yield server
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[Any]:
-    """A member of this test's own, for the tests that stop it."""
-    with etcd_helper.EtcdServer(tmp_path) as server:
-        yield server
 
 
 def prefix() -> str:
@@ -73,20 +59,9 @@ async def test_one_leader_a_standby_that_wins_only_after_the_lease_expired_and_f
     assert leader.granted_ttl == TTL  # the test member's minimum TTL is 1 s
     await leader.save(state(gen1, failures=2))
     await leader.publish_address([("127.0.0.1", 4100)])
-    won = Flag()
-
-    async def wait_as_standby() -> None:
-        won.set(await standby.acquire(owner="coordinator b"))
-
     async with trio.open_nursery() as nursery:
-        keeper = trio.CancelScope()
-
-        async def keep() -> None:
-            with keeper:
-                await leader.keep_leadership()
-
-        nursery.start_soon(keep)
-        nursery.start_soon(wait_as_standby)
+        keeper = keeping(nursery, leader)
+        won = standing_by(nursery, standby, "coordinator b")
         await trio.sleep(1.5 * TTL)  # renewals keep it: the standby waits through 1.5 TTLs
         assert not won
         assert await standby.resolve_address() == (("127.0.0.1", 4100),)
@@ -121,20 +96,9 @@ async def test_release_hands_the_leadership_to_a_standby_at_once(shared_etcd: An
     where = prefix()
     leader, standby = (EtcdStore(shared_etcd.endpoint, where, ttl=TTL) for _ in range(2))
     gen1 = await leader.acquire(owner="a")
-    won = Flag()
-
-    async def wait_as_standby() -> None:
-        won.set(await standby.acquire(owner="b"))
-
     async with trio.open_nursery() as nursery:
-        keeper = trio.CancelScope()
-
-        async def keep() -> None:
-            with keeper:
-                await leader.keep_leadership()
-
-        nursery.start_soon(keep)
-        nursery.start_soon(wait_as_standby)
+        keeper = keeping(nursery, leader)
+        won = standing_by(nursery, standby, "b")
         await trio.sleep(0.3)
         released = trio.current_time()
         keeper.cancel()  # a coordinator ending cleanly: stop renewing, then give it up
@@ -150,31 +114,28 @@ async def test_release_hands_the_leadership_to_a_standby_at_once(shared_etcd: An
 
 @pytest.mark.slow
 async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_never_overlaps(
-        own_etcd: Any) -> None:
+        etcd: Any) -> None:
     where = prefix()
-    leader, standby = (EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
+    leader, standby = (EtcdStore(etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
                        for _ in range(2))
     gen1 = await leader.acquire(owner="a")
-    lost, won = Flag(), Flag()
+    lost = Flag()
 
     async def lead() -> None:
         with pytest.raises(LeadershipLost, match=f"no renewal succeeded \\(etcd "
-                           f"{own_etcd.endpoint}: no answer"):
+                           f"{etcd.endpoint}: no answer"):
             await leader.keep_leadership()
         lost.set()
 
-    async def wait_as_standby() -> None:
-        won.set(await standby.acquire(owner="b"))
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lead)
-        nursery.start_soon(wait_as_standby)
+        won = standing_by(nursery, standby, "b")
         await trio.sleep(0.3)
         frozen = trio.current_time()
-        own_etcd.pause()  # SIGSTOP: connections open, nothing answers
+        etcd.pause()  # SIGSTOP: connections open, nothing answers
         await lost.wait(2 * TTL)
         assert not won
-        own_etcd.resume()
+        etcd.resume()
         await won.wait(4 * TTL)
     print(f"etcd frozen: the leader stepped down after {lost.at - frozen:.2f} s; the standby "
           f"won {won.at - lost.at:.2f} s after that")
@@ -186,14 +147,14 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_freezes_and_neve
 
 
 @pytest.mark.slow
-async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: Any) -> None:
+async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(etcd: Any) -> None:
     where = prefix()
-    leader = EtcdStore(own_etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
+    leader = EtcdStore(etcd.endpoint, where, ttl=TTL, connect_timeout=0.5)
     gen1 = await leader.acquire(owner="a")
     lost = Flag()
 
     async def lead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with pytest.raises(LeadershipLost, match=own_etcd.endpoint):
+        with pytest.raises(LeadershipLost, match=etcd.endpoint):
             await leader.keep_leadership(task_status=task_status)
         lost.set()
 
@@ -201,7 +162,7 @@ async def test_the_leader_steps_down_within_its_lease_when_etcd_stops(own_etcd: 
         await nursery.start(lead)
         await trio.sleep(0.4)
         stopped = trio.current_time()
-        own_etcd.stop()  # SIGTERM: connections refused
+        etcd.stop()  # SIGTERM: connections refused
         await lost.wait(2 * TTL)
     took = lost.at - stopped
     print(f"etcd stopped: the leader stepped down after {took:.2f} s")

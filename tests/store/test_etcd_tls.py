@@ -21,7 +21,7 @@ from flodl_trio.store import EtcdStore, open_store
 
 from helpers.cli_procs import Proc, one_line
 from helpers.scripts import load_script
-from helpers.store import Flag, state
+from helpers.store import keeping, standing_by, state
 
 etcd_helper = load_script("_etcd")
 pytestmark = [pytest.mark.slow,
@@ -71,21 +71,10 @@ async def test_a_tls_and_auth_store_works_end_to_end_with_a_standby_and_a_relay(
     await leader.save(state(gen1, failures=1))
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
-    won = Flag()
-
-    async def wait_as_standby() -> None:
-        won.set(await standby.acquire(owner="coordinator b"))
-
     try:
         async with trio.open_nursery() as nursery:
-            keeper = trio.CancelScope()
-
-            async def keep() -> None:
-                with keeper:
-                    await leader.keep_leadership()
-
-            nursery.start_soon(keep)
-            nursery.start_soon(wait_as_standby)
+            keeper = keeping(nursery, leader)
+            won = standing_by(nursery, standby, "coordinator b")
             await leader.publish_address([("127.0.0.1", port)])
             await relay_side.check()
             stream = await relay_side()  # the relay resolves the leader through etcds://

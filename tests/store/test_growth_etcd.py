@@ -10,7 +10,6 @@ import itertools
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,6 @@ pytestmark = [pytest.mark.slow,
 _prefixes = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with etcd_helper.EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
-        yield server
-
-
 def etcd_call(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """What an operator's etcdctl would do, through the gateway (an error answer is returned
     as ``{"error": ..., "code": ...}``)."""
@@ -58,9 +51,9 @@ def http_get(address: tuple[str, int], path: str) -> str:
 
 
 async def test_a_run_of_many_syncs_adds_a_bounded_number_of_revisions_and_reports_the_size(
-    etcd: Any
+    shared_etcd: Any
 ) -> None:
-    store = EtcdStore(etcd.endpoint, f"flodl/growth{next(_prefixes)}", ttl=1)
+    store = EtcdStore(shared_etcd.endpoint, f"flodl/growth{next(_prefixes)}", ttl=1)
     config = ft.CoordinatorConfig(world_size=2, store_write_rate=4)
 
     async def rank_main(ep: ft.RankEndpoint) -> Any:
@@ -70,13 +63,14 @@ async def test_a_run_of_many_syncs_adds_a_bounded_number_of_revisions_and_report
         async with open_local_cluster({"h": [0, 1]}, transport="tcp", coord_config=config,
                                       store=store, rank_main=rank_main) as local:
             coord = local.coord
-            before, began = etcd.status()["revision"], trio.current_time()
+            before, began = shared_etcd.status()["revision"], trio.current_time()
             summary = await SyncScheduler(
                 coord, total_samples=320, batch_size=2, num_epochs=2).run()
-            elapsed, revisions = trio.current_time() - began, etcd.status()["revision"] - before
+            elapsed = trio.current_time() - began
+            revisions = shared_etcd.status()["revision"] - before
             doc = await fetch_state(coord.address, timeout=5)
             metrics = await trio.to_thread.run_sync(http_get, coord.address, "/metrics")
-            db_size = etcd.status()["db_size"]
+            db_size = shared_etcd.status()["db_size"]
     finally:
         await store.aclose()
     # One write per paced interval (0.25 s) and per epoch boundary, not one per sync (the
@@ -94,9 +88,9 @@ async def test_a_run_of_many_syncs_adds_a_bounded_number_of_revisions_and_report
 
 
 async def test_the_leader_compacts_the_history_up_to_an_older_revision_of_its_own_state(
-    etcd: Any
+    shared_etcd: Any
 ) -> None:
-    store = EtcdStore(etcd.endpoint, f"flodl/growth{next(_prefixes)}", ttl=1)
+    store = EtcdStore(shared_etcd.endpoint, f"flodl/growth{next(_prefixes)}", ttl=1)
     store.compact_every = 0.3
     key = base64.b64encode(f"{store.prefix}/state".encode()).decode()
     revisions = []
@@ -106,7 +100,7 @@ async def test_the_leader_compacts_the_history_up_to_an_older_revision_of_its_ow
             await nursery.start(store.keep_leadership)
             for n in range(12):
                 await store.save(state(generation, checkpoint={"n": n}))
-                doc = etcd_call(etcd.endpoint, "/v3/kv/range", {"key": key})
+                doc = etcd_call(shared_etcd.endpoint, "/v3/kv/range", {"key": key})
                 revisions.append(int(doc["kvs"][0]["mod_revision"]))
                 await trio.sleep(0.1)
             nursery.cancel_scope.cancel()
@@ -116,9 +110,11 @@ async def test_the_leader_compacts_the_history_up_to_an_older_revision_of_its_ow
     compacted = store.compacted_to
     assert compacted is not None and compacted in revisions  # one of our own state's
     assert compacted <= revisions[-4]  # at least 0.3 s of history kept
-    old = etcd_call(etcd.endpoint, "/v3/kv/range", {"key": key, "revision": str(compacted - 1)})
+    old = etcd_call(shared_etcd.endpoint, "/v3/kv/range",
+                    {"key": key, "revision": str(compacted - 1)})
     assert "compacted" in old.get("error", ""), old
-    kept = etcd_call(etcd.endpoint, "/v3/kv/range", {"key": key, "revision": str(compacted)})
+    kept = etcd_call(shared_etcd.endpoint, "/v3/kv/range",
+                     {"key": key, "revision": str(compacted)})
     assert int(kept["kvs"][0]["mod_revision"]) == compacted  # nothing newer than ours went
     assert loaded is not None and loaded.checkpoint == {"n": 11}
 

@@ -22,7 +22,6 @@ from flodl_trio.store import EtcdStore, MemoryStore, SessionState
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers.durable import ROSTER, cluster, stored
-from helpers.scripts import load_script
 
 
 async def test_a_graceful_end_is_recorded_in_the_store_before_the_leadership_is_released(
@@ -223,21 +222,12 @@ async def get_json(address: tuple[str, int], path: str) -> Any:
     return json.loads(data.partition(b"\r\n\r\n")[2])
 
 
-@pytest.fixture
-def etcd_endpoint(tmp_path: Any) -> Any:
-    helper = load_script("_etcd")
-    if helper.etcd_binary() is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    with helper.EtcdServer(tmp_path) as server:
-        yield server.endpoint
-
-
 async def test_an_etcd_leader_whose_lease_deadline_passed_knows_it_lost_without_asking(
-        etcd_endpoint: str) -> None:
+        etcd: Any) -> None:
     """What a leader woken after a pause asks first: no request to etcd (it may be slow to
     answer), and a lease known lost is not revoked on release."""
-    store = EtcdStore(etcd_endpoint, "flodl/lapsed", ttl=1)
-    standby = EtcdStore(etcd_endpoint, "flodl/lapsed", ttl=1)
+    store = EtcdStore(etcd.endpoint, "flodl/lapsed", ttl=1)
+    standby = EtcdStore(etcd.endpoint, "flodl/lapsed", ttl=1)
     try:
         assert await store.acquire(owner="a") == 1
         assert store.lost_leadership() is None  # within its lease

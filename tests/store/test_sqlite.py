@@ -18,7 +18,7 @@ import trio
 from flodl_trio import LeadershipLost, StoreCorrupt, StoreUnavailable
 from flodl_trio.store import SessionState, SqliteStore
 
-from helpers.store import Flag, state
+from helpers.store import standing_by, state
 
 
 async def test_a_restarted_coordinator_loads_what_the_last_one_saved(tmp_path: Path) -> None:
@@ -41,13 +41,8 @@ async def test_a_second_handle_waits_as_standby_until_the_leader_releases(
         tmp_path: Path) -> None:
     leader, standby = SqliteStore(tmp_path / "s.db"), SqliteStore(tmp_path / "s.db")
     gen1 = await leader.acquire(owner="a")
-    won = Flag()
-
-    async def wait_as_standby() -> None:
-        won.set(await standby.acquire(owner="b"))
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(wait_as_standby)
+        won = standing_by(nursery, standby, "b")
         await trio.sleep(0.3)
         assert not won  # the leader still holds it
         released = trio.current_time()
@@ -255,13 +250,8 @@ async def test_a_standby_takes_over_within_half_a_second_of_the_leaders_sigkill(
         gen1 = int(line)
         standby = SqliteStore(path)
         assert await standby.resolve_address() == (("127.0.0.1", 4000 + gen1),)
-        won = Flag()
-
-        async def wait_as_standby() -> None:
-            won.set(await standby.acquire(owner="standby"))
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait_as_standby)
+            won = standing_by(nursery, standby, "standby")
             await trio.sleep(0.3)
             assert not won  # a live leader process holds the lock
             killed = trio.current_time()
