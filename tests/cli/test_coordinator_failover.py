@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from helpers.cli_procs import Proc
+from helpers.cli_procs import Proc, coordinator, two_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -29,32 +29,17 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
     store = f"sqlite:{tmp_path / 'session.db'}"
     summary = tmp_path / "summary.json"
 
-    def coordinator(listen: str) -> Proc:
-        proc = Proc("coordinator", "--listen", listen, "--world-size", "2", "--epochs", "4",
-                    "--total-samples", "160", "--store", store, "--summary-file", str(summary),
-                    env=env)
-        procs.append(proc)
-        return proc
-
-    first = coordinator("127.0.0.1:0")
+    run = ("--epochs", "4", "--total-samples", "160", "--summary-file", str(summary))
+    first = coordinator(env, procs, store, *run)
     address = first.line_with("coordinator listening on").rsplit(" ", 1)[-1]
-    relays = []
-    for rank in (0, 1):
-        relay = Proc("relay", "--coordinator", address, "--host", f"h{rank}", "--ranks",
-                     str(rank), "--world-size", "2", env=env)
-        procs.append(relay)
-        relays.append(relay)
-    for rank, relay in enumerate(relays):
-        rank_address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
-        procs.append(Proc("rank", "--relay", rank_address, "--rank", str(rank), "--world-size",
-                          "2", "--batch-ms", "25", env=env))
+    relays, _ = two_hosts(env, procs, address, batch_ms=25)
     first.line_with("epoch 1/4:")  # the first epoch is done: kill it in the second
     first.popen.kill()
     killed = time.monotonic()
     assert first.wait() == -9
     assert not summary.exists()  # issue 34: a 0-byte file (it is now written whole, at the end)
 
-    second = coordinator(address)
+    second = coordinator(env, procs, store, *run, listen=address)
     adopted = second.line_with("adopted the running session")
     took_over = time.monotonic() - killed
     assert re.search(rf"of {re.escape(store)} as generation 2: 2 live ranks, 0 dead; resuming "
@@ -124,27 +109,13 @@ def test_an_etcd_standby_takes_over_and_relays_find_it_through_the_store(
     store = f"etcd://{etcd.endpoint}/flodl/cli-standby"
     summary = tmp_path / "summary.json"
 
-    def coordinator(*extra: str) -> Proc:
-        proc = Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--epochs",
-                    "8", "--total-samples", "160", "--store", store, "--summary-file",
-                    str(summary), *extra, env=env)
-        procs.append(proc)
-        return proc
 
-    leader = coordinator()
+    run = ("--epochs", "8", "--total-samples", "160", "--summary-file", str(summary))
+    leader = coordinator(env, procs, store, *run)
     leader.line_with("relays can dial")
-    relays = []
-    for rank in (0, 1):
-        relay = Proc("relay", "--coordinator", store, "--host", f"h{rank}", "--ranks",
-                     str(rank), "--world-size", "2", env=env)
-        procs.append(relay)
-        relays.append(relay)
-    for rank, relay in enumerate(relays):
-        rank_address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
-        procs.append(Proc("rank", "--relay", rank_address, "--rank", str(rank), "--world-size",
-                          "2", "--batch-ms", "40", env=env))
+    relays, _ = two_hosts(env, procs, store, batch_ms=40)
     leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
-    standby = coordinator("--standby")
+    standby = coordinator(env, procs, store, *run, "--standby")
     waiting = standby.line_with("standby: ")
     assert "is led by coordinator on " in waiting and f"pid {leader.popen.pid};" in waiting
     leader.line_with("epoch 1/8:")
@@ -174,29 +145,13 @@ def test_a_frozen_etcd_leader_is_left_for_its_standby_in_seconds_and_no_rank_die
     store = f"etcd://{etcd.endpoint}/flodl/cli-frozen"
     summary = tmp_path / "summary.json"
 
-    def coordinator(*extra: str) -> Proc:
-        proc = Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--epochs",
-                    "4", "--total-samples", "320", "--store", store, "--summary-file",
-                    str(summary), *extra, env=env)
-        procs.append(proc)
-        return proc
 
-    leader = coordinator()
+    run = ("--epochs", "4", "--total-samples", "320", "--summary-file", str(summary))
+    leader = coordinator(env, procs, store, *run)
     leader.line_with("relays can dial")
-    relays = []
-    for rank in (0, 1):
-        relay = Proc("relay", "--coordinator", store, "--host", f"h{rank}", "--ranks",
-                     str(rank), "--world-size", "2", env=env)
-        procs.append(relay)
-        relays.append(relay)
-    ranks = []
-    for rank, relay in enumerate(relays):
-        rank_address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
-        ranks.append(Proc("rank", "--relay", rank_address, "--rank", str(rank), "--world-size",
-                          "2", "--batch-ms", "25", env=env))
-        procs.append(ranks[-1])
+    relays, ranks = two_hosts(env, procs, store, batch_ms=25)
     leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
-    standby = coordinator("--standby")
+    standby = coordinator(env, procs, store, *run, "--standby")
     standby.line_with("standby: ")  # mid-run: an epoch is 1 s, the run 4 s
     leader.signal(signal.SIGSTOP)
     frozen = time.monotonic()

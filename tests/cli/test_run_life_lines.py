@@ -17,44 +17,23 @@ from typing import Any
 
 import pytest
 
-from helpers.cli_procs import Proc
+from helpers.cli_procs import Proc, coordinator, two_hosts
 
 pytestmark = pytest.mark.slow
 
 DEPOSED_EXIT_S = 2.0  # docs/failover.rst: within 1 s, plus a loaded 2-core machine's slack
 
 
-def cluster(env: dict[str, str], procs: list[Proc], coordinator: str, *, batch_ms: int = 10,
-            relay_env: dict[str, str] | None = None) -> list[Proc]:
-    """Two relays (one rank each) dialing ``coordinator``, and their ranks; the relays."""
-    relays = []
-    for rank in (0, 1):
-        relay = Proc("relay", "--coordinator", coordinator, "--host", f"h{rank}", "--ranks",
-                     str(rank), "--world-size", "2", env=relay_env or env)
-        procs.append(relay)
-        relays.append(relay)
-    for rank, relay in enumerate(relays):
-        address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
-        procs.append(Proc("rank", "--relay", address, "--rank", str(rank), "--world-size", "2",
-                          "--batch-ms", str(batch_ms), env=env))
-    return relays
-
-
-def coordinator(env: dict[str, str], procs: list[Proc], store: str, *args: str) -> Proc:
-    proc = Proc("coordinator", "--world-size", "2", "--total-samples", "80", "--store", store,
-                *args, env=env)
-    procs.append(proc)
-    return proc
 
 
 def test_a_standby_exits_0_when_the_run_it_waits_for_ends_and_says_standby_meanwhile(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     store = f"sqlite:{tmp_path / 'run.db'}"
     summary = tmp_path / "summary.json"
-    leader = coordinator(env, procs, store, "--epochs", "2", "--summary-file", str(summary))
+    run = ("--total-samples", "80", "--epochs", "2", "--summary-file", str(summary))
+    leader = coordinator(env, procs, store, *run)
     address = leader.line_with("coordinator listening on").rsplit(" ", 1)[-1]
-    standby = coordinator(env, procs, store, "--epochs", "2", "--standby", "--summary-file",
-                          str(summary))
+    standby = coordinator(env, procs, store, *run, "--standby")
     waiting = standby.line_with("standby: ")
     assert waiting.endswith("waiting for the leadership (it would lead as generation 2)")
     standby_at = standby.line_with("coordinator listening on").rsplit(" ", 1)[-1]
@@ -64,7 +43,7 @@ def test_a_standby_exits_0_when_the_run_it_waits_for_ends_and_says_standby_meanw
     assert state["phase"] == "standby" and state["covered"] == 0, state  # not "forming"
     assert state["standby"]["store"] == store and state["standby"]["would_lead_as"] == 2
     assert state["standby"]["leader"].endswith(f"pid {leader.popen.pid}")
-    relays = cluster(env, procs, address)
+    relays, _ = two_hosts(env, procs, address)
     assert leader.wait() == 0, leader.err[-5:]
     ended = time.monotonic()
     assert standby.wait() == 0, standby.err  # not 30 s later with ALL_RANKS_LOST
@@ -85,7 +64,7 @@ def test_a_second_run_on_the_same_store_starts_a_new_session_with_the_next_gener
         run_env = dict(env, FLODL_SALT_HEX=salt)
         leader = coordinator(run_env, procs, store, "--epochs", "1")
         address = leader.line_with("coordinator listening on").rsplit(" ", 1)[-1]
-        relays = cluster(run_env, procs, address)
+        relays, _ = two_hosts(run_env, procs, address)
         assert leader.line_with("formed: ") == (
             f"formed: 2 ranks over 2 relays (generation {generation} of {store}, a new "
             "session)")
@@ -113,10 +92,10 @@ def test_fresh_starts_a_new_session_over_another_runs_unfinished_one(
 
     trio.run(crashed_run_of_another_salt)
     store, summary = f"sqlite:{path}", tmp_path / "summary.json"
-    fresh = coordinator(env, procs, store, "--epochs", "1", "--fresh", "--summary-file",
-                        str(summary))
+    fresh = coordinator(env, procs, store, "--total-samples", "80", "--epochs", "1", "--fresh",
+                        "--summary-file", str(summary))
     address = fresh.line_with("coordinator listening on").rsplit(" ", 1)[-1]
-    relays = cluster(env, procs, address)
+    relays, _ = two_hosts(env, procs, address)
     assert fresh.line_with("formed: ").endswith(f"(generation 2 of {store}, a new session)")
     assert fresh.wait() == 0, fresh.err[-5:]
     assert all(relay.wait() == 0 for relay in relays)
@@ -133,12 +112,13 @@ def test_a_leader_woken_after_a_standby_took_over_says_only_that_it_steps_down(
     old leader wakes to their closed connections."""
     store = f"etcd://{etcd.endpoint}/flodl/deposed"
     summary = tmp_path / "summary.json"
-    leader = coordinator(env, procs, store, "--epochs", "40", "--summary-file", str(summary))
+    run = ("--total-samples", "80", "--epochs", "40")
+    leader = coordinator(env, procs, store, *run, "--summary-file", str(summary))
     leader.line_with("relays can dial")
-    relays = cluster(env, procs, store, batch_ms=25,
-                     relay_env=dict(env, FLODL_NET_TIMEOUT_SCALE="0.1"))
+    relays, _ = two_hosts(env, procs, store, batch_ms=25,
+                          relay_env=dict(env, FLODL_NET_TIMEOUT_SCALE="0.1"))
     leader.line_with("epoch 1/40:")
-    standby = coordinator(env, procs, store, "--epochs", "40", "--standby")
+    standby = coordinator(env, procs, store, *run, "--standby")
     standby.line_with("standby: ")
     leader.popen.send_signal(signal.SIGSTOP)
     try:

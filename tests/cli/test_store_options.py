@@ -11,15 +11,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from helpers.cli_procs import Proc, one_line
+from helpers.cli_procs import Proc, coordinator, one_line
 from helpers.scripts import load_script
 
 PATIENCE = 20.0  # real seconds, only a bound
 
-
-def coordinator(env: dict[str, str], store: str, *extra: str) -> Proc:
-    return Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2", "--store", store,
-                *extra, env=env)
 
 
 def leader_of(lock: Path) -> str:
@@ -36,14 +32,12 @@ def leader_of(lock: Path) -> str:
 def test_a_second_coordinator_on_a_led_store_fails_at_once_unless_it_is_a_standby(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     store = f"sqlite:{tmp_path / 's.db'}"
-    first = coordinator(env, store)
-    procs.append(first)
+    first = coordinator(env, procs, store)
     owner = leader_of(tmp_path / "s.db.lock")
     assert f"pid {first.popen.pid}" in owner
 
     started = time.monotonic()
-    second = coordinator(env, store)
-    procs.append(second)
+    second = coordinator(env, procs, store)
     assert second.wait() == 1
     assert time.monotonic() - started < 10  # at once: it did not wait for the leadership
     line = one_line(second)
@@ -51,8 +45,7 @@ def test_a_second_coordinator_on_a_led_store_fails_at_once_unless_it_is_a_standb
                     "to wait for it"), line
     assert not any("listening" in out for out in second.out)  # refused before binding a port
 
-    standby = coordinator(env, store, "--standby")
-    procs.append(standby)
+    standby = coordinator(env, procs, store, "--standby")
     assert f"is led by {owner}; waiting" in standby.line_with("standby:")
     standby.line_with("relays can dial")  # its port is bound while it waits
     time.sleep(0.5)
@@ -69,9 +62,8 @@ def test_a_second_coordinator_on_a_led_store_fails_at_once_unless_it_is_a_standb
 
 def test_the_status_of_a_coordinator_with_a_store_shows_its_size_and_write_rate(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
-    first = coordinator(env, f"sqlite:{tmp_path / 's.db'}", "--store-write-rate", "5",
+    first = coordinator(env, procs, f"sqlite:{tmp_path / 's.db'}", "--store-write-rate", "5",
                         "--port-file", str(tmp_path / "port"))
-    procs.append(first)
     first.line_with("relays can dial")
     deadline = time.monotonic() + PATIENCE
     store = None
@@ -93,8 +85,7 @@ def test_a_file_that_is_not_a_store_is_one_line_naming_it(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     path = tmp_path / "state.db"
     path.write_bytes(b"not a database at all " * 200)
-    proc = coordinator(env, f"sqlite:{path}")
-    procs.append(proc)
+    proc = coordinator(env, procs, f"sqlite:{path}")
     assert proc.wait() == 1
     line = one_line(proc)
     assert line.startswith("flodl-trio: StoreCorrupt: ") and str(path) in line, line
@@ -104,8 +95,7 @@ def test_an_etcd_nobody_answers_on_is_one_line_naming_it_fast(
         env: dict[str, str], procs: list[Proc]) -> None:
     port = load_script("_etcd").free_port()  # nothing listens there
     started = time.monotonic()
-    proc = coordinator(env, f"etcd://127.0.0.1:{port}/x")
-    procs.append(proc)
+    proc = coordinator(env, procs, f"etcd://127.0.0.1:{port}/x")
     assert proc.wait() == 1
     assert time.monotonic() - started < 8
     line = one_line(proc)
@@ -115,13 +105,13 @@ def test_an_etcd_nobody_answers_on_is_one_line_naming_it_fast(
 
 def test_a_store_url_of_no_known_form_and_standby_without_store_are_usage_errors(
         env: dict[str, str], procs: list[Proc]) -> None:
-    bad = coordinator(env, "postgres://db/x")
+    bad = coordinator(env, procs, "postgres://db/x")
     standby = Proc("coordinator", "--world-size", "2", "--standby", env=env)
     relay = ["relay", "--host", "h", "--ranks", "0", "--world-size", "1"]
     store_target = Proc(*relay, "--coordinator", "sqlite:/tmp/x.db", env=env)
     negative_grace = Proc(*relay, "--coordinator", "127.0.0.1:7000", "--coordinator-grace",
                           "-1", env=env)
-    no_rate = coordinator(env, "memory:", "--store-write-rate", "0")
+    no_rate = coordinator(env, procs, "memory:", "--store-write-rate", "0")
     procs += [bad, standby, store_target, negative_grace, no_rate]
     assert all(p.wait() == 2 for p in (bad, standby, store_target, negative_grace, no_rate))
     assert ("CoordinatorConfig.store_write_rate: expected a rate > 0 per second (math.inf: no "
@@ -151,8 +141,7 @@ def test_a_store_holding_another_runs_session_is_one_line_naming_it(
         await store.aclose()
 
     trio.run(save_another_run)
-    proc = coordinator(env, f"sqlite:{path}")
-    procs.append(proc)
+    proc = coordinator(env, procs, f"sqlite:{path}")
     assert proc.wait() == 1
     line = one_line(proc)
     assert line.startswith(f"flodl-trio: coordinator: sqlite:{path} holds another run's "
@@ -163,8 +152,7 @@ def test_a_store_holding_another_runs_session_is_one_line_naming_it(
 def test_a_coordinator_that_loses_its_leadership_exits_1_with_one_line(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     path = tmp_path / "lost.db"
-    proc = coordinator(env, f"sqlite:{path}")
-    procs.append(proc)
+    proc = coordinator(env, procs, f"sqlite:{path}")
     leader_of(tmp_path / "lost.db.lock")
     proc.line_with("relays can dial")
     path.unlink()  # the store is gone under it: it can no longer lead (checked every second)

@@ -1,6 +1,7 @@
 """Command-line children for the tests that run ``flodl-trio`` as real processes: :class:`Proc`
-collects a child's output lines, :func:`one_line` checks its one error line. The ``env`` and
-``procs`` fixtures that go with them are in conftest.py."""
+collects a child's output lines, :func:`one_line` checks its one error line, :func:`coordinator`
+and :func:`two_hosts` start a coordinator on a store, two relays and their ranks. The ``env``
+and ``procs`` fixtures that go with them are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -71,3 +72,32 @@ def one_line(proc: Proc) -> str:
     assert len(lines) == 1, proc.err
     assert len(lines[0]) < 200, lines[0]  # the cause to act on, not the whole story
     return lines[0]
+
+
+def two_hosts(env: dict[str, str], procs: list[Proc], coordinator: str, *, batch_ms: int = 10,
+              relay_env: dict[str, str] | None = None) -> tuple[list[Proc], list[Proc]]:
+    """Two relays (hosts ``h0`` and ``h1``, one rank each of a world of 2) dialing
+    ``coordinator`` (an address or a store's URL), and their ranks: ``(relays, ranks)``."""
+    relays = []
+    for rank in (0, 1):
+        relay = Proc("relay", "--coordinator", coordinator, "--host", f"h{rank}", "--ranks",
+                     str(rank), "--world-size", "2", env=relay_env or env)
+        procs.append(relay)
+        relays.append(relay)
+    ranks = []
+    for rank, relay in enumerate(relays):
+        address = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
+        ranks.append(Proc("rank", "--relay", address, "--rank", str(rank), "--world-size", "2",
+                          "--batch-ms", str(batch_ms), env=env))
+        procs.append(ranks[-1])
+    return relays, ranks
+
+
+def coordinator(env: dict[str, str], procs: list[Proc], store: str, *args: str,
+                listen: str = "127.0.0.1:0") -> Proc:
+    """A coordinator of a world of 2 on ``store``, listening on ``listen`` (a free port unless
+    told), started among ``procs``."""
+    proc = Proc("coordinator", "--listen", listen, "--world-size", "2", "--store", store, *args,
+                env=env)
+    procs.append(proc)
+    return proc

@@ -4,44 +4,23 @@ closes every stream, and a cancelled coordinator still shuts its relays down cle
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import functools
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
 
 import flodl_trio as ft
 from flodl_trio._lifecycle import Lifecycle, choose_one_exception, open_lifecycle
-from flodl_trio.events import RelayLost, ShutdownComplete, ShutdownStarted
 from flodl_trio.testing import MemoryNetwork
-from flodl_trio.wire import Shutdown
 
-from helpers import COORD, events_of, start_host, wait_until
-
-
-@asynccontextmanager
-async def outside_cancel(seen: list[str]) -> AsyncIterator[trio.CancelScope]:
-    """The caller's own cancel scope; ``seen`` gets the name of what left the block through it.
-
-    ``except trio.Cancelled`` beside ``except BaseException``: a group of Cancelled is absorbed by
-    the scope as well, so ``cancelled_caught`` alone cannot tell one Cancelled from a group.
-    """
-    with trio.CancelScope() as scope:
-        try:
-            yield scope
-        except trio.Cancelled:
-            seen.append("Cancelled")
-            raise
-        except BaseException as exc:
-            seen.append(type(exc).__name__)
-            raise
-    assert scope.cancelled_caught
-
-
-async def cancel_after(scope: trio.CancelScope, seconds: float) -> None:
-    await trio.sleep(seconds)
-    scope.cancel()
-
+from helpers import COORD, start_host, wait_until
+from helpers.lifecycle import (
+    assert_relays_shut_down_cleanly,
+    cancel_after,
+    outside_cancel,
+    rank_until_its_end,
+)
 
 # ------------------------------------------------------------------ coordinator
 
@@ -86,16 +65,8 @@ async def test_coordinator_cancelled_while_running_shuts_every_relay_down_cleanl
                 await trio.sleep_forever()
         await wait_until(lambda: all(hr.all_done for hr in runs))
     assert seen == ["Cancelled"]
-    (started,) = events_of(timeline, ShutdownStarted)
-    assert started.reason == "cancelled"
-    assert len(events_of(timeline, ShutdownComplete)) == 1
-    assert not events_of(timeline, RelayLost)
-    exits = {hr.host: hr.exit for hr in runs}
-    # FT/2: each relay heard the coordinator's Goodbye (the shutdown reason) before its EOF.
-    assert exits == {h: ft.RelayExit("coordinator said Goodbye: cancelled", True) for h in hosts}
-    for hr in runs:
-        for run in hr.ranks.values():
-            assert run.received[-1] == Shutdown() and run.outcome == "ended"
+    assert [hr.host for hr in runs] == list(hosts)
+    assert_relays_shut_down_cleanly(runs, timeline)
     memory_network.assert_all_closed()
 
 
@@ -135,32 +106,20 @@ async def test_relay_cancelled_while_dialing_the_coordinator_raises_one_cancelle
 ) -> None:
     salt = ft.SessionSalt.generate()
     seen: list[str] = []
-    ranks_done = trio.Event()
     async with trio.open_nursery() as nursery:
         outcomes: dict[int, BaseException | str] = {}
 
-        async def rank(r: int) -> None:
-            try:
-                async with ft.open_rank(lambda: memory_network.connect("relay:host-a"),
-                                        salt=salt, rank=r, world_size=2) as ep:
-                    async for _ in ep:
-                        pass
-                outcomes[r] = "ended"
-            except ft.CoordinatorLost as exc:
-                outcomes[r] = exc
-            if len(outcomes) == 2:
-                ranks_done.set()
-
         async def body(relay: ft.Relay) -> None:
             for r in (0, 1):
-                nursery.start_soon(rank, r)
+                nursery.start_soon(functools.partial(
+                    rank_until_its_end, memory_network, salt, r, world_size=2,
+                    outcomes=outcomes))
             await relay.wait_closed()
 
         async with outside_cancel(seen) as scope:
             nursery.start_soon(cancel_after, scope, 3.0)  # no coordinator: it keeps re-dialing
             await relay_block(memory_network, salt, body)
-        with trio.fail_after(5):
-            await ranks_done.wait()
+        await wait_until(lambda: len(outcomes) == 2, limit=5)
     assert seen == ["Cancelled"]
     assert all(isinstance(o, ft.CoordinatorLost) for o in outcomes.values())
     memory_network.assert_all_closed()
@@ -174,16 +133,6 @@ async def test_relay_cancelled_while_running_raises_one_cancelled(
     formed = trio.Event()
     outcomes: dict[int, str | BaseException] = {}
 
-    async def rank(r: int) -> None:
-        try:
-            async with ft.open_rank(lambda: memory_network.connect("relay:host-a"),
-                                    salt=salt, rank=r, world_size=4) as ep:
-                async for _ in ep:
-                    pass
-            outcomes[r] = "ended"
-        except ft.CoordinatorLost as exc:
-            outcomes[r] = exc
-
     async def relay_task(nursery: trio.Nursery) -> None:
         async with outside_cancel(seen) as scope:
             async with ft.open_relay(
@@ -191,7 +140,9 @@ async def test_relay_cancelled_while_running_raises_one_cancelled(
                     ranks=[0, 1], world_size=4,
                     rank_listen=memory_network.listener("relay:host-a")) as relay:
                 for r in (0, 1):
-                    nursery.start_soon(rank, r)
+                    nursery.start_soon(functools.partial(
+                        rank_until_its_end, memory_network, salt, r, world_size=4,
+                        outcomes=outcomes))
                 await formed.wait()
                 nursery.start_soon(cancel_after, scope, 2.0)
                 await relay.wait_closed()

@@ -7,62 +7,29 @@ closed, and a cancelled running coordinator's relays end with a clean ``RelayExi
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import trio
 import trio.testing
 
 import flodl_trio as ft
-from flodl_trio.events import RelayLost, ShutdownComplete, ShutdownStarted
+from flodl_trio.events import RelayLost, ShutdownComplete
 from flodl_trio.testing import MemoryNetwork, MemoryStream
 from flodl_trio.wire import Shutdown
 
-from helpers import COORD, HostRun, events_of, start_host, wait_until
+from helpers import COORD, events_of, start_host, wait_until
+from helpers.lifecycle import (
+    CLEAN,
+    assert_relays_shut_down_cleanly,
+    cancel_after,
+    outside_cancel,
+    rank_until_its_end,
+    what_left,
+)
 
 HOSTS = {f"host-{h}": [2 * h, 2 * h + 1] for h in range(4)}
-# FT/2: each relay hears the shutdown reason in a Goodbye before the coordinator's EOF.
-CLEAN = ft.RelayExit("coordinator said Goodbye: cancelled", True)
-
-
-@contextmanager
-def what_left(seen: list[str]) -> Iterator[None]:
-    """Record the name of what leaves the block; ``except trio.Cancelled`` sits beside
-    ``except BaseException``, so a group of ``Cancelled`` is told apart from one ``Cancelled``."""
-    try:
-        yield
-    except trio.Cancelled:
-        seen.append("Cancelled")
-        raise
-    except BaseException as exc:
-        seen.append(type(exc).__name__)
-        raise
-
-
-@asynccontextmanager
-async def outside_cancel(seen: list[str]) -> AsyncIterator[trio.CancelScope]:
-    with trio.CancelScope() as scope:
-        with what_left(seen):
-            yield scope
-    assert scope.cancelled_caught
-
-
-async def cancel_after(scope: trio.CancelScope, seconds: float) -> None:
-    await trio.sleep(seconds)
-    scope.cancel()
-
-
-def assert_relays_shut_down_cleanly(runs: list[HostRun], timeline: ft.Timeline) -> None:
-    (started,) = events_of(timeline, ShutdownStarted)
-    assert started.reason == "cancelled"
-    assert len(events_of(timeline, ShutdownComplete)) == 1
-    assert not events_of(timeline, RelayLost)
-    assert {hr.host: hr.exit for hr in runs} == {hr.host: CLEAN for hr in runs}
-    for hr in runs:
-        for run in hr.ranks.values():
-            assert run.received[-1] == Shutdown() and run.outcome == "ended"
 
 
 # ------------------------------------------------------------------ rank, during setup
@@ -98,17 +65,7 @@ async def test_relay_cancelled_inside_its_upstream_handshake_raises_one_cancelle
     salt = ft.SessionSalt.generate()
     seen: list[str] = []
     listener = memory_network.listener(COORD)  # accepts and reads, never answers
-    outcomes: list[BaseException | str] = []
-
-    async def rank() -> None:  # the relay dials upstream once its local ranks are in
-        try:
-            async with ft.open_rank(lambda: memory_network.connect("relay:host-a"), salt=salt,
-                                    rank=0, world_size=1) as ep:
-                async for _ in ep:
-                    pass
-            outcomes.append("ended")
-        except ft.CoordinatorLost as exc:
-            outcomes.append(exc)
+    outcomes: dict[int, BaseException | str] = {}
 
     async with trio.open_nursery() as nursery:
         accepted: list[trio.abc.Stream] = []
@@ -126,7 +83,10 @@ async def test_relay_cancelled_inside_its_upstream_handshake_raises_one_cancelle
                                      host="host-a", ranks=[0], world_size=1,
                                      rank_listen=memory_network.listener("relay:host-a")
                                      ) as relay:
-                nursery.start_soon(rank)
+                # The relay dials upstream once its local ranks are in.
+                nursery.start_soon(functools.partial(
+                    rank_until_its_end, memory_network, salt, 0, world_size=1,
+                    outcomes=outcomes))
                 await heard.wait()
                 nursery.start_soon(cancel_after, scope, 2.0)  # handshake_timeout is 10 s
                 await relay.wait_closed()
@@ -138,7 +98,7 @@ async def test_relay_cancelled_inside_its_upstream_handshake_raises_one_cancelle
         await listener.aclose()
         await wait_until(lambda: bool(outcomes), limit=5)
     assert seen == ["Cancelled"]
-    assert [type(o) for o in outcomes] == [ft.CoordinatorLost]
+    assert [type(o) for o in outcomes.values()] == [ft.CoordinatorLost]
     memory_network.assert_all_closed()
 
 

@@ -18,6 +18,7 @@ from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
 
 from helpers import COORD, Recorder, events_of, start_host, wait_until
+from helpers.lifecycle import cancel_after
 from helpers.raw import RawRelay, raw_relay_handshake
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
@@ -156,11 +157,6 @@ async def test_outside_cancel_while_running_propagates_after_a_graceful_shutdown
         for run in hr.ranks.values():
             assert run.received == [Shutdown()] and run.outcome == "ended"
     memory_network.assert_all_closed()
-
-
-async def cancel_after(scope: trio.CancelScope, seconds: float) -> None:
-    await trio.sleep(seconds)
-    scope.cancel()
 
 
 async def test_outside_cancel_of_relay_and_rank_propagates_and_closes_their_streams(
