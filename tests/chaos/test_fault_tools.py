@@ -14,6 +14,8 @@ from flodl_trio._errors import ConfigError
 from flodl_trio.chaos import ChaosProxy, FaultPlan, FaultyStream, open_chaos_proxy
 from flodl_trio.testing import MemoryNetwork, MemoryStream
 
+from helpers.streams import read_exactly
+
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
 
 
@@ -62,16 +64,7 @@ class _Sink:
 
 async def _read(stream: trio.abc.ReceiveStream, count: int, *, patience: float = 2) -> bytes:
     """Read until ``count`` bytes, EOF or ``patience`` seconds; returns what arrived."""
-    data = bytearray()
-    with trio.move_on_after(patience):
-        for _ in range(count + 1):
-            if len(data) >= count:
-                break
-            chunk = await stream.receive_some(count - len(data))
-            if not chunk:
-                break
-            data += chunk
-    return bytes(data)
+    return await read_exactly(stream, count, patience=patience)
 
 
 async def _until(condition: Callable[[], bool], *, patience: float = 2) -> None:

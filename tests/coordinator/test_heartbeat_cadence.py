@@ -87,11 +87,9 @@ async def test_paced_relays_report_every_period_and_a_silent_rank_is_declared_wi
         times = await beat_times(c.coord, 0, 17)
         assert 4 <= len(times) <= 5
         assert all(g == pytest.approx(4.0, abs=0.01) for g in gaps(times)), gaps(times)
-        raw = rec.raw[1]
-        raw.beating = False
+        rec.raw[1].go_silent()
         await trio.sleep(0.5)  # a heartbeat due at this very moment may have been on its way
-        assert raw.last_sent is not None
-        silent_since = raw.last_sent
+        silent_since = rec.raw[1].last_heartbeat()
         await wait_until(lambda: 1 in c.coord.dead_ranks, limit=40)
         ((declared_at, event),) = log.of(RankDeclaredDead)
         # The record that carried its last heartbeat came up to 4 s later, with its age: the

@@ -32,11 +32,8 @@ async def test_rank_that_stops_heartbeating_is_alive_until_heartbeat_timeout_the
     async with open_local_cluster(TWO_HOSTS, network=memory_network, timeline=log, rank_main=rec,
                                   raw_ranks=rec.raw_mains,
                                   coord_config=config(heartbeat_timeout=5)) as c:
-        raw = rec.raw[3]
         await trio.sleep(3.5)
-        raw.beating = False  # the process froze: the link stays open, nothing more is sent
-        assert raw.last_sent is not None
-        silent_since = raw.last_sent
+        silent_since = rec.raw[3].go_silent()
 
         await trio.sleep_until(silent_since + 5 - 0.01)
         assert 3 in c.coord.live_ranks
@@ -113,10 +110,7 @@ async def test_rank_silent_after_a_consumer_pause_is_declared_at_its_timeout(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drain)
             await trio.sleep(2.5)
-            raw = rec.raw[3]
-            raw.beating = False
-            assert raw.last_sent is not None
-            silent_since = raw.last_sent
+            silent_since = rec.raw[3].go_silent()
             await wait_until(lambda: 3 in c.coord.dead_ranks, limit=5)
             nursery.cancel_scope.cancel()
         ((declared_at, event),) = log.of(RankDeclaredDead)

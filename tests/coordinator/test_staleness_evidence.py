@@ -335,10 +335,7 @@ async def test_a_silent_rank_is_declared_within_a_report_interval_while_its_heal
                                   coord_config=cfg, timeline=log, rank_main=rec,
                                   raw_ranks=rec.raw_mains) as c:
         await trio.sleep(10.4)
-        raw = rec.raw[1]
-        raw.beating = False
-        assert raw.last_sent is not None
-        silent_since = raw.last_sent
+        silent_since = rec.raw[1].go_silent()
         await wait_until(lambda: 1 in c.coord.dead_ranks, limit=10)
         ((declared_at, event),) = log.of(RankDeclaredDead)
         # Its relay reports every second (relay heartbeat_interval): declared at the first

@@ -6,6 +6,8 @@ from __future__ import annotations
 import h11
 import trio
 
+from helpers.streams import receive_until
+
 
 def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of one whole response (it must say its length and close)."""
@@ -31,13 +33,7 @@ def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
 
 async def read_to_eof(stream: trio.abc.ReceiveStream, limit: int = 1 << 20) -> bytes:
     """Everything ``stream`` receives until EOF, or ``limit`` bytes."""
-    data = bytearray()
-    while len(data) < limit:  # bounded by limit (and the caller's deadline)
-        chunk = await stream.receive_some()
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
+    return await receive_until(stream, lambda _: False, most=limit)
 
 
 def get(path: str, method: str = "GET") -> bytes:

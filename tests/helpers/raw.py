@@ -151,6 +151,17 @@ class RawRank:
         return cls(rank=rank, salt=salt, stream=stream, interval=interval,
                    leftover=confirmed.leftover)
 
+    def go_silent(self) -> float:
+        """Stop heartbeating (its process froze: the link stays open, nothing more is sent);
+        returns when it sent its last frame."""
+        self.beating = False
+        return self.last_heartbeat()
+
+    def last_heartbeat(self) -> float:
+        """When it sent its last frame (it has sent one)."""
+        assert self.last_sent is not None
+        return self.last_sent
+
     def count(self, kind: type[Any]) -> int:
         return sum(isinstance(m, kind) for m in self.received)
 

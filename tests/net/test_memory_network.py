@@ -9,24 +9,14 @@ import trio.testing
 from flodl_trio._errors import ConfigError
 from flodl_trio.testing import MemoryNetwork, MemoryStream
 
+from helpers.streams import read_exactly
+
 
 async def _pair(net: MemoryNetwork, name: str = "coord") -> tuple[MemoryStream, MemoryStream]:
     listener = net._listeners.get(name) or net.listener(name)
     client = await net.connect(name)
     server = await listener.accept()
     return client, server
-
-
-async def _read_exactly(stream: trio.abc.ReceiveStream, count: int) -> bytes:
-    data = bytearray()
-    for _ in range(count + 1):  # at least one byte per call, so this bound is never reached
-        if len(data) >= count:
-            break
-        chunk = await stream.receive_some(count - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
 
 
 async def test_bytes_flow_both_ways_and_close_gives_eof_after_draining() -> None:
@@ -89,7 +79,7 @@ async def test_blocked_writer_resumes_when_reader_drains(
             nursery.start_soon(client.send_all, payload)
             await trio.sleep(5)  # writer is parked on a full buffer meanwhile
             assert net.connections[0].bytes_to_server == 4
-            assert await _read_exactly(server, len(payload)) == payload
+            assert await read_exactly(server, len(payload)) == payload
         await client.aclose()
         await server.aclose()
 
@@ -205,7 +195,7 @@ async def test_serve_listeners_accepts_memory_connections() -> None:
         await nursery.start(trio.serve_listeners, echo, [listener])
         async with await net.connect("echo") as client:
             await client.send_all(b"ping")
-            assert await _read_exactly(client, 4) == b"ping"
+            assert await read_exactly(client, 4) == b"ping"
         nursery.cancel_scope.cancel()
     net.assert_all_closed()
 
@@ -308,10 +298,10 @@ async def test_send_eof_half_closes_one_direction() -> None:
         await client.send_eof()  # idempotent, like shutdown(SHUT_WR)
         with pytest.raises(trio.ClosedResourceError):
             await client.send_all(b"more")
-        assert await _read_exactly(server, 7) == b"request"
+        assert await read_exactly(server, 7) == b"request"
         assert await server.receive_some() == b""
         await server.send_all(b"response")
-        assert await _read_exactly(client, 8) == b"response"
+        assert await read_exactly(client, 8) == b"response"
         await client.aclose()
         await server.aclose()
 

@@ -22,6 +22,8 @@ from flodl_trio.port_mux import (
 )
 from flodl_trio.testing import MemoryNetwork
 
+from helpers.streams import read_exactly
+
 MAGIC_BY_LEG = {
     "control": CHANNEL_MAGIC_CONTROL,
     "data": CHANNEL_MAGIC_DATA,
@@ -38,18 +40,6 @@ async def tcp_mux(
     port = listeners[0].socket.getsockname()[1]
     async with open_port_mux(listeners, peek_timeout=peek_timeout, legs=legs) as mux:
         yield mux, port
-
-
-async def read_exactly(stream: trio.abc.ReceiveStream, count: int) -> bytes:
-    data = bytearray()
-    for _ in range(count):  # each round reads >= 1 byte, so count rounds always suffice
-        if len(data) >= count:
-            break
-        chunk = await stream.receive_some(count - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
 
 
 async def assert_closed_by_server(client: trio.abc.Stream) -> None:

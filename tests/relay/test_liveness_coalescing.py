@@ -230,10 +230,7 @@ async def test_a_rank_silent_behind_a_live_relay_is_declared_at_the_timeout_of_i
                                   rank_main=rec, raw_ranks=rec.raw_mains, coord_config=cfg,
                                   relay_config=relay_cfg) as c:
         await trio.sleep(3.3)
-        raw = rec.raw[1]
-        raw.beating = False
-        assert raw.last_sent is not None
-        silent_since = raw.last_sent
+        silent_since = rec.raw[1].go_silent()
         await wait_until(lambda: 1 in c.coord.dead_ranks, limit=10)
         ((declared_at, event),) = log.of(RankDeclaredDead)
         assert declared_at == pytest.approx(silent_since + 5, abs=1e-6)

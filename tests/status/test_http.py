@@ -24,6 +24,7 @@ from flodl_trio.status import (
 from flodl_trio.testing import MemoryNetwork
 
 from helpers.http import get, parse_response, read_to_eof
+from helpers.streams import receive_until
 
 WEIRD_REASON = 'bad "mac"\\from\nscanner'
 
@@ -73,15 +74,7 @@ async def exchange(
 
 
 async def read_until(stream: trio.abc.ReceiveStream, marker: bytes) -> bytes:
-    data = bytearray()
-    for _ in range(1000):  # bounded; a test request head is far shorter
-        if marker in data:
-            break
-        chunk = await stream.receive_some()
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
+    return await receive_until(stream, lambda data: marker in data)
 
 
 async def test_state_json_is_the_state_document() -> None:
