@@ -6,7 +6,8 @@ only what the test says."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -52,6 +53,18 @@ class Leg:
                 await trio.sleep(1)
         except GONE:
             pass
+
+    async def end_run(self, ranks: Sequence[int]) -> None:
+        """Shut the run down (``Shutdown`` to ``ranks``, ``Goodbye``, EOF), read the relay's
+        last records until its EOF, close."""
+        await self.fanout(ranks, wire.Shutdown())
+        await self.send(wire.RecordKind.CONTROL, wire.encode(wire.Goodbye("done")))
+        async with self.sending:
+            await self.stream.send_eof()
+        with trio.fail_after(30):
+            while await read_one_record(self.stream, self.opener) is not None:
+                pass
+        await self.stream.aclose()
 
     async def frames(self, n: int, kind: type[Any] = wire.SnapshotReady) -> list[Any]:
         """The next ``n`` rank frames of ``kind`` the relay forwards (others are skipped)."""
@@ -126,15 +139,39 @@ async def joined_durably(nursery: trio.Nursery, net: MemoryNetwork, salt: ft.Ses
     return listener, host, leg
 
 
-async def finish(host: HostRun, leg: Leg, listener: Any) -> None:
-    """The coordinator shuts the run down; everything ends and closes."""
-    await leg.fanout([0, 1], wire.Shutdown())
-    await leg.send(wire.RecordKind.CONTROL, wire.encode(wire.Goodbye("done")))
-    async with leg.sending:
-        await leg.stream.send_eof()
-    with trio.fail_after(30):
-        while await read_one_record(leg.stream, leg.opener) is not None:
-            pass
-    await leg.stream.aclose()
-    await listener.aclose()
-    await wait_until(lambda: host.all_done, limit=30)
+@attrs.define(eq=False)
+class DurableRun:
+    """A relay (``host-a``, ranks 0 and 1) joined to a scripted durable coordinator, whose leg
+    is ``first``; the test ends that leg, accepts the relay's next one, finishes the run."""
+
+    nursery: trio.Nursery
+    salt: ft.SessionSalt
+    listener: Any
+    host: HostRun
+    first: Leg
+
+    @property
+    def relay(self) -> ft.Relay:
+        return relay_of(self.host)
+
+    async def next_leg(self, *, generation: int | None = 2) -> Leg:
+        """The relay's next connection, accepted by a coordinator of ``generation``."""
+        leg = await accept_leg(self.listener, self.salt, generation=generation)
+        assert leg is not None
+        return leg
+
+    async def finish(self, leg: Leg) -> None:
+        """The coordinator of ``leg`` shuts the run down; everything ends and closes."""
+        await leg.end_run([0, 1])
+        await self.listener.aclose()
+
+
+@asynccontextmanager
+async def durably_joined(net: MemoryNetwork, *, generation: int | None = 1,
+                         **relay: Any) -> AsyncIterator[DurableRun]:
+    """:func:`joined_durably` in a nursery of its own, with a new salt."""
+    salt = ft.SessionSalt.generate()
+    async with trio.open_nursery() as nursery:
+        listener, host, first = await joined_durably(nursery, net, salt, generation=generation,
+                                                     **relay)
+        yield DurableRun(nursery, salt, listener, host, first)

@@ -20,7 +20,7 @@ from flodl_trio.net._handshake_io import run_handshake
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import wait_until
-from helpers.durable_peer import GONE, accept_leg, finish, joined_durably, relay_of, send_snapshots
+from helpers.durable_peer import GONE, accept_leg, durably_joined, send_snapshots
 from helpers.raw import read_one_record
 
 # ---------------------------------------------------------------- riding it out
@@ -29,62 +29,56 @@ from helpers.raw import read_one_record
 async def test_ranks_hear_reconnecting_then_resumed_and_never_coordinator_lost_in_the_grace(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt)
-        relay = relay_of(host)
+    async with durably_joined(memory_network) as joined:
+        relay = joined.relay
         assert relay.generation == 1 and relay.reconnects == 0
-        await first.stream.aclose()  # killed: no Goodbye
+        await joined.first.stream.aclose()  # killed: no Goodbye
         lost_at = trio.current_time()
         await wait_until(lambda: all(r.ep is not None and r.ep.reconnecting is not None
-                                     for r in host.ranks.values()))
+                                     for r in joined.host.ranks.values()))
         await trio.sleep(10)  # 10 s away: the ranks' own watchdog (3 s) is fed by the relay
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None
+        leg = await joined.next_leg(generation=2)
         assert leg.received.resumed and leg.received.generation == 1
         assert leg.received.hello.host == "host-a" and leg.received.hello.ranks == (0, 1)
-        nursery.start_soon(leg.beat, [0, 1])
+        joined.nursery.start_soon(leg.beat, [0, 1])
         await wait_until(lambda: relay.reconnects == 1)
         await wait_until(lambda: all(r.ep is not None and r.ep.reconnecting is None
-                                     for r in host.ranks.values()))
+                                     for r in joined.host.ranks.values()))
         assert relay.generation == 2
-        await finish(host, leg, listener)
-    for run in host.ranks.values():
+        await joined.finish(leg)
+    for run in joined.host.ranks.values():
         told = [m for m in run.received if not isinstance(m, wire.Shutdown)]
         assert isinstance(told[0], wire.CoordinatorReconnecting) and told[0].host == "host-a"
         assert "coordinator_grace=30s" in told[0].detail
         assert told[1:] == [wire.CoordinatorResumed(generation=2)]
         assert run.outcome == "ended" and run.ended_at is not None
         assert run.ended_at > lost_at + 10
-    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
+    assert isinstance(joined.host.exit, ft.RelayExit) and joined.host.exit.clean
 
 
 async def test_frames_sent_in_the_gap_reach_the_new_coordinator_first_and_in_order(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt)
-        await send_snapshots(host, 0, [1])
-        assert await first.frames(1) == [wire.SnapshotReady(1)]
-        await first.stream.aclose()
-        await wait_until(lambda: relay_of(host).reconnecting is not None)
+    async with durably_joined(memory_network) as joined:
+        await send_snapshots(joined.host, 0, [1])
+        assert await joined.first.frames(1) == [wire.SnapshotReady(1)]
+        await joined.first.stream.aclose()
+        await wait_until(lambda: joined.relay.reconnecting is not None)
         # Both ranks, the first and the last, send while the coordinator is away.
-        await send_snapshots(host, 0, [2, 3, 4])
-        await send_snapshots(host, 1, [100, 101])
+        await send_snapshots(joined.host, 0, [2, 3, 4])
+        await send_snapshots(joined.host, 1, [100, 101])
         await trio.sleep(5)
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None
-        nursery.start_soon(leg.beat, [0, 1])
-        await wait_until(lambda: relay_of(host).reconnects == 1)
-        await send_snapshots(host, 0, [5])
+        leg = await joined.next_leg(generation=2)
+        joined.nursery.start_soon(leg.beat, [0, 1])
+        await wait_until(lambda: joined.relay.reconnects == 1)
+        await send_snapshots(joined.host, 0, [5])
         got = [int(m.rank) for m in await leg.frames(6)]
-        await finish(host, leg, listener)
+        await joined.finish(leg)
     # Each rank's frames in its order; the gap's before the one sent after the resume.
     assert [n for n in got if n < 100] == [2, 3, 4, 5]
     assert [n for n in got if n >= 100] == [100, 101]
     assert got.index(5) == 5
-    assert relay_of(host).dropped_while_reconnecting == 0
+    assert joined.relay.dropped_while_reconnecting == 0
 
 
 async def test_frames_the_lost_connection_never_took_are_written_to_the_resumed_one(
@@ -94,14 +88,11 @@ async def test_frames_the_lost_connection_never_took_are_written_to_the_resumed_
     # of the ranks' frames never completes before the connection dies. It is written again,
     # whole, to the resumed connection (what a dead peer's buffer held is lost, as with TCP).
     net = MemoryNetwork(buffer_size=64)
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, net, salt)
-        await send_snapshots(host, 0, [1, 2])
+    async with durably_joined(net) as joined:
+        await send_snapshots(joined.host, 0, [1, 2])
         await trio.sleep(1)
-        await first.stream.aclose()
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None
+        await joined.first.stream.aclose()
+        leg = await joined.next_leg(generation=2)
         heard: set[int] = set()  # ranks whose coalesced heartbeat (Liveness) came first
         got: list[Any] = []
         with trio.fail_after(60):
@@ -113,8 +104,8 @@ async def test_frames_the_lost_connection_never_took_are_written_to_the_resumed_
                     if isinstance(msg, wire.Liveness):
                         heard.update(int(r) for r in msg.ranks)
                 elif rec.kind == wire.RecordKind.DATA:
-                    got.append(wire.frame_message(wire.decode_frame(salt, rec.payload)))
-        await finish(host, leg, listener)
+                    got.append(wire.frame_message(wire.decode_frame(joined.salt, rec.payload)))
+        await joined.finish(leg)
     net.assert_all_closed()
     # The ranks' frames were being written when it died: they reach the resumed connection.
     # Their coalesced heartbeats (Liveness) may have fitted in the dead peer's buffer (lost, as
@@ -126,44 +117,38 @@ async def test_frames_the_lost_connection_never_took_are_written_to_the_resumed_
 async def test_frames_over_the_reconnect_queue_are_dropped_and_counted(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt,
-                                                     reconnect_queue=3)
-        await send_snapshots(host, 0, [99])
-        assert await first.frames(1) == [wire.SnapshotReady(99)]  # all written before the loss
-        await first.stream.aclose()
-        await wait_until(lambda: relay_of(host).reconnecting is not None)
-        await send_snapshots(host, 0, range(10))
-        await wait_until(lambda: relay_of(host).dropped_while_reconnecting == 7)
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None
-        await wait_until(lambda: relay_of(host).reconnects == 1)
-        await send_snapshots(host, 0, [50])
+    async with durably_joined(memory_network, reconnect_queue=3) as joined:
+        await send_snapshots(joined.host, 0, [99])
+        # All written before the loss:
+        assert await joined.first.frames(1) == [wire.SnapshotReady(99)]
+        await joined.first.stream.aclose()
+        await wait_until(lambda: joined.relay.reconnecting is not None)
+        await send_snapshots(joined.host, 0, range(10))
+        await wait_until(lambda: joined.relay.dropped_while_reconnecting == 7)
+        leg = await joined.next_leg(generation=2)
+        await wait_until(lambda: joined.relay.reconnects == 1)
+        await send_snapshots(joined.host, 0, [50])
         got = [int(m.rank) for m in await leg.frames(4)]
-        await finish(host, leg, listener)
+        await joined.finish(leg)
     assert got == [0, 1, 2, 50]
-    assert relay_of(host).dropped_while_reconnecting == 7
+    assert joined.relay.dropped_while_reconnecting == 7
 
 
 async def test_a_deposed_coordinators_records_never_reach_a_rank(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt,
-                                                     generation=5)
-        await first.stream.aclose()
+    async with durably_joined(memory_network, generation=5) as joined:
+        await joined.first.stream.aclose()
         # A coordinator of generation 4 (deposed, still running) answers the re-dial and
         # broadcasts at once; the relay fails that attempt before the welcome.
-        stream = await listener.accept()
-        machine = wire.CoordinatorHandshake(salt, peer="deposed", generation=4)
+        stream = await joined.listener.accept()
+        machine = wire.CoordinatorHandshake(joined.salt, peer="deposed", generation=4)
         received = await run_handshake(stream, machine)
         assert isinstance(received, wire.HelloReceived) and received.generation == 5
         machine.accept()
         assert isinstance(await run_handshake(stream, machine), wire.Established)
         for msg in (wire.SetGlobalStep(global_step=99), wire.Shutdown()):
-            blob = wire.encode_fanout((0, 1), wire.encode_frame(salt, msg))
+            blob = wire.encode_fanout((0, 1), wire.encode_frame(joined.salt, msg))
             try:
                 await stream.send_all(machine.sealer.seal(wire.RecordKind.FANOUT, 0, blob))
             except GONE:
@@ -172,13 +157,13 @@ async def test_a_deposed_coordinators_records_never_reach_a_rank(
             while await stream.receive_some(65536):
                 pass
         await stream.aclose()
-        assert relay_of(host).reconnects == 0
-        leg = await accept_leg(listener, salt, generation=6)
-        assert leg is not None and leg.received.generation == 5
-        await wait_until(lambda: relay_of(host).reconnects == 1)
-        assert relay_of(host).generation == 6
-        await finish(host, leg, listener)
-    for run in host.ranks.values():
+        assert joined.relay.reconnects == 0
+        leg = await joined.next_leg(generation=6)
+        assert leg.received.generation == 5
+        await wait_until(lambda: joined.relay.reconnects == 1)
+        assert joined.relay.generation == 6
+        await joined.finish(leg)
+    for run in joined.host.ranks.values():
         assert wire.SetGlobalStep(global_step=99) not in run.received
         assert [m for m in run.received if not isinstance(
             m, wire.CoordinatorReconnecting)] == [wire.CoordinatorResumed(6), wire.Shutdown()]
@@ -187,20 +172,18 @@ async def test_a_deposed_coordinators_records_never_reach_a_rank(
 async def test_a_refused_resume_ends_the_relay_at_once_and_the_ranks_hear_why(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt)
-        await first.stream.aclose()
+    async with durably_joined(memory_network) as joined:
+        await joined.first.stream.aclose()
         await trio.sleep(2)
-        assert await accept_leg(listener, salt, generation=2,
+        assert await accept_leg(joined.listener, joined.salt, generation=2,
                                 refuse="host-a is not in the adopted roster") is None
         refused_at = trio.current_time()
-        await wait_until(lambda: host.all_done, limit=30)
+        await wait_until(lambda: joined.host.all_done, limit=30)
         assert trio.current_time() - refused_at < 2  # at once, not after the grace
-        await listener.aclose()
-    assert isinstance(host.exit, ft.JoinRefused)
-    assert host.exit.reason == "host-a is not in the adopted roster"
-    for run in host.ranks.values():
+        await joined.listener.aclose()
+    assert isinstance(joined.host.exit, ft.JoinRefused)
+    assert joined.host.exit.reason == "host-a is not in the adopted roster"
+    for run in joined.host.ranks.values():
         assert isinstance(run.outcome, ft.CoordinatorLost)
         assert "host-a is not in the adopted roster" in str(run.outcome)
 
@@ -208,43 +191,37 @@ async def test_a_refused_resume_ends_the_relay_at_once_and_the_ranks_hear_why(
 async def test_the_grace_running_out_gives_the_ranks_coordinator_lost_saying_so(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt,
-                                                     coordinator_grace=12)
-        await listener.aclose()  # nobody answers the re-dials
-        await first.stream.aclose()
+    async with durably_joined(memory_network, coordinator_grace=12) as joined:
+        await joined.listener.aclose()  # nobody answers the re-dials
+        await joined.first.stream.aclose()
         lost_at = trio.current_time()
-        await wait_until(lambda: host.all_done, limit=60)
-    for run in host.ranks.values():
+        await wait_until(lambda: joined.host.all_done, limit=60)
+    for run in joined.host.ranks.values():
         assert isinstance(run.received[0], wire.CoordinatorReconnecting)
         assert isinstance(run.outcome, ft.CoordinatorLost)
         assert "not back within coordinator_grace=12s" in str(run.outcome)
         assert run.ended_at is not None and 12 <= run.ended_at - lost_at < 14
-    assert isinstance(host.exit, ft.RelayExit) and not host.exit.clean
-    assert "not back within coordinator_grace=12s" in host.exit.reason
-    assert relay_of(host).reconnects == 0
+    assert isinstance(joined.host.exit, ft.RelayExit) and not joined.host.exit.clean
+    assert "not back within coordinator_grace=12s" in joined.host.exit.reason
+    assert joined.relay.reconnects == 0
 
 
 async def test_silence_past_coord_liveness_timeout_is_a_lost_coordinator_and_it_resumes(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt,
-                                                     coord_liveness_timeout=2)
+    async with durably_joined(memory_network, coord_liveness_timeout=2) as joined:
         joined_at = trio.current_time()
         # The coordinator is frozen: its connection stays open and says nothing.
-        leg = await accept_leg(listener, salt, generation=1)
-        assert leg is not None and leg.received.resumed
+        leg = await joined.next_leg(generation=1)
+        assert leg.received.resumed
         assert 2 <= trio.current_time() - joined_at < 3
         with trio.fail_after(5):  # the relay closed the silent connection
-            while await first.stream.receive_some(65536):
+            while await joined.first.stream.receive_some(65536):
                 pass
-        await first.stream.aclose()
-        nursery.start_soon(leg.beat, [0, 1])
-        await wait_until(lambda: relay_of(host).reconnects == 1)
+        await joined.first.stream.aclose()
+        joined.nursery.start_soon(leg.beat, [0, 1])
+        await wait_until(lambda: joined.relay.reconnects == 1)
         await trio.sleep(20)  # a coordinator that beats is not silent
-        assert relay_of(host).reconnects == 1
-        await finish(host, leg, listener)
-    assert all(run.outcome == "ended" for run in host.ranks.values())
+        assert joined.relay.reconnects == 1
+        await joined.finish(leg)
+    assert all(run.outcome == "ended" for run in joined.host.ranks.values())

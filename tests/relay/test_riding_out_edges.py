@@ -16,14 +16,7 @@ from flodl_trio import wire
 from flodl_trio.testing import MemoryNetwork
 
 from helpers import wait_until
-from helpers.durable_peer import (
-    RANK_CFG,
-    accept_leg,
-    finish,
-    joined_durably,
-    relay_of,
-    send_snapshots,
-)
+from helpers.durable_peer import RANK_CFG, accept_leg, durably_joined, send_snapshots
 from helpers.raw import read_one_record
 
 
@@ -33,33 +26,30 @@ async def test_every_way_of_losing_a_durable_coordinator_is_ridden_out(
 ) -> None:
     # A 64-byte buffer that the first coordinator never reads: the relay's writes stall.
     net = MemoryNetwork(buffer_size=64)
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, net, salt,
-                                                     write_stall_timeout=2)
+    async with durably_joined(net, write_stall_timeout=2) as joined:
         if how == "write stall":
             # The ranks' frames fill the 64-byte buffer at once (their heartbeats no longer
             # do: the relay coalesces them into one Liveness record per second, issue 23).
-            await send_snapshots(host, 0, [1, 2, 3])
+            await send_snapshots(joined.host, 0, [1, 2, 3])
         if how == "eof":
-            await first.stream.aclose()
+            await joined.first.stream.aclose()
         elif how == "reset":
-            first.stream.reset()
+            joined.first.stream.reset()
         elif how == "forged record":
             forger = wire.RecordSealer(b"k" * 32, wire.COORD_TO_RELAY)
-            await first.stream.send_all(forger.seal(wire.RecordKind.DATA, 0, b"x"))
+            await joined.first.stream.send_all(forger.seal(wire.RecordKind.DATA, 0, b"x"))
         lost_at = trio.current_time()
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None and leg.received.resumed
+        leg = await joined.next_leg(generation=2)
+        assert leg.received.resumed
         elapsed = trio.current_time() - lost_at
         assert (2 if how == "write stall" else 0) <= elapsed < (3 if how == "write stall" else 1)
-        await wait_until(lambda: relay_of(host).reconnects == 1)
-        await finish(host, leg, listener)
+        await wait_until(lambda: joined.relay.reconnects == 1)
+        await joined.finish(leg)
         if how != "reset":
-            await first.stream.aclose()
+            await joined.first.stream.aclose()
     net.assert_all_closed()
-    assert all(run.outcome == "ended" for run in host.ranks.values()), host.ranks
-    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
+    assert all(run.outcome == "ended" for run in joined.host.ranks.values()), joined.host.ranks
+    assert isinstance(joined.host.exit, ft.RelayExit) and joined.host.exit.clean
 
 
 async def test_the_coordinator_target_is_resolved_again_on_every_attempt(
@@ -102,14 +92,7 @@ async def test_the_coordinator_target_is_resolved_again_on_every_attempt(
         leg = await accept_leg(new, salt, generation=2)
         assert leg is not None and leg.received.resumed
         await wait_until(lambda: exit_[0].reconnects == 1)
-        await leg.fanout([0], wire.Shutdown())
-        await leg.send(wire.RecordKind.CONTROL, wire.encode(wire.Goodbye("done")))
-        async with leg.sending:
-            await leg.stream.send_eof()
-        with trio.fail_after(30):
-            while await read_one_record(leg.stream, leg.opener) is not None:
-                pass
-        await leg.stream.aclose()
+        await leg.end_run([0])
         await done.wait()
         await old.aclose()
         await new.aclose()
@@ -128,59 +111,51 @@ async def test_a_coordinator_that_is_not_ridden_out_is_lost_as_before(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, generation: int | None,
     grace: float
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt,
-                                                     generation=generation,
-                                                     coordinator_grace=grace)
-        assert relay_of(host).generation == (generation or 0)
-        await first.stream.aclose()
+    async with durably_joined(memory_network, generation=generation,
+                              coordinator_grace=grace) as joined:
+        assert joined.relay.generation == (generation or 0)
+        await joined.first.stream.aclose()
         lost_at = trio.current_time()
-        await wait_until(lambda: host.all_done, limit=30)
+        await wait_until(lambda: joined.host.all_done, limit=30)
         assert trio.current_time() - lost_at < 2
-        await listener.aclose()
-    for run in host.ranks.values():
+        await joined.listener.aclose()
+    for run in joined.host.ranks.values():
         assert run.received == []
         assert isinstance(run.outcome, ft.CoordinatorLost)
         assert "without Shutdown" in str(run.outcome)
-    assert isinstance(host.exit, ft.RelayExit) and not host.exit.clean
-    assert relay_of(host).reconnects == 0
+    assert isinstance(joined.host.exit, ft.RelayExit) and not joined.host.exit.clean
+    assert joined.relay.reconnects == 0
 
 
 async def test_a_durable_coordinators_goodbye_ends_the_relay_cleanly_without_a_redial(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt)
-        await finish(host, first, listener)
-    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
-    assert relay_of(host).reconnects == 0
-    for run in host.ranks.values():
+    async with durably_joined(memory_network) as joined:
+        await joined.finish(joined.first)
+    assert isinstance(joined.host.exit, ft.RelayExit) and joined.host.exit.clean
+    assert joined.relay.reconnects == 0
+    for run in joined.host.ranks.values():
         assert run.received == [wire.Shutdown()] and run.outcome == "ended"
 
 
 async def test_ranks_that_leave_while_the_coordinator_is_away_are_reported_to_the_resumed_one(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    async with trio.open_nursery() as nursery:
-        listener, host, first = await joined_durably(nursery, memory_network, salt)
-        await first.stream.aclose()
-        await wait_until(lambda: relay_of(host).reconnecting is not None)
-        for run in host.ranks.values():
+    async with durably_joined(memory_network) as joined:
+        await joined.first.stream.aclose()
+        await wait_until(lambda: joined.relay.reconnecting is not None)
+        for run in joined.host.ranks.values():
             run.leave()  # each says Exiting and closes its link
-        await wait_until(lambda: all(run.done.is_set() for run in host.ranks.values()))
-        leg = await accept_leg(listener, salt, generation=2)
-        assert leg is not None
+        await wait_until(lambda: all(run.done.is_set() for run in joined.host.ranks.values()))
+        leg = await joined.next_leg(generation=2)
         got: list[Any] = []
         with trio.fail_after(30):  # everything, then the relay's half-close
             while (rec := await read_one_record(leg.stream, leg.opener)) is not None:
                 got.append(rec)
         await leg.stream.aclose()
-        await listener.aclose()
-        await wait_until(lambda: host.all_done)
-    exiting = [wire.frame_message(wire.decode_frame(salt, r.payload)) for r in got
+        await joined.listener.aclose()
+        await wait_until(lambda: joined.host.all_done)
+    exiting = [wire.frame_message(wire.decode_frame(joined.salt, r.payload)) for r in got
                if r.kind == wire.RecordKind.DATA]
     exits = [m for m in (wire.decode_relay(r.payload) for r in got
                          if r.kind == wire.RecordKind.CONTROL)
@@ -188,5 +163,5 @@ async def test_ranks_that_leave_while_the_coordinator_is_away_are_reported_to_th
     assert sorted(int(m.rank) for m in exiting if isinstance(m, wire.Exiting)) == [0, 1]
     assert sorted(int(m.rank) for m in exits) == [0, 1]
     assert all(isinstance(m, wire.RankExit) for m in exits)
-    assert isinstance(host.exit, ft.RelayExit) and host.exit.clean
-    assert host.exit.reason == "all ranks exited"
+    assert isinstance(joined.host.exit, ft.RelayExit) and joined.host.exit.clean
+    assert joined.host.exit.reason == "all ranks exited"
