@@ -32,9 +32,8 @@ from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog
 
 from helpers import wait_until
-from helpers.scripts import load_script, start_relay_processes
+from helpers.scripts import relay_processes
 
-RelayProcess = load_script("_relay_proc").RelayProcess
 SIM = ("--sim-batch-ms", "40", "--batch-size", "4")
 EPOCHS = 6
 
@@ -46,53 +45,33 @@ def _connected(line: str) -> bool:
 async def _run_with_a_restart(*, kill_after_join: bool) -> None:
     """host-b and host-a run simulated ranks; host-a is SIGKILLed (once its join completed, or
     once epoch 1 started) and started again at once."""
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
     log = EventLog()
-    children: list[Any] = []
+    async with relay_processes(limit=40) as relays:
+        b = await relays.start("host-b", [2, 3], extra=SIM)
+        first = await relays.start("host-a", [0, 1], extra=SIM)
+        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
+                                       timeline=log) as coord:
+            sched = SyncScheduler(coord, total_samples=192, batch_size=4, num_epochs=EPOCHS)
+            restarted: list[tuple[float, Any]] = []
 
-    async def start(nursery: trio.Nursery, host: str, ranks: list[int],
-                    address: tuple[str, int]) -> Any:
-        child = await RelayProcess.start(nursery, coordinator=address, salt=salt, host=host,
-                                         ranks=ranks, world_size=4, extra=SIM)
-        children.append(child)
-        return child
+            async def kill_and_restart() -> None:
+                if kill_after_join:
+                    await first.wait_lines(_connected)
+                else:
+                    await wait_until(lambda: any(
+                        ev.what == "epoch_started" and ev.fields["epoch"] == 1
+                        for ev in log.events_of(Note)), limit=30)
+                first.proc.kill()
+                await first.proc.wait()
+                child = await relays.start("host-a", [0, 1], extra=SIM)
+                restarted.append((trio.current_time(), child))
 
-    try:
-        with trio.fail_after(40):
-            async with trio.open_nursery() as nursery:
-                bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                b = await start(nursery, "host-b", [2, 3], bound.address)
-                first = await start(nursery, "host-a", [0, 1], bound.address)
-                async with ft.open_coordinator(bound, salt=salt, config=cfg,
-                                               timeline=log) as coord:
-                    sched = SyncScheduler(coord, total_samples=192, batch_size=4,
-                                          num_epochs=EPOCHS)
-                    restarted: list[tuple[float, Any]] = []
-
-                    async def kill_and_restart() -> None:
-                        if kill_after_join:
-                            await first.wait_lines(_connected)
-                        else:
-                            await wait_until(lambda: any(
-                                ev.what == "epoch_started" and ev.fields["epoch"] == 1
-                                for ev in log.events_of(Note)), limit=30)
-                        first.proc.kill()
-                        await first.proc.wait()
-                        child = await start(nursery, "host-a", [0, 1], bound.address)
-                        restarted.append((trio.current_time(), child))
-
-                    nursery.start_soon(kill_and_restart)
-                    summary = await sched.run()
-                    assert restarted, "the run ended before host-a was restarted"
-                restart_at, again = restarted[0]
-                with trio.fail_after(10):
-                    for child in (b, again):
-                        await child.proc.wait()
-                nursery.cancel_scope.cancel()
-    finally:
-        for child in children:
-            await child.stop()
+            relays.nursery.start_soon(kill_and_restart)
+            summary = await sched.run()
+            assert restarted, "the run ended before host-a was restarted"
+        restart_at, again = restarted[0]
+        await relays.wait_exits(b, again)
 
     assert first.proc.returncode == -9
     assert b.proc.returncode == 0, b.lines
@@ -119,35 +98,23 @@ async def test_relay_sigkilled_right_after_its_join_and_restarted_rejoins() -> N
 
 
 async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_reason() -> None:
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
     log = EventLog()
-    children: list[Any] = []
-    try:
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                await start_relay_processes(nursery, bound.address, salt, children)
-                async with ft.open_coordinator(bound, salt=salt, config=cfg,
-                                               timeline=log) as coord:
-                    intruder = await RelayProcess.start(
-                        nursery, coordinator=bound.address, salt=salt, host="host-x",
-                        ranks=[1], world_size=4)
-                    children.append(intruder)
-                    started = trio.current_time()
-                    await wait_until(lambda: log.events_of(HandshakeRejected), limit=10)
-                    (at, rejected), = log.of(HandshakeRejected)
-                    assert at - started < 3  # a process start, then one round trip
-                    assert rejected.reason.startswith("rejoin refused: ")
-                    assert "relay 'host-x'" in rejected.reason
-                    assert "rank 1 is alive on relay 'host-a'" in rejected.reason
-                    assert coord.live_ranks == {0, 1, 2, 3}
-                    assert coord.state()["rejected_handshakes"]["rejoin refused"] >= 1
-                    assert not intruder.matching(_connected)
-                nursery.cancel_scope.cancel()
-    finally:
-        for child in children:
-            await child.stop()
+    async with relay_processes(limit=20) as relays:
+        await relays.start_two_hosts()
+        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
+                                       timeline=log) as coord:
+            intruder = await relays.start("host-x", [1])
+            started = trio.current_time()
+            await wait_until(lambda: log.events_of(HandshakeRejected), limit=10)
+            (at, rejected), = log.of(HandshakeRejected)
+            assert at - started < 3  # a process start, then one round trip
+            assert rejected.reason.startswith("rejoin refused: ")
+            assert "relay 'host-x'" in rejected.reason
+            assert "rank 1 is alive on relay 'host-a'" in rejected.reason
+            assert coord.live_ranks == {0, 1, 2, 3}
+            assert coord.state()["rejected_handshakes"]["rejoin refused"] >= 1
+            assert not intruder.matching(_connected)
 
 
 async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_joins_the_cohort(
@@ -156,52 +123,33 @@ async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_jo
     # still waits for host-b; then host-a is started again with the same host and ranks, and
     # host-b starts (at the same time: formation waits for host-a's ranks either way). The
     # cohort forms with every rank alive: no failure, no death, no refusal.
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
     log = EventLog()
-    children: list[Any] = []
+    async with relay_processes(limit=30) as relays:
 
-    async def start(nursery: trio.Nursery, host: str, ranks: list[int],
-                    address: tuple[str, int]) -> Any:
-        child = await RelayProcess.start(nursery, coordinator=address, salt=salt, host=host,
-                                         ranks=ranks, world_size=4)
-        children.append(child)
-        return child
+        async def hosts() -> None:
+            first = await relays.start("host-a", [0, 1])
+            await first.wait_lines(_connected)
+            first.proc.kill()
+            await first.proc.wait()
+            await wait_until(lambda: log.events_of(RelayLost), limit=5)
+            async with trio.open_nursery() as both:
+                both.start_soon(relays.start, "host-a", [0, 1])
+                both.start_soon(relays.start, "host-b", [2, 3])
 
-    try:
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                bound = await ft.bind_coordinator(("127.0.0.1", 0))
-
-                async def hosts() -> None:
-                    first = await start(nursery, "host-a", [0, 1], bound.address)
-                    await first.wait_lines(_connected)
-                    first.proc.kill()
-                    await first.proc.wait()
-                    await wait_until(lambda: log.events_of(RelayLost), limit=5)
-                    async with trio.open_nursery() as both:
-                        both.start_soon(start, nursery, "host-a", [0, 1], bound.address)
-                        both.start_soon(start, nursery, "host-b", [2, 3], bound.address)
-
-                nursery.start_soon(hosts)
-                async with ft.open_coordinator(bound, salt=salt, config=cfg,
-                                               timeline=log) as coord:
-                    assert coord.live_ranks == {0, 1, 2, 3}
-                    assert coord.dead_ranks == frozenset()
-                    joined = [ev.host for ev in log.events_of(RelayJoined)]
-                    assert joined[0] == "host-a" and sorted(joined[1:]) == ["host-a", "host-b"]
-                    assert log.events_of(HandshakeRejected) == []
-                    assert log.events_of(RankDeclaredDead) == []
-                first, *rest = children
-                (again,) = [child for child in rest if child.host == "host-a"]
-                (b,) = [child for child in rest if child.host == "host-b"]
-                with trio.fail_after(10):
-                    for child in (again, b):
-                        await child.proc.wait()
-                nursery.cancel_scope.cancel()
-    finally:
-        for child in children:
-            await child.stop()
+        relays.nursery.start_soon(hosts)
+        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
+                                       timeline=log) as coord:
+            assert coord.live_ranks == {0, 1, 2, 3}
+            assert coord.dead_ranks == frozenset()
+            joined = [ev.host for ev in log.events_of(RelayJoined)]
+            assert joined[0] == "host-a" and sorted(joined[1:]) == ["host-a", "host-b"]
+            assert log.events_of(HandshakeRejected) == []
+            assert log.events_of(RankDeclaredDead) == []
+        first, *rest = relays.children
+        (again,) = [child for child in rest if child.host == "host-a"]
+        (b,) = [child for child in rest if child.host == "host-b"]
+        await relays.wait_exits(again, b)
     assert first.proc.returncode == -9
     assert again.proc.returncode == 0, again.lines
     assert b.proc.returncode == 0, b.lines
@@ -210,51 +158,32 @@ async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_jo
 # -------------------------------------------------- a host restarted before its death was noticed
 
 
-RelayProcess = load_script("_relay_proc").RelayProcess
-
-
 async def test_frozen_relay_process_is_superseded_by_its_restart_and_exits_once_resumed() -> None:
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=60)
     log = EventLog()
-    children: list[Any] = []
-    try:
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                _, frozen = await start_relay_processes(nursery, bound.address, salt, children)
-                async with ft.open_coordinator(bound, salt=salt, config=cfg,
-                                               timeline=log) as coord:
-                    frozen.proc.send_signal(signal.SIGSTOP)
-                    restarted_at = trio.current_time()
-                    again = await RelayProcess.start(
-                        nursery, coordinator=bound.address, salt=salt, host="host-b",
-                        ranks=[2, 3], world_size=4)
-                    children.append(again)
-                    await wait_until(lambda: len(log.events_of(RankRejoined)) == 2, limit=10)
-                    rejoined = log.of(RankRejoined)
-                    assert [ev for _, ev in rejoined] == [RankRejoined(rank=2, host="host-b"),
-                                                          RankRejoined(rank=3, host="host-b")]
-                    assert all(t - restarted_at < 3 for t, _ in rejoined), (restarted_at,
-                                                                            rejoined)
-                    lost = log.events_of(RelayLost)
-                    assert len(lost) == 1 and lost[0].reason.startswith(
-                        "superseded: host 'host-b' re-joined from 127.0.0.1:"), lost
-                    frozen.proc.send_signal(signal.SIGCONT)
-                    with trio.fail_after(10):
-                        await frozen.proc.wait()  # its connection was closed: it ends
-                    await trio.sleep(0.5)  # room for any disturbance to show
-                    assert coord.live_ranks == {0, 1, 2, 3}
-                    assert len(log.events_of(RelayLost)) == 1, log.events_of(RelayLost)
-                    assert log.events_of(ClusterFailed) == []
-                    assert again.proc.returncode is None  # the restarted host carries on
-                with trio.fail_after(10):
-                    for child in (children[0], again):
-                        await child.proc.wait()
-                nursery.cancel_scope.cancel()
-    finally:
-        for child in children:
-            await child.stop()
-    assert children[0].proc.returncode == 0, children[0].lines
+    async with relay_processes(limit=30) as relays:
+        a, frozen = await relays.start_two_hosts()
+        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
+                                       timeline=log) as coord:
+            frozen.proc.send_signal(signal.SIGSTOP)
+            restarted_at = trio.current_time()
+            again = await relays.start("host-b", [2, 3])
+            await wait_until(lambda: len(log.events_of(RankRejoined)) == 2, limit=10)
+            rejoined = log.of(RankRejoined)
+            assert [ev for _, ev in rejoined] == [RankRejoined(rank=2, host="host-b"),
+                                                  RankRejoined(rank=3, host="host-b")]
+            assert all(t - restarted_at < 3 for t, _ in rejoined), (restarted_at, rejoined)
+            lost = log.events_of(RelayLost)
+            assert len(lost) == 1 and lost[0].reason.startswith(
+                "superseded: host 'host-b' re-joined from 127.0.0.1:"), lost
+            frozen.proc.send_signal(signal.SIGCONT)
+            await relays.wait_exits(frozen)  # its connection was closed: it ends
+            await trio.sleep(0.5)  # room for any disturbance to show
+            assert coord.live_ranks == {0, 1, 2, 3}
+            assert len(log.events_of(RelayLost)) == 1, log.events_of(RelayLost)
+            assert log.events_of(ClusterFailed) == []
+            assert again.proc.returncode is None  # the restarted host carries on
+        await relays.wait_exits(a, again)
+    assert a.proc.returncode == 0, a.lines
     assert again.proc.returncode == 0, again.lines
     assert frozen.proc.returncode != 0, frozen.lines  # it lost its coordinator

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
 import trio
 
 import flodl_trio as ft
@@ -56,3 +58,51 @@ async def start_relay_processes(
         children.append(child)
         started.append(child)
     return started
+
+
+@attrs.define(eq=False)
+class RelayProcesses:
+    """A coordinator's port bound on loopback (``bound``: the test opens the coordinator on it)
+    and the relay processes that dial it, each ``scripts/_relay_proc.py`` (a relay and its
+    simulated ranks)."""
+
+    nursery: trio.Nursery
+    bound: Any
+    salt: ft.SessionSalt
+    children: list[Any]
+
+    async def start(self, host: str, ranks: list[int], *, world_size: int = 4,
+                    extra: Sequence[str] = ()) -> Any:
+        """One more relay process, for ``host`` and its ``ranks``."""
+        child = await load_script("_relay_proc").RelayProcess.start(
+            self.nursery, coordinator=self.bound.address, salt=self.salt, host=host,
+            ranks=ranks, world_size=world_size, extra=tuple(extra))
+        self.children.append(child)
+        return child
+
+    async def start_two_hosts(self) -> list[Any]:
+        """host-a (ranks 0, 1) and host-b (ranks 2, 3), in a world of 4."""
+        return await start_relay_processes(self.nursery, self.bound.address, self.salt,
+                                           self.children)
+
+    async def wait_exits(self, *children: Any, limit: float = 10) -> None:
+        """Each of ``children`` exited within ``limit`` seconds."""
+        with trio.fail_after(limit):
+            for child in children:
+                await child.proc.wait()
+
+
+@asynccontextmanager
+async def relay_processes(*, limit: float) -> AsyncIterator[RelayProcesses]:
+    """A :class:`RelayProcesses` with a new salt; the block fails after ``limit`` seconds, and
+    every process is stopped when it ends, however it ends."""
+    children: list[Any] = []
+    try:
+        with trio.fail_after(limit):
+            async with trio.open_nursery() as nursery:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+                yield RelayProcesses(nursery, bound, ft.SessionSalt.generate(), children)
+                nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()

@@ -13,56 +13,43 @@ import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayLost
 
 from helpers import EventLog
-from helpers.scripts import load_script, start_relay_processes
+from helpers.scripts import load_script, relay_processes
 
-_relay_proc = load_script("_relay_proc")
-RelayProcess = _relay_proc.RelayProcess
-arrival_time = _relay_proc.arrival_time
+arrival_time = load_script("_relay_proc").arrival_time
 
 
 async def test_sigkilled_relay_process_ranks_are_declared_dead_at_once_and_survivors_told() -> None:
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=8, heartbeat_timeout=30)
     timeline = EventLog()
-    children: list[RelayProcess] = []
-    try:
-        with trio.fail_after(9):
-            async with trio.open_nursery() as nursery:
-                bound = await ft.bind_coordinator(("127.0.0.1", 0))
-                await start_relay_processes(nursery, bound.address, salt, children)
-                victim, survivor = children
-                async with ft.open_coordinator(bound, salt=salt, config=cfg,
-                                               timeline=timeline) as coord:
-                    for child in children:
-                        await child.wait_lines(lambda s: s.startswith("relay ") and
-                                               " connected " in s)
-                    killed_at, killed_wall = trio.current_time(), time.time()
-                    victim.proc.kill()
+    async with relay_processes(limit=9) as relays:
+        victim, survivor = await relays.start_two_hosts()
+        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
+                                       timeline=timeline) as coord:
+            for child in relays.children:
+                await child.wait_lines(lambda s: s.startswith("relay ") and " connected " in s)
+            killed_at, killed_wall = trio.current_time(), time.time()
+            victim.proc.kill()
 
-                    with trio.fail_after(1):
-                        while coord.dead_ranks != {0, 1}:  # noqa: ASYNC110 - measuring latency
-                            await trio.sleep(0.001)
-                    deaths = timeline.of(RankDeclaredDead)
-                    assert sorted(ev.rank for _, ev in deaths) == [0, 1]
-                    assert all(t - killed_at < 1.0 for t, _ in deaths)
-                    assert all("'host-a'" in ev.reason for _, ev in deaths)
-                    assert [ev.host for ev in timeline.events(RelayLost)] == ["host-a"]
-                    assert coord.live_ranks == {2, 3}
+            with trio.fail_after(1):
+                while coord.dead_ranks != {0, 1}:  # noqa: ASYNC110 - measuring latency
+                    await trio.sleep(0.001)
+            deaths = timeline.of(RankDeclaredDead)
+            assert sorted(ev.rank for _, ev in deaths) == [0, 1]
+            assert all(t - killed_at < 1.0 for t, _ in deaths)
+            assert all("'host-a'" in ev.reason for _, ev in deaths)
+            assert [ev.host for ev in timeline.events(RelayLost)] == ["host-a"]
+            assert coord.live_ranks == {2, 3}
 
-                    with trio.fail_after(2):
-                        told = await survivor.wait_lines(lambda s: " got DeclareDead " in s, 4)
-                    assert sorted(" ".join(s.split()[:5]) for s in told) == [
-                        "rank 2 got DeclareDead 0", "rank 2 got DeclareDead 1",
-                        "rank 3 got DeclareDead 0", "rank 3 got DeclareDead 1"]
-                    assert all(arrival_time(s) - killed_wall < 1.0 for s in told)
-                # Leaving the block shuts the survivors down cleanly.
-                with trio.fail_after(5):
-                    await survivor.proc.wait()
-                    await survivor.wait_lines(lambda s: s.startswith("relay host-b exit "))
-                assert survivor.proc.returncode == 0, survivor.lines
-                assert len(survivor.matching(lambda s: " got Shutdown " in s)) == 2
-                assert victim.proc.returncode == -9
-                nursery.cancel_scope.cancel()
-    finally:
-        for child in children:
-            await child.stop()
+            with trio.fail_after(2):
+                told = await survivor.wait_lines(lambda s: " got DeclareDead " in s, 4)
+            assert sorted(" ".join(s.split()[:5]) for s in told) == [
+                "rank 2 got DeclareDead 0", "rank 2 got DeclareDead 1",
+                "rank 3 got DeclareDead 0", "rank 3 got DeclareDead 1"]
+            assert all(arrival_time(s) - killed_wall < 1.0 for s in told)
+        # Leaving the block shuts the survivors down cleanly.
+        with trio.fail_after(5):
+            await survivor.proc.wait()
+            await survivor.wait_lines(lambda s: s.startswith("relay host-b exit "))
+        assert survivor.proc.returncode == 0, survivor.lines
+        assert len(survivor.matching(lambda s: " got Shutdown " in s)) == 2
+        assert victim.proc.returncode == -9
