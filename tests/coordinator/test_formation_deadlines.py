@@ -9,7 +9,7 @@ import flodl_trio as ft
 from flodl_trio.events import FormationComplete, FormationFailed, RelayJoined
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, events_of, start_host, wait_until
+from helpers import COORD, events_of, hosts_by_hand, wait_until
 
 
 async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_covered(
@@ -38,15 +38,13 @@ async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_cov
 async def test_formation_with_one_of_two_relays_reports_2_of_4_and_names_the_host(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+        host_a = hosts.runs["host-a"]
         started = trio.current_time()
         with pytest.raises(ft.FormationTimeout) as excinfo:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline):
+            async with hosts.coordinator(cfg, timeline=timeline):
                 pytest.fail("the block must not be entered without formation")
         elapsed = trio.current_time() - started
         await wait_until(lambda: host_a.all_done, limit=30)
@@ -71,20 +69,18 @@ async def test_formation_deadline_counts_from_the_start_not_from_the_last_join(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     """A relay joining late does not extend the deadline."""
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=3, formation_timeout=10)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
+    async with hosts_by_hand(memory_network, 3) as hosts:
 
         async def late_host() -> None:
             await trio.sleep(9)
-            await start_host(nursery, memory_network, "host-late", [2], salt=salt, world=3)
+            await hosts.start("host-late", [2])
 
-        nursery.start_soon(late_host)
-        await start_host(nursery, memory_network, "host-a", [0], salt=salt, world=3)
+        hosts.nursery.start_soon(late_host)
+        await hosts.start("host-a", [0])
         started = trio.current_time()
         with pytest.raises(ft.FormationTimeout) as excinfo:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg):
+            async with hosts.coordinator(cfg):
                 pytest.fail("rank 1 is never covered")
         assert trio.current_time() - started == pytest.approx(10)
     text = str(excinfo.value)
@@ -95,24 +91,21 @@ async def test_formation_deadline_counts_from_the_start_not_from_the_last_join(
 async def test_abort_during_formation_raises_formation_aborted_with_coverage(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     timeline = ft.Timeline()
     abort = trio.Event()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+        host_a = hosts.runs["host-a"]
 
         async def abort_later() -> None:
             await wait_until(lambda: bool(events_of(timeline, RelayJoined)))
             await trio.sleep(3)
             abort.set()
 
-        nursery.start_soon(abort_later)
+        hosts.nursery.start_soon(abort_later)
         started = trio.current_time()
         with pytest.raises(ft.FormationAborted) as excinfo:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg, abort=abort,
-                                           timeline=timeline):
+            async with hosts.coordinator(cfg, abort=abort, timeline=timeline):
                 pytest.fail("the block must not be entered after abort")
         elapsed = trio.current_time() - started
         await wait_until(lambda: host_a.all_done, limit=30)
@@ -144,13 +137,11 @@ async def test_abort_set_before_open_fails_formation_immediately(
 async def test_abort_after_formation_has_no_effect(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     abort = trio.Event()
     cfg = ft.CoordinatorConfig(world_size=1, formation_timeout=60)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0], salt=salt, world=1)
-        async with ft.open_coordinator(listener, salt=salt, config=cfg, abort=abort) as coord:
+    async with hosts_by_hand(memory_network, 1, {"host-a": [0]}) as hosts:
+        host = hosts.runs["host-a"]
+        async with hosts.coordinator(cfg, abort=abort) as coord:
             abort.set()
             await trio.sleep(2)
             assert coord.state()["phase"] == "running"

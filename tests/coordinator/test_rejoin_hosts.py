@@ -19,30 +19,27 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import COORD, start_host, wait_until
+from helpers import COORD, hosts_by_hand, wait_until
 from helpers.raw import drain_and_close, raw_relay_handshake
+from helpers.scripts import TWO_HOSTS
 
 
 async def test_restarted_host_rejoins_survivors_are_told_and_its_relay_ends_clean(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     timeline = EventLog()
     cfg = ft.CoordinatorConfig(world_size=6, formation_timeout=60, heartbeat_timeout=30)
     layout = {"host-a": [0, 1], "host-b": [2, 3], "host-c": [4, 5]}
-    async with trio.open_nursery() as nursery:
-        hosts = {h: await start_host(nursery, memory_network, h, r, salt=salt, world=6)
-                 for h, r in layout.items()}
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
-                                       timeline=timeline) as coord:
+    async with hosts_by_hand(memory_network, 6, layout) as started:
+        hosts = dict(started.runs)
+        async with started.coordinator(cfg, timeline=timeline) as coord:
             # host-c dies for good, host-a dies and comes back.
             for host in ("host-c", "host-a"):
                 hosts[host].kill()
             await wait_until(lambda: coord.dead_ranks == {0, 1, 4, 5}, limit=5)
             await wait_until(lambda: hosts["host-a"].all_done, limit=5)
             restarted_at = trio.current_time()
-            back = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt,
-                                    world=6)
+            back = await started.start("host-a", [0, 1])
             await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=5)
             rejoined = timeline.of(RankRejoined)
             assert [ev for _, ev in rejoined] == [RankRejoined(rank=0, host="host-a"),
@@ -73,7 +70,6 @@ async def test_restarted_host_rejoins_survivors_are_told_and_its_relay_ends_clea
         # The old endpoints of host-a stayed ended: nothing was delivered to them since.
         assert all(run.outcome == "killed" or isinstance(run.outcome, ft.CoordinatorLost)
                    for run in hosts["host-a"].ranks.values())
-        nursery.cancel_scope.cancel()
 
 
 # ---------------------------------------------------------------------- at the edges a user meets
@@ -82,22 +78,18 @@ async def test_restarted_host_rejoins_survivors_are_told_and_its_relay_ends_clea
 async def test_host_restarted_after_the_final_shutdown_is_not_left_waiting_for_a_run_that_ended(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     log = EventLog()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=30)
-    async with trio.open_nursery() as nursery:
-        a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
-        b = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt, world=4)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
-                                       timeline=log) as coord:
+    async with hosts_by_hand(memory_network, 4, TWO_HOSTS) as hosts:
+        a, b = hosts.runs["host-a"], hosts.runs["host-b"]
+        async with hosts.coordinator(cfg, timeline=log) as coord:
             b.kill()
             await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
             await wait_until(lambda: b.all_done, limit=5)
             # The run is over: the scheduler's last word went out to every live rank.
             await coord.broadcast_control(ft.wire.Shutdown())
             await wait_until(lambda: all(r.done.is_set() for r in a.ranks.values()), limit=5)
-            back = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt,
-                                    world=4)
+            back = await hosts.start("host-b", [2, 3])
             # The embedder saves a checkpoint before leaving the block.
             await wait_until(lambda: log.events_of(RankRejoined)
                              or log.events_of(HandshakeRejected), limit=5)
@@ -110,23 +102,17 @@ async def test_host_restarted_after_the_final_shutdown_is_not_left_waiting_for_a
         # never left with ranks that fail for want of a Shutdown.
         for rank, run in back.ranks.items():
             assert run.outcome == "ended", (rank, run.outcome, run.labels())
-        nursery.cancel_scope.cancel()
 
 
 async def test_relay_claiming_a_live_rank_ends_at_once_naming_the_rank_and_its_owner(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     log = EventLog()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=30)
-    async with trio.open_nursery() as nursery:
-        for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
-            await start_host(nursery, memory_network, host, ranks, salt=salt, world=4)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
-                                       timeline=log) as coord:
+    async with hosts_by_hand(memory_network, 4, TWO_HOSTS) as hosts:
+        async with hosts.coordinator(cfg, timeline=log) as coord:
             started = trio.current_time()
-            intruder = await start_host(nursery, memory_network, "host-x", [1], salt=salt,
-                                        world=4)
+            intruder = await hosts.start("host-x", [1])
             with trio.move_on_after(40):
                 await intruder.done.wait()
             took = trio.current_time() - started
@@ -135,34 +121,28 @@ async def test_relay_claiming_a_live_rank_ends_at_once_naming_the_rank_and_its_o
             assert intruder.done.is_set() and took < 3, took
             assert isinstance(intruder.exit, ft.JoinRefused), intruder.exit
             assert "rank 1 is alive on relay 'host-a'" in intruder.exit.reason, intruder.exit
-        nursery.cancel_scope.cancel()
 
 
 async def test_host_restarted_before_its_death_was_noticed_rejoins_once_it_is(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     log = EventLog()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=45)
-    async with trio.open_nursery() as nursery:
-        await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
-
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
         frozen_closed = trio.Event()
 
         async def frozen_host_b() -> None:  # joins, then never says a word again
-            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
+            raw = await raw_relay_handshake(await memory_network.connect(COORD), hosts.salt,
                                             "host-b", [2, 3], world_size=4)
             assert raw.acked
             await drain_and_close(raw.stream, limit=3600)
             frozen_closed.set()  # the coordinator closed it (the drain ended before its limit)
 
-        nursery.start_soon(frozen_host_b)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
-                                       timeline=log) as coord:
+        hosts.nursery.start_soon(frozen_host_b)
+        async with hosts.coordinator(cfg, timeline=log) as coord:
             await trio.sleep(1)
             restarted_at = trio.current_time()
-            back = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt,
-                                    world=4)
+            back = await hosts.start("host-b", [2, 3])
             with trio.move_on_after(cfg.heartbeat_timeout + 10):
                 await wait_until(lambda: len(log.events_of(RankRejoined)) == 2,
                                  limit=cfg.heartbeat_timeout + 10)
@@ -178,4 +158,3 @@ async def test_host_restarted_before_its_death_was_noticed_rejoins_once_it_is(
             assert lost[0].reason.startswith("superseded: host 'host-b' re-joined from "), lost
             assert [e.rank for e in log.events_of(RankDeclaredDead)] == [2, 3]
             await wait_until(lambda: frozen_closed.is_set(), limit=5)
-        nursery.cancel_scope.cancel()

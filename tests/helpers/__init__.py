@@ -14,7 +14,8 @@ one), :mod:`helpers.frozen` (a coordinator frozen as by ``SIGSTOP``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -254,6 +255,56 @@ def start_rank(nursery: trio.Nursery, net: MemoryNetwork, run: RankRun, *,
     """Start one recording rank that dials ``relay:<its host>``."""
     nursery.start_soon(functools.partial(_run_rank, net, run, salt=salt, world=world,
                                          config=rank_config))
+
+
+@attrs.define(eq=False)
+class Hosts:
+    """Relays and recording ranks started by hand (:func:`start_host`), with one salt, for a
+    coordinator the test opens on ``listener`` (:data:`COORD`) with :meth:`coordinator`."""
+
+    net: MemoryNetwork
+    nursery: trio.Nursery
+    salt: ft.SessionSalt
+    world: int
+    listener: trio.abc.Listener[Any]
+    runs: dict[str, HostRun] = attrs.Factory(dict)
+
+    async def start(self, host: str, ranks: Sequence[int], **kw: Any) -> HostRun:
+        """One more relay and its ranks (``kw``: :func:`start_host`'s)."""
+        self.runs[host] = await start_host(self.nursery, self.net, host, ranks, salt=self.salt,
+                                           world=self.world, **kw)
+        return self.runs[host]
+
+    def coordinator(self, config: ft.CoordinatorConfig | None = None,
+                    **kw: Any) -> AbstractAsyncContextManager[ft.Coordinator]:
+        """``open_coordinator`` on the listener with this salt (a plain config of this world
+        unless told; ``kw``: its other arguments)."""
+        return ft.open_coordinator(self.listener, salt=self.salt,
+                                   config=config or ft.CoordinatorConfig(world_size=self.world),
+                                   **kw)
+
+    @property
+    def all_done(self) -> bool:
+        return all(hr.all_done for hr in self.runs.values())
+
+
+@asynccontextmanager
+async def hosts_by_hand(
+    net: MemoryNetwork, world: int,
+    layout: Mapping[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]] | None = None,
+) -> AsyncIterator[Hosts]:
+    """A listener on :data:`COORD`, then the hosts of ``layout`` started by hand; when the
+    block ends, whatever still runs is cancelled and the listener is closed."""
+    listener = net.listener(COORD)
+    try:
+        async with trio.open_nursery() as nursery:
+            hosts = Hosts(net, nursery, ft.SessionSalt.generate(), world, listener)
+            for host, ranks in dict(layout or {}).items():
+                await hosts.start(host, ranks)
+            yield hosts
+            nursery.cancel_scope.cancel()
+    finally:
+        await listener.aclose()
 
 
 def events_of(timeline: ft.Timeline, kind: type[Any]) -> list[Any]:

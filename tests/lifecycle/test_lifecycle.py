@@ -14,7 +14,7 @@ import flodl_trio as ft
 from flodl_trio._lifecycle import Lifecycle, choose_one_exception, open_lifecycle
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, start_host, wait_until
+from helpers import COORD, hosts_by_hand, wait_until
 from helpers.lifecycle import (
     assert_relays_shut_down_cleanly,
     cancel_after,
@@ -28,17 +28,15 @@ from helpers.lifecycle import (
 async def test_coordinator_cancelled_during_formation_raises_one_cancelled(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     seen: list[str] = []
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+        host_a = hosts.runs["host-a"]
         half_open = await memory_network.connect(COORD)  # mid-handshake when the cancel lands
         await half_open.send_all(b"\xe2\x17")
         async with outside_cancel(seen) as scope:
-            nursery.start_soon(cancel_after, scope, 5.0)
-            async with ft.open_coordinator(listener, salt=salt, config=cfg):
+            hosts.nursery.start_soon(cancel_after, scope, 5.0)
+            async with hosts.coordinator(cfg):
                 pytest.fail("formation cannot complete: host-b never comes")
         assert await half_open.receive_some(100) == b""
         await half_open.aclose()
@@ -50,23 +48,19 @@ async def test_coordinator_cancelled_during_formation_raises_one_cancelled(
 async def test_coordinator_cancelled_while_running_shuts_every_relay_down_cleanly(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    hosts = {f"host-{h}": [2 * h, 2 * h + 1] for h in range(12)}
+    layout = {f"host-{h}": [2 * h, 2 * h + 1] for h in range(12)}
     seen: list[str] = []
     timeline = ft.Timeline()
-    async with trio.open_nursery() as nursery:
-        runs = [await start_host(nursery, memory_network, h, r, salt=salt, world=24)
-                for h, r in hosts.items()]
+    async with hosts_by_hand(memory_network, 24, layout) as hosts:
         async with outside_cancel(seen) as scope:
-            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                           config=ft.CoordinatorConfig(world_size=24),
-                                           timeline=timeline):
-                nursery.start_soon(cancel_after, scope, 2.5)  # heartbeats are flowing by then
+            async with hosts.coordinator(timeline=timeline):
+                # Heartbeats are flowing by then.
+                hosts.nursery.start_soon(cancel_after, scope, 2.5)
                 await trio.sleep_forever()
-        await wait_until(lambda: all(hr.all_done for hr in runs))
+        await wait_until(lambda: hosts.all_done)
     assert seen == ["Cancelled"]
-    assert [hr.host for hr in runs] == list(hosts)
-    assert_relays_shut_down_cleanly(runs, timeline)
+    assert list(hosts.runs) == list(layout)
+    assert_relays_shut_down_cleanly(list(hosts.runs.values()), timeline)
     memory_network.assert_all_closed()
 
 
@@ -128,12 +122,11 @@ async def test_relay_cancelled_while_dialing_the_coordinator_raises_one_cancelle
 async def test_relay_cancelled_while_running_raises_one_cancelled(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     seen: list[str] = []
     formed = trio.Event()
     outcomes: dict[int, str | BaseException] = {}
 
-    async def relay_task(nursery: trio.Nursery) -> None:
+    async def relay_task(nursery: trio.Nursery, salt: ft.SessionSalt) -> None:
         async with outside_cancel(seen) as scope:
             async with ft.open_relay(
                     lambda: memory_network.connect(COORD), salt=salt, host="host-a",
@@ -147,11 +140,10 @@ async def test_relay_cancelled_while_running_raises_one_cancelled(
                 nursery.start_soon(cancel_after, scope, 2.0)
                 await relay.wait_closed()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay_task, nursery)
-        host_b = await start_host(nursery, memory_network, "host-b", [2, 3], salt=salt, world=4)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                       config=ft.CoordinatorConfig(world_size=4)) as coord:
+    async with hosts_by_hand(memory_network, 4) as hosts:
+        hosts.nursery.start_soon(relay_task, hosts.nursery, hosts.salt)
+        host_b = await hosts.start("host-b", [2, 3])
+        async with hosts.coordinator() as coord:
             formed.set()
             await wait_until(lambda: coord.dead_ranks == frozenset({0, 1}))
             assert coord.live_ranks == frozenset({2, 3})
@@ -194,11 +186,10 @@ async def test_rank_cancelled_while_waiting_for_its_ack_raises_one_cancelled(
 async def test_rank_cancelled_while_running_raises_one_cancelled_and_sends_no_exiting(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     seen: list[str] = []
     formed = trio.Event()
 
-    async def rank_one() -> None:
+    async def rank_one(salt: ft.SessionSalt) -> None:
         async with outside_cancel(seen) as scope:
             async with ft.open_rank(lambda: memory_network.connect("relay:host-a"),
                                     salt=salt, rank=1, world_size=2) as ep:
@@ -207,12 +198,10 @@ async def test_rank_cancelled_while_running_raises_one_cancelled_and_sends_no_ex
                 async for _ in ep:
                     pass
 
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2,
-                                start_ranks=[0])
-        nursery.start_soon(rank_one)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                       config=ft.CoordinatorConfig(world_size=2)) as coord:
+    async with hosts_by_hand(memory_network, 2) as hosts:
+        host = await hosts.start("host-a", [0, 1], start_ranks=[0])
+        hosts.nursery.start_soon(rank_one, hosts.salt)
+        async with hosts.coordinator() as coord:
             formed.set()
             exits: list[int] = []
             async for msg in coord.timing:

@@ -19,7 +19,7 @@ from flodl_trio.events import RelayLost, ShutdownComplete
 from flodl_trio.testing import MemoryNetwork, MemoryStream
 from flodl_trio.wire import Shutdown
 
-from helpers import COORD, events_of, start_host, wait_until
+from helpers import COORD, events_of, hosts_by_hand, wait_until
 from helpers.lifecycle import (
     CLEAN,
     assert_relays_shut_down_cleanly,
@@ -152,17 +152,12 @@ async def test_coordinator_cancelled_before_any_relay_dialed_raises_one_cancelle
 async def test_coordinator_cancelled_while_running_any_way_shuts_every_relay_down_cleanly(
     how: str, autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     seen: list[str] = []
     timeline = ft.Timeline()
-    async with trio.open_nursery() as nursery:
-        runs = [await start_host(nursery, memory_network, h, r, salt=salt, world=8)
-                for h, r in HOSTS.items()]
+    async with hosts_by_hand(memory_network, 8, HOSTS) as hosts:
         with trio.CancelScope() as scope:
             with what_left(seen):
-                async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                               config=ft.CoordinatorConfig(world_size=8),
-                                               timeline=timeline) as coord:
+                async with hosts.coordinator(timeline=timeline) as coord:
                     if how == "callers-deadline":
                         scope.deadline = trio.current_time() + 2.5
                         await trio.sleep_forever()
@@ -171,9 +166,9 @@ async def test_coordinator_cancelled_while_running_any_way_shuts_every_relay_dow
                     scope.cancel()
                     await trio.sleep_forever()
         assert scope.cancelled_caught
-        await wait_until(lambda: all(hr.all_done for hr in runs))
+        await wait_until(lambda: hosts.all_done)
     assert seen == ["Cancelled"]
-    assert_relays_shut_down_cleanly(runs, timeline)
+    assert_relays_shut_down_cleanly(list(hosts.runs.values()), timeline)
     memory_network.assert_all_closed()
 
 

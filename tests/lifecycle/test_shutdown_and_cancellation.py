@@ -17,7 +17,7 @@ from flodl_trio.events import (
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
 
-from helpers import COORD, Recorder, events_of, start_host, wait_until
+from helpers import COORD, Recorder, events_of, hosts_by_hand, wait_until
 from helpers.lifecycle import cancel_after
 from helpers.raw import RawRelay, raw_relay_handshake
 
@@ -72,22 +72,19 @@ async def test_timing_and_metrics_consumers_see_end_of_channel_after_the_block(
 async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=3, shutdown_grace=4)
     timeline = ft.Timeline()
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=3)
+    async with hosts_by_hand(memory_network, 3, {"host-a": [0, 1]}) as hosts:
+        host_a = hosts.runs["host-a"]
         stuck: list[RawRelay] = []
 
         async def relay_that_stops_reading() -> None:
-            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt,
+            raw = await raw_relay_handshake(await memory_network.connect(COORD), hosts.salt,
                                             "host-stuck", [2], world_size=3)
             stuck.append(raw)  # it neither reads nor closes from here on
 
-        nursery.start_soon(relay_that_stops_reading)
-        async with ft.open_coordinator(listener, salt=salt, config=cfg,
-                                       timeline=timeline) as coord:
+        hosts.nursery.start_soon(relay_that_stops_reading)
+        async with hosts.coordinator(cfg, timeline=timeline) as coord:
             await wait_until(lambda: bool(stuck))
             left_at = trio.current_time()
         shutdown_took = trio.current_time() - left_at
@@ -110,17 +107,15 @@ async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
 async def test_outside_cancel_during_formation_propagates_and_closes_every_stream(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host_a = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+        host_a = hosts.runs["host-a"]
         # A connection stuck mid-handshake while the cancel arrives.
         half_open = await memory_network.connect(COORD)
         await half_open.send_all(b"\xe2\x17")
         with trio.move_on_after(5) as scope:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline):
+            async with hosts.coordinator(cfg, timeline=timeline):
                 pytest.fail("formation cannot complete: host-b never comes")
         assert scope.cancelled_caught
         assert trio.current_time() == pytest.approx(5)
@@ -136,24 +131,19 @@ async def test_outside_cancel_during_formation_propagates_and_closes_every_strea
 async def test_outside_cancel_while_running_propagates_after_a_graceful_shutdown(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=4)
-    listener = memory_network.listener(COORD)
     entered = False
-    async with trio.open_nursery() as nursery:
-        hosts = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
-                 for h, r in HOSTS.items()]
+    async with hosts_by_hand(memory_network, 4, HOSTS) as hosts:
         with trio.CancelScope() as scope:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+            async with hosts.coordinator() as coord:
                 entered = True
-                nursery.start_soon(cancel_after, scope, 3.0)
+                hosts.nursery.start_soon(cancel_after, scope, 3.0)
                 await trio.sleep_forever()
         assert entered and scope.cancelled_caught
         (started,) = events_of(coord.timeline, ShutdownStarted)
         assert started.reason == "cancelled"
         assert coord.phase == "closed"
-        await wait_until(lambda: all(hr.all_done for hr in hosts))
-    for hr in hosts:
+        await wait_until(lambda: hosts.all_done)
+    for hr in hosts.runs.values():
         for run in hr.ranks.values():
             assert run.received == [Shutdown()] and run.outcome == "ended"
     memory_network.assert_all_closed()
@@ -162,13 +152,9 @@ async def test_outside_cancel_while_running_propagates_after_a_graceful_shutdown
 async def test_outside_cancel_of_relay_and_rank_propagates_and_closes_their_streams(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    listener = memory_network.listener(COORD)
-    cfg = ft.CoordinatorConfig(world_size=4)
-    async with trio.open_nursery() as nursery:
-        host_a, host_b = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
-                          for h, r in HOSTS.items()]
-        async with ft.open_coordinator(listener, salt=salt, config=cfg) as coord:
+    async with hosts_by_hand(memory_network, 4, HOSTS) as hosts:
+        host_a, host_b = hosts.runs.values()
+        async with hosts.coordinator() as coord:
             host_a.ranks[1].kill()
             await wait_until(lambda: host_a.ranks[1].done.is_set())
             assert host_a.ranks[1].outcome == "killed"  # Cancelled, not an exception group
@@ -191,21 +177,18 @@ async def test_outside_cancel_of_relay_and_rank_propagates_and_closes_their_stre
 async def test_coordinator_body_value_error_comes_out_as_exactly_that_value_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     boom = ValueError("the orchestrator's own bug")
-    async with trio.open_nursery() as nursery:
-        hosts = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
-                 for h, r in HOSTS.items()]
+    async with hosts_by_hand(memory_network, 4, HOSTS) as hosts:
         with pytest.raises(ValueError) as excinfo:  # raised by open_coordinator itself
-            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                           config=ft.CoordinatorConfig(world_size=4)) as coord:
+            async with hosts.coordinator() as coord:
                 raise boom
-        await wait_until(lambda: all(hr.all_done for hr in hosts))
+        await wait_until(lambda: hosts.all_done)
     assert excinfo.value is boom
     assert type(excinfo.value) is ValueError
     (started,) = events_of(coord.timeline, ShutdownStarted)
     assert started.reason == "the block raised ValueError"
-    assert all(run.received == [Shutdown()] for hr in hosts for run in hr.ranks.values())
+    assert all(run.received == [Shutdown()] for hr in hosts.runs.values()
+               for run in hr.ranks.values())
 
 
 async def test_relay_body_value_error_comes_out_as_exactly_that_value_error(
@@ -225,12 +208,10 @@ async def test_relay_body_value_error_comes_out_as_exactly_that_value_error(
 async def test_rank_body_value_error_comes_out_as_exactly_that_value_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     boom = ValueError("rank body")
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2)
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                       config=ft.CoordinatorConfig(world_size=2)):
+    async with hosts_by_hand(memory_network, 2, {"host-a": [0, 1]}) as hosts:
+        host = hosts.runs["host-a"]
+        async with hosts.coordinator():
             host.ranks[0].crash(boom)
             await wait_until(lambda: host.ranks[0].done.is_set())
         await wait_until(lambda: host.all_done)
@@ -256,15 +237,12 @@ async def test_formation_failure_comes_out_as_a_formation_error_not_a_group(
 async def test_cluster_failure_cancels_the_body_and_comes_out_alone(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
     cfg = ft.CoordinatorConfig(world_size=4, max_failure=ft.MaxFailure.absolute(2))
     body_cancelled = False
-    async with trio.open_nursery() as nursery:
-        host_a, host_b = [await start_host(nursery, memory_network, h, r, salt=salt, world=4)
-                          for h, r in HOSTS.items()]
+    async with hosts_by_hand(memory_network, 4, HOSTS) as hosts:
+        host_a, host_b = hosts.runs.values()
         with pytest.raises(ft.ClusterFailure) as excinfo:  # raised by open_coordinator itself
-            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
-                                           config=cfg) as coord:
+            async with hosts.coordinator(cfg) as coord:
                 host_b.kill()
                 try:
                     await trio.sleep_forever()
