@@ -28,8 +28,7 @@ async def test_relays_that_resume_are_attached_without_a_death_or_declare_alive(
         assert {host: r.generation for host, r in c.relays.items()} == {
             "host-a": 1, "host-b": 1}  # a durable coordinator says so at the join
         log = EventLog()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False,
-                                 timeline=log) as coord:
+        async with c.adopting(timeline=log) as coord:
             for host, ranks in ROSTER:
                 relay = await c.dial("coord-2", host, ranks, generation=1)
                 assert relay.raw.acked and relay.generation == 2
@@ -57,8 +56,7 @@ async def test_ranks_of_a_relay_that_never_resumes_die_after_resume_timeout_and_
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
         log = EventLog()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False, timeline=log,
-                                 resume_timeout=20) as coord:
+        async with c.adopting(timeline=log, resume_timeout=20) as coord:
             began = trio.current_time()
             await trio.sleep(5)
             host_b = await c.dial("coord-2", "host-b", (2, 3), generation=1)
@@ -82,8 +80,7 @@ async def test_broadcast_after_a_failover_waits_for_the_resumes_and_reaches_who_
 ) -> None:
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False,
-                                 resume_timeout=20) as coord:
+        async with c.adopting(resume_timeout=20) as coord:
             async def resume_b_later() -> None:
                 await trio.sleep(3)
                 await c.dial("coord-2", "host-b", (2, 3), generation=1)
@@ -100,15 +97,10 @@ async def test_broadcast_after_a_failover_waits_for_the_resumes_and_reaches_who_
 async def test_dead_rank_that_resumes_rejoins_with_declare_alive(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async def lose_rank_1(coord: Any) -> None:
-        await coord.declare_dead(1, "oom")
-        await until_stored(c.store, lambda state: set(state.dead) == {1})
-
     async with cluster(memory_network) as c:
-        await c.crashed_first_run(lose_rank_1)
+        await c.crashed_first_run(c.lose_rank_1)
         log = EventLog()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False,
-                                 timeline=log) as coord:
+        async with c.adopting(timeline=log) as coord:
             host_b = await c.dial("coord-2", "host-b", (2, 3), generation=1)
             assert host_b.raw.acked
             await wait_until(lambda: "DeclareDead(1)" in host_b.messages, limit=1)
@@ -127,7 +119,7 @@ async def test_resume_that_would_be_refused_as_a_hello_is_refused_the_same_way(
 ) -> None:
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             stranger = await c.dial("coord-2", "host-c", (0,), generation=1)
             assert not stranger.raw.acked
             assert stranger.raw.refused is not None
@@ -142,7 +134,7 @@ async def test_resume_from_a_relay_that_follows_a_newer_coordinator_is_closed_no
 ) -> None:
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             ahead = await c.dial("coord-2", "host-a", (0, 1), generation=5)
             assert not ahead.raw.acked
             refused = ahead.raw.refused or ""
@@ -155,7 +147,7 @@ async def test_send_to_a_rank_whose_relay_has_not_resumed_waits_for_the_resume(
 ) -> None:
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             (entry,) = [r for r in coord.state()["relays"] if r["host"] == "host-a"]
             assert (entry["peer"], entry["connected"]) == ("(not resumed)", False)
 
@@ -183,7 +175,7 @@ async def test_relay_whose_ranks_all_died_before_the_failover_is_not_waited_for(
 
     async with cluster(memory_network) as c:
         await c.crashed_first_run(lose_host_a)
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             assert coord.dead_ranks == {0, 1}
             assert (await c.dial("coord-2", "host-b", (2, 3), generation=1)).raw.acked
             await wait_until(lambda: coord.live_ranks == {2, 3} and all(
@@ -201,8 +193,7 @@ async def test_relay_restarted_during_the_failover_rejoins_through_a_death_with_
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
         log = EventLog()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False,
-                                 timeline=log) as coord:
+        async with c.adopting(timeline=log) as coord:
             host_b = await c.dial("coord-2", "host-b", (2, 3), generation=1)
             # host-a's relay process restarted: it knows no generation, it says Hello.
             host_a = await c.dial("coord-2", "host-a", (0, 1))

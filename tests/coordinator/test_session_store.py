@@ -19,7 +19,7 @@ from flodl_trio.store import SessionState, salt_id
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import wait_until
-from helpers.durable import ROSTER, SIGS, cluster, stored, until_stored
+from helpers.durable import ROSTER, SIGS, cluster, stored
 
 
 async def test_fresh_run_saves_its_roster_at_formation_before_the_block_is_entered(
@@ -44,7 +44,7 @@ async def test_second_coordinator_adopts_the_running_session_and_is_entered_at_o
     async with cluster(memory_network) as c:
         await c.crashed_first_run()
         began = trio.current_time()
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             assert trio.current_time() == began  # no formation: nobody was waited for
             assert (coord.generation, coord.resumed) == (2, True)
             assert coord.phase == "running"
@@ -58,17 +58,12 @@ async def test_second_coordinator_adopts_the_running_session_and_is_entered_at_o
 async def test_dead_set_and_failure_count_survive_the_failover(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async def lose_rank_1(coord: Any) -> None:
-        await coord.declare_dead(1, "oom")
-        await until_stored(c.store, lambda state: set(state.dead) == {1})
-
     async with cluster(memory_network) as c:
-        await c.crashed_first_run(lose_rank_1)
+        await c.crashed_first_run(c.lose_rank_1)
         log = EventLog()
         with pytest.raises(ft.ClusterFailure) as failure:
-            async with c.coordinator("coord-2", store=c.store.clone(), form=False,
-                                     timeline=log, max_failure=ft.MaxFailure.absolute(2)
-                                     ) as coord:
+            async with c.adopting(timeline=log,
+                                  max_failure=ft.MaxFailure.absolute(2)) as coord:
                 assert coord.dead_ranks == {1}
                 assert "oom" in (coord.dead_reason(1) or "")
                 assert coord.live_ranks == {0, 2, 3}
@@ -90,7 +85,7 @@ async def test_checkpoint_is_durable_when_save_checkpoint_returns_and_survives_t
 
     async with cluster(memory_network) as c:
         await c.crashed_first_run(checkpoint)
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             assert coord.checkpoint == saved
 
 
@@ -152,7 +147,7 @@ async def test_standby_waits_in_acquire_until_the_leader_crashed_then_adopts(
         standby_entered: list[float] = []
 
         async def standby() -> None:
-            async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+            async with c.adopting() as coord:
                 standby_entered.append(trio.current_time())
                 assert (coord.generation, coord.resumed) == (2, True)
 

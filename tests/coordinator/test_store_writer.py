@@ -194,7 +194,7 @@ async def test_session_saved_mid_formation_is_completed_by_a_resume_and_a_new_re
 
         began = trio.current_time()
         c.nursery.start_soon(join_later)
-        async with c.coordinator("coord-2", store=c.store.clone(), form=False) as coord:
+        async with c.adopting() as coord:
             assert trio.current_time() - began == pytest.approx(2)
             assert coord.resumed and coord.generation == 2
             assert [(r.host, r.ranks) for r in coord.relays] == list(ROSTER)

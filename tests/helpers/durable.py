@@ -5,7 +5,7 @@ and coordinators that come and go on the store."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -131,6 +131,16 @@ class Cluster:
             standby=standby,
         ) as coord:
             yield coord
+
+    def adopting(self, **overrides: Any) -> AbstractAsyncContextManager[Any]:
+        """The next coordinator (``coord-2``, on another handle of the store) after a crashed
+        first run: it adopts the session, and nobody forms (the relays resume or rejoin)."""
+        return self.coordinator("coord-2", store=self.store.clone(), form=False, **overrides)
+
+    async def lose_rank_1(self, coord: Any) -> None:
+        """A ``crashed_first_run`` body: rank 1 declared dead (``oom``), and stored so."""
+        await coord.declare_dead(1, "oom")
+        await until_stored(self.store, lambda state: set(state.dead) == {1})
 
     async def crashed_first_run(self, body: Callable[[Any], Any] | None = None) -> None:
         """A first coordinator forms, runs ``body``, and is gone as a crashed one is: its

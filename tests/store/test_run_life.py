@@ -70,7 +70,7 @@ async def test_a_standby_raises_session_ended_as_soon_as_the_session_it_waits_fo
 
         async def standby() -> None:
             try:
-                async with c.coordinator("coord-2", store=c.store.clone(), form=False):
+                async with c.adopting():
                     pytest.fail("the standby adopted a session that had ended")
             except ft.SessionEnded as exc:
                 outcome.append((trio.current_time(), exc))
@@ -106,8 +106,7 @@ async def test_standby_true_stands_by_for_the_stores_run_even_one_that_ended_bef
         async with c.coordinator("coord-1", standby=True) as coord:  # an empty store: leads
             assert (coord.generation, coord.resumed) == (1, False)
         with pytest.raises(ft.SessionEnded, match=r"\(generation 1\) ended \(the block exited\)"):
-            async with c.coordinator("coord-2", store=c.store.clone(), standby=True,
-                                     form=False):
+            async with c.adopting(standby=True):
                 pytest.fail("a standby started a new session")
         assert (await stored(c.store)).generation == 1  # untouched
 
