@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import flodl_trio as ft
+from flodl_trio import wire
 from flodl_trio.coordinator import formation
 from flodl_trio.events import (
     ClusterFailed,
@@ -31,8 +32,8 @@ from flodl_trio.testing import EventLog, MemoryNetwork
 from flodl_trio.wire import RankDropped, RecordKind, encode
 
 from helpers import COORD, wait_until
-from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
-from helpers.rejoin import SIGS, RawCohort, quiet_config
+from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake, read_one_record
+from helpers.rejoin import SIGS, RawCohort, Relayed, quiet_config
 
 
 @attrs.define(eq=False)
@@ -62,6 +63,12 @@ class Forming(RawCohort):
         await raw.stream.send_all(record)
         await wait_until(lambda: any(ev.rank == rank for ev in
                                      self.timeline.events_of(RankDeclaredDead)), limit=1)
+
+    async def join_dropping(self, host: str, ranks: list[int], rank: int) -> RawRelay:
+        """A relay whose join completes, then reports that it dropped ``rank``."""
+        raw = await self.join(host, ranks)
+        await self.drop_rank(raw, rank)
+        return raw
 
     async def formed(self) -> Any:
         await wait_until(lambda: self.coord is not None, limit=1)
@@ -149,8 +156,7 @@ async def test_rank_dropped_during_formation_comes_back_with_its_restarted_relay
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with forming(memory_network) as run:
-        a = await run.join("host-a", [0, 1])
-        await run.drop_rank(a, 1)
+        a = await run.join_dropping("host-a", [0, 1], 1)
         await run.kill(a)  # its relay restarts: both ranks are new endpoints
         await trio.sleep(1)
         assert run.timeline.events_of(ClusterFailed) == []  # no live rank, but still forming
@@ -167,8 +173,7 @@ async def test_rank_dropped_during_formation_is_not_already_announced_its_host_b
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with forming(memory_network) as run:
-        a = await run.join("host-a", [0, 1])
-        await run.drop_rank(a, 1)
+        await run.join_dropping("host-a", [0, 1], 1)
         await run.join("host-a", [1])  # a new relay of host-a for rank 1; rank 0 stays on a
         await run.join("host-b", [2, 3])
         coord = await run.formed()
@@ -184,8 +189,7 @@ async def test_rank_dropped_during_formation_goes_to_a_spare_only_with_takeover(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, takeover: bool
 ) -> None:
     async with forming(memory_network, allow_rank_takeover=takeover) as run:
-        a = await run.drop_rank(await run.join("host-a", [0, 1]), 1) or None
-        del a
+        await run.join_dropping("host-a", [0, 1], 1)
         spare = await run.dial("host-x", [1])
         assert spare.acked is takeover
         await run.join("host-b", [2, 3])
@@ -223,11 +227,11 @@ async def test_a_live_rank_named_during_formation_still_fails_formation_as_alrea
         nursery.cancel_scope.cancel()
 
 
-class HeldReady(trio.abc.HalfCloseableStream):
+class HeldReady(Relayed):
     """A relay's stream whose Ready waits for ``release`` (the magic and the Hello go at once)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.sends = 0
         self.release = trio.Event()
 
@@ -236,18 +240,6 @@ class HeldReady(trio.abc.HalfCloseableStream):
         if self.sends > 2:
             await self.release.wait()
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @pytest.fixture
@@ -263,20 +255,6 @@ def rejoin_conns(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(formation.Formation, "new_conn", recording)
     return made
-
-
-async def ends_within(stream: trio.abc.Stream, limit: float) -> bool:
-    """Read until the peer closes (True) or ``limit`` passes (False); then close."""
-    ended = False
-    with trio.move_on_after(limit):
-        try:
-            while await stream.receive_some(65536):
-                pass
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        ended = True
-    await trio.aclose_forcefully(stream)
-    return ended
 
 
 class ReleaseOn(EventLog):
@@ -343,7 +321,7 @@ async def failing_run(net: MemoryNetwork, salt: ft.SessionSalt, cfg: ft.Coordina
         async def rejoin() -> None:
             await raw_relay_handshake(stream, salt, "host-a", [0, 1], world_size=4,
                                       model_sigs=SIGS)
-            outcome.append(await ends_within(stream, 5))
+            outcome.append(await drain_and_close(stream, limit=5))
 
         nursery.start_soon(rejoin)
         await wait_until(lambda: stream.sends == 3, limit=1)  # its Hello went; Ready held
@@ -355,8 +333,7 @@ async def test_rejoin_still_waiting_for_its_ready_at_shutdown_leaves_nothing_ope
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, rejoin_conns: list[Any]
 ) -> None:
     async with forming(memory_network) as run:
-        a = await run.join("host-a", [0, 1])
-        await run.drop_rank(a, 1)
+        await run.join_dropping("host-a", [0, 1], 1)
         await run.join("host-b", [2, 3])
         coord = await run.formed()
         assert coord.dead_ranks == {1}
@@ -407,13 +384,8 @@ async def test_max_failure_reached_during_formation_stops_the_run_once_it_formed
 async def test_relay_joining_during_formation_is_told_the_deaths_declared_before_it(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    from flodl_trio import wire
-
-    from helpers.raw import read_one_record
-
     async with forming(memory_network) as run:
-        a = await run.join("host-a", [0, 1])
-        await run.drop_rank(a, 1)
+        await run.join_dropping("host-a", [0, 1], 1)
         b = await raw_relay_handshake(await run.net.connect(COORD), run.salt, "host-b", [2, 3],
                                       world_size=4, model_sigs=SIGS)
         assert b.acked
@@ -438,8 +410,7 @@ async def test_relay_redialing_before_its_old_connection_ended_brings_its_droppe
     # The old connection is still open (its end not seen yet): the re-dial of the same host
     # with the same ranks replaces it, as any re-dial during formation does.
     async with forming(memory_network) as run:
-        a = await run.join("host-a", [0, 1])
-        await run.drop_rank(a, 1)
+        await run.join_dropping("host-a", [0, 1], 1)
         await run.join("host-a", [0, 1])
         await run.join("host-b", [2, 3])
         coord = await run.formed()

@@ -63,15 +63,19 @@ async def raw_relay_handshake(
 
 
 
-async def drain_and_close(stream: trio.abc.Stream, *, limit: float = 30) -> None:
-    """Read (and drop) what a raw peer's stream receives until EOF or ``limit``, then close."""
+async def drain_and_close(stream: trio.abc.Stream, *, limit: float = 30) -> bool:
+    """Read (and drop) what a raw peer's stream receives until its end or ``limit``, then
+    close; whether it ended (EOF, or closed by the peer) before ``limit``."""
+    ended = False
     with trio.move_on_after(limit):
         try:
             while await stream.receive_some(65536):
                 pass
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        ended = True
     await trio.aclose_forcefully(stream)
+    return ended
 
 
 async def raw_rank_accept(stream: trio.abc.Stream, salt: ft.SessionSalt, *, world_size: int,

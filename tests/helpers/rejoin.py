@@ -63,15 +63,14 @@ class Run(RawCohort):
         await wait_until(lambda: dead <= self.coord.dead_ranks, limit=5)
 
 
-class Recording(trio.abc.HalfCloseableStream):
-    """A stream that keeps a copy of every byte sent through it."""
+class Relayed(trio.abc.HalfCloseableStream):
+    """A stream that passes everything to ``inner``: the base of the ones that change one
+    thing."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.sent = bytearray()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.sent += data
         await self.inner.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -85,6 +84,18 @@ class Recording(trio.abc.HalfCloseableStream):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class Recording(Relayed):
+    """A stream that keeps a copy of every byte sent through it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.sent = bytearray()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+        await self.inner.send_all(data)
 
 
 @asynccontextmanager
