@@ -33,7 +33,7 @@ from flodl_trio.wire import RankDropped, RecordKind, encode
 
 from helpers import COORD, wait_until
 from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake, read_one_record
-from helpers.rejoin import SIGS, RawCohort, Relayed, quiet_config
+from helpers.rejoin import SIGS, RawCohort, Relayed, quiet_config, raw_cohort
 
 
 @attrs.define(eq=False)
@@ -79,8 +79,7 @@ class Forming(RawCohort):
 @asynccontextmanager
 async def forming(net: MemoryNetwork, **config: Any) -> AsyncIterator[Forming]:
     cfg = quiet_config(**config)
-    async with trio.open_nursery() as nursery:
-        run = Forming(net, ft.SessionSalt.generate(), nursery, EventLog())
+    async with raw_cohort(net, Forming) as run:
 
         async def coordinator() -> None:
             async with ft.open_coordinator(net.listener(COORD), salt=run.salt, config=cfg,
@@ -88,12 +87,11 @@ async def forming(net: MemoryNetwork, **config: Any) -> AsyncIterator[Forming]:
                 run.coord = coord
                 await run.done.wait()
 
-        nursery.start_soon(coordinator)
+        run.nursery.start_soon(coordinator)
         await trio.sleep(0.01)
         yield run
         run.done.set()
         await wait_until(lambda: run.coord is None or run.coord.phase == "closed", limit=30)
-        nursery.cancel_scope.cancel()
 
 
 async def test_relay_lost_after_ready_and_restarted_before_formation_completes_simply_joins(
@@ -358,24 +356,22 @@ async def test_max_failure_reached_during_formation_stops_the_run_once_it_formed
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     cfg = quiet_config(max_failure=ft.MaxFailure.absolute(1))
-    log = EventLog()
     body_ran = False
-    async with trio.open_nursery() as nursery:
-        run = Forming(memory_network, ft.SessionSalt.generate(), nursery, log)
+    async with raw_cohort(memory_network, Forming) as run:
+        log = run.timeline
 
         async def relays() -> None:
-            await run.drop_rank(await run.join("host-a", [0, 1]), 1)
+            await run.join_dropping("host-a", [0, 1], 1)
             await trio.sleep(1)
             assert log.events_of(ClusterFailed) == []  # not while forming
             await run.join("host-b", [2, 3])
 
-        nursery.start_soon(relays)
+        run.nursery.start_soon(relays)
         with pytest.raises(ft.ClusterFailure, match="MAX_FAILURE_EXCEEDED"):
             async with ft.open_coordinator(memory_network.listener(COORD), salt=run.salt,
                                            config=cfg, timeline=log):
                 body_ran = True
                 await trio.sleep(30)
-        nursery.cancel_scope.cancel()
     assert body_ran
     (failed,) = log.events_of(ClusterFailed)
     assert failed.dead == (1,)

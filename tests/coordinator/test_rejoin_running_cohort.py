@@ -27,7 +27,7 @@ from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
 from helpers.raw import drain_and_close, raw_relay_handshake
-from helpers.rejoin import SIGS, NoReady, Recording, running
+from helpers.rejoin import SIGS, RawCohort, Recording, quiet_config, raw_cohort, running
 
 
 async def test_relay_whose_ranks_are_all_dead_is_admitted_and_they_are_alive_again(
@@ -171,16 +171,7 @@ async def test_a_rejoin_whose_ready_was_lost_is_superseded_by_the_same_relay_red
 ) -> None:
     async with running(memory_network, handshake_timeout=30, allow_rank_takeover=True) as run:
         await run.hang_up(run.relays["host-a"], {0, 1})
-        outcome: list[bool] = []
-
-        async def first_attempt() -> None:
-            stream = NoReady(await run.net.connect(COORD))
-            raw = await raw_relay_handshake(stream, run.salt, "host-a", [0, 1], world_size=4,
-                                            model_sigs=SIGS)
-            outcome.append(raw.acked)
-            await stream.aclose()
-
-        run.nursery.start_soon(first_attempt)
+        outcome = run.dial_losing_its_ready("host-a", [0, 1])
         await trio.sleep(1)
         assert outcome == [] and run.coord.dead_ranks == {0, 1}  # waiting for its Ready
         # Meanwhile a spare may not claim them (takeover is allowed, but they are claimed),
@@ -246,32 +237,25 @@ async def test_same_host_naming_a_rank_alive_on_another_host_is_refused_and_supe
 async def test_supersede_deaths_count_for_the_failure_policy(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    log = EventLog()
-    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60, heartbeat_timeout=3600,
-                               heartbeat_interval=3600, max_failure=ft.MaxFailure.absolute(2))
-    async with trio.open_nursery() as nursery:
+    cfg = quiet_config(max_failure=ft.MaxFailure.absolute(2))
+    async with raw_cohort(memory_network, RawCohort) as cohort:
+        log = cohort.timeline
         restarted: list[bool] = []
 
-        async def dial(host: str, ranks: list[int]) -> bool:
-            raw = await raw_relay_handshake(await memory_network.connect(COORD), salt, host,
-                                            ranks, world_size=4, model_sigs=SIGS)
-            nursery.start_soon(drain_and_close, raw.stream)
-            return raw.acked
-
         async def form() -> None:
-            assert await dial("host-a", [0, 1]) and await dial("host-b", [2, 3])
+            for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
+                assert (await cohort.dial(host, ranks)).acked
 
         async def restart_b() -> None:
-            restarted.append(await dial("host-b", [2, 3]))
+            restarted.append((await cohort.dial("host-b", [2, 3])).acked)
 
-        nursery.start_soon(form)
+        cohort.nursery.start_soon(form)
         with pytest.raises(ft.ClusterFailure, match="max_failure absolute"):
-            async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+            async with ft.open_coordinator(memory_network.listener(COORD), salt=cohort.salt,
                                            config=cfg, timeline=log) as coord:
                 await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=1)
                 # Two momentary deaths reach max_failure=2: the run stops, the host stays out.
-                nursery.start_soon(restart_b)
+                cohort.nursery.start_soon(restart_b)
                 await trio.sleep(10)  # the policy cancels the body long before
         await wait_until(lambda: restarted != [], limit=5)
         assert restarted == [False], restarted
@@ -283,23 +267,14 @@ async def test_supersede_deaths_count_for_the_failure_policy(
         assert [ev.reason for ev in log.events_of(ClusterFailed)] == ["MAX_FAILURE_EXCEEDED"]
         assert log.events_of(RankRejoined) == []
         assert superseded(log) == [("host-b", (2, 3))]
-        nursery.cancel_scope.cancel()
 
 
 async def test_two_redials_of_a_restarted_host_end_with_one_connection_carrying_its_ranks(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     async with running(memory_network, handshake_timeout=30) as run:
-        outcome: list[bool] = []
-
-        async def first_attempt() -> None:  # supersedes the live connection, then goes quiet
-            stream = NoReady(await run.net.connect(COORD))
-            raw = await raw_relay_handshake(stream, run.salt, "host-a", [0, 1], world_size=4,
-                                            model_sigs=SIGS)
-            outcome.append(raw.acked)
-            await stream.aclose()
-
-        run.nursery.start_soon(first_attempt)
+        # The first re-dial supersedes the live connection, then goes quiet.
+        outcome = run.dial_losing_its_ready("host-a", [0, 1])
         await wait_until(lambda: run.coord.dead_ranks == {0, 1}, limit=1)
         assert outcome == []  # waiting for its Ready; its ranks are claimed
         assert not (await run.dial("host-c", [0])).acked  # no one else's

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -19,6 +19,7 @@ from helpers import COORD, wait_until
 from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
 
 SIGS = {"model": bytes(range(32))}
+C = TypeVar("C", bound="RawCohort")
 
 
 def quiet_config(**config: Any) -> ft.CoordinatorConfig:
@@ -48,6 +49,21 @@ class RawCohort:
 
     def refusals(self) -> list[str]:
         return [ev.reason for ev in self.timeline.events_of(HandshakeRejected)]
+
+    def dial_losing_its_ready(self, host: str, ranks: list[int]) -> list[bool]:
+        """Start a relay's dial whose Ready never leaves (:class:`NoReady`); the list returned
+        gets whether it was acked, when its handshake ends (its stream is then closed)."""
+        outcome: list[bool] = []
+
+        async def attempt() -> None:
+            stream = NoReady(await self.net.connect(COORD))
+            raw = await raw_relay_handshake(stream, self.salt, host, ranks, world_size=4,
+                                            model_sigs=SIGS)
+            outcome.append(raw.acked)
+            await stream.aclose()
+
+        self.nursery.start_soon(attempt)
+        return outcome
 
 
 @attrs.define(eq=False)
@@ -102,14 +118,13 @@ class Recording(Relayed):
 async def running(net: MemoryNetwork, **config: Any) -> AsyncIterator[Run]:
     """host-a carries ranks 0 and 1, host-b ranks 2 and 3; formed; yields the run."""
     cfg = quiet_config(**config)
-    async with trio.open_nursery() as nursery:
-        run = Run(net, ft.SessionSalt.generate(), nursery, EventLog())
+    async with raw_cohort(net, Run) as run:
 
         async def form() -> None:
             for host, ranks in (("host-a", [0, 1]), ("host-b", [2, 3])):
                 run.relays[host] = await run.dial(host, ranks)
 
-        nursery.start_soon(form)
+        run.nursery.start_soon(form)
         async with ft.open_coordinator(net.listener(COORD), salt=run.salt, config=cfg,
                                        timeline=run.timeline) as coord:
             run.coord = coord
@@ -117,7 +132,6 @@ async def running(net: MemoryNetwork, **config: Any) -> AsyncIterator[Run]:
             yield run
             assert coord.failure is None
             assert run.timeline.events_of(ClusterFailed) == []
-        nursery.cancel_scope.cancel()
 
 
 class NoReady(Recording):
@@ -136,3 +150,12 @@ class NoReady(Recording):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self.reads < 2:  # the magic and the Hello go; from the Ready on, nothing does
             await super().send_all(data)
+
+
+@asynccontextmanager
+async def raw_cohort(net: MemoryNetwork, kind: type[C]) -> AsyncIterator[C]:
+    """A ``kind`` of :class:`RawCohort` with a new salt and timeline, its nursery cancelled when
+    the block ends."""
+    async with trio.open_nursery() as nursery:
+        yield kind(net, ft.SessionSalt.generate(), nursery, EventLog())
+        nursery.cancel_scope.cancel()
