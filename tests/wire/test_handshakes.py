@@ -16,6 +16,8 @@ from hypothesis import given, settings, strategies as st
 import flodl_trio as ft
 from flodl_trio import wire
 
+from helpers.sansio import to_hello
+
 SALT = ft.SessionSalt(bytes(range(16)))
 OTHER_SALT = ft.SessionSalt(bytes(range(1, 17)))
 PROTOCOL_ERRORS = (ft.WireError, ft.HandshakeError)
@@ -267,12 +269,7 @@ def test_relay_of_another_session_is_refused_by_the_coordinator_as_bad_mac() -> 
 def hello_received_upstream() -> tuple[Any, Any]:
     """Both ends driven until the coordinator holds the relay's authenticated Hello."""
     relay, coord = upstream()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    assert isinstance(coord.next_event(), wire.HelloReceived)
+    to_hello(relay, coord)
     return relay, coord
 
 

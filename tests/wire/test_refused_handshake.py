@@ -13,6 +13,8 @@ import pytest
 import flodl_trio as ft
 from flodl_trio import wire
 
+from helpers.sansio import to_hello
+
 SALT = ft.SessionSalt(bytes(range(16)))
 OTHER_SALT = ft.SessionSalt(bytes(range(1, 17)))
 REASON = "world_size mismatch: the coordinator's world_size is 3, the relay's is 4"
@@ -23,12 +25,7 @@ def hello_received(*, relay_salt: ft.SessionSalt = SALT) -> tuple[Any, Any]:
     relay = wire.RelayHandshake(relay_salt, host="host-a", ranks=(0, 1), world_size=4,
                                 coordinator="coord:1")
     coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
-    coord.receive_data(relay.data_to_send())
-    assert coord.next_event() is wire.NEED_DATA
-    relay.receive_data(coord.data_to_send())
-    assert relay.next_event() is wire.NEED_DATA
-    coord.receive_data(relay.data_to_send())
-    assert isinstance(coord.next_event(), wire.HelloReceived)
+    to_hello(relay, coord)
     return relay, coord
 
 

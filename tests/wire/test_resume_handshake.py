@@ -15,6 +15,8 @@ from hypothesis import given, settings, strategies as st
 import flodl_trio as ft
 from flodl_trio import wire
 
+from helpers.sansio import to_hello, to_ready
+
 SALT = ft.SessionSalt(bytes(range(16)))
 SIGS = {"model": b"\x07" * 32}
 PROTOCOL_ERRORS = (ft.WireError, ft.HandshakeError)
@@ -86,28 +88,9 @@ def test_a_relay_given_a_generation_resumes_and_the_coordinator_sees_which_it_wa
 def test_hello_received_says_resumed_and_the_generation_only_for_a_resume() -> None:
     for seen, resumed, generation in ((None, False, None), (7, True, 7)):
         relay, coord = machines(seen=seen)
-        coord.receive_data(relay.data_to_send())
-        coord.next_event()
-        relay.receive_data(coord.data_to_send())
-        relay.next_event()
-        coord.receive_data(relay.data_to_send())
-        event = coord.next_event()
-        assert isinstance(event, wire.HelloReceived)
+        event = to_hello(relay, coord)
         assert event.resumed is resumed and event.generation == generation
         assert event.hello.host == "host-a" and event.hello.ranks == (0, 1)
-
-
-def to_ready(relay: Any, coord: Any) -> None:
-    """Drive both ends until the coordinator accepted and the relay's Ready is queued."""
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    assert isinstance(coord.next_event(), wire.HelloReceived)
-    coord.accept()
-    relay.receive_data(coord.data_to_send())
-    assert relay.next_event() is wire.NEED_DATA
 
 
 def test_a_durable_coordinator_sends_its_generation_just_before_the_welcome() -> None:
@@ -159,12 +142,8 @@ def test_any_chunking_of_a_resume_with_a_generation_succeeds(chunk: int) -> None
 
 def test_a_refused_resume_ends_in_the_coordinators_reason() -> None:
     relay, coord = machines(seen=4, coord_generation=5)
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    assert isinstance(coord.next_event(), wire.HelloReceived) and coord.resume is not None
+    to_hello(relay, coord)
+    assert coord.resume is not None
     coord.refuse("host-a is not in the adopted roster")
     relay.receive_data(coord.data_to_send())
     assert relay.next_event() == wire.RefusalReceived("host-a is not in the adopted roster")
@@ -209,15 +188,7 @@ def test_a_resume_answered_without_a_generation_is_a_deposed_coordinator() -> No
 
 def test_a_second_generation_before_the_welcome_is_malformed() -> None:
     relay, coord = machines(seen=None, coord_generation=None)
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    coord.accept()
-    relay.receive_data(coord.data_to_send())
-    assert relay.next_event() is wire.NEED_DATA  # Ready queued
+    to_ready(relay, coord)
     sealer = coord.sealer
     two = b"".join(sealer.seal(wire.RecordKind.CONTROL, 0, wire.encode(wire.Generation(g)))
                    for g in (3, 4))
@@ -229,15 +200,7 @@ def test_a_second_generation_before_the_welcome_is_malformed() -> None:
 
 def test_another_control_record_before_the_welcome_is_malformed() -> None:
     relay, coord = machines()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
-    coord.receive_data(relay.data_to_send())
-    coord.next_event()
-    coord.accept()
-    relay.receive_data(coord.data_to_send())
-    relay.next_event()
+    to_ready(relay, coord)
     relay.receive_data(coord.sealer.seal(wire.RecordKind.CONTROL, 0,
                                          wire.encode(wire.Goodbye("bye"))))
     with pytest.raises(ft.WireError, match="expected Generation, got Goodbye"):
