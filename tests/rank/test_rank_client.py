@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -55,10 +56,38 @@ async def next_timing(coord: ft.Coordinator, cls: type[Any]) -> Any:
     raise AssertionError("timing channel ended")
 
 
+def wait_for_its_error(rc: ft.RankClient) -> None:
+    """Until the client's own thread noticed what ended it (bounded: 10 s)."""
+    for _ in range(200):
+        if rc.error is not None:
+            break
+        time.sleep(0.05)
+
+
+@asynccontextmanager
+async def client_run(salt: ft.SessionSalt, worker: Callable[[Any], None], *, world: int,
+                     limit: float = 40, **config: Any
+                     ) -> AsyncIterator[tuple[ft.Coordinator, trio.CancelScope]]:
+    """``worker`` (a RankClient on a thread, given its relay's address) as rank 0 behind relay
+    host-a, with (world 2) a Trio rank 1 behind host-b, and the coordinator (``config`` on top
+    of HB and a 20 s formation): yields it and host-a's relay's cancel scope."""
+    cfg = ft.CoordinatorConfig(world_size=world, heartbeat_interval=HB, formation_timeout=20,
+                               **config)
+    with trio.fail_after(limit):
+        async with trio.open_nursery() as nursery:
+            if world == 1:
+                bound = await ft.bind_coordinator(("127.0.0.1", 0))
+                address, relay_a = await nursery.start(run_relay, bound.address, salt, "host-a",
+                                                       [0], 1)
+                await in_thread(nursery, lambda: worker(address))
+            else:
+                bound, relay_a = await two_host_cluster(nursery, salt, worker)
+            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
+                yield coord, relay_a
+
+
 async def test_worker_blocked_longer_than_heartbeat_timeout_is_not_declared_dead() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_timeout=1.0, heartbeat_interval=HB,
-                               formation_timeout=20)
     got: list[ControlMsg | None] = []
     close_s: list[float] = []
 
@@ -77,21 +106,16 @@ async def test_worker_blocked_longer_than_heartbeat_timeout_is_not_declared_dead
             started = time.monotonic()
         close_s.append(time.monotonic() - started)
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound = await ft.bind_coordinator(("127.0.0.1", 0))
-            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
-            await in_thread(nursery, lambda: worker(address))
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                await coord.send_control(0, SyncNow())
-                msg = await next_timing(coord, Batch)
-                assert msg.rank == 0 and msg.step_count == 1
-                assert coord.dead_ranks == frozenset()
-                await coord.send_control(0, SetGlobalStep(global_step=7))
-                await coord.send_control(0, SetGlobalStep(global_step=8))
-                while 0 not in coord.exited_ranks:
-                    await next_timing(coord, ft.wire.Exiting)
-                assert coord.dead_ranks == frozenset()
+    async with client_run(salt, worker, world=1, heartbeat_timeout=1.0) as (coord, _):
+        await coord.send_control(0, SyncNow())
+        msg = await next_timing(coord, Batch)
+        assert msg.rank == 0 and msg.step_count == 1
+        assert coord.dead_ranks == frozenset()
+        await coord.send_control(0, SetGlobalStep(global_step=7))
+        await coord.send_control(0, SetGlobalStep(global_step=8))
+        while 0 not in coord.exited_ranks:
+            await next_timing(coord, ft.wire.Exiting)
+        assert coord.dead_ranks == frozenset()
     assert isinstance(got[0], SyncNow)
     assert got[1:] == [SetGlobalStep(global_step=7), SetGlobalStep(global_step=8)]
     assert close_s[0] < 5.0
@@ -99,7 +123,6 @@ async def test_worker_blocked_longer_than_heartbeat_timeout_is_not_declared_dead
 
 async def test_iteration_ends_after_shutdown_and_metrics_arrive() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_interval=HB, formation_timeout=20)
     seen: list[str] = []
     entered = threading.Event()
 
@@ -117,16 +140,11 @@ async def test_iteration_ends_after_shutdown_and_metrics_arrive() -> None:
             with pytest.raises(trio.EndOfChannel):
                 rc.recv(timeout=1)
 
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            bound = await ft.bind_coordinator(("127.0.0.1", 0))
-            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
-            await in_thread(nursery, lambda: worker(address))
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                await coord.send_control(0, StartEpoch(plan=ft.wire.EpochPlan(0, 0, 10)))
-                report = await coord.metrics.receive()
-                assert (report.rank, report.samples_processed) == (0, 10)
-            # leaving the block broadcast Shutdown
+    async with client_run(salt, worker, world=1, limit=30) as (coord, _):
+        await coord.send_control(0, StartEpoch(plan=ft.wire.EpochPlan(0, 0, 10)))
+        report = await coord.metrics.receive()
+        assert (report.rank, report.samples_processed) == (0, 10)
+        # leaving the block broadcasts Shutdown
     assert seen == ["StartEpoch", "Shutdown"]
 
 
@@ -149,7 +167,6 @@ async def two_host_cluster(nursery: trio.Nursery, salt: ft.SessionSalt,
 
 async def test_coordinator_lost_while_computing_is_raised_at_the_next_send_and_again() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
     killed = threading.Event()
     errors: list[BaseException] = []
 
@@ -157,10 +174,7 @@ async def test_coordinator_lost_while_computing_is_raised_at_the_next_send_and_a
         with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
                            config=FAST_RANK) as rc:
             assert killed.wait(20)
-            for _ in range(200):  # the client notices the EOF on its own thread
-                if rc.error is not None:
-                    break
-                time.sleep(0.05)
+            wait_for_its_error(rc)  # the client notices the EOF on its own thread
             for _ in range(2):
                 with pytest.raises(ft.CoordinatorLost, match="rank 0") as excinfo:
                     rc.send(batch(0, 1))
@@ -169,20 +183,16 @@ async def test_coordinator_lost_while_computing_is_raised_at_the_next_send_and_a
                 rc.recv(timeout=1)
         # the error was seen: leaving the block does not raise it again
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound, relay_a = await two_host_cluster(nursery, salt, worker)
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                relay_a.cancel()
-                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
-                killed.set()
+    async with client_run(salt, worker, world=2) as (coord, relay_a):
+        relay_a.cancel()
+        await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+        killed.set()
     assert "without Shutdown" in str(errors[0]) or "lost" in str(errors[0])
     assert errors[0] is errors[1]
 
 
 async def test_error_after_the_last_call_is_raised_when_the_block_is_left() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
     killed = threading.Event()
     outcome: list[BaseException] = []
 
@@ -191,26 +201,19 @@ async def test_error_after_the_last_call_is_raised_when_the_block_is_left() -> N
             with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
                                config=FAST_RANK) as rc:
                 assert killed.wait(20)
-                for _ in range(200):
-                    if rc.error is not None:
-                        break
-                    time.sleep(0.05)
+                wait_for_its_error(rc)
         except ft.CoordinatorLost as exc:
             outcome.append(exc)
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound, relay_a = await two_host_cluster(nursery, salt, worker)
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                relay_a.cancel()
-                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
-                killed.set()
+    async with client_run(salt, worker, world=2) as (coord, relay_a):
+        relay_a.cancel()
+        await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+        killed.set()
     assert len(outcome) == 1 and "rank 0" in str(outcome[0])
 
 
 async def test_eviction_while_computing_is_raised_as_rank_evicted_at_the_next_recv() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
     evicted = threading.Event()
     errors: list[ft.RankEvicted] = []
 
@@ -218,10 +221,7 @@ async def test_eviction_while_computing_is_raised_as_rank_evicted_at_the_next_re
         with ft.RankClient(relay_address, salt=salt, rank=0, world_size=2,
                            config=FAST_RANK) as rc:
             assert evicted.wait(20)  # "computing": no call while the coordinator fences us
-            for _ in range(200):
-                if rc.error is not None:
-                    break
-                time.sleep(0.05)
+            wait_for_its_error(rc)
             for _ in range(2):
                 with pytest.raises(ft.RankEvicted) as excinfo:
                     rc.recv(timeout=1)
@@ -230,12 +230,9 @@ async def test_eviction_while_computing_is_raised_as_rank_evicted_at_the_next_re
                 rc.send(batch(0, 1))
         # seen already: leaving the block does not raise it again
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound, _ = await two_host_cluster(nursery, salt, worker)
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                await coord.declare_dead(0, "the orchestrator saw it hang")
-                evicted.set()
+    async with client_run(salt, worker, world=2) as (coord, _):
+        await coord.declare_dead(0, "the orchestrator saw it hang")
+        evicted.set()
     assert errors[0] is errors[1] and isinstance(errors[0], ft.CoordinatorLost)  # a subclass
     assert errors[0].reason == "declared by the orchestrator: the orchestrator saw it hang"
 
@@ -266,7 +263,6 @@ async def test_handshake_failure_is_raised_by_entering_the_block() -> None:
 
 async def test_many_threads_send_concurrently_and_every_frame_arrives() -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=1, heartbeat_interval=HB, formation_timeout=20)
     threads, each = 4, 25
 
     def worker(relay_address: Any) -> None:
@@ -281,15 +277,10 @@ async def test_many_threads_send_concurrently_and_every_frame_arrives() -> None:
             for t in pool:
                 t.join(20)
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound = await ft.bind_coordinator(("127.0.0.1", 0))
-            address, _ = await nursery.start(run_relay, bound.address, salt, "host-a", [0], 1)
-            await in_thread(nursery, lambda: worker(address))
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                steps: set[int] = set()
-                while len(steps) < threads * each:
-                    steps.add((await next_timing(coord, Batch)).step_count)
+    async with client_run(salt, worker, world=1) as (coord, _):
+        steps: set[int] = set()
+        while len(steps) < threads * each:
+            steps.add((await next_timing(coord, Batch)).step_count)
     assert steps == {k * 1000 + i for k in range(threads) for i in range(each)}
 
 
@@ -310,7 +301,6 @@ def test_invalid_use_is_a_config_error_before_any_thread() -> None:
 async def test_leaving_the_block_with_an_exception_says_no_exiting_and_keeps_that_exception(
 ) -> None:
     salt = ft.SessionSalt.generate()
-    cfg = ft.CoordinatorConfig(world_size=2, heartbeat_interval=HB, formation_timeout=20)
     outcome: list[BaseException] = []
     crash = threading.Event()
 
@@ -323,12 +313,9 @@ async def test_leaving_the_block_with_an_exception_says_no_exiting_and_keeps_tha
         except RuntimeError as exc:
             outcome.append(exc)
 
-    with trio.fail_after(40):
-        async with trio.open_nursery() as nursery:
-            bound, _ = await two_host_cluster(nursery, salt, worker)
-            async with ft.open_coordinator(bound, salt=salt, config=cfg) as coord:
-                crash.set()
-                await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
-                assert 0 not in coord.exited_ranks
-                assert "without Exiting" in (coord.dead_reason(0) or "")
+    async with client_run(salt, worker, world=2) as (coord, _):
+        crash.set()
+        await wait_until(lambda: 0 in coord.dead_ranks, limit=20)
+        assert 0 not in coord.exited_ranks
+        assert "without Exiting" in (coord.dead_reason(0) or "")
     assert [str(e) for e in outcome] == ["the training step blew up"]
