@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_procs import PATIENCE, Proc, one_line
+from helpers.cli_procs import PATIENCE, Proc, failure_line, one_line
 
 
 @pytest.mark.slow
@@ -115,18 +115,14 @@ def test_a_port_in_use_is_one_line_naming_the_address(
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        coord = Proc("coordinator", "--listen", f"127.0.0.1:{port}", "--world-size", "1",
-                     env=env)
-        procs.append(coord)
-        assert coord.wait() == 1
-        assert one_line(coord) == (f"flodl-trio: coordinator: cannot listen on 127.0.0.1:{port}: "
-                                   "Address already in use")
-        relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
-                     "--world-size", "1", "--rank-port", str(port), env=env)
-        procs.append(relay)
-        assert relay.wait() == 1
-        assert one_line(relay) == (f"flodl-trio: relay h: cannot listen for ranks on "
-                                   f"127.0.0.1:{port}: Address already in use")
+        assert failure_line(procs, "coordinator", "--listen", f"127.0.0.1:{port}",
+                            "--world-size", "1", env=env, code=1) == (
+            f"flodl-trio: coordinator: cannot listen on 127.0.0.1:{port}: Address already in use")
+        assert failure_line(procs, "relay", "--coordinator", "127.0.0.1:1", "--host", "h",
+                            "--ranks", "0", "--world-size", "1", "--rank-port", str(port),
+                            env=env, code=1) == (
+            f"flodl-trio: relay h: cannot listen for ranks on 127.0.0.1:{port}: Address already "
+            "in use")
 
 
 def test_a_binary_salt_file_is_a_usage_error_naming_the_file(
@@ -135,23 +131,19 @@ def test_a_binary_salt_file_is_a_usage_error_naming_the_file(
     salt = tmp_path / "salt.bin"
     salt.write_bytes(b"\xff\xfe\x00\x81" * 8)
     salt.chmod(0o600)
-    relay = Proc("relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks", "0",
-                 "--world-size", "1", "--salt-file", str(salt), env=env)
-    procs.append(relay)
-    assert relay.wait() == 2
-    assert one_line(relay) == (f"flodl-trio: error: --salt-file {str(salt)!r}: expected 32 hex "
-                               "characters as text, got bytes that are not UTF-8")
+    assert failure_line(procs, "relay", "--coordinator", "127.0.0.1:1", "--host", "h", "--ranks",
+                        "0", "--world-size", "1", "--salt-file", str(salt), env=env, code=2) == (
+        f"flodl-trio: error: --salt-file {str(salt)!r}: expected 32 hex characters as text, got "
+        "bytes that are not UTF-8")
 
 
 def test_an_unwritable_timeline_is_one_line_naming_the_file(
     env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:
     target = tmp_path / "no-such-dir" / "t.jsonl"
-    coord = Proc("coordinator", "--world-size", "1", "--timeline", str(target), env=env)
-    procs.append(coord)
-    assert coord.wait() == 2
-    assert one_line(coord) == (f"flodl-trio: error: --timeline {str(target)!r}: No such file "
-                               "or directory")
+    assert failure_line(procs, "coordinator", "--world-size", "1", "--timeline", str(target),
+                        env=env, code=2) == (
+        f"flodl-trio: error: --timeline {str(target)!r}: No such file or directory")
 
 
 def test_plot_of_a_missing_or_binary_file_or_to_an_unwritable_one_is_one_line_naming_it(
@@ -169,10 +161,8 @@ def test_plot_of_a_missing_or_binary_file_or_to_an_unwritable_one_is_one_line_na
          "not UTF-8 text"),
         (timeline, unwritable, f"-o {str(unwritable)!r}: No such file or directory"),
     ):
-        plot = Proc("plot", str(path), "-o", str(output), env=env)
-        procs.append(plot)
-        assert plot.wait() == 2
-        assert one_line(plot) == f"flodl-trio: error: {words}"
+        assert failure_line(procs, "plot", str(path), "-o", str(output), env=env,
+                            code=2) == f"flodl-trio: error: {words}"
 
 
 @pytest.mark.slow

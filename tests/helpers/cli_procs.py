@@ -101,3 +101,11 @@ def coordinator(env: dict[str, str], procs: list[Proc], store: str, *args: str,
                 env=env)
     procs.append(proc)
     return proc
+
+
+def failure_line(procs: list[Proc], *args: str, env: dict[str, str], code: int) -> str:
+    """``flodl-trio ARGS`` (one of ``procs``) exits ``code``: its one error line."""
+    proc = Proc(*args, env=env)
+    procs.append(proc)
+    assert proc.wait() == code, (proc.out, proc.err)
+    return one_line(proc)
