@@ -14,6 +14,24 @@ import pytest
 from helpers.cli_procs import PATIENCE, Proc, failure_line, one_line
 
 
+def one_host(env: dict[str, str], procs: list[Proc], world: int, *coordinator: str,
+             rank_args: tuple[str, ...] = ()) -> tuple[Proc, Proc, list[Proc]]:
+    """A coordinator of ``world`` ranks (its other arguments ``coordinator``), one relay (host
+    ``h``, every rank) and a rank process per rank: ``(coordinator, relay, ranks)``."""
+    coord = Proc("coordinator", "--world-size", str(world), *coordinator, env=env)
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").split()[-1]
+    every = f"0-{world - 1}" if world > 1 else "0"
+    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", every,
+                 "--world-size", str(world), env=env)
+    procs.append(relay)
+    rank_address = relay.line_with("listening for ranks on").split()[-1]
+    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", str(world),
+                  *rank_args, env=env) for r in range(world)]
+    procs.extend(ranks)
+    return coord, relay, ranks
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["SIGINT", "SIGTERM"])
@@ -34,17 +52,8 @@ def test_coordinator_stopped_by_a_signal_exits_128_plus_signum_with_its_summary(
 def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_rank(
     env: dict[str, str], procs: list[Proc]
 ) -> None:
-    coord = Proc("coordinator", "--world-size", "2", "--epochs", "1", "--total-samples", "16",
-                 env=env)
-    procs.append(coord)
-    address = coord.line_with("coordinator listening on").split()[-1]
-    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-1",
-                 "--world-size", "2", env=env)
-    procs.append(relay)
-    rank_address = relay.line_with("listening for ranks on").split()[-1]
-    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "2",
-                  "--batch-ms", "5", env=env) for r in (0, 1)]
-    procs.extend(ranks)
+    coord, relay, ranks = one_host(env, procs, 2, "--epochs", "1", "--total-samples", "16",
+                                   rank_args=("--batch-ms", "5"))
     assert coord.wait() == 0, coord.err
     assert [rank.wait() for rank in ranks] == [0, 0], [rank.err for rank in ranks]
     assert relay.wait() == 0, relay.err
@@ -59,16 +68,7 @@ def test_a_completed_run_exits_0_everywhere_and_a_lost_coordinator_is_1_for_its_
 def test_signalled_ranks_exit_143_and_130_and_a_lost_coordinator_is_1_for_rank_and_relay(
     env: dict[str, str], procs: list[Proc]
 ) -> None:
-    coord = Proc("coordinator", "--world-size", "3", env=env)  # holds the cohort, no epochs
-    procs.append(coord)
-    address = coord.line_with("coordinator listening on").split()[-1]
-    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0-2",
-                 "--world-size", "3", env=env)
-    procs.append(relay)
-    rank_address = relay.line_with("listening for ranks on").split()[-1]
-    ranks = [Proc("rank", "--relay", rank_address, "--rank", str(r), "--world-size", "3",
-                  env=env) for r in (0, 1, 2)]
-    procs.extend(ranks)
+    coord, relay, ranks = one_host(env, procs, 3)  # the coordinator holds the cohort, no epochs
     coord.line_with("formed: 3 ranks")
     ranks[1].signal(signal.SIGTERM)
     ranks[2].signal(signal.SIGINT)
@@ -86,16 +86,7 @@ def test_a_coordinator_whose_every_rank_died_exits_1_with_the_cluster_failure(
     env: dict[str, str], procs: list[Proc], tmp_path: Path
 ) -> None:
     summary_file = tmp_path / "summary.json"
-    coord = Proc("coordinator", "--world-size", "1", "--summary-file", str(summary_file),
-                 env=env)
-    procs.append(coord)
-    address = coord.line_with("coordinator listening on").split()[-1]
-    relay = Proc("relay", "--coordinator", address, "--host", "h", "--ranks", "0",
-                 "--world-size", "1", env=env)
-    procs.append(relay)
-    rank = Proc("rank", "--relay", relay.line_with("listening for ranks on").split()[-1],
-                "--rank", "0", "--world-size", "1", env=env)
-    procs.append(rank)
+    coord, relay, (rank,) = one_host(env, procs, 1, "--summary-file", str(summary_file))
     coord.line_with("formed: 1 ranks")
     rank.popen.kill()  # a crash: the relay reports RankExit, the coordinator declares it dead
     assert coord.wait() == 1
