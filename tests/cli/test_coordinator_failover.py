@@ -28,7 +28,6 @@ def test_a_coordinator_killed_and_restarted_on_its_store_continues_the_run(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
     store = f"sqlite:{tmp_path / 'session.db'}"
     summary = tmp_path / "summary.json"
-
     run = ("--epochs", "4", "--total-samples", "160", "--summary-file", str(summary))
     first = coordinator(env, procs, store, *run)
     address = first.line_with("coordinator listening on").rsplit(" ", 1)[-1]
@@ -104,18 +103,24 @@ def test_demo_kill_coordinator_adopts_and_finishes_with_every_epoch_covered_once
     assert list(tmp_path.iterdir()) == []  # its temporary directory (the store too) is gone
 
 
+def with_a_standby(env: dict[str, str], procs: list[Proc], store: str, *run: str,
+                   batch_ms: int) -> tuple[Proc, Proc, list[Proc], list[Proc]]:
+    """A leader on ``store`` (its arguments ``run``) whose cohort formed over two hosts, then a
+    standby on the same store: ``(leader, standby, relays, ranks)``."""
+    leader = coordinator(env, procs, store, *run)
+    leader.line_with("relays can dial")
+    relays, ranks = two_hosts(env, procs, store, batch_ms=batch_ms)
+    leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
+    return leader, coordinator(env, procs, store, *run, "--standby"), relays, ranks
+
+
 def test_an_etcd_standby_takes_over_and_relays_find_it_through_the_store(
         tmp_path: Path, env: dict[str, str], procs: list[Proc], etcd: Any) -> None:
     store = f"etcd://{etcd.endpoint}/flodl/cli-standby"
     summary = tmp_path / "summary.json"
-
-
-    run = ("--epochs", "8", "--total-samples", "160", "--summary-file", str(summary))
-    leader = coordinator(env, procs, store, *run)
-    leader.line_with("relays can dial")
-    relays, _ = two_hosts(env, procs, store, batch_ms=40)
-    leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
-    standby = coordinator(env, procs, store, *run, "--standby")
+    leader, standby, relays, _ = with_a_standby(env, procs, store, "--epochs", "8",
+                                                "--total-samples", "160", "--summary-file",
+                                                str(summary), batch_ms=40)
     waiting = standby.line_with("standby: ")
     assert "is led by coordinator on " in waiting and f"pid {leader.popen.pid};" in waiting
     leader.line_with("epoch 1/8:")
@@ -144,14 +149,9 @@ def test_a_frozen_etcd_leader_is_left_for_its_standby_in_seconds_and_no_rank_die
     # coord_liveness_timeout (20 s), nor the ranks' (30 s), whose expiry killed every rank.
     store = f"etcd://{etcd.endpoint}/flodl/cli-frozen"
     summary = tmp_path / "summary.json"
-
-
-    run = ("--epochs", "4", "--total-samples", "320", "--summary-file", str(summary))
-    leader = coordinator(env, procs, store, *run)
-    leader.line_with("relays can dial")
-    relays, ranks = two_hosts(env, procs, store, batch_ms=25)
-    leader.line_with("formed: 2 ranks over 2 relays (generation 1 of ")
-    standby = coordinator(env, procs, store, *run, "--standby")
+    leader, standby, relays, ranks = with_a_standby(env, procs, store, "--epochs", "4",
+                                                    "--total-samples", "320", "--summary-file",
+                                                    str(summary), batch_ms=25)
     standby.line_with("standby: ")  # mid-run: an epoch is 1 s, the run 4 s
     leader.signal(signal.SIGSTOP)
     frozen = time.monotonic()

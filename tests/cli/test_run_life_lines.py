@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from helpers.cli_procs import Proc, coordinator, two_hosts
+from helpers.store import another_runs_session
 
 pytestmark = pytest.mark.slow
 
@@ -74,23 +75,10 @@ def test_a_second_run_on_the_same_store_starts_a_new_session_with_the_next_gener
 
 def test_fresh_starts_a_new_session_over_another_runs_unfinished_one(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
-    import trio
-
-    from flodl_trio.store import SessionState, SqliteStore, salt_id
-    from flodl_trio.wire import SessionSalt
-
     path = tmp_path / "run.db"
-
     # Refused without --fresh: tests/cli/test_store_options.py.
-    async def crashed_run_of_another_salt() -> None:
-        store = SqliteStore(path)
-        generation = await store.acquire(owner="a coordinator that crashed")
-        await store.save(SessionState(salt_id=salt_id(SessionSalt(bytes(16))), world_size=2,
-                                      roster=(("elsewhere", (0, 1)),), formed=True,
-                                      generation=generation))
-        await store.aclose()
-
-    trio.run(crashed_run_of_another_salt)
+    another_runs_session(path, owner="a coordinator that crashed",
+                         roster=(("elsewhere", (0, 1)),), formed=True)
     store, summary = f"sqlite:{path}", tmp_path / "summary.json"
     fresh = coordinator(env, procs, store, "--total-samples", "80", "--epochs", "1", "--fresh",
                         "--summary-file", str(summary))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from helpers.cli_procs import Proc, coordinator, one_line
 from helpers.scripts import load_script
+from helpers.store import another_runs_session
 
 PATIENCE = 20.0  # real seconds, only a bound
 
@@ -125,22 +126,9 @@ def test_a_store_url_of_no_known_form_and_standby_without_store_are_usage_errors
 
 def test_a_store_holding_another_runs_session_is_one_line_naming_it(
         tmp_path: Path, env: dict[str, str], procs: list[Proc]) -> None:
-    import trio
-
-    from flodl_trio.store import SessionState, SqliteStore, salt_id
-    from flodl_trio.wire import SessionSalt
-
     path = tmp_path / "other.db"
-
-    async def save_another_run() -> None:
-        store = SqliteStore(path)
-        generation = await store.acquire(owner="a coordinator of another run")
-        await store.save(SessionState(
-            salt_id=salt_id(SessionSalt(bytes(16))), world_size=2, model_sigs={}, roster=(),
-            dead={}, failures=0, generation=generation, formed=False, checkpoint=None))
-        await store.aclose()
-
-    trio.run(save_another_run)
+    another_runs_session(path, owner="a coordinator of another run", model_sigs={}, roster=(),
+                         dead={}, failures=0, formed=False, checkpoint=None)
     proc = coordinator(env, procs, f"sqlite:{path}")
     assert proc.wait() == 1
     line = one_line(proc)

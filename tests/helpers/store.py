@@ -3,11 +3,12 @@ task (a standby, a leader's keeper) sets when it won or lost, and those two task
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import trio
 
-from flodl_trio.store import SessionState, SessionStore, salt_id
+from flodl_trio.store import SessionState, SessionStore, SqliteStore, salt_id
 from flodl_trio.wire import SessionSalt
 
 SALT = SessionSalt(bytes(range(16)))
@@ -65,3 +66,17 @@ def standing_by(nursery: trio.Nursery, standby: SessionStore, owner: str) -> Fla
 
     nursery.start_soon(wait_as_standby)
     return won
+
+
+def another_runs_session(path: Path, *, owner: str, **fields: Any) -> None:
+    """A session of another run (another salt, world 2; ``fields`` on top) left unfinished in
+    the SQLite store at ``path`` by ``owner``, a coordinator of that run that crashed."""
+
+    async def save() -> None:
+        store = SqliteStore(path)
+        generation = await store.acquire(owner=owner)
+        await store.save(SessionState(salt_id=salt_id(SessionSalt(bytes(16))), world_size=2,
+                                      generation=generation, **fields))
+        await store.aclose()
+
+    trio.run(save)
