@@ -27,6 +27,13 @@ async def _tcp_server(handler: Handler) -> AsyncIterator[tuple[str, int]]:
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _proxy_to(handler: Handler) -> AsyncIterator[ChaosProxy]:
+    """The chaos proxy in front of a loopback TCP server that runs ``handler`` per connection."""
+    async with _tcp_server(handler) as target, open_chaos_proxy(target) as proxy:
+        yield proxy
+
+
 async def _echo(stream: trio.SocketStream) -> None:
     with trio.move_on_after(5):
         for _ in range(10_000):
@@ -81,7 +88,7 @@ async def _dial(proxy: ChaosProxy) -> trio.SocketStream:
 
 async def test_cut_up_delivers_exactly_k_bytes_then_eof_to_both_sides() -> None:
     sink = _Sink()
-    async with _tcp_server(sink.handler) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(sink.handler) as proxy:
         proxy.plan(FaultPlan().cut(7, "up"))
         async with await _dial(proxy) as client:
             await client.send_all(b"0123456789abcdef")
@@ -94,7 +101,7 @@ async def test_cut_up_delivers_exactly_k_bytes_then_eof_to_both_sides() -> None:
 
 
 async def test_cut_down_delivers_exactly_k_echoed_bytes_then_eof() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         proxy.plan(FaultPlan().cut(5, "down"))
         async with await _dial(proxy) as client:
             await client.send_all(b"hello world")
@@ -103,7 +110,7 @@ async def test_cut_down_delivers_exactly_k_echoed_bytes_then_eof() -> None:
 
 async def test_corrupt_flips_exactly_the_chosen_byte_in_each_direction() -> None:
     payload = bytes(range(32))
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         proxy.plan(FaultPlan().corrupt(3, "up").corrupt(20, "down", xor=0x01))
         async with await _dial(proxy) as client:
             await client.send_all(payload)
@@ -116,7 +123,7 @@ async def test_corrupt_flips_exactly_the_chosen_byte_in_each_direction() -> None
 
 async def test_stall_up_holds_data_while_down_still_flows() -> None:
     sink = _Sink(greeting=b"welcome")
-    async with _tcp_server(sink.handler) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(sink.handler) as proxy:
         proxy.plan(FaultPlan().stall(2, "up"))
         async with await _dial(proxy) as client:
             await client.send_all(b"abcdef")
@@ -129,7 +136,7 @@ async def test_stall_up_holds_data_while_down_still_flows() -> None:
 
 
 async def test_reset_makes_the_client_see_connection_reset() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         proxy.plan(FaultPlan().reset())
         async with await _dial(proxy) as client:
             with pytest.raises(trio.BrokenResourceError) as info:
@@ -142,7 +149,7 @@ async def test_reset_makes_the_client_see_connection_reset() -> None:
 
 async def test_reset_after_bytes_forwards_them_first() -> None:
     sink = _Sink()
-    async with _tcp_server(sink.handler) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(sink.handler) as proxy:
         proxy.plan(FaultPlan().reset(4, "up"))
         async with await _dial(proxy) as client:
             await client.send_all(b"12345678")
@@ -153,7 +160,7 @@ async def test_reset_after_bytes_forwards_them_first() -> None:
 
 
 async def test_kill_all_and_reset_all_end_every_live_connection() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         clients = [await _dial(proxy) for _ in range(3)]
         for client in clients:
             await client.send_all(b"hi")
@@ -174,7 +181,7 @@ async def test_kill_all_and_reset_all_end_every_live_connection() -> None:
 
 
 async def test_counters_track_bytes_per_connection() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         async with await _dial(proxy) as first, await _dial(proxy) as second:
             await first.send_all(b"a" * 1000)
             assert len(await _read(first, 1000)) == 1000
@@ -187,7 +194,7 @@ async def test_counters_track_bytes_per_connection() -> None:
 
 
 async def test_plan_for_nth_connection_leaves_the_others_alone() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         proxy.plan(FaultPlan().cut(0, "both"), connection=1)
         replies = []
         for _ in range(3):
@@ -198,7 +205,7 @@ async def test_plan_for_nth_connection_leaves_the_others_alone() -> None:
 
 
 async def test_plan_set_on_a_live_connection_applies_to_its_next_bytes() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         async with await _dial(proxy) as client:
             await client.send_all(b"ping")
             assert await _read(client, 4) == b"ping"
@@ -209,7 +216,7 @@ async def test_plan_set_on_a_live_connection_applies_to_its_next_bytes() -> None
 
 
 async def test_delay_and_drip_slow_the_stream_down() -> None:
-    async with _tcp_server(_echo) as target, open_chaos_proxy(target) as proxy:
+    async with _proxy_to(_echo) as proxy:
         proxy.plan(FaultPlan().delay(0.2, "up").drip(200, "down"))
         async with await _dial(proxy) as client:
             start = trio.current_time()

@@ -14,8 +14,8 @@ one), :mod:`helpers.frozen` (a coordinator frozen as by ``SIGSTOP``).
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -166,6 +166,9 @@ class RankRun(RankRecord):
     def kill(self) -> None:
         self.kill_scope.cancel()
 
+    def ended_with(self, outcome: Any) -> None:
+        self.outcome = outcome
+
 
 @attrs.define(eq=False)
 class HostRun:
@@ -186,45 +189,50 @@ class HostRun:
     def all_done(self) -> bool:
         return self.done.is_set() and all(r.done.is_set() for r in self.ranks.values())
 
+    def ended_with(self, exit: Any) -> None:
+        self.exit = exit
+
+
+@contextmanager
+def until_killed(run: RankRun | HostRun) -> Iterator[None]:
+    """The body of a task of ``run``, which ``run.kill()`` cancels: how it ended (an exception,
+    recorded for the test to assert on, or ``"killed"``) goes to ``run.ended_with``; then
+    ``run.done`` is set."""
+    try:
+        with run.kill_scope:
+            yield
+    except Exception as exc:
+        run.ended_with(exc)
+    finally:
+        if run.kill_scope.cancelled_caught:
+            run.ended_with("killed")
+        run.done.set()
+
 
 async def _run_rank(net: MemoryNetwork, run: RankRun, *, salt: ft.SessionSalt, world: int,
                     config: ft.RankConfig | None) -> None:
-    try:
-        with run.kill_scope:
-            async with ft.open_rank(
-                lambda: net.connect(f"relay:{run.host}"), salt=salt, rank=run.rank,
-                world_size=world, config=config,
-            ) as ep:
-                run.entered.set()
-                run.outcome = await record_iteration(run, ep)
-    except Exception as exc:  # recorded for the test to assert on
-        run.outcome = exc
-    finally:
-        if run.kill_scope.cancelled_caught:
-            run.outcome = "killed"
-        run.done.set()
+    with until_killed(run):
+        async with ft.open_rank(
+            lambda: net.connect(f"relay:{run.host}"), salt=salt, rank=run.rank,
+            world_size=world, config=config,
+        ) as ep:
+            run.entered.set()
+            run.ended_with(await record_iteration(run, ep))
 
 
 async def _run_relay(net: MemoryNetwork, hr: HostRun, *, salt: ft.SessionSalt, world: int,
                      config: ft.RelayConfig | None, coordinator: str, target: Any = None,
                      task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    try:
-        with hr.kill_scope:
-            async with ft.open_relay(
-                target if target is not None else lambda: net.connect(coordinator),
-                salt=salt, host=hr.host,
-                ranks=list(hr.ranks), world_size=world,
-                rank_listen=net.listener(f"relay:{hr.host}"), config=config,
-            ) as relay:
-                hr.relay = relay
-                task_status.started()
-                hr.exit = await relay.wait_closed()
-    except Exception as exc:  # recorded for the test to assert on
-        hr.exit = exc
-    finally:
-        if hr.kill_scope.cancelled_caught:
-            hr.exit = "killed"
-        hr.done.set()
+    with until_killed(hr):
+        async with ft.open_relay(
+            target if target is not None else lambda: net.connect(coordinator),
+            salt=salt, host=hr.host,
+            ranks=list(hr.ranks), world_size=world,
+            rank_listen=net.listener(f"relay:{hr.host}"), config=config,
+        ) as relay:
+            hr.relay = relay
+            task_status.started()
+            hr.ended_with(await relay.wait_closed())
 
 
 async def start_host(

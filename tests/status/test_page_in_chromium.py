@@ -11,7 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -109,6 +112,31 @@ async def test_chromium_shows_the_ranks_of_a_sigkilled_relay_dead_within_3s(
                     await proc.wait()
 
 
+def extras(*, formation_s: float) -> dict[str, Any]:
+    return {"uptime_s": 3.0, "formation_s": formation_s, "formed": True, "lost_broadcasts": 0}
+
+
+@asynccontextmanager
+async def board_in_chromium(board_fn: Callable[[], dict[str, Any]],
+                            rendered_js: str) -> AsyncIterator[Any]:
+    """A status leg on a free loopback port serving ``board_fn``'s document, and a Chromium page
+    on it once ``rendered_js`` is truthy there (the first document is rendered); 30 s at most."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with listeners[0], trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve_status(
+                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
+                board_fn=board_fn))
+            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
+                for _ in range(400):  # until the first document is rendered
+                    if await page.evaluate(rendered_js):
+                        break
+                    await trio.sleep(0.05)
+                yield page
+            nursery.cancel_scope.cancel()
+
+
 async def test_chromium_renders_16384_ranks_as_2048_relay_lines_and_pushes_as_inert_text(
 ) -> None:
     roster, board = big_world()
@@ -117,32 +145,20 @@ async def test_chromium_renders_16384_ranks_as_2048_relay_lines_and_pushes_as_in
         'height="20" onload="document.title=1"><rect width="40" height="20" fill="red"/></svg>'))
     board.on_message(ft.wire.DashboardSetMetadata(rank=5, json='{"note": "<b>bold</b>"}'))
     board.on_message(ft.wire.DashboardSetHardware(rank=5, summary="<img src=x onerror=alert(1)>"))
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    with trio.fail_after(30):
-        async with listeners[0], trio.open_nursery() as nursery:
-            await nursery.start(lambda task_status: serve_status(
-                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
-                board_fn=lambda: board_document(roster, board, now=3.0, failed=False,
-                                                extras={"uptime_s": 3.0, "formation_s": 1.5,
-                                                        "formed": True, "lost_broadcasts": 0})))
-            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
-                for _ in range(400):  # until the first document is rendered
-                    if await page.evaluate("document.querySelectorAll('.relay').length"):
-                        break
-                    await trio.sleep(0.05)
-                seen = json.loads(await page.evaluate("""JSON.stringify({
-                  relays: document.querySelectorAll('section.relay').length,
-                  ranks: document.querySelectorAll('[data-rank]').length,
-                  dead: document.querySelectorAll('section.relay[data-state=dead]').length,
-                  img: document.querySelector('figure[data-push-rank="5"] img')?.naturalWidth,
-                  caption: document.querySelector('figure figcaption').textContent,
-                  metadata: document.querySelector('figure pre.metadata').textContent,
-                  injected: document.querySelectorAll(
-                    'figure b, figure i, img:not([src^="data:image/svg+xml"])').length,
-                  title: document.title,
-                })"""))
-            nursery.cancel_scope.cancel()
+    async with board_in_chromium(lambda: board_document(
+            roster, board, now=3.0, failed=False, extras=extras(formation_s=1.5)),
+            "document.querySelectorAll('.relay').length") as page:
+        seen = json.loads(await page.evaluate("""JSON.stringify({
+          relays: document.querySelectorAll('section.relay').length,
+          ranks: document.querySelectorAll('[data-rank]').length,
+          dead: document.querySelectorAll('section.relay[data-state=dead]').length,
+          img: document.querySelector('figure[data-push-rank="5"] img')?.naturalWidth,
+          caption: document.querySelector('figure figcaption').textContent,
+          metadata: document.querySelector('figure pre.metadata').textContent,
+          injected: document.querySelectorAll(
+            'figure b, figure i, img:not([src^="data:image/svg+xml"])').length,
+          title: document.title,
+        })"""))
     assert seen["relays"] == 2048 and seen["ranks"] == 0
     assert seen["dead"] == 39  # host-1 (ranks 9, 10) and the 38 relays of ranks 1000..1299
     assert seen["img"] == 40  # the sanitised SVG rendered, as an image
@@ -158,31 +174,17 @@ async def test_chromium_shows_samples_covered_as_the_cli_says_them_rounded_numbe
         board.on_message(metrics(rank, 0, samples=60, epoch_ms=790.096))
     covered = [{"epoch": 0, "exactly_once": True, "samples": 240, "total": 240, "gaps": 0,
                 "overlaps": 0}]
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    with trio.fail_after(30):
-        async with listeners[0], trio.open_nursery() as nursery:
-            await nursery.start(lambda task_status: serve_status(
-                listeners[0], lambda: {}, request_timeout=5.0, task_status=task_status,
-                board_fn=lambda: board_document(roster, board, now=3.0, failed=False,
-                                                extras={"uptime_s": 3.0, "formation_s": 1.968,
-                                                        "formed": True, "lost_broadcasts": 0},
-                                                coverage=covered)))
-            async with _chromium.open_chromium(f"http://127.0.0.1:{port}/") as page:
-                for _ in range(400):  # until the first document is rendered
-                    if await page.evaluate("document.querySelectorAll('#epochs tbody tr')"
-                                           ".length"):
-                        break
-                    await trio.sleep(0.05)
-                seen = json.loads(await page.evaluate("""JSON.stringify({
-                  head: [...document.querySelectorAll('#epochs th')].map(e => e.textContent),
-                  row: [...document.querySelectorAll('#epochs tbody td')].map(e => e.textContent),
-                  pushes: document.getElementById('pushes').textContent,
-                  formation: document.getElementById('formation').textContent,
-                  throughput: [...document.querySelectorAll('#facts div')].map(
-                    e => e.textContent).find(t => t.startsWith('throughput')),
-                })"""))
-            nursery.cancel_scope.cancel()
+    async with board_in_chromium(lambda: board_document(
+            roster, board, now=3.0, failed=False, extras=extras(formation_s=1.968),
+            coverage=covered), "document.querySelectorAll('#epochs tbody tr').length") as page:
+        seen = json.loads(await page.evaluate("""JSON.stringify({
+          head: [...document.querySelectorAll('#epochs th')].map(e => e.textContent),
+          row: [...document.querySelectorAll('#epochs tbody td')].map(e => e.textContent),
+          pushes: document.getElementById('pushes').textContent,
+          formation: document.getElementById('formation').textContent,
+          throughput: [...document.querySelectorAll('#facts div')].map(
+            e => e.textContent).find(t => t.startsWith('throughput')),
+        })"""))
     assert seen["head"] == ["epoch", "samples covered", "ranks reported", "samples reported",
                             "avg loss", "epoch ms", "samples/s"]
     # 4 of the 6 ranks reported; the scheduler counted every sample once, as the CLI says.

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -36,13 +39,20 @@ class TimedStore(MemoryStore):
         await super().save(state)
 
 
+@asynccontextmanager
+async def paced(net: MemoryNetwork) -> AsyncIterator[tuple[TimedStore, Any]]:
+    """A coordinator formed a second ago that writes at most 2 paced changes a second to a
+    :class:`TimedStore`: the store and the coordinator."""
+    store = TimedStore()
+    async with cluster(net, store) as c, c.coordinator("coord-1", store_write_rate=2) as coord:
+        await trio.sleep(1)
+        yield store, coord
+
+
 async def test_a_burst_of_paced_checkpoints_is_a_write_per_interval_and_the_last_one_wins(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    store = TimedStore()
-    async with cluster(memory_network, store) as c, \
-            c.coordinator("coord-1", store_write_rate=2) as coord:
-        await trio.sleep(1)
+    async with paced(memory_network) as (store, coord):
         began, before = trio.current_time(), len(store.writes)
         for n in range(500):  # a checkpoint every 10 ms for 5 s: a sync's pace
             called = trio.current_time()
@@ -60,10 +70,7 @@ async def test_a_burst_of_paced_checkpoints_is_a_write_per_interval_and_the_last
 async def test_a_durable_checkpoint_is_written_at_once_and_paced_changes_wait_after_it(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    store = TimedStore()
-    async with cluster(memory_network, store) as c, \
-            c.coordinator("coord-1", store_write_rate=2) as coord:
-        await trio.sleep(1)
+    async with paced(memory_network) as (store, coord):
         await coord.save_checkpoint({"epoch": 0}, durable=False)  # written at once: idle
         await trio.sleep(0.1)
         began = trio.current_time()

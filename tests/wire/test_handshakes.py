@@ -348,19 +348,25 @@ def test_any_corrupted_byte_of_either_direction_is_a_protocol_error(data: Any) -
     assert not flipped, "a corrupted handshake byte went unnoticed"
 
 
+def fed_junk(machine: Any, data: bytes, *, eof: bool) -> None:
+    """``data`` (then EOF) into a handshake machine: only a protocol error may come out, and
+    then the machine says which category of failure it was."""
+    try:
+        machine.receive_data(data)
+        machine.next_event()
+        if eof:
+            machine.receive_data(b"")
+            machine.next_event()
+    except PROTOCOL_ERRORS:
+        assert machine.failure_category is not None
+
+
 @settings(max_examples=200, deadline=None)
 @given(junk=st.binary(min_size=0, max_size=300), eof=st.booleans())
 def test_arbitrary_bytes_at_the_coordinator_never_raise_anything_but_protocol_errors(
         junk: bytes, eof: bool) -> None:
     coord = wire.CoordinatorHandshake(SALT, peer="10.0.0.7:5000")
-    try:
-        coord.receive_data(wire.CHANNEL_MAGIC_CONTROL + junk)
-        coord.next_event()
-        if eof:
-            coord.receive_data(b"")
-            coord.next_event()
-    except PROTOCOL_ERRORS:
-        assert coord.failure_category is not None
+    fed_junk(coord, wire.CHANNEL_MAGIC_CONTROL + junk, eof=eof)
 
 
 @settings(max_examples=200, deadline=None)
@@ -368,14 +374,7 @@ def test_arbitrary_bytes_at_the_coordinator_never_raise_anything_but_protocol_er
 def test_arbitrary_bytes_at_the_relay_never_raise_anything_but_protocol_errors(
         junk: bytes, eof: bool) -> None:
     relay = wire.RelayHandshake(SALT, host="h", ranks=(0,), world_size=1, coordinator="c:1")
-    try:
-        relay.receive_data(junk)
-        relay.next_event()
-        if eof:
-            relay.receive_data(b"")
-            relay.next_event()
-    except PROTOCOL_ERRORS:
-        assert relay.failure_category is not None
+    fed_junk(relay, junk, eof=eof)
 
 
 def test_hello_over_the_pre_auth_ceiling_is_refused_from_its_header() -> None:
