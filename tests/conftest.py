@@ -1,10 +1,11 @@
-"""Fixtures of more than one folder: the environment and the children of the tests that run
-``flodl-trio`` as real processes (tests/helpers/cli_procs.py), and real etcd members
-(scripts/_etcd.py: free loopback ports, a temporary data directory, stopped by PID), for the
-tests of the stores, the command line and the relays."""
+"""Fixtures of more than one folder: the library's log records; the environment and the
+children of the tests that run ``flodl-trio`` as real processes (tests/helpers/cli_procs.py);
+real etcd members (scripts/_etcd.py: free loopback ports, a temporary data directory, stopped by
+PID), for the tests of the stores, the command line and the relays."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,13 @@ import pytest
 
 from helpers.cli_procs import Proc
 from helpers.scripts import load_script
+
+
+@pytest.fixture
+def flodl_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """``caplog``, capturing the library's log records from INFO up."""
+    caplog.set_level(logging.INFO, logger="flodl_trio")
+    return caplog
 
 
 @pytest.fixture

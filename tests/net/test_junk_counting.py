@@ -16,7 +16,7 @@ from flodl_trio.status import render_prometheus
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown
 
-from helpers import COORD, events_of, start_host, start_rank, wait_until
+from helpers import COORD, events_of, hosts_by_hand, start_host, start_rank, wait_until
 from helpers.raw import RawRelay, raw_relay_handshake
 
 
@@ -70,26 +70,22 @@ async def flood_rank_port(net: MemoryNetwork, relay: str, hello: bytes, count: i
 
 async def test_wrong_salt_flood_on_the_rank_port_is_counted_with_a_few_log_lines(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
-    caplog: pytest.LogCaptureFixture,
+    flodl_log: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="flodl_trio")
-    salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2,
-                                start_ranks=[0])
+    other_salt = ft.SessionSalt.generate()
+    async with hosts_by_hand(memory_network, 2) as hosts:
+        host = await hosts.start("host-a", [0, 1], start_ranks=[0])
         assert host.relay is not None
         await flood_rank_port(memory_network, "relay:host-a",
                               wire.encode_rank_hello(other_salt, 1, 2), 300)
         await flood_rank_port(memory_network, "relay:host-a",
-                              wire.encode_rank_hello(salt, 1, 3), 200)
+                              wire.encode_rank_hello(hosts.salt, 1, 3), 200)
         assert host.relay.rank_port_rejects == {"bad mac": 300, "world_size mismatch": 200}
-        start_rank(nursery, memory_network, host.ranks[1], salt=salt, world=2)
-        async with ft.open_coordinator(listener, salt=salt,
-                                       config=ft.CoordinatorConfig(world_size=2)) as coord:
+        start_rank(hosts.nursery, memory_network, host.ranks[1], salt=hosts.salt, world=2)
+        async with hosts.coordinator() as coord:
             await coord.broadcast_control(SetGlobalStep(global_step=1))
         await wait_until(lambda: host.all_done)
-    warnings = [r for r in caplog.records if r.name == "flodl_trio.relay"
+    warnings = [r for r in flodl_log.records if r.name == "flodl_trio.relay"
                 and r.levelno >= logging.WARNING and "rejected" in r.getMessage()]
     assert 1 <= len(warnings) <= 10
     for run in host.ranks.values():
@@ -103,9 +99,8 @@ def batch(rank: int, step: int) -> wire.Batch:
 
 async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_logged(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
-    caplog: pytest.LogCaptureFixture,
+    flodl_log: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="flodl_trio")
     salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
     listener = memory_network.listener(COORD)
     codec, forger = wire.FrameCodec(salt), wire.FrameCodec(other_salt)
@@ -143,7 +138,7 @@ async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_log
         await relay.stream.aclose()
     assert 1 <= len(events) <= 10
     assert "does not carry" in events[0].reason
-    lines = [r for r in caplog.records if r.name.startswith("flodl_trio")
+    lines = [r for r in flodl_log.records if r.name.startswith("flodl_trio")
              and "frame dropped" in r.getMessage()]
     assert 1 <= len(lines) <= 10
 
@@ -154,9 +149,8 @@ async def test_forged_and_foreign_rank_frames_are_dropped_counted_and_barely_log
 @pytest.mark.parametrize("fault", ["wrong salt", "wrong world size"])
 async def test_a_rejected_sibling_is_named_by_the_relay_and_its_healthy_ranks_at_its_deadline(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
-    caplog: pytest.LogCaptureFixture, fault: str,
+    flodl_log: pytest.LogCaptureFixture, fault: str,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="flodl_trio")
     salt, other_salt = ft.SessionSalt.generate(), ft.SessionSalt.generate()
     started = trio.current_time()
     ended: dict[int, float] = {}
@@ -192,7 +186,7 @@ async def test_a_rejected_sibling_is_named_by_the_relay_and_its_healthy_ranks_at
     # The rejected rank gave up after its connect_timeout; the relay did not log every retry.
     assert isinstance(bad.outcome, ft.HandshakeError)
     assert ended[1] == pytest.approx(30, abs=1.5)
-    warnings = [r for r in caplog.records if r.name == "flodl_trio.relay"
+    warnings = [r for r in flodl_log.records if r.name == "flodl_trio.relay"
                 and r.levelno >= logging.WARNING]
     assert len(warnings) <= 12
 

@@ -298,8 +298,7 @@ async def test_relay_ends_on_upstream_eof_and_its_ranks_lose_the_coordinator(
 
 async def test_forged_frames_are_counted_and_barely_logged_and_do_not_feed_the_watchdog(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
-        caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="flodl_trio")
+        flodl_log: pytest.LogCaptureFixture) -> None:
     forger = ft.SessionSalt.generate()
 
     async def forging(stream: trio.abc.Stream, salt: ft.SessionSalt) -> None:
@@ -314,5 +313,5 @@ async def test_forged_frames_are_counted_and_barely_logged_and_do_not_feed_the_w
     assert isinstance(error, ft.CoordinatorLost)
     assert elapsed == pytest.approx(3, abs=1e-6)
     assert ep.dropped_frames == {"invalid frame": 2000}
-    lines = [r for r in caplog.records if "frame dropped" in r.getMessage()]
+    lines = [r for r in flodl_log.records if "frame dropped" in r.getMessage()]
     assert 1 <= len(lines) <= 6

@@ -14,7 +14,7 @@ from flodl_trio.events import RankDeclaredDead, RankExited, RelayLost
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown
 
-from helpers import COORD, Recorder, events_of, start_host, start_rank, wait_until
+from helpers import COORD, Recorder, events_of, hosts_by_hand, start_host, start_rank, wait_until
 from helpers.raw import raw_coordinator_accept, read_one_record
 
 
@@ -159,12 +159,9 @@ async def test_relay_forwards_the_last_ranks_exit_before_it_ends(
 async def test_upstream_eof_closes_every_rank_connection(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0, 1, 2], salt=salt,
-                                world=4)
-        side = await raw_coordinator_accept(listener, salt)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1, 2]}) as hosts:
+        salt, host = hosts.salt, hosts.runs["host-a"]
+        side = await raw_coordinator_accept(hosts.listener, salt)
         assert side.hello.host == "host-a" and side.hello.ranks == (0, 1, 2)
         assert host.relay is not None
         await host.relay.wait_connected()
@@ -182,7 +179,7 @@ async def test_upstream_eof_closes_every_rank_connection(
             while (rec := await read_one_record(side.stream, side.opener)) is not None:
                 got.append(rec)
         await side.stream.aclose()
-        await listener.aclose()
+        await hosts.listener.aclose()
         await wait_until(lambda: host.all_done)
     assert host.ranks[0].received == [Shutdown()]
     assert host.ranks[0].outcome == "ended"
@@ -205,16 +202,13 @@ async def test_upstream_eof_closes_every_rank_connection(
 async def test_upstream_reset_ends_the_relay_and_its_ranks_see_coordinator_lost(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    salt = ft.SessionSalt.generate()
-    listener = memory_network.listener(COORD)
-    async with trio.open_nursery() as nursery:
-        host = await start_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=2)
-        side = await raw_coordinator_accept(listener, salt)
+    async with hosts_by_hand(memory_network, 2, {"host-a": [0, 1]}) as hosts:
+        host = hosts.runs["host-a"]
+        side = await raw_coordinator_accept(hosts.listener, hosts.salt)
         assert host.relay is not None
         await host.relay.wait_connected()
         side.stream.reset()  # type: ignore[attr-defined]
         await wait_until(lambda: host.all_done)
-        await listener.aclose()
     assert isinstance(host.exit, ft.RelayExit)
     assert not host.exit.clean
     assert "upstream" in host.exit.reason

@@ -150,14 +150,13 @@ async def test_fresh_discards_an_unfinished_session_and_starts_a_new_one(
 
 async def test_a_leader_woken_with_its_lease_lapsed_steps_down_and_declares_nobody_dead(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
-    caplog: pytest.LogCaptureFixture
+    flodl_log: pytest.LogCaptureFixture
 ) -> None:
     """Issue 34 item 4: woken after a long SIGSTOP, the deposed leader read its relays' EOFs
     first and logged every rank declared dead and ``cluster failure: ALL_RANKS_LOST`` before
     its lease renewal said it no longer led. Here its lease lapses unnoticed (``lapse``: the
     renewal task is not woken) and then every relay closes."""
     store = MemoryStore()
-    caplog.set_level(logging.INFO, logger="flodl_trio")
     async with cluster(memory_network, store) as c:
         log = EventLog()
         with pytest.raises(ft.LeadershipLost, match="its lease ran out") as lost:
@@ -169,7 +168,7 @@ async def test_a_leader_woken_with_its_lease_lapsed_steps_down_and_declares_nobo
                 await trio.sleep_forever()
         assert "stepping down" in str(lost.value)
         assert log.events_of(RankDeclaredDead) == [] and log.events_of(ClusterFailed) == []
-        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        said = [r.getMessage() for r in flodl_log.records if r.levelno >= logging.WARNING]
         assert said and all("stepping down" in line for line in said), said
         assert (await stored(store)).ended is None  # deposed: the successor's to adopt
 
