@@ -14,6 +14,13 @@ from flodl_trio.testing import RawRankSlot, open_local_cluster, wait_until
 from flodl_trio.wire import DeclareDead, Heartbeat, SyncNow
 
 
+async def assert_a_broadcast_reaches_both_ranks(cluster: Any) -> None:
+    """A ``SyncNow`` broadcast is what each of the two raw ranks receives next."""
+    await cluster.coord.broadcast_control(SyncNow())
+    for r in (0, 1):
+        assert isinstance(await cluster.ranks[r].receive(), SyncNow)
+
+
 async def test_local_cluster_factory_forms_and_delivers_over_memory(
     autojump_clock: trio.abc.Clock, local_cluster_factory: LocalClusterFactory
 ) -> None:
@@ -50,9 +57,7 @@ async def test_local_cluster_over_real_tcp() -> None:
     with trio.fail_after(10):
         async with open_local_cluster(layout(2, 1), transport="tcp") as cluster:
             assert cluster.coord.address[0] == "127.0.0.1"
-            await cluster.coord.broadcast_control(SyncNow())
-            for r in (0, 1):
-                assert isinstance(await cluster.ranks[r].receive(), SyncNow)
+            await assert_a_broadcast_reaches_both_ranks(cluster)
 
 
 async def test_addresses_of_parts_given_listeners_are_config_errors_not_none(
@@ -79,9 +84,7 @@ async def test_sending_a_message_the_wrong_way_is_refused_before_anything_is_wri
         with pytest.raises(ConfigError, match="send expects a TimingMsg or Metrics, got SyncNow"):
             await cluster.ranks[1].send(upstream)
         # Nothing was sent: the links still carry a broadcast, in order, to both ranks.
-        await cluster.coord.broadcast_control(SyncNow())
-        for r in (0, 1):
-            assert isinstance(await cluster.ranks[r].receive(), SyncNow)
+        await assert_a_broadcast_reaches_both_ranks(cluster)
 
 
 async def test_rank_main_runs_each_rank_and_its_errors_end_only_that_rank(
