@@ -8,10 +8,10 @@ import trio
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.events import LostBroadcast, RankDeclaredDead, RelayLost
-from flodl_trio.testing import MemoryNetwork, open_local_cluster
+from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import DeclareDead, SetGlobalStep, Shutdown, SyncNow, Throttle
 
-from helpers import COORD, Recorder, events_of, start_host, wait_until
+from helpers import COORD, events_of, recorded, start_host, wait_until
 from helpers.raw import RawRelay, raw_relay_handshake
 
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
@@ -20,8 +20,7 @@ HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 async def test_send_control_reaches_exactly_the_addressed_rank(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         for rank in range(4):
             await c.coord.send_control(rank, SetGlobalStep(global_step=1000 + rank))
     for rank, run in rec.ranks.items():
@@ -32,8 +31,7 @@ async def test_send_control_reaches_exactly_the_addressed_rank(
 async def test_broadcast_control_reaches_every_rank_in_order_and_nothing_else(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         for i in range(20):
             result = await c.coord.broadcast_control(SetGlobalStep(global_step=i))
             assert result.delivered == frozenset(range(4))
@@ -51,8 +49,7 @@ async def test_broadcast_control_reaches_every_rank_in_order_and_nothing_else(
 async def test_send_control_to_rank_out_of_range_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         for bad in (4, -1, 100):
             with pytest.raises(ft.SendError, match=r"expected a rank in \[0, 4\)"):
                 await c.coord.send_control(bad, SyncNow())
@@ -64,8 +61,7 @@ async def test_send_control_to_rank_out_of_range_raises_send_error(
 async def test_send_control_to_a_dead_rank_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         await c.coord.declare_dead(1, "GPU fell off the bus")
         assert c.coord.dead_ranks == frozenset({1})
         with pytest.raises(ft.SendError) as excinfo:
@@ -85,8 +81,7 @@ async def test_send_control_to_a_dead_rank_raises_send_error(
 async def test_send_control_to_a_rank_that_exited_cleanly_raises_send_error(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         leaver = rec[2]
         leaver.leave()
         await wait_until(lambda: 2 in c.coord.exited_ranks)
@@ -111,9 +106,7 @@ async def test_broadcast_with_a_lost_relay_reports_exactly_its_ranks_when_not_de
     # No CoordHeartbeat during the test, so the only lost broadcast is ours.
     cfg = ft.CoordinatorConfig(world_size=4, declare_dead_on_relay_loss=False,
                                heartbeat_interval=3600)
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, coord_config=cfg,
-                                  rank_main=rec) as c:
+    async with recorded(memory_network, coord_config=cfg) as (c, rec):
         c.kill_relay("host-b")
         await wait_until(lambda: bool(events_of(c.coord.timeline, RelayLost)))
         assert c.coord.live_ranks == frozenset(range(4))  # not declared dead by config
@@ -141,8 +134,7 @@ async def test_broadcast_with_a_lost_relay_reports_exactly_its_ranks_when_not_de
 async def test_broadcast_after_relay_loss_skips_its_dead_ranks_and_succeeds_for_the_rest(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         c.kill_relay("host-b")
         await wait_until(lambda: c.coord.dead_ranks == frozenset({2, 3}))
         dead = events_of(c.coord.timeline, RankDeclaredDead)

@@ -30,6 +30,7 @@ from flodl_trio.testing import (
     MemoryNetwork,
     RawRankMain,
     RawRankSlot,
+    open_local_cluster,
     wait_until as wait_until,  # the tests import it from here
 )
 
@@ -125,6 +126,19 @@ class Recorder:
         self.raw[slot.rank] = raw
         task_status.started()
         await raw.run()
+
+
+@asynccontextmanager
+async def recorded(net: MemoryNetwork,
+                   hosts: Mapping[str, Sequence[int]] | None = None,
+                   **kw: Any) -> AsyncIterator[tuple[LocalCluster, Recorder]]:
+    """``open_local_cluster`` over ``net`` (``kw``: its other arguments) whose ranks a
+    :class:`Recorder` runs: the cluster and the recorder. ``hosts``: host-a with ranks 0 and 1,
+    host-b with 2 and 3, unless told."""
+    rec = Recorder()
+    layout = hosts if hosts is not None else {"host-a": [0, 1], "host-b": [2, 3]}
+    async with open_local_cluster(layout, network=net, rank_main=rec, **kw) as cluster:
+        yield cluster, rec
 
 
 def formed_at(log: EventLog) -> float:

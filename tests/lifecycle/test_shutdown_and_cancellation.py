@@ -14,10 +14,10 @@ from flodl_trio.events import (
     ShutdownComplete,
     ShutdownStarted,
 )
-from flodl_trio.testing import MemoryNetwork, open_local_cluster
+from flodl_trio.testing import MemoryNetwork
 from flodl_trio.wire import SetGlobalStep, Shutdown, ShutdownWithSave
 
-from helpers import COORD, Recorder, events_of, hosts_by_hand, wait_until
+from helpers import COORD, events_of, hosts_by_hand, recorded, wait_until
 from helpers.lifecycle import cancel_after
 from helpers.raw import RawRelay, raw_relay_handshake
 
@@ -30,8 +30,7 @@ HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
 async def test_leaving_the_block_sends_shutdown_to_every_rank_and_closes_everything(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    rec = Recorder()
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=rec) as c:
+    async with recorded(memory_network) as (c, rec):
         coord = c.coord
         await coord.broadcast_control(SetGlobalStep(global_step=1))
         assert coord.state()["phase"] == "running"
@@ -56,7 +55,7 @@ async def test_leaving_the_block_sends_shutdown_to_every_rank_and_closes_everyth
 async def test_timing_and_metrics_consumers_see_end_of_channel_after_the_block(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    async with open_local_cluster(HOSTS, network=memory_network, rank_main=Recorder()) as c:
+    async with recorded(memory_network) as (c, _):
         await trio.sleep(3)  # some heartbeats are queued, unread
     drained = 0
     with trio.fail_after(1):
