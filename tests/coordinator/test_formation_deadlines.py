@@ -9,7 +9,9 @@ import flodl_trio as ft
 from flodl_trio.events import FormationComplete, FormationFailed, RelayJoined
 from flodl_trio.testing import MemoryNetwork
 
-from helpers import COORD, events_of, hosts_by_hand, wait_until
+from helpers import COORD, events_of, failed_formation, hosts_by_hand, wait_until
+
+WITHOUT_FORMATION = "the block must not be entered without formation"
 
 
 async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_covered(
@@ -18,14 +20,11 @@ async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_cov
     salt = ft.SessionSalt.generate()
     timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=12.5)
-    started = trio.current_time()
-    with pytest.raises(ft.FormationTimeout) as excinfo:
-        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
-                                       timeline=timeline):
-            pytest.fail("the block must not be entered without formation")
-    assert type(excinfo.value) is ft.FormationTimeout
-    assert trio.current_time() - started == pytest.approx(12.5)
-    text = str(excinfo.value)
+    error, took = await failed_formation(
+        ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
+                            timeline=timeline), ft.FormationTimeout, why=WITHOUT_FORMATION)
+    assert took == pytest.approx(12.5)
+    text = str(error)
     assert "0/4 ranks covered" in text
     assert "12.5s" in text
     assert "hosts joined: none" in text
@@ -38,25 +37,20 @@ async def test_formation_with_no_relay_times_out_at_formation_timeout_with_0_cov
 async def test_formation_with_one_of_two_relays_reports_2_of_4_and_names_the_host(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20)
     async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
         host_a = hosts.runs["host-a"]
-        started = trio.current_time()
-        with pytest.raises(ft.FormationTimeout) as excinfo:
-            async with hosts.coordinator(cfg, timeline=timeline):
-                pytest.fail("the block must not be entered without formation")
-        elapsed = trio.current_time() - started
+        error, elapsed = await failed_formation(hosts.coordinator(cfg),
+                                                ft.FormationTimeout, why=WITHOUT_FORMATION)
         await wait_until(lambda: host_a.all_done, limit=30)
-    assert type(excinfo.value) is ft.FormationTimeout
     assert elapsed == pytest.approx(20)
-    text = str(excinfo.value)
+    text = str(error)
     assert "2/4 ranks covered" in text
     assert "host-a [0, 1]" in text
     assert "host-b" not in text
-    (joined,) = events_of(timeline, RelayJoined)
+    (joined,) = events_of(hosts.timeline, RelayJoined)
     assert joined.host == "host-a" and joined.ranks == (0, 1)
-    (failed,) = events_of(timeline, FormationFailed)
+    (failed,) = events_of(hosts.timeline, FormationFailed)
     assert failed.covered == 2
     assert "2/4 ranks covered" in failed.reason
     # The joined relay's connection was closed by the coordinator; its ranks were told to stop.
@@ -91,32 +85,28 @@ async def test_formation_deadline_counts_from_the_start_not_from_the_last_join(
 async def test_abort_during_formation_raises_formation_aborted_with_coverage(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    timeline = ft.Timeline()
     abort = trio.Event()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
     async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
         host_a = hosts.runs["host-a"]
 
         async def abort_later() -> None:
-            await wait_until(lambda: bool(events_of(timeline, RelayJoined)))
+            await wait_until(lambda: bool(events_of(hosts.timeline, RelayJoined)))
             await trio.sleep(3)
             abort.set()
 
         hosts.nursery.start_soon(abort_later)
-        started = trio.current_time()
-        with pytest.raises(ft.FormationAborted) as excinfo:
-            async with hosts.coordinator(cfg, abort=abort, timeline=timeline):
-                pytest.fail("the block must not be entered after abort")
-        elapsed = trio.current_time() - started
+        error, elapsed = await failed_formation(
+            hosts.coordinator(cfg, abort=abort), ft.FormationAborted,
+            why="the block must not be entered after abort")
         await wait_until(lambda: host_a.all_done, limit=30)
-    assert type(excinfo.value) is ft.FormationAborted
-    assert isinstance(excinfo.value, ft.FormationError)
+    assert isinstance(error, ft.FormationError)
     assert elapsed < 60
-    text = str(excinfo.value)
+    text = str(error)
     assert "aborted" in text
     assert "2/4 ranks covered" in text
     assert "host-a [0, 1]" in text
-    (failed,) = events_of(timeline, FormationFailed)
+    (failed,) = events_of(hosts.timeline, FormationFailed)
     assert failed.covered == 2
 
 

@@ -19,7 +19,15 @@ from flodl_trio.events import (
 )
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 
-from helpers import COORD, Recorder, events_of, live_task_names, start_host, wait_until
+from helpers import (
+    COORD,
+    Recorder,
+    events_of,
+    failed_formation,
+    live_task_names,
+    start_host,
+    wait_until,
+)
 from helpers.raw import drain_and_close, raw_relay_handshake
 
 SERVE = "flodl_trio.coordinator.formation.Formation.serve_connection"
@@ -209,7 +217,6 @@ async def test_strict_formation_makes_a_pre_auth_reject_fatal(
     cfg = ft.CoordinatorConfig(world_size=2, formation_timeout=60, strict_formation=True)
     listener = memory_network.listener(COORD)
     timeline = ft.Timeline()
-    started = trio.current_time()
     async with trio.open_nursery() as nursery:
 
         async def scanner() -> None:
@@ -219,13 +226,12 @@ async def test_strict_formation_makes_a_pre_auth_reject_fatal(
             await stream.aclose()
 
         nursery.start_soon(scanner)
-        with pytest.raises(ft.FormationError) as excinfo:
-            async with ft.open_coordinator(listener, salt=ft.SessionSalt.generate(), config=cfg,
-                                           timeline=timeline):
-                pytest.fail("strict formation must fail on the first reject")
-    assert type(excinfo.value) is ft.FormationError
-    assert trio.current_time() - started == pytest.approx(0)
-    text = str(excinfo.value)
+        error, took = await failed_formation(
+            ft.open_coordinator(listener, salt=ft.SessionSalt.generate(), config=cfg,
+                                timeline=timeline), ft.FormationError,
+            why="strict formation must fail on the first reject")
+    assert took == pytest.approx(0)
+    text = str(error)
     assert "strict formation" in text
     assert "bad magic" in text
     assert "0/2 ranks covered" in text
@@ -279,7 +285,6 @@ async def form_with_raw_relays(
     cfg = ft.CoordinatorConfig(world_size=world, formation_timeout=60)
     listener = net.listener(COORD)
     acked: list[bool] = []
-    started = trio.current_time()
     async with trio.open_nursery() as nursery:
 
         async def raw_relays() -> None:
@@ -291,14 +296,12 @@ async def form_with_raw_relays(
                 nursery.start_soon(drain_and_close, raw.stream)
 
         nursery.start_soon(raw_relays)
-        with pytest.raises(ft.FormationError) as excinfo:
-            async with ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline):
-                pytest.fail("a contradicting Hello must fail formation")
-    assert type(excinfo.value) is ft.FormationError
-    # "At once": no deadline was waited for.
-    assert trio.current_time() - started == pytest.approx(0)
+        error, took = await failed_formation(
+            ft.open_coordinator(listener, salt=salt, config=cfg, timeline=timeline),
+            ft.FormationError, why="a contradicting Hello must fail formation")
+    assert took == pytest.approx(0)  # "at once": no deadline was waited for
     assert len(events_of(timeline, FormationFailed)) == 1
-    return excinfo.value, acked, timeline
+    return error, acked, timeline
 
 
 async def test_rank_already_announced_by_another_relay_fails_formation_at_once(

@@ -16,9 +16,10 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import pytest
 import trio
 
 import flodl_trio as ft
@@ -35,6 +36,8 @@ from flodl_trio.testing import (
 )
 
 from helpers.raw import COORD as COORD, RawRank
+
+E = TypeVar("E", bound=BaseException)
 
 # ---------------------------------------------------------------------------------------------
 # Ranks that record what they receive: the rank_main of open_local_cluster, or start_host's.
@@ -282,7 +285,8 @@ def start_rank(nursery: trio.Nursery, net: MemoryNetwork, run: RankRun, *,
 @attrs.define(eq=False)
 class Hosts:
     """Relays and recording ranks started by hand (:func:`start_host`), with one salt, for a
-    coordinator the test opens on ``listener`` (:data:`COORD`) with :meth:`coordinator`."""
+    coordinator the test opens on ``listener`` (:data:`COORD`) with :meth:`coordinator`; its
+    events go to ``timeline``."""
 
     net: MemoryNetwork
     nursery: trio.Nursery
@@ -290,6 +294,7 @@ class Hosts:
     world: int
     listener: trio.abc.Listener[Any]
     runs: dict[str, HostRun] = attrs.Factory(dict)
+    timeline: ft.Timeline = attrs.Factory(ft.Timeline)
 
     async def start(self, host: str, ranks: Sequence[int], **kw: Any) -> HostRun:
         """One more relay and its ranks (``kw``: :func:`start_host`'s)."""
@@ -299,11 +304,11 @@ class Hosts:
 
     def coordinator(self, config: ft.CoordinatorConfig | None = None,
                     **kw: Any) -> AbstractAsyncContextManager[ft.Coordinator]:
-        """``open_coordinator`` on the listener with this salt (a plain config of this world
-        unless told; ``kw``: its other arguments)."""
+        """``open_coordinator`` on the listener with this salt, recording to ``timeline`` (a
+        plain config of this world unless told; ``kw``: its other arguments)."""
         return ft.open_coordinator(self.listener, salt=self.salt,
                                    config=config or ft.CoordinatorConfig(world_size=self.world),
-                                   **kw)
+                                   **{"timeline": self.timeline, **kw})
 
     @property
     def all_done(self) -> bool:
@@ -327,6 +332,18 @@ async def hosts_by_hand(
             nursery.cancel_scope.cancel()
     finally:
         await listener.aclose()
+
+
+async def failed_formation(opening: AbstractAsyncContextManager[Any], kind: type[E], *,
+                           why: str) -> tuple[E, float]:
+    """The error of exactly the type ``kind`` that ``opening`` (an ``open_coordinator``) fails
+    its formation with, and the seconds that took; ``why`` the block cannot be entered."""
+    started = trio.current_time()
+    with pytest.raises(kind) as excinfo:
+        async with opening:
+            pytest.fail(why)
+    assert type(excinfo.value) is kind
+    return excinfo.value, trio.current_time() - started
 
 
 def events_of(timeline: ft.Timeline, kind: type[Any]) -> list[Any]:

@@ -50,17 +50,16 @@ async def test_coordinator_cancelled_while_running_shuts_every_relay_down_cleanl
 ) -> None:
     layout = {f"host-{h}": [2 * h, 2 * h + 1] for h in range(12)}
     seen: list[str] = []
-    timeline = ft.Timeline()
     async with hosts_by_hand(memory_network, 24, layout) as hosts:
         async with outside_cancel(seen) as scope:
-            async with hosts.coordinator(timeline=timeline):
+            async with hosts.coordinator():
                 # Heartbeats are flowing by then.
                 hosts.nursery.start_soon(cancel_after, scope, 2.5)
                 await trio.sleep_forever()
         await wait_until(lambda: hosts.all_done)
     assert seen == ["Cancelled"]
     assert list(hosts.runs) == list(layout)
-    assert_relays_shut_down_cleanly(list(hosts.runs.values()), timeline)
+    assert_relays_shut_down_cleanly(list(hosts.runs.values()), hosts.timeline)
     memory_network.assert_all_closed()
 
 

@@ -153,11 +153,10 @@ async def test_coordinator_cancelled_while_running_any_way_shuts_every_relay_dow
     how: str, autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     seen: list[str] = []
-    timeline = ft.Timeline()
     async with hosts_by_hand(memory_network, 8, HOSTS) as hosts:
         with trio.CancelScope() as scope:
             with what_left(seen):
-                async with hosts.coordinator(timeline=timeline) as coord:
+                async with hosts.coordinator() as coord:
                     if how == "callers-deadline":
                         scope.deadline = trio.current_time() + 2.5
                         await trio.sleep_forever()
@@ -168,7 +167,7 @@ async def test_coordinator_cancelled_while_running_any_way_shuts_every_relay_dow
         assert scope.cancelled_caught
         await wait_until(lambda: hosts.all_done)
     assert seen == ["Cancelled"]
-    assert_relays_shut_down_cleanly(list(hosts.runs.values()), timeline)
+    assert_relays_shut_down_cleanly(list(hosts.runs.values()), hosts.timeline)
     memory_network.assert_all_closed()
 
 

@@ -72,7 +72,6 @@ async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
     cfg = ft.CoordinatorConfig(world_size=3, shutdown_grace=4)
-    timeline = ft.Timeline()
     async with hosts_by_hand(memory_network, 3, {"host-a": [0, 1]}) as hosts:
         host_a = hosts.runs["host-a"]
         stuck: list[RawRelay] = []
@@ -83,13 +82,13 @@ async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
             stuck.append(raw)  # it neither reads nor closes from here on
 
         hosts.nursery.start_soon(relay_that_stops_reading)
-        async with hosts.coordinator(cfg, timeline=timeline) as coord:
+        async with hosts.coordinator(cfg) as coord:
             await wait_until(lambda: bool(stuck))
             left_at = trio.current_time()
         shutdown_took = trio.current_time() - left_at
         assert shutdown_took == pytest.approx(4, abs=0.01)
         assert coord.phase == "closed"
-        assert len(events_of(timeline, ShutdownComplete)) == 1
+        assert len(events_of(hosts.timeline, ShutdownComplete)) == 1
         # The coordinator closed the connection of the relay that never did.
         raw = stuck[0]
         with trio.fail_after(1):
@@ -106,7 +105,6 @@ async def test_shutdown_is_bounded_by_shutdown_grace_when_a_relay_never_closes(
 async def test_outside_cancel_during_formation_propagates_and_closes_every_stream(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
 ) -> None:
-    timeline = ft.Timeline()
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
     async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
         host_a = hosts.runs["host-a"]
@@ -114,13 +112,13 @@ async def test_outside_cancel_during_formation_propagates_and_closes_every_strea
         half_open = await memory_network.connect(COORD)
         await half_open.send_all(b"\xe2\x17")
         with trio.move_on_after(5) as scope:
-            async with hosts.coordinator(cfg, timeline=timeline):
+            async with hosts.coordinator(cfg):
                 pytest.fail("formation cannot complete: host-b never comes")
         assert scope.cancelled_caught
         assert trio.current_time() == pytest.approx(5)
-        assert len(events_of(timeline, RelayJoined)) == 1
-        assert not events_of(timeline, FormationFailed)  # a cancel is not a formation failure
-        assert len(events_of(timeline, ShutdownComplete)) == 1
+        assert len(events_of(hosts.timeline, RelayJoined)) == 1
+        assert not events_of(hosts.timeline, FormationFailed)  # a cancel is not a formation failure
+        assert len(events_of(hosts.timeline, ShutdownComplete)) == 1
         assert await half_open.receive_some(100) == b""
         await half_open.aclose()
         await wait_until(lambda: host_a.all_done)
