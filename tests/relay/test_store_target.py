@@ -59,12 +59,16 @@ async def test_a_join_through_a_store_without_a_leader_says_what_it_waits_for_un
         await wait_until(lambda: host.all_done, limit=30)
 
 
-async def test_a_published_host_that_does_not_resolve_is_not_retried() -> None:
+def skip_unless_the_resolver_refuses_invalid_names() -> None:
     try:
         socket.getaddrinfo("coordinator.invalid", None)
     except socket.gaierror as exc:
         if exc.errno == socket.EAI_AGAIN:
             pytest.skip("this machine's resolver does not refuse coordinator.invalid at once")
+
+
+async def test_a_published_host_that_does_not_resolve_is_not_retried() -> None:
+    skip_unless_the_resolver_refuses_invalid_names()
     store = MemoryStore(name="run1")
     await store.acquire(owner="test")
     await store.publish_address([("coordinator.invalid", 7000)])
@@ -82,11 +86,7 @@ async def test_a_published_host_that_does_not_resolve_is_not_retried() -> None:
 async def test_riding_a_loss_out_a_name_that_does_not_resolve_is_retried() -> None:
     # A relay re-dialing the coordinator it had reached (Resume) keeps trying for its grace:
     # a new leader's DNS record may be catching up.
-    try:
-        socket.getaddrinfo("coordinator.invalid", None)
-    except socket.gaierror as exc:
-        if exc.errno == socket.EAI_AGAIN:
-            pytest.skip("this machine's resolver does not refuse coordinator.invalid at once")
+    skip_unless_the_resolver_refuses_invalid_names()
     with pytest.raises(ft.HandshakeError, match=r"got none after [2-9] attempt\(s\); last error: "
                        r"gaierror"):
         await dial(("coordinator.invalid", 7000), connect_timeout=1.2, what="relay 'h'",
