@@ -29,7 +29,6 @@ from flodl_trio.events import (
     RelayLost,
 )
 from flodl_trio.scheduler import SyncScheduler
-from flodl_trio.testing import EventLog
 
 from helpers import wait_until
 from helpers.scripts import relay_processes
@@ -46,12 +45,10 @@ async def _run_with_a_restart(*, kill_after_join: bool) -> None:
     """host-b and host-a run simulated ranks; host-a is SIGKILLed (once its join completed, or
     once epoch 1 started) and started again at once."""
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
-    log = EventLog()
     async with relay_processes(limit=40) as relays:
         b = await relays.start("host-b", [2, 3], extra=SIM)
         first = await relays.start("host-a", [0, 1], extra=SIM)
-        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
-                                       timeline=log) as coord:
+        async with relays.coordinator(cfg) as coord:
             sched = SyncScheduler(coord, total_samples=192, batch_size=4, num_epochs=EPOCHS)
             restarted: list[tuple[float, Any]] = []
 
@@ -61,7 +58,7 @@ async def _run_with_a_restart(*, kill_after_join: bool) -> None:
                 else:
                     await wait_until(lambda: any(
                         ev.what == "epoch_started" and ev.fields["epoch"] == 1
-                        for ev in log.events_of(Note)), limit=30)
+                        for ev in relays.log.events_of(Note)), limit=30)
                 first.proc.kill()
                 await first.proc.wait()
                 child = await relays.start("host-a", [0, 1], extra=SIM)
@@ -79,7 +76,7 @@ async def _run_with_a_restart(*, kill_after_join: bool) -> None:
     assert summary.epochs_completed == EPOCHS
     assert all(c.exact for c in sched.coverage), sched.coverage
     assert summary.deaths == {}
-    rejoined = log.of(RankRejoined)
+    rejoined = relays.log.of(RankRejoined)
     assert [ev for _, ev in rejoined] == [RankRejoined(rank=0, host="host-a"),
                                           RankRejoined(rank=1, host="host-a")]
     assert all(t - restart_at < 3 for t, _ in rejoined), (restart_at, rejoined)
@@ -99,15 +96,13 @@ async def test_relay_sigkilled_right_after_its_join_and_restarted_rejoins() -> N
 
 async def test_relay_process_claiming_a_live_rank_is_refused_at_once_with_the_reason() -> None:
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
-    log = EventLog()
     async with relay_processes(limit=20) as relays:
         await relays.start_two_hosts()
-        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
-                                       timeline=log) as coord:
+        async with relays.coordinator(cfg) as coord:
             intruder = await relays.start("host-x", [1])
             started = trio.current_time()
-            await wait_until(lambda: log.events_of(HandshakeRejected), limit=10)
-            (at, rejected), = log.of(HandshakeRejected)
+            await wait_until(lambda: relays.log.events_of(HandshakeRejected), limit=10)
+            (at, rejected), = relays.log.of(HandshakeRejected)
             assert at - started < 3  # a process start, then one round trip
             assert rejected.reason.startswith("rejoin refused: ")
             assert "relay 'host-x'" in rejected.reason
@@ -124,7 +119,6 @@ async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_jo
     # host-b starts (at the same time: formation waits for host-a's ranks either way). The
     # cohort forms with every rank alive: no failure, no death, no refusal.
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=30)
-    log = EventLog()
     async with relay_processes(limit=30) as relays:
 
         async def hosts() -> None:
@@ -132,20 +126,19 @@ async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_jo
             await first.wait_lines(_connected)
             first.proc.kill()
             await first.proc.wait()
-            await wait_until(lambda: log.events_of(RelayLost), limit=5)
+            await wait_until(lambda: relays.log.events_of(RelayLost), limit=5)
             async with trio.open_nursery() as both:
                 both.start_soon(relays.start, "host-a", [0, 1])
                 both.start_soon(relays.start, "host-b", [2, 3])
 
         relays.nursery.start_soon(hosts)
-        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
-                                       timeline=log) as coord:
+        async with relays.coordinator(cfg) as coord:
             assert coord.live_ranks == {0, 1, 2, 3}
             assert coord.dead_ranks == frozenset()
-            joined = [ev.host for ev in log.events_of(RelayJoined)]
+            joined = [ev.host for ev in relays.log.events_of(RelayJoined)]
             assert joined[0] == "host-a" and sorted(joined[1:]) == ["host-a", "host-b"]
-            assert log.events_of(HandshakeRejected) == []
-            assert log.events_of(RankDeclaredDead) == []
+            assert relays.log.events_of(HandshakeRejected) == []
+            assert relays.log.events_of(RankDeclaredDead) == []
         first, *rest = relays.children
         (again,) = [child for child in rest if child.host == "host-a"]
         (b,) = [child for child in rest if child.host == "host-b"]
@@ -160,28 +153,26 @@ async def test_relay_sigkilled_after_its_ready_during_formation_and_restarted_jo
 
 async def test_frozen_relay_process_is_superseded_by_its_restart_and_exits_once_resumed() -> None:
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=20, heartbeat_timeout=60)
-    log = EventLog()
     async with relay_processes(limit=30) as relays:
         a, frozen = await relays.start_two_hosts()
-        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
-                                       timeline=log) as coord:
+        async with relays.coordinator(cfg) as coord:
             frozen.proc.send_signal(signal.SIGSTOP)
             restarted_at = trio.current_time()
             again = await relays.start("host-b", [2, 3])
-            await wait_until(lambda: len(log.events_of(RankRejoined)) == 2, limit=10)
-            rejoined = log.of(RankRejoined)
+            await wait_until(lambda: len(relays.log.events_of(RankRejoined)) == 2, limit=10)
+            rejoined = relays.log.of(RankRejoined)
             assert [ev for _, ev in rejoined] == [RankRejoined(rank=2, host="host-b"),
                                                   RankRejoined(rank=3, host="host-b")]
             assert all(t - restarted_at < 3 for t, _ in rejoined), (restarted_at, rejoined)
-            lost = log.events_of(RelayLost)
+            lost = relays.log.events_of(RelayLost)
             assert len(lost) == 1 and lost[0].reason.startswith(
                 "superseded: host 'host-b' re-joined from 127.0.0.1:"), lost
             frozen.proc.send_signal(signal.SIGCONT)
             await relays.wait_exits(frozen)  # its connection was closed: it ends
             await trio.sleep(0.5)  # room for any disturbance to show
             assert coord.live_ranks == {0, 1, 2, 3}
-            assert len(log.events_of(RelayLost)) == 1, log.events_of(RelayLost)
-            assert log.events_of(ClusterFailed) == []
+            assert len(relays.log.events_of(RelayLost)) == 1, relays.log.events_of(RelayLost)
+            assert relays.log.events_of(ClusterFailed) == []
             assert again.proc.returncode is None  # the restarted host carries on
         await relays.wait_exits(a, again)
     assert a.proc.returncode == 0, a.lines

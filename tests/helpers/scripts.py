@@ -6,7 +6,7 @@ import functools
 import importlib.util
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +15,7 @@ import attrs
 import trio
 
 import flodl_trio as ft
+from flodl_trio.testing import EventLog
 
 SCRIPTS = Path(__file__).resolve().parent.parent.parent / "scripts"
 TWO_HOSTS = (("host-a", [0, 1]), ("host-b", [2, 3]))
@@ -62,14 +63,19 @@ async def start_relay_processes(
 
 @attrs.define(eq=False)
 class RelayProcesses:
-    """A coordinator's port bound on loopback (``bound``: the test opens the coordinator on it)
-    and the relay processes that dial it, each ``scripts/_relay_proc.py`` (a relay and its
-    simulated ranks)."""
+    """A coordinator's port bound on loopback (``bound``: the test opens the coordinator on it,
+    :meth:`coordinator`) and the relay processes that dial it, each ``scripts/_relay_proc.py``
+    (a relay and its simulated ranks)."""
 
     nursery: trio.Nursery
     bound: Any
     salt: ft.SessionSalt
     children: list[Any]
+    log: EventLog = attrs.Factory(EventLog)
+
+    def coordinator(self, config: ft.CoordinatorConfig) -> AbstractAsyncContextManager[Any]:
+        """``open_coordinator`` on the bound port with this salt, recording to ``log``."""
+        return ft.open_coordinator(self.bound, salt=self.salt, config=config, timeline=self.log)
 
     async def start(self, host: str, ranks: list[int], *, world_size: int = 4,
                     extra: Sequence[str] = ()) -> Any:

@@ -12,7 +12,6 @@ import trio
 import flodl_trio as ft
 from flodl_trio.events import RankDeclaredDead, RelayLost
 
-from helpers import EventLog
 from helpers.scripts import load_script, relay_processes
 
 arrival_time = load_script("_relay_proc").arrival_time
@@ -20,11 +19,9 @@ arrival_time = load_script("_relay_proc").arrival_time
 
 async def test_sigkilled_relay_process_ranks_are_declared_dead_at_once_and_survivors_told() -> None:
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=8, heartbeat_timeout=30)
-    timeline = EventLog()
     async with relay_processes(limit=9) as relays:
         victim, survivor = await relays.start_two_hosts()
-        async with ft.open_coordinator(relays.bound, salt=relays.salt, config=cfg,
-                                       timeline=timeline) as coord:
+        async with relays.coordinator(cfg) as coord:
             for child in relays.children:
                 await child.wait_lines(lambda s: s.startswith("relay ") and " connected " in s)
             killed_at, killed_wall = trio.current_time(), time.time()
@@ -33,11 +30,11 @@ async def test_sigkilled_relay_process_ranks_are_declared_dead_at_once_and_survi
             with trio.fail_after(1):
                 while coord.dead_ranks != {0, 1}:  # noqa: ASYNC110 - measuring latency
                     await trio.sleep(0.001)
-            deaths = timeline.of(RankDeclaredDead)
+            deaths = relays.log.of(RankDeclaredDead)
             assert sorted(ev.rank for _, ev in deaths) == [0, 1]
             assert all(t - killed_at < 1.0 for t, _ in deaths)
             assert all("'host-a'" in ev.reason for _, ev in deaths)
-            assert [ev.host for ev in timeline.events(RelayLost)] == ["host-a"]
+            assert [ev.host for ev in relays.log.events(RelayLost)] == ["host-a"]
             assert coord.live_ranks == {2, 3}
 
             with trio.fail_after(2):
