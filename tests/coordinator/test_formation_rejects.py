@@ -29,6 +29,7 @@ from helpers import (
     wait_until,
 )
 from helpers.raw import drain_and_close, raw_relay_handshake
+from helpers.streams import Relayed
 
 SERVE = "flodl_trio.coordinator.formation.Formation.serve_connection"
 
@@ -83,26 +84,10 @@ async def record_relay_handshake(net: MemoryNetwork, salt: ft.SessionSalt) -> by
     """The bytes a real relay sends before HelloAck: control magic, then its sealed Hello."""
     sent: list[bytes] = []
 
-    class Recording(trio.abc.HalfCloseableStream):
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        async def send_all(self, data: Any) -> None:
+    class Recording(Relayed):
+        async def send_all(self, data: bytes | bytearray | memoryview) -> None:
             sent.append(bytes(data))
             await self.inner.send_all(data)
-
-        async def wait_send_all_might_not_block(self) -> None:
-            await self.inner.wait_send_all_might_not_block()
-
-        async def receive_some(self, max_bytes: int | None = None) -> bytes:
-            data: bytes = await self.inner.receive_some(max_bytes)
-            return data
-
-        async def send_eof(self) -> None:
-            await self.inner.send_eof()
-
-        async def aclose(self) -> None:
-            await self.inner.aclose()
 
     async def dial() -> trio.abc.Stream:
         return Recording(await net.connect("recording-coordinator"))

@@ -33,7 +33,8 @@ from flodl_trio.wire import RankDropped, RecordKind, encode
 
 from helpers import COORD, wait_until
 from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake, read_one_record
-from helpers.rejoin import SIGS, RawCohort, Relayed, quiet_config, raw_cohort
+from helpers.rejoin import SIGS, RawCohort, quiet_config, raw_cohort
+from helpers.streams import Relayed
 
 
 @attrs.define(eq=False)

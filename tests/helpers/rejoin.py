@@ -17,6 +17,7 @@ from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
 from helpers.raw import RawRelay, drain_and_close, raw_relay_handshake
+from helpers.streams import Relayed
 
 SIGS = {"model": bytes(range(32))}
 C = TypeVar("C", bound="RawCohort")
@@ -77,29 +78,6 @@ class Run(RawCohort):
         deaths it causes."""
         await raw.stream.aclose()
         await wait_until(lambda: dead <= self.coord.dead_ranks, limit=5)
-
-
-class Relayed(trio.abc.HalfCloseableStream):
-    """A stream that passes everything to ``inner``: the base of the ones that change one
-    thing."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class Recording(Relayed):

@@ -1,10 +1,12 @@
 """Bytes from a stream, bounded: until a condition holds, the stream ends, a number of bytes
-arrived (never more are read) or a time passed."""
+arrived (never more are read) or a time passed; and a stream that passes everything on, for
+the ones that change one thing."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -28,3 +30,26 @@ async def read_exactly(stream: trio.abc.ReceiveStream, count: int, *,
     """``count`` bytes, or fewer if the stream ends (or ``patience`` runs out) first."""
     return await receive_until(stream, lambda data: len(data) >= count, most=count,
                                patience=patience)
+
+
+class Relayed(trio.abc.HalfCloseableStream):
+    """A stream that passes everything to ``inner``: the base of the ones that change one
+    thing."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
