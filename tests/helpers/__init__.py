@@ -1,14 +1,12 @@
 """Shared helpers for the test suite, built from the public API.
 
 Clusters come from :func:`flodl_trio.testing.open_local_cluster`, as for users; these helpers give
-it ranks that record what they receive (:class:`Recorder`). :func:`start_host` starts a relay and
-its ranks alone, for the tests that open the coordinator themselves (formation failures) or play
-it by hand. The package's modules hold the rest: :mod:`helpers.raw` (raw peers that drive the
-library's sans-IO handshakes, then only what the test says), :mod:`helpers.sims` (simulated
-ranks), :mod:`helpers.scripts` (the programs of ``scripts/``), :mod:`helpers.cli_procs` (the
-command line as real processes), :mod:`helpers.store` (the session-store tests' state),
-:mod:`helpers.durable` and :mod:`helpers.durable_peer` (coordinators with a store, and a scripted
-one), :mod:`helpers.frozen` (a coordinator frozen as by ``SIGSTOP``).
+it ranks that record what they receive (:class:`Recorder`, :func:`recorded`). :func:`start_host`
+and :func:`hosts_by_hand` start relays and their ranks alone, for the tests that open the
+coordinator themselves (formation failures) or play it by hand. The package's other modules hold
+the rest, one subject each (tests/README.md lists them): raw peers, the wire's machines driven by
+hand, bounded reads, the lifecycle's cancel scopes, simulated ranks, the programs of
+``scripts/``, the command line as processes, session stores and their coordinators.
 """
 
 from __future__ import annotations
