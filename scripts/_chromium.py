@@ -1,5 +1,5 @@
 """A headless Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``):
-no WebDriver, no Playwright, no port. Used by tests/test_status_page.py and
+no WebDriver, no Playwright, no port. Used by tests/status/test_page.py and
 scripts/board_screenshot.py.
 
     async with open_chromium("http://127.0.0.1:PORT/") as page:

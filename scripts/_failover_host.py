@@ -32,15 +32,12 @@ import time
 from typing import Any, TextIO
 
 import trio
+from _relay_proc import parse_ranks
 
 import flodl_trio as ft
 from flodl_trio import wire
 from flodl_trio.sim import SimulatedRank
 from flodl_trio.store import EtcdStore, open_store
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-
-from _relay_proc import parse_ranks
 
 
 def value_of(msg: Any) -> str:

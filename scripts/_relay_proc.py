@@ -1,5 +1,5 @@
 """One host in one process: a relay and its ranks in one Trio run (used by the failover bench
-and by tests/test_relay_kill_process.py, which SIGKILL or SIGSTOP it).
+and by tests/relay/test_killed_relay_process.py, which SIGKILL or SIGSTOP it).
 
     python scripts/_relay_proc.py --coordinator 127.0.0.1:PORT --salt-hex HEX --host host-a \\
         --ranks 0,1 --world-size 4

@@ -1,5 +1,5 @@
 """The stall family of ``chaos_sweep.py`` (issue 13): the real-process scenarios of
-``tests/chaos/_stalls.py`` (a relay or a rank frozen with SIGSTOP while its sockets stay open; a
+``_chaos/stalls.py`` (a relay or a rank frozen with SIGSTOP while its sockets stay open; a
 relay frozen past ``heartbeat_timeout`` and resumed), each run several times, judged as the tests
 judge them, and counted."""
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 import attrs
 import trio
-from _stalls import SCENARIOS, StallResult
+from _chaos.stalls import SCENARIOS, StallResult
 
 
 def problems(r: StallResult) -> list[str]:

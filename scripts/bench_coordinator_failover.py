@@ -67,20 +67,19 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import _report as rep  # noqa: E402
-from _etcd import EtcdCluster, EtcdServer, etcd_binary, free_port  # noqa: E402
-from _failover_coord import DEPOSED_MARK  # noqa: E402
-from _failover_etcd import (  # noqa: E402
+import _report as rep
+from _etcd import EtcdCluster, EtcdServer, etcd_binary, free_port
+from _failover_coord import DEPOSED_MARK
+from _failover_etcd import (
     member_lost,
     secured_etcd,
     tls_refused,
     tls_standby,
 )
 
-import flodl_trio as ft  # noqa: E402
+import flodl_trio as ft
+
+HERE = Path(__file__).resolve().parent
 
 HOSTS = {"host-a": "0,1", "host-b": "2,3"}
 WORLD = 4

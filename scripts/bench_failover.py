@@ -24,20 +24,15 @@ import math
 import os
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+import _report as rep
 import trio
+from _relay_proc import RelayProcess, arrival_time
 
 import flodl_trio as ft
 from flodl_trio.events import Note, RankDeclaredDead
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _report as rep
-from _relay_proc import RelayProcess, arrival_time
 
 RUN_LIMIT = 60.0  # seconds; one run that takes longer than this is a failure, not a hang
 

@@ -30,17 +30,15 @@ import sys
 import time
 from pathlib import Path
 
+import _report as rep
 import trio
+from bench_cluster import run_case
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TORCH_VENV = ROOT / ".venv-torch"
 TORCH_PY = TORCH_VENV / "bin" / "python"
 TORCH_PIN = "torch==2.13.0"
-sys.path.insert(0, str(HERE))
-
-import _report as rep  # noqa: E402
-from bench_cluster import run_case  # noqa: E402
 
 
 def ensure_torch(install: bool) -> bool:

@@ -19,12 +19,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import cbor2
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report as rep
+import cbor2
 
 from flodl_trio import wire
 

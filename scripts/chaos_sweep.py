@@ -1,4 +1,5 @@
-"""Run the fault scenarios of ``tests/chaos`` with more iterations and print a table.
+"""Run the fault scenarios of ``scripts/_chaos`` (those of ``tests/chaos``) with more iterations
+and print a table.
 
     .venv/bin/python scripts/chaos_sweep.py            # every offset x 3 rounds, 20 SIGKILLs
     .venv/bin/python scripts/chaos_sweep.py --quick    # every offset once, 6 SIGKILLs
@@ -28,14 +29,8 @@ from typing import Any
 import attrs
 import trio
 import trio.testing
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "chaos"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _handshake_faults as hs
-import _procs
-import _run_faults as rf
-from _util import EventLog, Outcome, rank_heartbeat_len
+from _chaos import handshake_faults as hs, procs as _procs, run_faults as rf
+from _chaos.util import EventLog, Outcome, rank_heartbeat_len
 
 import flodl_trio as ft
 from flodl_trio import wire
@@ -196,7 +191,7 @@ def process_rows(kills: int, seed: int, *, netns: bool) -> list[Row]:
         row.add(out, not _procs.explained(out, plan))
     rows = [row]
     if netns:
-        import _netns
+        from _chaos import netns as _netns
 
         reason = _netns.unavailable()
         netns_row = Row("relay in a 2nd network namespace", "real")

@@ -353,3 +353,72 @@ def test_the_field_rule_tells_a_record_of_the_module_from_another_components_sta
         (19, "self._other.since", "since"),
         (24, "item.other", "other"),
     ]
+
+
+# ------------------------------------------------------------------------- the tests' own shape
+
+TESTS = Path(__file__).parent
+# Test files that stay at the top of tests/: they are about the package as a whole.
+TOP_LEVEL_TESTS = {"test_structure.py"}
+
+
+def packages_without_tests(tests: Path, packages: set[str]) -> list[str]:
+    return sorted(name for name in packages if not list((tests / name).glob("test_*.py")))
+
+
+def loose_test_files(tests: Path) -> list[str]:
+    return sorted(p.name for p in tests.glob("test_*.py") if p.name not in TOP_LEVEL_TESTS)
+
+
+def imports_of_test_modules(tree: ast.Module) -> list[str]:
+    """The test modules (``test_*``) that ``tree`` imports, as written."""
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    names += [("." * node.level) + (node.module or "") for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom)]
+    return [n for n in names if any(part.startswith("test_") for part in n.split("."))]
+
+
+def same_named_test_files(tests: Path) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    return {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_tests_have_a_folder_per_package_and_no_loose_test_files() -> None:
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert "relay" in packages and "wire" in packages
+    assert packages_without_tests(TESTS, packages) == []
+    assert loose_test_files(TESTS) == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared set-ups live in tests/helpers/ or in a folder's conftest.py fixtures."""
+    found = {
+        str(path.relative_to(TESTS)): imports
+        for path in sorted(TESTS.rglob("*.py"))
+        if (imports := imports_of_test_modules(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert found == {}
+
+
+def test_test_file_names_are_unique_across_the_folders() -> None:
+    """The folders have no ``__init__.py`` (pytest imports each test file by its base name), so
+    of two files of one name in two folders, the second would fail to import."""
+    assert same_named_test_files(TESTS) == {}
+
+
+def test_the_tests_shape_checks_see_what_they_forbid(tmp_path: Path) -> None:
+    (tmp_path / "wire").mkdir()
+    (tmp_path / "relay").mkdir()
+    for name in ("test_structure.py", "test_loose.py", "wire/test_frames.py",
+                 "relay/test_frames.py"):
+        (tmp_path / name).write_text("")
+    assert packages_without_tests(tmp_path, {"wire", "relay", "store"}) == ["store"]
+    assert loose_test_files(tmp_path) == ["test_loose.py"]
+    assert same_named_test_files(tmp_path) == {
+        "test_frames.py": ["relay/test_frames.py", "wire/test_frames.py"]}
+    tree = ast.parse("import test_board\nfrom test_http import get\nfrom .test_x import y\n"
+                     "from helpers.http import get\nimport trio\n")
+    assert imports_of_test_modules(tree) == ["test_board", "test_http", ".test_x"]

@@ -152,7 +152,7 @@ class Mac64:
     HMAC-SHA256 (RFC 2104) from two precomputed SHA-256 states, the key XOR ipad and the key XOR
     opad, as the standard library's own fallback builds it: copying two plain hash states costs
     less than copying OpenSSL's HMAC context, and the tag is on the hot path of every frame and
-    record. ``tests/test_wire_records.py`` checks it against ``hmac.digest`` for keys of every
+    record. ``tests/wire/test_records.py`` checks it against ``hmac.digest`` for keys of every
     length class (empty, short, one block, longer than a block).
     """
 

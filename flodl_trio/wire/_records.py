@@ -290,7 +290,7 @@ def encode_fanout(ranks: Iterable[int], frame: bytes | bytearray | memoryview) -
     if type(frame) is bytes and isinstance(ranks, list | tuple) and ranks:
         # The broadcast hot path (one payload per relay per broadcast): ranks that are already
         # strictly ascending u32s are written straight into the CBOR cbor2 would produce
-        # (tests/test_wire_fast_paths.py checks the bytes are the same), about 3x cheaper.
+        # (tests/wire/test_fast_paths.py checks the bytes are the same), about 3x cheaper.
         prev = -1
         for r in ranks:
             if type(r) is not int or r <= prev:

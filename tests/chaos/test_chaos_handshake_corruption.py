@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from _handshake_faults import (
+from _chaos.handshake_faults import (
     UPSTREAM,
     corrupt_decision_wait,
     corrupt_hello_categories,

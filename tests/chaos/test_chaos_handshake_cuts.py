@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import trio
-from _handshake_faults import UPSTREAM, rank_cut, upstream_cut
-from _streams import RecordingStream
-from _util import COORD, rank_heartbeat_len, run_host, wait_until
+from _chaos.handshake_faults import UPSTREAM, rank_cut, upstream_cut
+from _chaos.streams import RecordingStream
+from _chaos.util import COORD, rank_heartbeat_len, run_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio import wire

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from _run_faults import (
+from _chaos.run_faults import (
     FAULTS,
     HEARTBEAT_TIMEOUT,
     SURVIVOR_RANKS,

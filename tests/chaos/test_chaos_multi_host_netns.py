@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _netns import (
+from _chaos.netns import (
     NetnsPair,
     leftover,
     multi_host_run,

@@ -5,7 +5,7 @@ formation or a clean, explained FlodlError within the deadlines (SPEC §4.2, §4
 from __future__ import annotations
 
 import pytest
-from _procs import explained, kill_plans, kill_scenarios
+from _chaos.procs import explained, kill_plans, kill_scenarios
 
 import flodl_trio as ft
 

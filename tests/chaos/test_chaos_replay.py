@@ -5,7 +5,7 @@ live connection ends that connection as an authentication failure."""
 from __future__ import annotations
 
 import trio
-from _run_faults import VICTIM_RANKS, duplicated_record, replayed_session
+from _chaos.run_faults import VICTIM_RANKS, duplicated_record, replayed_session
 
 import flodl_trio as ft
 from flodl_trio import wire

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import trio
-from _handshake_faults import UPSTREAM, silent_dialer, slow_upstream
-from _util import first
+from _chaos.handshake_faults import UPSTREAM, silent_dialer, slow_upstream
+from _chaos.util import first
 
 from flodl_trio.chaos import FaultPlan
 from flodl_trio.events import FormationComplete, HandshakeRejected, RelayJoined

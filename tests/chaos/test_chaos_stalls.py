@@ -6,7 +6,7 @@ in ``_stalls.py`` (the chaos sweep's ``stall`` family runs them too)."""
 from __future__ import annotations
 
 import pytest
-from _stalls import (
+from _chaos.stalls import (
     rank_stops_reading,
     relay_paused_past_heartbeat_timeout,
     relay_stops_reading,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 import trio
-from _util import EventLog, category, first, run_host, wait_until
+from _chaos.util import EventLog, category, first, run_host, wait_until
 
 import flodl_trio as ft
 from flodl_trio import wire

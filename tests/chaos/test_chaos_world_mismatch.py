@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from _handshake_faults import world_mismatch
+from _chaos.handshake_faults import world_mismatch
 
 import flodl_trio as ft
 from flodl_trio.events import FormationFailed

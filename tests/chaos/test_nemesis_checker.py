@@ -1,0 +1,204 @@
+"""The nemesis's checker (scripts/_nemesis_checker.py) over synthetic histories: a clean run
+passes, and each rule catches the violation it is for, printed with the slice of history that
+shows it. No process runs here: the nemesis itself (scripts/nemesis.py) is not in the suite."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from helpers.scripts import SCRIPTS
+
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import _nemesis_checker as checker
+
+T0 = 1_800_000_000.0
+TIMINGS = {"heartbeat_timeout": 6.0, "resume_timeout": 10.0, "grace": 20.0, "lease_ttl": 2.0,
+           "handshake": 2.0, "coord_liveness": 6.0, "scale": 0.2}
+
+
+def e(t: float, entry_type: str, /, **fields: Any) -> dict[str, Any]:
+    return {"t": T0 + t, "type": entry_type, **fields}
+
+
+def clean() -> list[dict[str, Any]]:
+    """Two epochs, two hosts of two ranks, generation 1 leads throughout, a clean end."""
+    h = [e(0, "config", timings=TIMINGS), e(0, "layout", epochs=2, ranks_per_host=2, hosts=2),
+         e(1, "elected", by="coord-a#0", pid=100, generation=1, adopted=False)]
+    for host, ranks in (("host-0", (0, 1)), ("host-1", (2, 3))):
+        h.append(e(2, "relay_joined", by="coord-a#0", generation=1, host=host, peer="p"))
+        h.append(e(2.01, "relay_accept", host=host, incarnation=0, generation=1, how="join"))
+        for rank in ranks:
+            h += [e(3, "rank_msg", rank=rank, incarnation=0, label="StartEpoch", value="0"),
+                  e(4, "rank_msg", rank=rank, incarnation=0, label="SyncNow", value="")]
+    for epoch in (0, 1):
+        h.append(e(5 + epoch, "epoch_covered", by="coord-a#0", generation=1, epoch=epoch,
+                   exactly_once=True, samples=160, total=160, gaps=0, overlaps=0))
+    h += [e(8, "run_end", name="coord-a", incarnation=0, failed=None, epochs=2),
+          e(8.5, "run_exit", name="coord-a", code=0),
+          e(9, "proc_exit", name="relay host-0", role="relay", incarnation=0, code=0),
+          e(10, "sample", name="coord-a", pid=100, rss_mb=60.0, fds=30),
+          e(11, "teardown", leftovers=[], tmp_files=[], driver_fds=[6, 6])]
+    return h
+
+
+def violations(history: list[dict[str, Any]]) -> list[Any]:
+    return checker.check(history).violations
+
+
+def only(history: list[dict[str, Any]], rule: str) -> Any:
+    found = violations(history)
+    assert [v.rule for v in found] == [rule], [(v.rule, v.message) for v in found]
+    return found[0]
+
+
+def fault(t: float, end: float, kind: str, index: int = 0,
+          **fields: Any) -> list[dict[str, Any]]:
+    kills = kind in ("relay-kill", "link-cut", "rank-kill", "link-stall-long")
+    return [e(t, "fault", index=index, kind=kind, kills=kills, start=T0 + t, **fields),
+            e(end, "heal", index=index, kind=kind, start=T0 + t, end=T0 + end,
+              target=fields.get("target"), ranks=fields.get("ranks", []))]
+
+
+def test_a_clean_history_passes_with_its_figures() -> None:
+    report = checker.check(clean())
+    assert report.violations == []
+    assert report.exactly_once == 1.0 and report.exit_code == 0 and report.false_deaths == 0
+
+
+def test_an_epoch_never_closed_and_one_counted_twice_are_caught() -> None:
+    history = [x for x in clean() if not (x["type"] == "epoch_covered" and x["epoch"] == 1)]
+    assert "1 epoch(s) never closed by any coordinator: 2" in only(history, "epochs").message
+    history = [{**x, "exactly_once": False, "overlaps": 8} if x["type"] == "epoch_covered"
+               and x["epoch"] == 1 else x for x in clean()]
+    found = only(history, "epochs")
+    assert "epoch 2 closed by coord-a#0 (generation 1) with 0 samples missed and 8 counted " \
+        "twice" in found.message
+    assert checker.check(history).exactly_once == 0.5
+
+
+def test_a_death_with_no_fault_that_kills_is_false_and_printed_with_its_history() -> None:
+    death = e(4.5, "dead", by="coord-a#0", generation=1, rank=2, host="host-1",
+              reason="heartbeat stale (>6s)")
+    found = only([*clean(), death], "false death")
+    assert found.message.startswith("rank 2 (host-1) declared dead by coord-a#0 (generation 1) "
+                                    "with no fault that kills it: heartbeat stale")
+    assert any("dead" in line and "rank=2" in line for line in found.history)
+    # a relay SIGSTOP shorter than heartbeat_timeout does not excuse it
+    stop = fault(3.0, 4.0, "relay-stop", target="host-1", ranks=[2, 3])
+    assert only([*clean(), *stop, death], "false death")
+    # a relay killed on its host does
+    kill = fault(4.0, 6.0, "relay-kill", target="host-1", ranks=[2, 3])
+    assert violations([*clean(), *kill, death]) == []
+
+
+def test_a_restart_excuses_only_the_deaths_after_it() -> None:
+    death = e(4.5, "dead", by="coord-a#0", generation=1, rank=2, host="host-1", reason="x")
+    caused = e(4.6, "restart", target="host-1", cause="rank 2 exit 1")
+    assert only([*clean(), death, caused], "false death")
+    assert violations([*clean(), caused, {**death, "t": T0 + 4.7}]) == []
+
+
+def test_a_death_declared_by_a_superseded_coordinator_is_not_counted() -> None:
+    history = [*clean(), e(6.5, "elected", by="coord-b#0", pid=200, generation=2,
+                           adopted=True),
+               e(7.0, "dead", by="coord-a#0", generation=1, rank=0, host="host-0", reason="x")]
+    report = checker.check(history)
+    assert report.violations == [] and report.deposed_deaths == 1
+
+
+def test_a_relay_going_back_a_generation_is_caught() -> None:
+    history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=2, adopted=True),
+               e(6.1, "relay_accept", host="host-0", incarnation=0, generation=2, how="resume"),
+               e(7.0, "relay_accept", host="host-0", incarnation=1, generation=1, how="join")]
+    found = [v for v in violations(history) if v.rule == "generations"]
+    assert [v.message for v in found] == ["relay host-0 went from generation 2 back to 1"]
+
+
+def test_a_superseded_coordinator_accepting_a_relay_is_caught() -> None:
+    history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=2, adopted=True),
+               e(7.0, "relay_joined", by="coord-a#0", generation=1, host="host-1", peer="p")]
+    found = only(history, "one coordinator")
+    assert found.message == ("coord-a#0 (generation 1) accepted relay host-1 1.00 s after a "
+                             "newer generation was elected")
+
+
+def test_two_coordinators_elected_with_one_generation_are_caught() -> None:
+    history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=1,
+                           adopted=True)]
+    found = only(history, "one coordinator")
+    assert found.message == "coord-b#0 and coord-a#0 were both elected with generation 1"
+
+
+def test_relays_accepting_an_older_generation_after_a_newer_one_is_caught() -> None:
+    history = [*clean(), e(6.0, "elected", by="coord-b#0", pid=200, generation=2, adopted=True),
+               e(6.5, "relay_accept", host="host-0", incarnation=0, generation=2, how="resume"),
+               e(6.8, "relay_accept", host="host-1", incarnation=1, generation=1, how="join")]
+    found = only(history, "one coordinator")
+    assert found.message == ("relay host-1 accepted generation 1 after relay host-0 had "
+                             "accepted generation 2")
+
+
+def test_a_record_of_a_frozen_leader_delivered_after_it_woke_is_caught() -> None:
+    frozen = fault(4.0, 9.0, "coord-stop", target="coord-a", pid=100)
+    standby = e(7.0, "elected", by="coord-b#0", pid=200, generation=2, adopted=True)
+    late = e(9.02, "rank_msg", rank=3, incarnation=0, label="SyncNow", value="")
+    found = only([*clean(), *frozen, standby, late], "deposed records")
+    assert found.message == ("ranks [3] were handed 1 record(s) (SyncNow) of generation 1 "
+                             "from 9.020 s on; generation 1 was superseded at 7.000 s")
+    assert any("SyncNow" in line for line in found.history)
+    # the same record after the relay said it resumed with generation 2 is generation 2's
+    resumed = e(9.01, "rank_msg", rank=3, incarnation=0, label="CoordinatorResumed", value="2")
+    assert violations([*clean(), *frozen, standby, resumed, late]) == []
+
+
+def test_a_step_down_without_a_fault_that_takes_the_lease_is_caught() -> None:
+    down = e(5.5, "stepped_down", by="coord-a#0", generation=1, reason="stepping down: no "
+             "renewal (etcd 127.0.0.1:1: no answer)")
+    member = fault(4.0, 6.0, "etcd-kill", target="flodl-m0")
+    found = only([*clean(), *member, down], "step-down")
+    assert "coord-a#0 (generation 1) stepped down with no fault that takes its lease" in \
+        found.message
+    quorum = fault(4.0, 6.0, "etcd-quorum", target="flodl-m0,flodl-m1")
+    assert violations([*clean(), *quorum, down]) == []
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda h: [x for x in h if x["type"] not in ("run_end", "run_exit")],
+     "the run did not end within the schedule and its tail"),
+    (lambda h: [{**x, "failed": "ClusterFailure: ALL_RANKS_LOST", "epochs": None}
+                if x["type"] == "run_end" else x for x in h],
+     "coord-a ended the run after None/2 epochs: ClusterFailure: ALL_RANKS_LOST"),
+    (lambda h: [{**x, "code": 1} if x["type"] == "run_exit" else x for x in h],
+     "coord-a exited with 1 after it ended the run"),
+])
+def test_a_run_that_does_not_end_with_every_epoch_and_exit_0_is_caught(
+        change: Any, message: str) -> None:
+    found = [v for v in violations(change(clean())) if v.rule == "run end"]
+    assert [v.message for v in found] == [message]
+
+
+def test_after_the_run_a_failed_exit_an_adopted_finished_run_and_leaks_are_caught() -> None:
+    history = [*clean(), e(9.1, "proc_exit", name="rank 3", role="rank", incarnation=0,
+                           code=1),
+               e(9.2, "elected", by="coord-b#0", pid=200, generation=2, adopted=True),
+               e(9.3, "still_running", name="relay host-1", role="relay", pid=300)]
+    history[-4] = {**history[-4], "leftovers": ["4242 (python)"], "tmp_files": ["x.tmp"],
+                   "driver_fds": [6, 7]}  # the teardown
+    messages = [v.message for v in violations(history)]
+    assert messages[0].startswith("rank 3 exited with 1 after the run ended")
+    assert "coord-b#0 was elected (generation 2) after the run ended and adopted the finished " \
+        "session; it declared ranks [] dead" in messages
+    assert any(m.startswith("relay host-1 still ran") for m in messages)
+    assert "processes left in the children's sessions: ['4242 (python)']" in messages
+    assert "temporary files left: ['x.tmp']" in messages
+    assert "the driver holds 1 more file descriptor(s) than before the run" in messages
+
+
+def test_a_coordinator_over_its_rss_or_descriptor_bound_is_caught() -> None:
+    history = [*clean(), e(7, "sample", name="coord-a", pid=100, rss_mb=250.0, fds=30)]
+    assert "coord-a (pid 100): RSS 250 MB" in only(history, "resources").message

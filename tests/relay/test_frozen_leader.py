@@ -1,0 +1,208 @@
+"""A frozen leader must not kill the ranks (issue 34): relays that dial through the session store
+watch the leader it publishes, and move to a standby that took over as soon as it answers a
+``Resume`` with a newer generation -- seconds after the freeze, not after
+``coord_liveness_timeout`` -- and never on a stale read.
+
+The leader is frozen as by ``SIGSTOP`` (tests/helpers/frozen.py: nothing it sends leaves, nothing it
+closes closes, its store lease is not renewed); real coordinators, relays and ranks over the
+in-memory network under MockClock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.events import RankDeclaredDead
+from flodl_trio.relay import StoreDialer
+from flodl_trio.store import MemoryStore
+from flodl_trio.testing import EventLog, MemoryNetwork
+
+from helpers import HostRun, start_host, wait_until
+from helpers.durable_peer import accept_leg
+from helpers.frozen import Freeze, FrozenListener, FrozenStore, publish_once_leading
+
+ROSTER = (("host-a", (0, 1)), ("host-b", (2, 3)))
+LEASE_TTL = 2.0  # an etcd lease at its default TTL: the standby leads this long after the freeze
+
+
+def store_dialer(store: MemoryStore, net: MemoryNetwork) -> StoreDialer:
+    """A relay's view of the store; a published ``(name, n)`` is dialed as ``name``."""
+    async def connect(host: str, port: int) -> trio.abc.Stream:
+        return await net.connect(host)
+    return StoreDialer(store.clone(), connect=connect)
+
+
+def relay_of(host: HostRun) -> ft.Relay:
+    assert host.relay is not None
+    return host.relay
+
+
+def plain_dialer(store: MemoryStore, net: MemoryNetwork) -> Any:
+    """A callable that reads the store on each attempt: the relay cannot watch it."""
+    view = store.clone()
+
+    async def dial() -> trio.abc.Stream:
+        found = await view.resolve_address()
+        if not found:
+            raise ConnectionRefusedError("no leader yet")
+        return await net.connect(found[0][0])
+    return dial
+
+
+@pytest.mark.parametrize("target", ["store", "callable"])
+async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, target: str
+) -> None:
+    # Through the store the relays move seconds after the freeze. Through a callable they
+    # cannot watch, their own silence deadline (20 s, 2/3 of the ranks') moves them, and they
+    # feed their ranks from then on: with it at the ranks' 30 s, every rank died.
+    net = memory_network
+    salt = ft.SessionSalt.generate()
+    store = MemoryStore(name="run1")
+    freeze = Freeze()
+    cfg = ft.CoordinatorConfig(world_size=4, resume_timeout=30)  # heartbeats every second
+    leader: list[Any] = []
+    standby: list[ft.Coordinator] = []
+    standby_log = EventLog()
+    done = trio.Event()
+
+    async def run_leader() -> None:
+        try:
+            async with ft.open_coordinator(
+                    FrozenListener(net.listener("coord-1"), freeze), salt=salt, config=cfg,
+                    store=FrozenStore(store, freeze), timeline=EventLog()) as coord:
+                leader.append(coord)
+                await trio.sleep_forever()
+        except (ft.LeadershipLost, ft.ClusterFailure) as exc:
+            # Its timers ran while it was stopped: once thawed it finds every rank stale
+            # (ClusterFailure) or its leadership gone (LeadershipLost); either way it ends,
+            # and what it says on the way reaches nobody.
+            leader.append(exc)
+
+    async def run_standby(handle: MemoryStore) -> None:
+        async with ft.open_coordinator(net.listener("coord-2"), salt=salt, config=cfg,
+                                       store=handle, timeline=standby_log) as coord:
+            standby.append(coord)
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        try:
+            nursery.start_soon(run_leader)
+            await publish_once_leading(store, ("coord-1", 1))
+            dialer = store_dialer if target == "store" else plain_dialer
+            hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
+                                      target=dialer(store, net)) for host, ranks in ROSTER]
+            await wait_until(lambda: leader, limit=60)
+            handle = store.clone()
+            nursery.start_soon(run_standby, handle)
+            await trio.sleep(5)  # a running cohort, its standby waiting for the leadership
+
+            freeze.freeze()  # SIGSTOP
+            frozen_at = trio.current_time()
+            await trio.sleep(LEASE_TTL)
+            store.expire()  # its lease ran out: the standby leads, adopts and publishes
+            await publish_once_leading(handle, ("coord-2", 2))
+            await wait_until(lambda: all(relay_of(h).reconnects == 1 for h in hosts), limit=60)
+            resumed_after = trio.current_time() - frozen_at
+            if target == "store":  # neither the relays' silence deadline nor the ranks' came in
+                assert resumed_after < LEASE_TTL + 3, resumed_after
+            else:
+                assert 19 <= resumed_after < 25, resumed_after
+            assert all(relay_of(h).generation == 2 for h in hosts)
+            assert [relay_of(h).leader_moves for h in hosts] == [int(target == "store")] * 2
+
+            await trio.sleep(40 - (trio.current_time() - frozen_at))
+            freeze.thaw()  # SIGCONT 40 s after the freeze: it finds itself deposed
+            await freeze.run_closes()
+            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
+            await trio.sleep(5)
+            (coord,) = standby
+            assert coord.generation == 2 and coord.dead_ranks == frozenset()
+            assert coord.live_ranks == frozenset(range(4))
+            done.set()  # the standby's block ends: Shutdown
+            await wait_until(lambda: all(h.all_done for h in hosts), limit=60)
+        finally:  # a failure above must not leave a frozen coordinator to cancel: it would hang
+            freeze.thaw()
+            await freeze.run_closes()
+
+    assert standby_log.of(RankDeclaredDead) == []
+    for host in hosts:
+        assert isinstance(host.exit, ft.RelayExit) and host.exit.clean, host.exit
+        for run in host.ranks.values():
+            assert run.outcome == "ended" and run.lost is None, run.outcome
+            labels = [label for label in run.labels() if label != "CoordHeartbeat"]
+            assert labels[-3:] == ["CoordinatorReconnecting", "CoordinatorResumed", "Shutdown"]
+            assert run.declared_dead() == []  # nothing from the deposed leader reached a rank
+            (told,) = [m for m in run.received if isinstance(m, wire.CoordinatorReconnecting)]
+            assert ("a newer coordinator leads: generation 2 at coord-2:2" if target == "store"
+                    else "coord_liveness_timeout=20s") in told.detail
+
+
+async def test_a_stale_or_unanswered_published_address_never_moves_the_relay(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # The relay's coordinator (scripted, generation 5) stays up and beats. The store then names
+    # another address three times: one nobody listens on, one where a deposed coordinator
+    # (generation 4) answers, and one where a coordinator of generation 6 answers: only that
+    # one takes the relay over.
+    net = memory_network
+    salt = ft.SessionSalt.generate()
+    store = MemoryStore(name="run1")
+    await store.acquire(owner="scripted")
+    await store.publish_address([("coord-1", 1)])
+    first_listener = net.listener("coord-1")
+    async with trio.open_nursery() as nursery:
+        host = await start_host(nursery, net, "host-a", [0, 1], salt=salt, world=2,
+                                target=store_dialer(store, net))
+        first = await accept_leg(first_listener, salt, generation=5)
+        assert first is not None
+        nursery.start_soon(first.beat, [0, 1])
+        await relay_of(host).wait_connected()
+        await trio.sleep(5)
+        await store.publish_address([("coord-1", 1)])  # the same again: nothing to do
+        await trio.sleep(5)
+
+        await store.publish_address([("nobody", 1)])
+        await trio.sleep(10)
+        assert relay_of(host).reconnects == 0 and relay_of(host).reconnecting is None
+
+        deposed = net.listener("deposed")
+        await store.publish_address([("deposed", 1)])
+        stale = await accept_leg(deposed, salt, generation=4)
+        assert stale is not None and stale.received.resumed
+        with trio.fail_after(1):  # the relay failed it at its Generation and closed it
+            while await stale.stream.receive_some(65536):
+                pass
+        await stale.stream.aclose()
+        await trio.sleep(3)  # not probed again at each read
+        assert len([c for c in net.connections if c.name == "deposed"]) == 1
+        assert relay_of(host).reconnects == 0 and relay_of(host).leader_moves == 0
+
+        newer = net.listener("coord-2")
+        await store.publish_address([("coord-2", 1)])
+        moved_from = trio.current_time()
+        leg = await accept_leg(newer, salt, generation=6)
+        assert leg is not None and leg.received.resumed and leg.received.generation == 5
+        nursery.start_soon(leg.beat, [0, 1])
+        await wait_until(lambda: relay_of(host).reconnects == 1)
+        assert trio.current_time() - moved_from < 3
+        assert relay_of(host).generation == 6 and relay_of(host).leader_moves == 1
+        with trio.fail_after(5):  # the relay closed the old connection
+            while await first.stream.receive_some(65536):
+                pass
+        await leg.fanout([0, 1], wire.Shutdown())
+        await leg.send(wire.RecordKind.CONTROL, wire.encode(wire.Goodbye("done")))
+        await wait_until(lambda: host.all_done, limit=30)
+        for listener in (first_listener, deposed, newer):
+            await listener.aclose()
+        await first.stream.aclose()
+        await leg.stream.aclose()
+    for run in host.ranks.values():
+        assert run.outcome == "ended"
+        labels = [label for label in run.labels() if label != "CoordHeartbeat"]
+        assert labels == ["CoordinatorReconnecting", "CoordinatorResumed", "Shutdown"]
