@@ -24,7 +24,7 @@ from ..net._transport import DialTarget, close_all
 from ..store import SessionStore
 from ..timeline import Timeline
 from ..wire import SessionSalt
-from ._args import RankListen, check_model_sigs, check_relay_args, rank_listeners
+from ._args import RankListen, bound_address, check_relay_args, rank_listeners
 from ._leader import LeaderWatch, StoreDialer
 from ._link import RelayExit
 from ._upstream import WRONG_SALT_ATTEMPTS, UpstreamDialer
@@ -59,7 +59,7 @@ class Relay:
             ``reconnect_queue`` (a property).
     """
 
-    def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
+    def __init__(self, *, target: DialTarget | SessionStore, salt: SessionSalt, host: str,
                  ranks: tuple[int, ...], world_size: int, config: RelayConfig,
                  timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
                  server_hostname: str | None, rank_address: tuple[str, int] | None,
@@ -79,6 +79,8 @@ class Relay:
         self._error: FlodlError | None = None
         self._body_scope: trio.CancelScope | None = None
         self._notices = RankNotices(self._local, salt)
+        if isinstance(target, SessionStore):  # the relay reads the leader's address from it
+            target = StoreDialer(target, config=config)
         self._pump: Pump | None = None
         self._dialer = UpstreamDialer(target=target, salt=salt, host=host, ranks=ranks,
                                       world_size=world_size, model_sigs=self.model_sigs,
@@ -174,6 +176,16 @@ class Relay:
         return self._exit
 
     # ------------------------------------------------------------------ lifecycle
+
+    @asynccontextmanager
+    async def running(self, listeners: list[trio.abc.Listener[Any]]) -> AsyncIterator[None]:
+        """Run the relay on ``listeners`` (its rank port) for the block, which is cancelled
+        when the relay fails (``open_relay`` then raises the error)."""
+        async with open_lifecycle(f"relay {self.host!r}", failure=lambda: self.error) as life:
+            life.nursery.start_soon(self.run, listeners)
+            with life.body() as body_scope:
+                self.cancel_on_error(body_scope)
+                yield
 
     async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
         """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
@@ -297,25 +309,11 @@ async def open_relay(
             does not resolve (a ``socket.gaierror`` other than ``EAI_AGAIN``).
         WireError: the coordinator broke the protocol after the join.
     """
-    ordered = check_relay_args(host, ranks, world_size)
-    sigs = check_model_sigs(host, model_sigs)
-    if not isinstance(salt, SessionSalt):
-        raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
-    cfg = config if config is not None else RelayConfig()
-    target = StoreDialer(coordinator, config=cfg) if isinstance(coordinator, SessionStore) \
-        else coordinator
+    ordered, sigs = check_relay_args(host, ranks, world_size, salt=salt, model_sigs=model_sigs)
     listeners = await rank_listeners(rank_listen)
-    sock = getattr(listeners[0], "socket", None)
-    rank_address = None
-    if sock is not None:
-        name = sock.getsockname()
-        rank_address = (str(name[0]), int(name[1]))
-    relay = Relay(target=target, salt=salt, host=host, ranks=ordered, world_size=world_size,
-                  config=cfg, timeline=timeline, ssl_context=ssl_context,
-                  server_hostname=server_hostname, rank_address=rank_address,
-                  model_sigs=sigs)
-    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
-        life.nursery.start_soon(relay.run, listeners)
-        with life.body() as body_scope:
-            relay.cancel_on_error(body_scope)
-            yield relay
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered,
+                  world_size=world_size, config=config if config is not None else RelayConfig(),
+                  timeline=timeline, ssl_context=ssl_context, server_hostname=server_hostname,
+                  rank_address=bound_address(listeners), model_sigs=sigs)
+    async with relay.running(listeners):
+        yield relay
