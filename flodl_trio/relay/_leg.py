@@ -166,19 +166,25 @@ class Leg:
         if self.outcome is not None:
             if end.breaks and self.verdict is Verdict.FINISH:
                 self.cut_short = True
-                self._scope.cancel()
+                self._stop()
             return
         self.outcome = end
         self.verdict = self._down.leg_ended(end)
         if self.verdict is not Verdict.FINISH:
-            self._scope.cancel()
+            self._stop()
+
+    def _stop(self) -> None:
+        # No record is written directly on a connection that is over, even before its writer
+        # next runs: one sent now waits in the queue for the next leg (or the ride-out).
+        self._sock = None
+        self._scope.cancel()
 
     async def wind_down(self, other: trio.Event) -> None:
         """After a finish, give the ``other`` half ``shutdown_grace`` to end too; then the
         leg is over. (Any other verdict cancelled the leg already.)"""
         with trio.move_on_after(self._config.shutdown_grace):
             await other.wait()
-        self._scope.cancel()
+        self._stop()
 
     def lose(self, reason: str) -> None:
         """The connection is lost (``reason``, unless the session closed for another first)."""
