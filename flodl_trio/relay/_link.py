@@ -81,8 +81,7 @@ class RankLink:
 
     def take_early(self) -> bytes:
         """What the rank sent before the pump started (then forgotten)."""
-        early = bytes(self.early)
-        self.early.clear()
+        early, self.early = bytes(self.early), bytearray()
         return early
 
     def stop(self) -> None:

@@ -31,7 +31,7 @@ from ._upstream import WRONG_SALT_ATTEMPTS, UpstreamDialer
 from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
-from .resume import Durable
+from .resume import Durable, Reconnector
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -113,25 +113,34 @@ class Relay:
         return self._pump.generation if self._pump is not None else 0
 
     @property
+    def _resume(self) -> Reconnector | None:
+        """What the pump keeps across connections to a durable coordinator (None: not one)."""
+        return self._pump.resume if self._pump is not None else None
+
+    @property
     def reconnects(self) -> int:
         """How many times the relay resumed with its durable coordinator."""
-        return self._pump.reconnects if self._pump is not None else 0
+        resume = self._resume
+        return resume.reconnects if resume is not None else 0
 
     @property
     def reconnecting(self) -> str | None:
         """Why the durable coordinator is away, while the relay rides it out; else None."""
-        return self._pump.reconnecting if self._pump is not None else None
+        resume = self._resume
+        return resume.away if resume is not None else None
 
     @property
     def last_lost(self) -> str | None:
         """Why the durable coordinator was lost the last time (kept once resumed); None if
         it never was."""
-        return self._pump.last_lost if self._pump is not None else None
+        resume = self._resume
+        return resume.last_lost if resume is not None else None
 
     @property
     def dropped_while_reconnecting(self) -> int:
         """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
-        return self._pump.dropped_while_reconnecting if self._pump is not None else 0
+        resume = self._resume
+        return resume.dropped if resume is not None else 0
 
     @property
     def waiting(self) -> tuple[str, float] | None:

@@ -141,16 +141,6 @@ class Pump:
         """The current upstream connection."""
         return self.leg.stream
 
-    @property
-    def session(self) -> UpstreamSession:
-        """The current upstream connection's session."""
-        return self.leg.session
-
-    @property
-    def goodbye(self) -> str | None:
-        """The coordinator's Goodbye reason (FT/2), once it came."""
-        return self.leg.session.goodbye
-
     async def run_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
         """One leg after the other, each ended as :meth:`leg_ended` decided: a lost leg is
         ridden out and replaced by one on the resumed connection; a finish ends the pump once
@@ -220,26 +210,6 @@ class Pump:
     def generation(self) -> int:
         """The highest coordinator generation seen (0: not a durable coordinator)."""
         return self.resume.generation if self.resume is not None else 0
-
-    @property
-    def reconnects(self) -> int:
-        """How many times the pump resumed with its durable coordinator."""
-        return self.resume.reconnects if self.resume is not None else 0
-
-    @property
-    def reconnecting(self) -> str | None:
-        """Why the durable coordinator is away, while the pump rides it out; else None."""
-        return self.resume.away if self.resume is not None else None
-
-    @property
-    def last_lost(self) -> str | None:
-        """Why the durable coordinator was lost the last time; None if it never was."""
-        return self.resume.last_lost if self.resume is not None else None
-
-    @property
-    def dropped_while_reconnecting(self) -> int:
-        """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
-        return self.resume.dropped if self.resume is not None else 0
 
     def connected(self) -> bool:
         """Connected to a durable coordinator whose loss would be ridden out (not riding one
