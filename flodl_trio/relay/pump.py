@@ -335,8 +335,8 @@ class Pump:
                     await send_up(up_send, liveness)
                 if type(event) is RankHeartbeat:
                     beats.record(rank, event.step_count, clock())  # in the next Liveness
-                else:
-                    await send_up(up_send, (event.rank, event.blob))
+                elif not self.leg.write_direct(frame := (event.rank, event.blob)):
+                    await up_send.send(frame)  # send_up, without a coroutine per frame
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
