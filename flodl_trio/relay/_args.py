@@ -8,7 +8,7 @@ from typing import Any
 import trio
 
 from .._errors import ConfigError
-from ..wire import MAX_MODEL_SIG_DIGEST, MAX_MODEL_SIG_NAME, MAX_MODEL_SIGS
+from ..wire import MAX_MODEL_SIG_DIGEST, MAX_MODEL_SIG_NAME, MAX_MODEL_SIGS, SessionSalt
 
 RankListen = None | int | trio.abc.Listener[Any] | Sequence[trio.abc.Listener[Any]]
 
@@ -30,7 +30,22 @@ def check_model_sigs(host: str, sigs: Mapping[str, bytes] | None) -> dict[str, b
     return out
 
 
-def check_relay_args(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+def check_relay_args(host: str, ranks: Sequence[int], world_size: int, *, salt: object,
+                     model_sigs: Mapping[str, bytes] | None,
+                     ) -> tuple[tuple[int, ...], dict[str, bytes]]:
+    """``open_relay``'s arguments checked: its ranks (ascending) and its model signatures.
+
+    Raises:
+        ConfigError: the first argument that is not valid, named.
+    """
+    ordered = check_ranks(host, ranks, world_size)
+    sigs = check_model_sigs(host, model_sigs)
+    if not isinstance(salt, SessionSalt):
+        raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
+    return ordered, sigs
+
+
+def check_ranks(host: str, ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
     if not isinstance(host, str) or not 1 <= len(host.encode("utf-8")) <= 255:
         raise ConfigError(f"open_relay: expected host to be 1-255 UTF-8 bytes, got {host!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
@@ -57,3 +72,13 @@ async def rank_listeners(rank_listen: RankListen) -> list[trio.abc.Listener[Any]
         return list(rank_listen)
     raise ConfigError(f"open_relay: expected rank_listen None, a port or Listener(s), got "
                       f"{rank_listen!r}")
+
+
+def bound_address(listeners: Sequence[trio.abc.Listener[Any]]) -> tuple[str, int] | None:
+    """``(host, port)`` of the first listener when it is a TCP socket the relay bound; None for
+    listeners it was given (a ``MemoryNetwork``'s)."""
+    sock = getattr(listeners[0], "socket", None)
+    if sock is None:
+        return None
+    name = sock.getsockname()
+    return str(name[0]), int(name[1])

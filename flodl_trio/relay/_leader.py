@@ -171,9 +171,11 @@ class _Pump(Protocol):
 
 
 class _Prober(Protocol):
-    """Who sends the probe (``UpstreamDialer``)."""
+    """Who sends the probe and the Reconnector's re-dials (``UpstreamDialer``)."""
 
     async def probe(self, addresses: Addresses, generation: int) -> Joined | None: ...
+
+    async def resume(self, generation: int, deadline: float) -> Joined: ...
 
 
 class LeaderWatch:
@@ -201,14 +203,14 @@ class LeaderWatch:
         self._failed: tuple[Addresses, float] = ((), 0.0)
         self.reads = self.probes = self.moves = 0
 
-    async def redial(self, redial: Callable[[], Awaitable[Joined]]) -> Joined:
-        """The Reconnector's re-dial: the connection a probe already made, else ``redial()``;
-        never alongside a probe."""
+    async def resume(self, generation: int, deadline: float) -> Joined:
+        """The Reconnector's re-dial: the connection a probe already made, else a ``Resume``
+        re-dialed until ``deadline``; never alongside a probe."""
         async with self._dialing:
             joined, self._handover = self._handover, None
             if joined is not None:
                 return joined
-            return await redial()
+            return await self._upstream.resume(generation, deadline)
 
     def unused(self) -> list[trio.abc.Stream]:
         """The connection a probe made that no re-dial took (the pump ended first)."""

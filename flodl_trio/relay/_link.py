@@ -70,6 +70,48 @@ class RankLink:
         self.early = bytearray()
         self.early_eof = False
 
+    def read_early(self, data: bytes | bytearray) -> None:
+        """Keep what the rank sent while the relay was still accepting ranks."""
+        self.early += data
+
+    def early_ended(self) -> None:
+        """The rank's link ended while the relay was still accepting ranks (after every rank
+        was in: the pump reports its ``RankExit``)."""
+        self.early_eof = True
+
+    def take_early(self) -> bytes:
+        """What the rank sent before the pump started (then forgotten)."""
+        early, self.early = bytes(self.early), bytearray()
+        return early
+
+    def stop(self) -> None:
+        """Carry nothing more to or from the rank: its reader ended, or the relay closes."""
+        self.gone = True
+
+    def reader_ended(self) -> None:
+        """The rank's frames ended (EOF, a reset, a drop): what is queued for it is still
+        written, then its link is half-closed."""
+        self.gone = True
+        self.reader_done.set()
+        self.end_queue()
+
+    def drop(self, reason: str) -> bool:
+        """The relay cuts the rank off for ``reason`` (its reader then reports
+        ``RankDropped``); False when the link was gone or dropped already."""
+        if self.gone or self.dropped is not None:
+            return False
+        self.dropped = reason
+        self.gone = True
+        self.end_queue()
+        return True
+
+    async def write(self, batch: list[bytes]) -> None:
+        """Write ``batch`` (taken with :meth:`next_batch`) in one write; meanwhile
+        :meth:`offer` queues behind it instead of writing at once."""
+        self.writing = True
+        await self.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
+        self.writing = False
+
     @property
     def fenced(self) -> str | None:
         """The coordinator's reason when it fenced this rank: its frames are no longer

@@ -23,15 +23,15 @@ from .._lifecycle import open_lifecycle
 from ..net._transport import DialTarget, close_all
 from ..store import SessionStore
 from ..timeline import Timeline
-from ..wire import Established, SessionSalt
-from ._args import RankListen, check_model_sigs, check_relay_args, rank_listeners
+from ..wire import SessionSalt
+from ._args import RankListen, bound_address, check_relay_args, rank_listeners
 from ._leader import LeaderWatch, StoreDialer
 from ._link import RelayExit
 from ._upstream import WRONG_SALT_ATTEMPTS, UpstreamDialer
 from .notices import RankNotices
 from .pump import Pump
 from .ranks import LocalRanks, accept_ranks
-from .resume import Reconnector
+from .resume import Durable, Reconnector
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -59,7 +59,7 @@ class Relay:
             ``reconnect_queue`` (a property).
     """
 
-    def __init__(self, *, target: DialTarget, salt: SessionSalt, host: str,
+    def __init__(self, *, target: DialTarget | SessionStore, salt: SessionSalt, host: str,
                  ranks: tuple[int, ...], world_size: int, config: RelayConfig,
                  timeline: Timeline | None, ssl_context: ssl.SSLContext | None,
                  server_hostname: str | None, rank_address: tuple[str, int] | None,
@@ -77,9 +77,10 @@ class Relay:
         self._closed = trio.Event()
         self._exit: RelayExit | None = None
         self._error: FlodlError | None = None
-        self._upstream: trio.abc.Stream | None = None
         self._body_scope: trio.CancelScope | None = None
         self._notices = RankNotices(self._local, salt)
+        if isinstance(target, SessionStore):  # the relay reads the leader's address from it
+            target = StoreDialer(target, config=config)
         self._pump: Pump | None = None
         self._dialer = UpstreamDialer(target=target, salt=salt, host=host, ranks=ranks,
                                       world_size=world_size, model_sigs=self.model_sigs,
@@ -109,32 +110,36 @@ class Relay:
     @property
     def generation(self) -> int:
         """The highest coordinator generation seen (0: no durable coordinator so far)."""
-        resume = self._pump.resume if self._pump is not None else None
-        return resume.generation if resume is not None else 0
+        return self._pump.generation if self._pump is not None else 0
+
+    @property
+    def _resume(self) -> Reconnector | None:
+        """What the pump keeps across connections to a durable coordinator (None: not one)."""
+        return self._pump.resume if self._pump is not None else None
 
     @property
     def reconnects(self) -> int:
         """How many times the relay resumed with its durable coordinator."""
-        resume = self._pump.resume if self._pump is not None else None
+        resume = self._resume
         return resume.reconnects if resume is not None else 0
 
     @property
     def reconnecting(self) -> str | None:
         """Why the durable coordinator is away, while the relay rides it out; else None."""
-        resume = self._pump.resume if self._pump is not None else None
+        resume = self._resume
         return resume.away if resume is not None else None
 
     @property
     def last_lost(self) -> str | None:
         """Why the durable coordinator was lost the last time (kept once resumed); None if
         it never was."""
-        resume = self._pump.resume if self._pump is not None else None
+        resume = self._resume
         return resume.last_lost if resume is not None else None
 
     @property
     def dropped_while_reconnecting(self) -> int:
         """Frames from the ranks dropped while reconnecting (over ``reconnect_queue``)."""
-        resume = self._pump.resume if self._pump is not None else None
+        resume = self._resume
         return resume.dropped if resume is not None else 0
 
     @property
@@ -179,21 +184,17 @@ class Relay:
         assert self._exit is not None
         return self._exit
 
-    # ------------------------------------------------------------------ phase 2
-
-    async def _resume_upstream(self, generation: int, deadline: float,
-                               ) -> tuple[trio.abc.Stream, Established]:
-        """Re-dial a durable coordinator with ``Resume`` until ``deadline`` (or take the
-        connection the leader watch already made to a newer one)."""
-        async def redial() -> tuple[trio.abc.Stream, Established]:
-            return await self._dialer.connect(
-                generation, connect_timeout=max(0.0, deadline - trio.current_time()))
-
-        joined = await (self._watch.redial(redial) if self._watch is not None else redial())
-        self._upstream = joined[0]
-        return joined
-
     # ------------------------------------------------------------------ lifecycle
+
+    @asynccontextmanager
+    async def running(self, listeners: list[trio.abc.Listener[Any]]) -> AsyncIterator[None]:
+        """Run the relay on ``listeners`` (its rank port) for the block, which is cancelled
+        when the relay fails (``open_relay`` then raises the error)."""
+        async with open_lifecycle(f"relay {self.host!r}", failure=lambda: self.error) as life:
+            life.nursery.start_soon(self.run, listeners)
+            with life.body() as body_scope:
+                self.cancel_on_error(body_scope)
+                yield
 
     async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
         """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
@@ -201,20 +202,11 @@ class Relay:
             stop_notices = trio.Event()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._notices.keep_informed, stop_notices)
-                joined = await self._join(listeners, stop_notices)
-            if isinstance(joined, FlodlError):
-                raise joined  # outside the nursery: not wrapped in an ExceptionGroup
-            stream, established = joined
+                pump = await self._join(listeners, stop_notices)
+            if isinstance(pump, FlodlError):
+                raise pump  # outside the nursery: not wrapped in an ExceptionGroup
             self._connected.set()
             log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            pump = self._pump = Pump(self._local, stream, established.sealer,
-                                     established.opener, self.timeline,
-                                     first=established.records)
-            if established.generation is not None:
-                log.info("relay %r: the coordinator is durable (generation %d)", self.host,
-                         established.generation)
-                pump.resume = Reconnector(self._local, established.generation,
-                                          self._resume_upstream, drop_rank=pump.drop_rank)
             exit_ = await self._run_pump(pump)
             self._error = pump.error
         except FlodlError as exc:
@@ -242,27 +234,34 @@ class Relay:
         return exit_
 
     async def _join(self, listeners: list[trio.abc.Listener[Any]], stop_notices: trio.Event,
-                    ) -> tuple[trio.abc.Stream, Established] | FlodlError:
-        """Phases 1 and 2; a FlodlError is returned, not raised, so no group wraps it."""
+                    ) -> Pump | FlodlError:
+        """Phases 1 and 2: the pump over the joined connection, which owns it from then on; a
+        FlodlError is returned, not raised, so no group wraps it."""
         try:
             await accept_ranks(self._local, listeners)
-            joined = await self._dialer.connect()
-            self._upstream = joined[0]
-            return joined
+            stream, established = await self._dialer.connect()
         except FlodlError as exc:
             return exc
         finally:
             stop_notices.set()  # the notice task ends after its current write
+        durable = None
+        if established.generation is not None:
+            log.info("relay %r: the coordinator is durable (generation %d)", self.host,
+                     established.generation)
+            # A resume re-dials (the leader watch's connection to a newer one, if it made one).
+            redial = self._dialer.resume if self._watch is None else self._watch.resume
+            durable = Durable(established.generation, redial)
+        self._pump = Pump(self._local, stream, established.sealer, established.opener,
+                          self.timeline, first=established.records, durable=durable)
+        return self._pump
 
     async def _close_all(self) -> None:
         links = list(self._local.links())
         for link in links:
-            link.gone = True
+            link.stop()
         streams: list[Any] = [link.stream for link in links]
-        if self._upstream is not None:
-            streams.append(self._upstream)
-        if self._pump is not None and self._pump.stream is not self._upstream:
-            streams.append(self._pump.stream)
+        if self._pump is not None:
+            streams.append(self._pump.stream)  # the earlier legs' were closed as they ended
         if self._watch is not None:
             streams.extend(self._watch.unused())  # a newer leader's, made as the pump ended
         await close_all(streams)
@@ -319,25 +318,11 @@ async def open_relay(
             does not resolve (a ``socket.gaierror`` other than ``EAI_AGAIN``).
         WireError: the coordinator broke the protocol after the join.
     """
-    ordered = check_relay_args(host, ranks, world_size)
-    sigs = check_model_sigs(host, model_sigs)
-    if not isinstance(salt, SessionSalt):
-        raise ConfigError(f"open_relay: expected a SessionSalt, got {type(salt).__name__}")
-    cfg = config if config is not None else RelayConfig()
-    target = StoreDialer(coordinator, config=cfg) if isinstance(coordinator, SessionStore) \
-        else coordinator
+    ordered, sigs = check_relay_args(host, ranks, world_size, salt=salt, model_sigs=model_sigs)
     listeners = await rank_listeners(rank_listen)
-    sock = getattr(listeners[0], "socket", None)
-    rank_address = None
-    if sock is not None:
-        name = sock.getsockname()
-        rank_address = (str(name[0]), int(name[1]))
-    relay = Relay(target=target, salt=salt, host=host, ranks=ordered, world_size=world_size,
-                  config=cfg, timeline=timeline, ssl_context=ssl_context,
-                  server_hostname=server_hostname, rank_address=rank_address,
-                  model_sigs=sigs)
-    async with open_lifecycle(f"relay {host!r}", failure=lambda: relay.error) as life:
-        life.nursery.start_soon(relay.run, listeners)
-        with life.body() as body_scope:
-            relay.cancel_on_error(body_scope)
-            yield relay
+    relay = Relay(target=coordinator, salt=salt, host=host, ranks=ordered,
+                  world_size=world_size, config=config if config is not None else RelayConfig(),
+                  timeline=timeline, ssl_context=ssl_context, server_hostname=server_hostname,
+                  rank_address=bound_address(listeners), model_sigs=sigs)
+    async with relay.running(listeners):
+        yield relay

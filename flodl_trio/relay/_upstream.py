@@ -190,6 +190,15 @@ class UpstreamDialer:
         finally:
             self.waiting = None
 
+    async def resume(self, generation: int, deadline: float) -> Joined:
+        """Re-dial a durable coordinator with ``Resume`` until ``deadline`` (Trio clock).
+
+        Raises:
+            JoinRefused / WrongSession / HandshakeError: see ``open_relay``.
+        """
+        return await self.connect(generation,
+                                  connect_timeout=max(0.0, deadline - trio.current_time()))
+
     def _resolving_target(self) -> DialTarget:
         """The target for a resume: a callable is called on every attempt (so one that reads
         the store's published address re-resolves); a store it cannot reach yet is one more

@@ -5,9 +5,11 @@ upstream reader routes DATA records to a rank and FANOUT records to each listed 
 Every end is graceful: what was verified and queued is delivered before a link closes.
 
 The rank side (readers, writers, the queue) lives as long as the pump; the upstream writer and
-reader form a *leg* over one connection. With a durable coordinator (issue 22) a leg lost
-without a ``Goodbye`` is replaced: :mod:`.resume` rides the gap out and the next leg runs on the
-resumed connection. With any other coordinator there is one leg, and losing it ends the pump.
+reader form a *leg* over one connection (:class:`~._leg.Leg`). A leg ends with one
+:class:`~._leg.LegEnd`, and :meth:`Pump.leg_ended` says, in one place, what it means
+(:func:`verdict`): with a durable coordinator (issue 22) a leg lost without a ``Goodbye`` is
+ridden out (:mod:`.resume`) and the next leg runs on the resumed connection; a close lets the
+ranks leave and finishes; anything else fails the pump.
 """
 
 from __future__ import annotations
@@ -21,18 +23,13 @@ from .._config import RelayConfig
 from .._errors import FlodlError
 from ..events import RelayDroppedRank
 from ..net._ratelimit import JunkCounter
-from ..net._socket_io import Reader, next_event, plain_socket, write_now
+from ..net._socket_io import next_event
 from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
-    NEED_DATA,
-    READ_SIZE,
-    Cadence,
     Deliver,
     EndOfStream,
     FenceRank,
-    Goodbye,
-    Invalid,
     RankDropped,
     RankExit,
     RankFrame,
@@ -42,10 +39,11 @@ from ..wire import (
     RecordSealer,
     UpstreamSession,
 )
+from ._leg import Ending, Leg, LegEnd, Verdict
 from ._link import RankLink, RelayExit
 from ._liveness import Heartbeats
 from .ranks import LocalRanks
-from .resume import Reconnector, Upstream
+from .resume import Backlog, Durable, Reconnector, Upstream
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -56,10 +54,27 @@ log = logging.getLogger("flodl_trio.relay")
 _FROM_RANK = (RankFrame, RankHeartbeat)
 
 
+def verdict(end: LegEnd, *, resumable: bool) -> Verdict:
+    """What a leg's end means for the pump. ``resumable``: a durable coordinator, a
+    ``coordinator_grace`` > 0, and the pump not ending already.
+
+    The ranks all gone, or a ``Goodbye`` then EOF, finish (the ranks leave; what they queue is
+    still written). A durable coordinator lost in any other way is ridden out. Otherwise a
+    coordinator that closed without a ``Goodbye`` finishes too (not clean), and a connection
+    that broke (a reset, a stall, silence, a protocol error) fails the pump.
+    """
+    if end.ending is Ending.RANKS_GONE or (end.ending is Ending.CLOSED and end.clean):
+        return Verdict.FINISH
+    if resumable:
+        return Verdict.RIDE_OUT
+    return Verdict.FINISH if end.ending is Ending.CLOSED else Verdict.FAIL
+
+
 class Pump:
-    """Phase 3 over one authenticated upstream connection.
+    """Phase 3 over the authenticated upstream connection, one leg after the other.
 
     Attributes:
+        leg: the current upstream connection (:class:`~._leg.Leg`).
         error: the coordinator broke the protocol, or refused our resume (the relay fails with
             it), else None.
         resume: set for a durable coordinator (one that sent ``Generation``); see
@@ -68,43 +83,36 @@ class Pump:
 
     def __init__(self, local: LocalRanks, stream: trio.abc.Stream, sealer: RecordSealer,
                  opener: RecordOpener, timeline: Timeline | None = None, *,
-                 first: tuple[Record, ...] = (), resume: Reconnector | None = None) -> None:
+                 first: tuple[Record, ...] = (), durable: Durable | None = None) -> None:
         self.local = local
         self.host = local.host
         self.config: RelayConfig = local.config
-        self.stream = stream
-        self.reader = Reader(stream)  # the upstream reader's (one per leg)
-        self.session = UpstreamSession(opener, sealer, host=local.host, ranks=local.ranks)
-        self.session.feed_opened(first)  # opened with the handshake (the welcome)
         self.error: FlodlError | None = None
-        self.resume = resume
+        self.resume = (Reconnector(local, durable, drop_rank=self.drop_rank)
+                       if durable is not None else None)
         self.timeline = timeline
         self.dropped = 0  # local ranks dropped for not draining their queue
         self._nursery: trio.Nursery | None = None
-        self._outcome: list[RelayExit] = []
+        self._outcome: RelayExit | None = None
         self._scope = trio.CancelScope()
-        self._no_ranks_left = trio.Event()
-        self._upstream_done = trio.Event()
         self._dropped = JunkCounter()
-        # One leg: the upstream writer and reader over the current connection.
-        self._leg_scope = trio.CancelScope()
-        self._leg_lost: str | None = None
-        self._in_flight: list[Upstream] = []  # the batch being written upstream
-        # The direct path (see send_up): the leg's plain TCP socket (None: TLS, in-memory), the
-        # writer parked on an empty queue (its wait is ``_park``), and a record the kernel took
-        # only part of (the item and its sealed rest), which the writer finishes first.
-        self._up_sock: trio.socket.SocketType | None = None
-        self._park: trio.CancelScope | None = None
-        self._rest: tuple[Upstream, bytes] | None = None
-        self._heard = 0.0  # when the durable coordinator's last record arrived
         # The local ranks' verified Heartbeats, one Liveness record per interval (issue 23).
         self.heartbeats = Heartbeats(self.config.heartbeat_interval)
         self._readers = 0
         self._readers_gone = trio.Event()
+        self.leg = self._new_leg(stream, opener, sealer, first)
+
+    def _new_leg(self, stream: trio.abc.Stream, opener: RecordOpener, sealer: RecordSealer,
+                 opened: tuple[Record, ...], backlog: Backlog | None = None) -> Leg:
+        session = UpstreamSession(opener, sealer, host=self.host, ranks=self.local.ranks)
+        session.feed_opened(opened)  # opened with the handshake (the welcome)
+        return Leg(stream, session, config=self.config, downstream=self, first=backlog)
 
     def finish(self, reason: str, clean: bool = True, *, now: bool = True) -> None:
-        if not self._outcome:
-            self._outcome.append(RelayExit(reason, clean))
+        """The relay ends for ``reason`` (the first one given counts); ``now``: stop the pump
+        at once."""
+        if self._outcome is None:
+            self._outcome = RelayExit(reason, clean)
             log.info("relay %r ending: %s", self.host, reason)
         if now:
             self._scope.cancel()
@@ -126,47 +134,71 @@ class Pump:
                         self._readers_gone.set()
                     nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
                                        up_send.clone(), self._readers_gone, self.send_up)
-        return self._outcome[0] if self._outcome else RelayExit("stopped", True)
+        return self._outcome if self._outcome is not None else RelayExit("stopped", True)
 
     @property
-    def goodbye(self) -> str | None:
-        """The coordinator's Goodbye reason (FT/2), once it came."""
-        return self.session.goodbye
+    def stream(self) -> trio.abc.Stream:
+        """The current upstream connection."""
+        return self.leg.stream
 
     async def run_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
-        """One leg after the other: a leg lost to a durable coordinator is ridden out and
-        replaced by one on the resumed connection; any other end of a leg ends the pump."""
+        """One leg after the other, each ended as :meth:`leg_ended` decided: a lost leg is
+        ridden out and replaced by one on the resumed connection; a finish ends the pump once
+        the ranks left (or ``shutdown_grace`` passed); a failure first lets the rank writers
+        deliver what they were sent."""
         while True:
-            self._leg_lost = None
-            self._upstream_done = trio.Event()
-            self._heard = trio.current_time()
-            self._up_sock = plain_socket(self.stream)
-            with trio.CancelScope() as self._leg_scope:
-                async with trio.open_nursery() as leg:
-                    leg.start_soon(self.upstream_writer, up_recv)
-                    leg.start_soon(self.upstream_reader)
-            self._up_sock = None
-            lost = self._leg_lost
-            if lost is None or self.resume is None:
-                return
-            await trio.aclose_forcefully(self.stream)  # nothing from it is delivered again
-            in_flight, self._in_flight = self._in_flight, []
-            if self._rest is not None:  # sealed for the lost connection: sent again, resealed
-                in_flight.insert(0, self._rest[0])
-                self._rest = None
-            joined = await self.resume.ride_out(lost, up_recv, in_flight)
-            if joined is None:
-                why, self.error = self.resume.gave_up
-                self.finish(why, False, now=False)
+            leg = self.leg
+            end = await leg.run(up_recv, durable=self.resume is not None)
+            if leg.verdict is Verdict.RIDE_OUT and await self._ride_out(leg, end, up_recv):
+                continue
+            if leg.verdict is not Verdict.FINISH or leg.cut_short:
                 await self.flush_ranks()
-                self._scope.cancel()
-                return
-            self.stream, established = joined
-            self.reader = Reader(self.stream)
-            self.session = UpstreamSession(established.opener, established.sealer,
-                                           host=self.host, ranks=self.local.ranks)
-            self.session.feed_opened(established.records)
-            self.heartbeats.follow(0.0)  # a Cadence was the old connection's
+            self._scope.cancel()
+            return
+
+    async def _ride_out(self, leg: Leg, end: LegEnd,
+                        up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
+        """Ride the lost ``leg`` out; True once a new leg runs on the resumed connection, else
+        the pump fails (the grace ran out, or the resume was refused)."""
+        assert self.resume is not None
+        await trio.aclose_forcefully(leg.stream)  # nothing from it is delivered again
+        resumed = await self.resume.ride_out(end.reason, up_recv, leg.unsent())
+        if resumed is None:
+            why, self.error = self.resume.gave_up
+            self.finish(why, False, now=False)
+            return False
+        established = resumed.established
+        self.leg = self._new_leg(resumed.stream, established.opener, established.sealer,
+                                 established.records, resumed.backlog)
+        self.heartbeats.follow(0.0)  # a Cadence was the old connection's
+        return True
+
+    def leg_ended(self, end: LegEnd) -> Verdict:
+        """The one place that says what a leg's end means (:func:`verdict`), and records how
+        the relay ends unless the loss is ridden out."""
+        said = verdict(end, resumable=self.resumable())
+        if said is Verdict.RIDE_OUT:
+            if end.error is not None:
+                log.warning("relay %r: %s", self.host, end.reason)
+            return said
+        if said is Verdict.FAIL and end.error is not None:
+            self.error = end.error  # events before the bad record were delivered
+        self.finish(end.reason, end.clean, now=False)
+        if said is Verdict.FINISH:
+            # Deliver what is queued to the ranks and let them say goodbye (their Exiting
+            # still flows upstream). The outcome is decided now: the ranks leaving because of
+            # it is not "all ranks exited".
+            for link in self.local.links():
+                link.end_queue()
+        return said
+
+    def lose_leg(self, reason: str) -> None:
+        """The durable coordinator's connection is lost (``reason``): end this leg."""
+        self.leg.lose(reason)
+
+    def pace(self, interval: float) -> None:
+        """The coordinator's ``Cadence``: one ``Liveness`` per ``interval`` seconds."""
+        self.heartbeats.follow(interval)
 
     @property
     def period(self) -> float:
@@ -187,215 +219,22 @@ class Pump:
     def resumable(self) -> bool:
         """A lost upstream connection is ridden out (a durable coordinator, a grace > 0, the
         pump not ending already), rather than ending the relay."""
-        return self.resume is not None and self.resume.enabled and not self._outcome
-
-    def lose_leg(self, reason: str) -> None:
-        """The durable coordinator's connection is lost: end this leg; the pump rides it out."""
-        if self._leg_lost is None:
-            self._leg_lost = reason
-        self._leg_scope.cancel()
+        return self.resume is not None and self.resume.enabled and self._outcome is None
 
     async def send_up(self, up_send: trio.MemorySendChannel[Upstream], item: Upstream) -> None:
-        """Send ``item`` upstream: queued for the writer, or, while the writer is parked on an
-        empty queue over plain TCP, sealed and handed to the kernel at once with one ``write``
-        (no task switch: most of a relay's upstream records find the writer idle). What the
-        kernel did not take goes to the writer, which finishes it before anything else, so
-        records still leave whole and in sealing order, and only the writer ever waits on the
-        socket (its stall deadline applies). Records queued before are never overtaken: the
-        writer parks only on an empty queue, and only while it is parked do records skip it.
+        """Send ``item`` upstream: written at once while the leg's writer is parked on an empty
+        queue over plain TCP (:meth:`~._leg.Leg.write_direct`: no task switch, and most of a
+        relay's upstream records find the writer idle), else queued for the writer. Records
+        queued before are never overtaken: the writer parks only on an empty queue, and only
+        while it is parked do records skip it.
 
         Raises:
             trio.ClosedResourceError / trio.BrokenResourceError: the queue is closed.
         """
-        park, sock = self._park, self._up_sock
-        if park is None or sock is None:
+        if not self.leg.write_direct(item):
             # The writer is busy or the queue holds records: queue behind them (the writer
             # takes every queued record, a blocked sender's included, before it parks again).
             await up_send.send(item)
-            return
-        data = self.seal(item)
-        written = write_now(sock, data)
-        if written == len(data):
-            return
-        # The rest (all of it when the socket is full or failed: the writer meets the error).
-        self._rest = (item, data[written:])
-        self._park = None
-        park.cancel()
-
-    def seal(self, item: Upstream) -> bytes:
-        """The record of ``item`` on the current connection (the next sequence number)."""
-        if isinstance(item, tuple):
-            return self.session.send_frame(*item)
-        return self.session.send(item)
-
-    async def next_upstream(self, up_recv: trio.MemoryReceiveChannel[Upstream]
-                            ) -> tuple[list[Upstream], bytes] | None:
-        """The next batch to write and its sealed bytes: the rest of a record the direct path
-        began, what was queued while reconnecting, then a burst of the ranks' queue (each
-        record stays whole); None once every rank reader is done."""
-        backlog = self.resume.backlog if self.resume is not None else None
-        batch: list[Upstream] = []
-        if self._rest is None and backlog:
-            batch.extend(backlog.popleft() for _ in range(min(64, len(backlog))))
-            return batch, b"".join(self.seal(item) for item in batch)
-        if self._rest is None:
-            try:
-                batch.append(up_recv.receive_nowait())
-            except trio.WouldBlock:
-                # Parked: send_up may write directly meanwhile (and un-park us with a rest).
-                with trio.CancelScope() as self._park:
-                    try:
-                        batch.append(await up_recv.receive())
-                    except trio.EndOfChannel:
-                        if self._rest is None:
-                            return None
-                    finally:
-                        self._park = None
-            except trio.EndOfChannel:
-                return None
-        head = b""
-        if self._rest is not None:
-            item, head = self._rest
-            self._rest = None
-            batch.insert(0, item)
-        while len(batch) < 64:  # coalesce a burst into one write
-            try:
-                batch.append(up_recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        start = 1 if head else 0
-        return batch, head + b"".join(self.seal(item) for item in batch[start:])
-
-    async def upstream_writer(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> None:
-        send_all, stall = self.stream.send_all, self.config.write_stall_timeout
-        while (taken := await self.next_upstream(up_recv)) is not None:
-            batch, data = taken
-            self._in_flight = batch
-            try:
-                # A bare CancelScope: fail_after costs a generator-based context manager more
-                # per batch.
-                with trio.CancelScope(deadline=trio.current_time() + stall) as scope:
-                    await send_all(data)
-                if scope.cancelled_caught:
-                    await self.upstream_lost(f"upstream write stall: no progress for "
-                                             f"{stall:g}s")
-                    return
-            except STREAM_GONE as exc:
-                await self.upstream_lost(f"upstream connection lost while writing "
-                                         f"({type(exc).__name__})")
-                return
-            self._in_flight = []
-        # Every rank reader closed its queue clone: the last local rank is gone, and what the
-        # ranks queued before leaving (Exiting, RankExit) is written. Ending before this point
-        # cancelled the writer with the last rank's records still queued.
-        self._no_ranks_left.set()
-        self.finish("all ranks exited", now=False)
-        # Half-close and let the coordinator close first: closing a socket with unread data
-        # in it sends a reset, which can destroy the records we just wrote before they are read.
-        with trio.move_on_after(self.config.shutdown_grace):
-            try:
-                if isinstance(self.stream, trio.abc.HalfCloseableStream):
-                    await self.stream.send_eof()
-                    await self._upstream_done.wait()
-            except (trio.BusyResourceError, *STREAM_GONE):
-                pass
-        self.finish("all ranks exited")
-
-    async def upstream_reader(self) -> None:
-        try:
-            await self.read_upstream()
-        finally:
-            self._upstream_done.set()
-
-    async def upstream_lost(self, reason: str) -> None:
-        """The upstream write failed: what was already read from the coordinator (a Shutdown
-        just before it closed) still reaches the ranks, then the pump ends (or, with a durable
-        coordinator, rides it out)."""
-        if self.resumable():
-            self.lose_leg(self.session.close(reason))
-            return
-        self.finish(self.session.close(reason), False, now=False)
-        await self.flush_ranks()
-        self._scope.cancel()
-
-    async def read_upstream(self) -> None:
-        session = self.session
-        reader = self.reader
-        durable = self.resume is not None
-        try:
-            while True:
-                event = session.next_event()
-                if event is NEED_DATA:
-                    if durable:
-                        data = await self.receive_while_alive()
-                        if data is None:
-                            return
-                        session.receive_data(data)
-                    else:
-                        session.receive_data(await reader.receive_some(READ_SIZE))
-                    continue
-                if durable:
-                    self._heard = trio.current_time()
-                if type(event) is Deliver:
-                    await trio.lowlevel.checkpoint_if_cancelled()
-                    self.deliver(event)
-                elif type(event) is Invalid:
-                    self.drop(event.category, event.detail)
-                elif type(event) is FenceRank:
-                    self.fence(event)
-                elif type(event) is Cadence:
-                    self.heartbeats.follow(event.interval)  # Liveness at the coordinator's pace
-                elif type(event) is Goodbye:
-                    log.info("relay %r: the coordinator is shutting down: %s", self.host,
-                             event.reason)
-                else:
-                    break
-        except STREAM_GONE as exc:
-            if self.resumable():
-                self.lose_leg(session.close(f"upstream connection lost ({type(exc).__name__})"))
-                return
-            await self.flush_ranks()
-            self.finish(session.close(f"upstream connection lost ({type(exc).__name__})"),
-                        False)
-            return
-        assert isinstance(event, EndOfStream)
-        if not event.clean and self.resumable():
-            if event.error is not None:
-                log.warning("relay %r: %s", self.host, event.reason)
-            self.lose_leg(event.reason)
-            return
-        if event.error is not None:
-            # Events before the bad record were delivered; then it ends.
-            self.error = event.error
-            await self.flush_ranks()
-            self.finish(event.reason, False)
-            return
-        # The coordinator closed: deliver what is queued to the ranks, let them say goodbye
-        # (their Exiting still flows upstream), then end. Only a Goodbye before the EOF makes
-        # it a clean end (FT/2). The outcome is decided now: the ranks leaving because of it is
-        # not "all ranks exited".
-        self.finish(event.reason, event.clean, now=False)
-        for link in self.local.links():
-            link.end_queue()
-        with trio.move_on_after(self.config.shutdown_grace):
-            await self._no_ranks_left.wait()
-        self._scope.cancel()  # the outcome was recorded at the EOF
-
-    async def receive_while_alive(self) -> bytes | bytearray | None:
-        """The next bytes from a durable coordinator; None (the leg lost, or the pump ending)
-        after ``coord_liveness_timeout`` without a record from it."""
-        timeout = self.config.coord_liveness_timeout
-        with trio.move_on_at(self._heard + timeout):
-            return await self.reader.receive_some(READ_SIZE)
-        reason = self.session.close(f"no record from the coordinator within "
-                                    f"coord_liveness_timeout={timeout:g}s")
-        if self.resumable():
-            self.lose_leg(reason)
-        else:
-            self.finish(reason, False, now=False)
-            await self.flush_ranks()
-            self._scope.cancel()
-        return None
 
     async def flush_ranks(self) -> None:
         """Let the rank writers deliver what was verified and queued before the link broke."""
@@ -426,11 +265,8 @@ class Pump:
 
     def drop_rank(self, link: RankLink, reason: str) -> None:
         """Cut a local rank off (its reader then reports ``RankDropped`` upstream)."""
-        if link.gone or link.dropped is not None:
+        if not link.drop(reason):
             return
-        link.dropped = reason
-        link.gone = True
-        link.end_queue()
         self.dropped += 1
         log.warning("relay %r: dropping rank %d: %s", self.host, link.rank, reason)
         if self.timeline is not None:
@@ -467,9 +303,7 @@ class Pump:
         try:
             # One write for a burst of frames (each stays whole).
             while (batch := await link.next_batch()) is not None:
-                link.writing = True
-                await link.writer.send(batch[0] if len(batch) == 1 else b"".join(batch))
-                link.writing = False
+                await link.write(batch)
             await link.writer.send_eof()
             if link.fenced is not None:
                 with trio.move_on_after(self.config.shutdown_grace):
@@ -489,8 +323,7 @@ class Pump:
         send_up = self.send_up
         try:
             if link.early:  # read while accepting ranks
-                session.receive_data(bytes(link.early))
-                link.early.clear()
+                session.receive_data(link.take_early())
             if link.early_eof:
                 session.receive_data(b"")
             while type(event := await next_event(link.reader, session)) in _FROM_RANK:
@@ -502,15 +335,13 @@ class Pump:
                     await send_up(up_send, liveness)
                 if type(event) is RankHeartbeat:
                     beats.record(rank, event.step_count, clock())  # in the next Liveness
-                else:
-                    await send_up(up_send, (event.rank, event.blob))
+                elif not self.leg.write_direct(frame := (event.rank, event.blob)):
+                    await up_send.send(frame)  # send_up, without a coroutine per frame
         except STREAM_GONE:
             pass
         if isinstance(event, EndOfStream) and event.error is not None:
             log.warning("relay %r: %s; closing it", self.host, event.reason)
-        link.gone = True
-        link.reader_done.set()
-        link.end_queue()
+        link.reader_ended()
         await trio.aclose_forcefully(link.stream)
         gone: RankExit | RankDropped = RankExit(rank=link.rank)
         if link.dropped is not None:

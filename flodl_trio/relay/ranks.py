@@ -217,7 +217,7 @@ async def rank_handshake(local: LocalRanks, stream: trio.abc.Stream) -> None:
         return
     link = RankLink(rank, stream, local.config, host=local.host, codec=local.codec,
                     reader=reader)
-    link.early += confirmed.leftover
+    link.read_early(confirmed.leftover)
     log.info("relay %r: rank %d connected from %s", local.host, rank, peer)
     if not local.add(link):
         await watch_while_accepting(local, link)
@@ -236,13 +236,13 @@ async def watch_while_accepting(local: LocalRanks, link: RankLink) -> None:
             data = await link.reader.receive_some(READ_SIZE)
             if not data:
                 break
-            link.early += data
+            link.read_early(data)
         else:
             await trio.sleep_forever()  # past the limit the rank's writes wait for the pump
     except STREAM_GONE:
         pass
     if local.all_in:
-        link.early_eof = True  # too late to free the slot: the pump reports RankExit
+        link.early_ended()  # too late to free the slot: the pump reports RankExit
         return
     local.remove(link)
     local.reject("link ended early", f"rank {link.rank}: its link ended after the ack, before "

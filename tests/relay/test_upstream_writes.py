@@ -155,3 +155,23 @@ def _read_now(stream: trio.SocketStream) -> bytes:
         return os.read(stream.socket.fileno(), 1 << 20)
     except BlockingIOError:
         return b""
+
+
+async def test_a_record_sent_after_the_leg_was_lost_never_reaches_the_lost_connection(
+) -> None:
+    # The leg is lost (a newer leader took over, say) while its writer is parked, and a rank's
+    # record comes before the writer ran again: it is queued for the next connection, not
+    # written to the one being dropped, whose coordinator would never act on it.
+    relay_side, coord_side = await _tcp_pair(1 << 16)
+    async with relay_side, coord_side:
+        pump = _pump(relay_side)
+        resume = _Resume()
+        pump.resume = resume  # type: ignore[assignment]
+        up_send, up_recv = trio.open_memory_channel[Any](64)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run_upstream, up_recv)
+            await trio.testing.wait_all_tasks_blocked()  # the writer is parked
+            pump.lose_leg("test: a newer coordinator leads")
+            await pump.send_up(up_send, (1, b"frame of rank 1"))
+        assert _read_now(coord_side) == b""
+        assert up_recv.receive_nowait() == (1, b"frame of rank 1")  # left for the next leg
