@@ -116,21 +116,10 @@ def read_checkpoint(data: Mapping[str, Any], *, total_samples: int, batch_size: 
         raise bad(f"a list of shares, got {type(raw).__name__}")
     shares: dict[int, Share] = {}
     for entry in raw:
-        if not isinstance(entry, Mapping):
-            raise bad(f"a map per share, got {type(entry).__name__}")
-        rank = _count(entry.get("rank"), "share rank", bad)
-        ranges = _ranges(entry.get("ranges"), f"ranges of rank {rank}", bad)
-        done = (None if entry.get("done") is None
-                else _ranges(entry.get("done"), f"done of rank {rank}", bad))
-        earlier = ([] if entry.get("earlier") is None
-                   else _ranges(entry.get("earlier"), f"earlier of rank {rank}", bad))
-        extended = entry.get("extended")
-        if not isinstance(extended, bool) or not ranges or rank in shares:
+        rank, share = _share(entry, bad)
+        if rank in shares:
             raise bad(f"one share per rank with ranges and an 'extended' flag (rank {rank})")
-        shares[rank] = Share(ranges, synced=_count(entry.get("synced"), "synced", bad),
-                             start_step=_count(entry.get("start_step"), "start_step", bad),
-                             anchored=done is not None, extended=extended, done=done,
-                             earlier=earlier)
+        shares[rank] = share
     steps = data.get("last_steps")
     if not isinstance(steps, list):
         raise bad(f"a list of [rank, step] as last_steps, got {steps!r}")
@@ -144,6 +133,25 @@ def read_checkpoint(data: Mapping[str, Any], *, total_samples: int, batch_size: 
                       global_step=ints["global_step"], syncs=ints["syncs"], shares=shares,
                       last_steps=last_steps,
                       losses=tuple(None if x is None else float(x) for x in losses))
+
+
+def _share(entry: object, bad: Any) -> tuple[int, Share]:
+    """One share of a checkpoint: its rank and the share."""
+    if not isinstance(entry, Mapping):
+        raise bad(f"a map per share, got {type(entry).__name__}")
+    rank = _count(entry.get("rank"), "share rank", bad)
+    ranges = _ranges(entry.get("ranges"), f"ranges of rank {rank}", bad)
+    done = (None if entry.get("done") is None
+            else _ranges(entry.get("done"), f"done of rank {rank}", bad))
+    earlier = ([] if entry.get("earlier") is None
+               else _ranges(entry.get("earlier"), f"earlier of rank {rank}", bad))
+    extended = entry.get("extended")
+    if not isinstance(extended, bool) or not ranges:
+        raise bad(f"one share per rank with ranges and an 'extended' flag (rank {rank})")
+    return rank, Share(ranges, synced=_count(entry.get("synced"), "synced", bad),
+                       start_step=_count(entry.get("start_step"), "start_step", bad),
+                       anchored=done is not None, extended=extended, done=done,
+                       earlier=earlier)
 
 
 def _count(value: object, what: str, bad: Any) -> int:

@@ -366,3 +366,32 @@ def test_an_anchoring_ack_that_cannot_be_the_share_holders_marks_a_restarted_pro
     assert ledger.on_sync_ack(0, 10 + 10)  # the whole share done and synced
     assert ledger.shares[0].synced == 10 and ledger.unsynced == []
     assert ledger.settle(0) == [] and ledger.settle(1) == [(34, 6)]  # 1 credited with its 7
+
+
+def test_an_earlier_process_credit_survives_the_checkpoint_and_counts_in_the_epoch() -> None:
+    """A rank back from a death that took an epoch over (every other member had left) keeps
+    what its earlier process synced in the epoch's accounting: the checkpoint carries it, so a
+    coordinator that adopts the run counts it, no gap and no second count."""
+    from flodl_trio.scheduler._checkpoint import checkpoint_map, read_checkpoint
+    from flodl_trio.scheduler._epoch_ledger import EpochLedger
+    from flodl_trio.scheduler._parts import Share
+
+    settings_ = {"total_samples": 40, "batch_size": 2, "num_epochs": 2}
+    back = Share([(10, 10), (30, 10)], synced=0, start_step=3, earlier=[(0, 10)])
+    gone = Share([(20, 20)], synced=5, done=[(20, 10)])
+    saved = checkpoint_map(**settings_, epoch=0, epochs_completed=0, global_step=9, syncs=5,
+                           shares={0: back, 1: gone}, last_steps={0: 3})
+    assert saved["samples_done"] == 10 + 10  # the earlier process's 10, the gone rank's 10
+    res = read_checkpoint(saved, **settings_)
+    assert res.shares[0].earlier == [(0, 10)] and res.shares[0].ranges == [(10, 10), (30, 10)]
+    ledger = EpochLedger(ft.Timeline(), world_size=2, ratios=None,
+                         total_samples=40, batch_size=2)
+    ledger.restore(res.epoch, res.shares, res.epochs_completed, res.last_steps)
+    assert ledger.on_sync_ack(0, 3 + 10)  # its whole share done and synced
+    ledger.on_metrics(ft.wire.Metrics(
+        rank=0, epoch=0, avg_loss=1.0, batches_processed=10, epoch_ms=1.0,
+        samples_processed=20, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
+        scalars={}))
+    ledger.close()
+    cov = ledger.coverage[-1]
+    assert (cov.samples, cov.gaps, cov.overlaps) == (40, 0, 0) and cov.exactly_once
