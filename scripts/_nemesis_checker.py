@@ -11,8 +11,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from _nemesis_deaths import deaths_by_leaders
 from _nemesis_history import Entry, History, Violation
-from _nemesis_rules import RULES, deaths_by_leaders, exactly_once_fraction
+from _nemesis_rules import RULES, exactly_once_fraction
 
 QUICK_LIMIT_MIN = 4.0  # --quick: the whole run, setup and teardown included
 

@@ -135,8 +135,10 @@ class Cluster:
         self.leader_generation: int | None = None  # the store's, as last read
         self.last_owner: str | None = None
         self.epochs_closed = 0  # the highest "epoch N/E:" line any coordinator printed
-        # the ranks the leader says are live (its /state.json), as last read
+        # the ranks the leader says are live, and the hosts whose relay it says is connected
+        # (its /state.json), as last read
         self.live_ranks: frozenset[int] = frozenset(range(layout.world))
+        self.connected: frozenset[str] = frozenset(layout.host_names)
         self.recovering: set[str] = set()  # hosts a fault killed, until seen live again
         self._generations: dict[int, int] = {}  # coordinator PID -> the generation it led
 
@@ -356,8 +358,10 @@ class Cluster:
         return None
 
     async def _read_live(self) -> None:
-        """The leader's live ranks from its status page (kept as they were when it does not
-        answer: a takeover, a stopped leader)."""
+        """The leader's live ranks and connected relays from its status page (kept as they
+        were when it does not answer: a takeover, a stopped leader). A leader that adopted the
+        session counts the ranks of a relay that has not resumed yet as live until its
+        ``resume_timeout``: only a connected relay says its host is back."""
         slot = self.leader_slot()
         if slot is None:
             return
@@ -366,11 +370,16 @@ class Cluster:
                 state = await fetch_state(("127.0.0.1", self.coord_ports[slot]), timeout=1.0)
             except (OSError, FlodlError):
                 return
-            live = state.get("live")
-            if isinstance(live, list):
+            live, relays = state.get("live"), state.get("relays")
+            if isinstance(live, list) and isinstance(relays, list):
                 self.live_ranks = frozenset(int(r) for r in live)
-                self.recovering = {h for h in self.recovering
-                                   if not set(self.layout.ranks_of(h)) <= self.live_ranks}
+                self.connected = frozenset(str(r.get("host")) for r in relays
+                                           if isinstance(r, dict) and r.get("connected"))
+                self.recovering = {h for h in self.recovering if not self._seen_back(h)}
+
+    def _seen_back(self, host: str) -> bool:
+        """The leader, as last read, has ``host``'s relay connected and its ranks live."""
+        return host in self.connected and set(self.layout.ranks_of(host)) <= self.live_ranks
 
     def mark_recovering(self, host: str) -> None:
         """A fault killed ``host``'s ranks: it is not recovered before the leader's status page,
@@ -378,9 +387,8 @@ class Cluster:
         self.recovering.add(host)
 
     def host_recovered(self, host: str) -> bool:
-        """Its processes run and the leader counts its ranks live again."""
-        return (self.host_whole(host) and host not in self.recovering
-                and set(self.layout.ranks_of(host)) <= self.live_ranks)
+        """Its processes run and the leader has its relay connected and its ranks live."""
+        return self.host_whole(host) and host not in self.recovering and self._seen_back(host)
 
     def read_leader(self) -> dict[str, Any] | None:
         """The leader key (owner, generation) from the first member that answers, or None."""

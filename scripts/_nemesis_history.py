@@ -45,6 +45,7 @@ class History:
         layout = (self.by_type.get("layout") or [{}])[0]
         self.epochs = int(layout.get("epochs", 0))
         self.layout_ranks = int(layout.get("ranks_per_host", 0))  # ranks per host
+        self.world = int(layout.get("world", self.layout_ranks * int(layout.get("hosts", 0))))
         self.faults = self._faults()
         # generation -> when it was elected (the first time), from the coordinators' logs
         self.elected: dict[int, float] = {}

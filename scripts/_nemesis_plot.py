@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from _nemesis_checker import Report
+from _nemesis_deaths import deaths_by_leaders
 from _nemesis_history import Entry, History
-from _nemesis_rules import deaths_by_leaders
 
 ALIVE, DEAD, LEADER, STANDBY = "#4caf50", "#e53935", "#1e88e5", "#bbdefb"
 

@@ -5,6 +5,7 @@ history that shows it. docs/recovery.rst states every rule and where in the docs
 
 from __future__ import annotations
 
+from _nemesis_deaths import FAILED_EXIT, deaths_by_leaders, justified, policy_end
 from _nemesis_history import RELAY_LOCAL, Entry, History, Violation, about
 
 RSS_LIMIT_MB = 200.0   # a coordinator of 8 ranks: ~60 MB; past this it grows with the faults
@@ -24,7 +25,7 @@ def rule_epochs(h: History) -> list[Violation]:
             latest[note["epoch"]] = note
     out = []
     missing = [epoch + 1 for epoch in range(h.epochs) if epoch not in latest]
-    if missing:
+    if missing and policy_end(h) is None:  # a run the schedule left with no rank stops there
         t = h.entries[-1]["t"] if h.entries else 0.0
         out.append(Violation("epochs", f"{len(missing)} epoch(s) never closed by any "
                              f"coordinator: {_ranges(missing)}", t, h.slice(
@@ -64,41 +65,6 @@ def exactly_once_fraction(h: History) -> float:
         if note["epoch"] not in exact or key >= exact[note["epoch"]][0]:
             exact[note["epoch"]] = (key, bool(note.get("exactly_once")))
     return sum(1 for e in range(h.epochs) if exact.get(e, ((0, 0.0), False))[1]) / h.epochs
-
-
-def _death_window(h: History) -> float:
-    """How long after a fault healed a death may still be its doing: the staleness deadline,
-    a takeover's resume deadline and a handshake, plus 5 s of slack for a loaded machine."""
-    return (h.timing("heartbeat_timeout", 30) + h.timing("resume_timeout", 30)
-            + h.timing("handshake", 10) + 5.0)
-
-
-def justified(h: History, death: Entry) -> bool:
-    """A fault the docs say may kill ``death``'s rank (on it, its host or its link), or a
-    restart of its host, around the death."""
-    after = _death_window(h)
-    rank, host = death["rank"], death.get("host")
-    for f in h.faults:
-        if f.get("kills") and rank in (f.get("ranks") or []) and \
-                f["start"] - 0.5 <= death["t"] <= f["end"] + after:
-            return True
-    for r in h.by_type["restart"]:
-        # only deaths after it: a restart the death itself caused (its rank exited) is no cause
-        if r.get("target") in (host, f"rank {rank}") and r["t"] <= death["t"] <= \
-                r["t"] + after:
-            return True
-    return False
-
-
-def deaths_by_leaders(h: History) -> tuple[list[Entry], list[Entry]]:
-    """Deaths declared by a coordinator while it led, and those declared by one that had
-    already been superseded (they reach nobody: relays follow the newer generation)."""
-    led, deposed = [], []
-    for death in h.by_type["dead"]:
-        generation = death.get("generation")
-        later = h.superseded(generation) if generation is not None else None
-        (deposed if later is not None and death["t"] > later else led).append(death)
-    return led, deposed
 
 
 def rule_false_deaths(h: History) -> list[Violation]:
@@ -274,7 +240,8 @@ def rule_step_down(h: History) -> list[Violation]:
 
 def rule_run_end(h: History) -> list[Violation]:
     """The run ends with every epoch done and exit 0 (the schedule never exceeds the failure
-    policy: at most two hosts are under a fault at once)."""
+    policy: at most two hosts are under a fault at once); or, when the schedule left no rank
+    alive (:func:`policy_end`), with the failure policy's ``ALL_RANKS_LOST`` and exit 1."""
     last = h.entries[-1]["t"] if h.entries else 0.0
     ends = h.by_type["run_end"]
     if not ends:
@@ -284,15 +251,17 @@ def rule_run_end(h: History) -> list[Violation]:
     end = ends[0]
     around = h.slice(end["t"], before=20, keep=lambda e: e["type"] in (
         "dead", "cluster_failed", "fault", "heal", "elected", "stepped_down", "run_exit"))
+    expected = FAILED_EXIT if policy_end(h) is not None else 0
     out = []
-    if end.get("failed") or end.get("epochs") != h.epochs:
+    if not expected and (end.get("failed") or end.get("epochs") != h.epochs):
         out.append(Violation("run end", f"{end['name']} ended the run after {end.get('epochs')}"
                              f"/{h.epochs} epochs: {end.get('failed')}", end["t"], around))
     exits = [e for e in h.by_type["run_exit"] if e["name"] == end["name"]]
-    if not out and (not exits or exits[0].get("code") != 0):
+    if not out and (not exits or exits[0].get("code") != expected):
         code = exits[0].get("code") if exits else "none (it did not exit)"
         out.append(Violation("run end", f"{end['name']} exited with {code} after it ended the "
-                             "run", exits[0]["t"] if exits else last, around))
+                             f"run (expected {expected})", exits[0]["t"] if exits else last,
+                             around))
     return out
 
 

@@ -38,7 +38,9 @@ How it decides, in one place:
   death and return between two looks is a death all the same) gets no work in the current epoch,
   whose cover was settled when it died; from the next epoch on it is planned like any rank, after
   it was sent the role and the global step (and, with ``process_group``, after the group was
-  re-formed with it). So every epoch stays covered exactly once.
+  re-formed with it). When every member of the epoch left, the ranks that came back take it
+  over at once instead (in a resume too), rather than the run failing with live ranks. So every
+  epoch stays covered exactly once.
 - **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
   extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, and a

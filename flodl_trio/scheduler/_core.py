@@ -232,7 +232,7 @@ class SyncScheduler:
             self._members.leave(rank)
             self._lockstep.forget(rank)
         survivors = self._survivors()
-        if not survivors and remainders and self._phase.in_epoch and not self._phase.resuming:
+        if not survivors and not self._phase.after_last_epoch:
             survivors = await self._enlist_joiners()
         if not survivors:
             if not (self._phase.after_last_epoch and not remainders):
@@ -261,9 +261,13 @@ class SyncScheduler:
         await self._callbacks.retarget(self._members.gone, self._outbox.role)
 
     async def _enlist_joiners(self) -> list[int]:
-        """Every member of the epoch left with work unsynced while ranks that came back wait
-        for the next epoch: they take this one over instead (the run would otherwise fail with
-        live ranks). Returns them; they learn the role and the global step first."""
+        """Every member of the epoch left while ranks that came back wait for the next epoch
+        (those that died and came back since the last look too): they take this one over
+        instead (the run would otherwise fail with live ranks). Returns them; they learn the
+        role and the global step first. Resuming (before the anchor), what they take over is
+        sent with the shares repeated after the anchoring sync, which counts them in with no
+        credit (a fresh share is anchored: nothing of it was done before)."""
+        self._members.returned(self._coord.live_ranks)
         joiners = await self._fold_joiners()
         if joiners:
             log.info("every rank of epoch %d left; rank(s) %s, back from a death, take its "
@@ -283,7 +287,7 @@ class SyncScheduler:
                         ExtendPartition(partition_offset=o, partition_size=n) for o, n in part])
         for rank in fresh:
             share = self._ledger.shares.get(rank)
-            if share is not None:
+            if share is not None and share.done is None:  # not an earlier process's, settled
                 await self._outbox.send_each(rank, repeat_share(self._ledger.epoch, share))
 
     # ------------------------------------------------------------------ the phases' steps
@@ -473,5 +477,7 @@ class SyncScheduler:
         self._lockstep.restart(survivors)
         await self._save()
         for rank in survivors:
-            if rank in shares:
+            # A rank back from a death that took nothing over holds its earlier process's
+            # settled share: nothing of it is sent again.
+            if rank in shares and shares[rank].done is None:
                 await self._outbox.send_each(rank, repeat_share(self._ledger.epoch, shares[rank]))

@@ -97,9 +97,10 @@ def announce(timeline: Timeline, res: Resumption, num_epochs: int) -> None:
 
 
 def anchor_credit(shares: Mapping[int, Share], survivors: Sequence[int]) -> dict[int, int]:
-    """The ranks the anchoring ``SyncNow`` anchors (survivors with a share), each with the
-    batches the checkpoint credits it with."""
-    return {r: shares[r].synced for r in survivors if r in shares}
+    """The ranks the anchoring ``SyncNow`` anchors (survivors that hold a share: not one back
+    from a death whose earlier process's share was settled), each with the batches the
+    checkpoint credits it with."""
+    return {r: shares[r].synced for r in survivors if r in shares and shares[r].done is None}
 
 
 def repeat_share(epoch: int, share: Share) -> list[ControlMsg]:

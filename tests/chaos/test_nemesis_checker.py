@@ -174,12 +174,52 @@ def test_a_step_down_without_a_fault_that_takes_the_lease_is_caught() -> None:
                 if x["type"] == "run_end" else x for x in h],
      "coord-a ended the run after None/2 epochs: ClusterFailure: ALL_RANKS_LOST"),
     (lambda h: [{**x, "code": 1} if x["type"] == "run_exit" else x for x in h],
-     "coord-a exited with 1 after it ended the run"),
+     "coord-a exited with 1 after it ended the run (expected 0)"),
 ])
 def test_a_run_that_does_not_end_with_every_epoch_and_exit_0_is_caught(
         change: Any, message: str) -> None:
     found = [v for v in violations(change(clean())) if v.rule == "run end"]
     assert [v.message for v in found] == [message]
+
+
+def every_rank_killed(failed: str, code: int, *, host_1_faulted: bool = True,
+                      rejoined: bool = False) -> list[dict[str, Any]]:
+    """clean() where relay-kills take both hosts at once in epoch 1 and the run fails."""
+    h = [x for x in clean() if x["type"] not in ("run_end", "run_exit", "epoch_covered")
+         or x.get("epoch") == 0]
+    h += fault(5.2, 7.0, "relay-kill", 0, target="host-0", ranks=[0, 1])
+    if host_1_faulted:
+        h += fault(5.3, 7.0, "relay-kill", 1, target="host-1", ranks=[2, 3])
+    for rank in (0, 1, 2, 3):
+        h.append(e(5.25 + 0.1 * (rank // 2), "dead", rank=rank, host=f"host-{rank // 2}",
+                   by="coord-a#0", generation=1, reason="relay lost"))
+    if rejoined:
+        h.append(e(5.32, "rejoined", rank=0, host="host-0", by="coord-a#0", generation=1))
+    h += [e(5.4, "run_end", name="coord-a", incarnation=0, failed=failed, epochs=1),
+          e(5.5, "run_exit", name="coord-a", code=code)]
+    return sorted(h, key=lambda x: x["t"])
+
+
+POLICY = "ClusterFailure: cluster failure: ALL_RANKS_LOST; dead ranks [0, 1, 2, 3] (no live " \
+    "rank is left)"
+
+
+def test_a_schedule_that_killed_every_rank_is_judged_by_the_failure_policys_end() -> None:
+    # --max-hosts-down 2 of 2 hosts: every rank died of a fault; ALL_RANKS_LOST and exit 1
+    # are the right end, the epochs after it are not missed
+    assert violations(every_rank_killed(POLICY, 1)) == []
+    # ... and nothing else: another reason, or another exit code, is still the run's failure
+    found = sorted(violations(every_rank_killed("ReformationError: no live rank to ask", 1)),
+                   key=lambda v: v.rule, reverse=True)
+    assert [v.rule for v in found] == ["run end", "epochs"]
+    assert found[0].message.startswith("coord-a ended the run after 1/2 epochs: Reformation")
+    found = only(every_rank_killed(POLICY, 0), "run end")
+    assert found.message == "coord-a exited with 0 after it ended the run (expected 1)"
+    # a rank that died of no fault, or that was back, is no schedule's loss of every rank
+    found = violations(every_rank_killed(POLICY, 1, host_1_faulted=False))
+    assert sorted(v.rule for v in found) == ["epochs", "false death", "false death", "run end"]
+    found = violations(every_rank_killed(POLICY, 1, rejoined=True))
+    assert sorted(v.rule for v in found) == ["epochs", "run end"]
 
 
 def test_after_the_run_a_failed_exit_an_adopted_finished_run_and_leaks_are_caught() -> None:

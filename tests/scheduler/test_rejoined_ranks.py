@@ -8,67 +8,28 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import attrs
 import trio
 
 import flodl_trio as ft
 from flodl_trio.events import Note, RankRejoined
 from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.scheduler._parts import Members
-from flodl_trio.sim import SimRecord, SimulatedRank
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
+from helpers.sims import SimHost, start_sim_host
 
 BATCH = 4
 SAMPLES = 64
 
 
-@attrs.define(eq=False)
-class SimHost:
-    """One relay and its simulated ranks, running until killed (or the run ends)."""
-
-    host: str
-    ranks: list[int]
-    records: dict[int, SimRecord] = attrs.Factory(dict)
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    exit: Any = None
-    done: trio.Event = attrs.Factory(trio.Event)
-
-
-async def _sim_rank(net: MemoryNetwork, h: SimHost, rank: int, salt: ft.SessionSalt) -> None:
-    async with ft.open_rank(lambda: net.connect(f"relay:{h.host}"), salt=salt, rank=rank,
-                            world_size=4) as ep:
-        sim = SimulatedRank(ep, batch_size=BATCH, batch_ms=50)
-        h.records[rank] = sim.record
-        await sim.run()
-
-
-async def _run_host(net: MemoryNetwork, h: SimHost, salt: ft.SessionSalt) -> None:
-    try:
-        with h.scope:
-            async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=h.host,
-                                     ranks=h.ranks, world_size=4,
-                                     rank_listen=net.listener(f"relay:{h.host}")) as relay:
-                async with trio.open_nursery() as nursery:
-                    for rank in h.ranks:
-                        nursery.start_soon(_sim_rank, net, h, rank, salt)
-                    h.exit = await relay.wait_closed()
-    except ft.FlodlError as exc:
-        h.exit = exc
-    finally:
-        h.done.set()
-
-
 def start(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: list[int],
           salt: ft.SessionSalt) -> SimHost:
-    h = SimHost(host, ranks)
-    nursery.start_soon(functools.partial(_run_host, net, h, salt))
-    return h
+    return start_sim_host(nursery, net, host, ranks, salt, batch_size=BATCH)
 
 
 def _worked_in(h: SimHost, epoch: int) -> bool:
-    return any(e == epoch for e, _, _ in h.records[0].processed)
+    return h.worked_in(epoch)
 
 
 def notes(log: EventLog, what: str) -> list[tuple[float, dict[str, Any]]]:
