@@ -73,6 +73,29 @@ def liveness_seconds(value: float) -> float:
     return value
 
 
+def parse_world_range(text: str) -> tuple[int, int]:
+    """The coordinator's ``--world-size``: ``N`` (a fixed world, N:N) or ``MIN:MAX``.
+
+    >>> parse_world_range("4"), parse_world_range("2:6")
+    ((4, 4), (2, 6))
+    >>> parse_world_range("5:3")
+    Traceback (most recent call last):
+        ...
+    flodl_trio._errors.UsageError: --world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, \
+got '5:3' (MIN 5 is above MAX 3)
+    """
+    low, sep, high = text.strip().partition(":")
+    expected = "--world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, got"
+    if not low.isdigit() or (sep and not high.isdigit()):
+        raise UsageError(f"{expected} {text!r}")
+    least, most = int(low), int(high) if sep else int(low)
+    if least < 1 or most < 1:
+        raise UsageError(f"{expected} {text!r} (a world of 0 ranks cannot run)")
+    if least > most:
+        raise UsageError(f"{expected} {text!r} (MIN {least} is above MAX {most})")
+    return least, most
+
+
 def parse_model_sigs(items: list[str]) -> dict[str, bytes]:
     """``["encoder=00ff"]`` → {"encoder": b"\\x00\\xff"}.
 

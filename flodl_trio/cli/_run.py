@@ -39,6 +39,7 @@ from ._common import (
     load_salt,
     os_error_text,
     parse_address,
+    parse_world_range,
     replace_text,
 )
 from ._durable import (
@@ -87,8 +88,19 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["resume_timeout"] = args.resume_timeout
     if args.store_write_rate is not None:
         overrides["store_write_rate"] = args.store_write_rate
-    return CoordinatorConfig(world_size=args.world_size,
-                             allow_rank_takeover=args.allow_takeover, **overrides)
+    least, most = parse_world_range(args.world_size)
+    if least < most:
+        overrides["min_world_size"] = least
+    for flag, name in (("--join-window", "join_window"), ("--retire-after", "retire_after")):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not value >= 0 or (name == "retire_after" and not value > 0):
+            limit = "> 0" if name == "retire_after" else ">= 0"
+            raise UsageError(f"{flag}: expected seconds {limit}, got {value!r}")
+        overrides[name] = value
+    return CoordinatorConfig(world_size=most, allow_rank_takeover=args.allow_takeover,
+                             **overrides)
 
 
 async def run_coordinator(args: argparse.Namespace) -> int:

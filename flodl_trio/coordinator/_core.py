@@ -43,7 +43,7 @@ class Coordinator:
     """The run's coordinator, as yielded by :func:`flodl_trio.open_coordinator`.
 
     Attributes:
-        world_size: number of global ranks.
+        world_size: number of global ranks (an elastic world's maximum: the rank id space).
         config: the :class:`CoordinatorConfig` in force.
         address: ``(host, port)`` it listens on (a property; a ``ConfigError`` when it was
             given listeners instead of an address to bind).
@@ -82,7 +82,7 @@ class Coordinator:
             config.metrics_buffer
         )
         codec = FrameCodec(salt)
-        self._roster = Roster[RelayConn](config.world_size)
+        self._roster = Roster[RelayConn](config.world_size, min_world=config.min_world)
         self._sender = Sender(self._roster, codec, self.timeline, config.world_size)
         self._liveness = Liveness(self._roster, self._sender, config, self.timeline)
         self._board = Board(config.world_size)
@@ -210,6 +210,22 @@ class Coordinator:
     @property
     def covered_ranks(self) -> frozenset[int]:
         return self._roster.covered
+
+    @property
+    def world_range(self) -> tuple[int, int]:
+        """``(minimum, maximum)`` of the world (``(world_size, world_size)`` when fixed)."""
+        return self._roster.min_world, self._roster.world_size
+
+    @property
+    def current_world(self) -> int:
+        """Ranks in the cohort now: covered, live or dead-and-awaited or exited (retired
+        ranks and ranks that never joined are not); ``max_failure`` is judged against it."""
+        return self._roster.current_world
+
+    @property
+    def retired_ranks(self) -> frozenset[int]:
+        """Ranks retired from the world (issue 37) and not joined again since."""
+        return frozenset(self._roster.retired)
 
     @property
     def live_ranks(self) -> frozenset[int]:

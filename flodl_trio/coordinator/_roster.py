@@ -24,8 +24,11 @@ class Roster(LivenessRules[M]):
     """Relays, rank → relay, dead ranks (with reasons), exited ranks, last-seen clocks, reject
     counters and the run's phase (``forming``, ``running``, ``shutting_down``, ``closed``)."""
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, world_size: int, *, min_world: int | None = None) -> None:
+        self.world_size = world_size  # the largest world: the rank id space
+        # Elastic membership (issue 37): the smallest world the run forms with and keeps.
+        self.min_world = world_size if min_world is None else min_world
+        self._retired: dict[int, None] = {}  # ranks taken out of the world, in order
         # Insertion-ordered sets (dicts): a 16k-rank world has 2,048 relays, and every Hello
         # asks about them, so nothing here may scan the list per relay.
         self._relays: dict[M, None] = {}
@@ -107,6 +110,18 @@ class Roster(LivenessRules[M]):
             return frozenset(self._relay_of)
         waiting = self._unconfirmed
         return frozenset(r for r, relay in self._relay_of.items() if relay not in waiting)
+
+    @property
+    def current_world(self) -> int:
+        """Ranks in the cohort: covered, live or dead-and-awaited or exited; retired ranks
+        and ranks never covered are not."""
+        return len(self._relay_of) - sum(1 for relay in self._unconfirmed
+                                         for r in relay.ranks if self._relay_of.get(r) is relay)
+
+    @property
+    def retired(self) -> tuple[int, ...]:
+        """Ranks retired from the world and not back since, in the order they were."""
+        return tuple(self._retired)
 
     @property
     def live(self) -> frozenset[int]:
@@ -406,6 +421,9 @@ class Roster(LivenessRules[M]):
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
             "exited": sorted(self._exited),
             "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
+            "world": {"min": self.min_world, "max": self.world_size,
+                      "current": self.current_world},
+            "retired": sorted(self._retired),
         }
 
 

@@ -223,7 +223,7 @@ class Liveness:
         if (reason is None or self.failure is not None or self._roster.shutting_down
                 or not self._leads()):
             return
-        world = self._roster.world_size
+        world = self._roster.current_world
         detail = (
             f"max_failure {policy.describe(world)} reached"
             if reason is SaveReason.MAX_FAILURE_EXCEEDED and policy is not None
