@@ -167,6 +167,7 @@ class Admitter:
         supersedes it, and its end un-covers the relay."""
         conn = self._new_conn(stream, machine, peer, hello)
         self._roster.register(conn, trio.current_time())
+        self._outcome.moved(joined=True)
         return conn
 
     async def _join(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
@@ -200,6 +201,7 @@ class Admitter:
         closes it). Counted as a reject unless a re-dial superseded it meanwhile."""
         superseded = conn.lost_reason is not None
         self._roster.unregister(conn)
+        self._outcome.moved(joined=False)
         conn.abandon("no Ready")
         if not superseded:
             detail = (f"no Ready within handshake_timeout={self._config.handshake_timeout:g}s"
@@ -338,6 +340,8 @@ class Admitter:
             self._liveness.wake()  # its ranks' clocks start now
         if roster.complete:  # the last ranks are covered (a rejoin during formation too)
             self._outcome.complete()
+        elif roster.forming:  # an elastic world's join window starts again
+            self._outcome.moved(joined=True)
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")

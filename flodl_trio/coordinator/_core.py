@@ -161,6 +161,8 @@ class Coordinator:
         tasks += self._leader.tasks()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
+        if self.config.elastic:
+            tasks.append(self._formation.watch_join_window)
         return tasks
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:

@@ -284,6 +284,13 @@ class Roster(LivenessRules[M]):
         return (self._phase == "forming" and len(self._relay_of) == self.world_size
                 and not self._unconfirmed)
 
+    @property
+    def quorate(self) -> bool:
+        """Forming, at least the world's minimum covered, and no relay waiting for its
+        ``Ready``: an elastic world may form (once its join window passed)."""
+        return (self._phase == "forming" and not self._unconfirmed
+                and len(self._relay_of) >= self.min_world)
+
     def unregister(self, relay: M) -> None:
         """Forget ``relay``: the ranks it still carries are uncovered again."""
         if self._relays.pop(relay, 0) is None:  # it was registered
@@ -369,16 +376,22 @@ class Roster(LivenessRules[M]):
         # Hung up on our Challenge, or a Hello that failed its MAC: what a relay does whose
         # salt differs.
         hint = f" ({salt} like a relay with another salt: {WRONG_SALT_HINT})" if salt else ""
+        world = (f"{self.world_size}" if self.min_world == self.world_size else
+                 f"{self.min_world} (the minimum of a world of {self.min_world} to "
+                 f"{self.world_size})")
         return (
-            f"{headline}: {len(self.covered)}/{self.world_size} ranks covered; hosts joined: "
+            f"{headline}: {len(self.covered)}/{world} ranks covered; hosts joined: "
             f"{joined}; rejected connections: {self._rejects.summary()}{hint}"
         )
 
     def start_running(self, now: float) -> None:
         """Formation is complete: staleness counts from ``now`` for every rank (and every
-        relay's silence)."""
+        relay's silence). A rank left uncovered (an elastic world formed without it) was
+        never in the cohort: any host may grow into it, whoever announced it before."""
         self._phase = "running"
         self.formed = True
+        for r in [r for r in self._announced if r not in self._relay_of]:
+            del self._announced[r]
         for r in self._relay_of:
             self._last_seen[r] = now
         for relay in self._relays:
