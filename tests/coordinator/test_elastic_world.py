@@ -11,7 +11,7 @@ import flodl_trio as ft
 from flodl_trio.events import FormationComplete
 from flodl_trio.testing import EventLog, MemoryNetwork
 
-from helpers import failed_formation, hosts_by_hand, wait_until
+from helpers import failed_formation, hosts_by_hand
 
 
 def elastic(least: int, most: int, **kw: object) -> ft.CoordinatorConfig:
