@@ -30,7 +30,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FlodlError, FormationError
-from ..events import RankRejoined, RankTakenOver, RelayJoined
+from ..events import RankJoined, RankRejoined, RankTakenOver, RelayJoined
 from ..net._transport import STREAM_GONE, is_local_or_private
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareAlive, DeclareDead, Hello, HelloReceived
@@ -306,6 +306,9 @@ class Admitter:
         roster = self._roster
         dropped: list[RelayConn] = []
         back: list[int] = []
+        # Ranks new to a running cohort (never covered, or retired): the world grows (issue 37).
+        grown = ([rank for rank in conn.ranks if roster.relay_of(rank) is None]
+                 if roster.running else [])
         if isinstance(verdict, Join):
             roster.confirm(conn)
             previous = verdict.taken
@@ -330,11 +333,17 @@ class Admitter:
                                                    previous_host=before))
         for rank in back:
             self._timeline.event(RankRejoined(rank=rank, host=conn.host))
-        # The newcomers learn who is still dead; everyone learns who is back. Both are queued
-        # behind the welcome on the new connection, and never wait on any relay.
+        if grown:
+            world = roster.current_world
+            log.info("relay %r grew the world to %d ranks (%d..%d) with ranks %s", conn.host,
+                     world, roster.min_world, roster.world_size, ranks_text(grown))
+            for rank in grown:
+                self._timeline.event(RankJoined(rank=rank, host=conn.host, world=world))
+        # The newcomers learn who is still dead; everyone learns who is back, or new. Both are
+        # queued behind the welcome on the new connection, and never wait on any relay.
         for dead in sorted(roster.dead):
             self._sender.post_to(conn, DeclareDead(rank=dead))
-        for rank in back:
+        for rank in (*back, *grown):
             self._sender.post(DeclareAlive(rank=rank))
         if not isinstance(verdict, Join):
             self._liveness.wake()  # its ranks' clocks start now

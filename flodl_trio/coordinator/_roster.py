@@ -206,7 +206,7 @@ class Roster(LivenessRules[M]):
             return (f"{who}: world_size mismatch: the coordinator's world_size is "
                     f"{self.world_size}, the relay's is {world_size}")
         if model_sigs:
-            problem = self._sigs_problem(who, None if rejoin else host, model_sigs)
+            problem = self._sigs_problem(who, host, model_sigs, same_host_too=rejoin)
             if problem is not None:
                 return problem
         if not ranks:
@@ -226,12 +226,13 @@ class Roster(LivenessRules[M]):
                         f"{owner.peer}")
         return None
 
-    def _sigs_problem(self, who: str, host: str | None, sigs: dict[str, bytes]) -> str | None:
+    def _sigs_problem(self, who: str, host: str, sigs: dict[str, bytes], *,
+                      same_host_too: bool) -> str | None:
         # Every registered relay agrees with the first digest seen for each name, so comparing
         # with those is comparing with all of them.
         owners = {self._sig_owner[name][1] for name in sigs if name in self._sig_owner}
         for other in owners:
-            if other.host == host:
+            if other.host == host and not same_host_too:
                 continue  # a re-dial of the same relay (during formation) is judged on its own
             theirs = other.model_sigs
             differ = sorted(name for name, digest in sigs.items()

@@ -4,6 +4,8 @@ size in the status document, and the failure policy judged against the current w
 from __future__ import annotations
 
 import flodl_trio as ft
+from flodl_trio import wire
+from flodl_trio.coordinator._admission import Grow, Refuse, Terms, judge
 from flodl_trio.coordinator._roster import Roster
 from flodl_trio.wire import SaveReason
 
@@ -40,3 +42,30 @@ def test_a_share_of_the_world_is_a_share_of_the_current_world_not_of_its_maximum
     # 2 of the 4 in the cohort: half of it, though only a quarter of the maximum.
     assert roster.failure_reason(half) is SaveReason.MAX_FAILURE_EXCEEDED
     assert half.describe(roster.current_world) == "percent(50) = 2 of 4"
+
+
+def hello(host: str, ranks: tuple[int, ...], world: int) -> wire.HelloReceived:
+    return wire.HelloReceived(wire.Hello(host=host, world_size=world, model_sigs={},
+                                         ranks=ranks, nonce=bytes(16)))
+
+
+def verdict(roster: Roster[FakeRelay], host: str, ranks: tuple[int, ...]) -> object:
+    return judge(roster, hello(host, ranks, roster.world_size), "10.0.0.5:7000",
+                 terms=Terms(), claims={})
+
+
+def test_a_rank_left_out_of_the_formed_cohort_belongs_to_no_host_any_more() -> None:
+    roster = elastic(2, 6, ("host-a", (0, 1)), ("host-b", (4, 5)), run=False)
+    [_, b] = roster.relays
+    roster.unregister(b)  # host-b's relay was lost while the world formed
+    assert roster.announced_by(4) == "host-b"
+    assert isinstance(verdict(roster, "host-c", (4, 5)), Refuse)  # host-b may still come back
+    roster.start_running(2.0)  # formed with its minimum, without host-b
+    assert roster.announced_by(4) is None
+    assert verdict(roster, "host-c", (4, 5)) == Grow((4, 5))
+    assert verdict(roster, "host-c", (2, 3, 4, 5)) == Grow((2, 3, 4, 5))
+    # A fixed world covers every rank once formed: nothing for the row to take.
+    fixed = elastic(4, 4, ("host-a", (0, 1)), ("host-b", (2, 3)))
+    assert verdict(fixed, "host-c", (2, 3)) == Refuse(
+        "authenticated Hello from relay 'host-c' at 10.0.0.5:7000: expected every rank it "
+        "names to be dead, but rank 2 is alive on relay 'host-b' at 10.0.0.1:4000")

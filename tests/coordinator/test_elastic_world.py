@@ -5,13 +5,17 @@ and dead ranks are retired so the world stops waiting for them."""
 
 from __future__ import annotations
 
+import functools
+
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import FormationComplete
+from flodl_trio.events import FormationComplete, RankJoined, RankRejoined
 from flodl_trio.testing import EventLog, MemoryNetwork
+from flodl_trio.wire import DeclareAlive
 
-from helpers import failed_formation, hosts_by_hand
+from helpers import COORD, failed_formation, hosts_by_hand, wait_until
+from helpers.rejoin import RawCohort, raw_cohort
 
 
 def elastic(least: int, most: int, **kw: object) -> ft.CoordinatorConfig:
@@ -81,3 +85,64 @@ async def test_formation_timeout_bounds_the_wait_for_the_minimum_and_says_so(
     assert 5 <= took < 5.1
     assert str(exc).startswith("formation timed out after 5s: 1/2 (the minimum of a world of 2 "
                                "to 6) ranks covered; hosts joined: host-a [0]")
+
+
+# ------------------------------------------------------------------ growing
+
+
+async def test_a_host_the_run_did_not_start_with_joins_and_the_others_learn_its_ranks(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    log = EventLog()
+    async with hosts_by_hand(memory_network, 6, {"host-a": [0, 1]}) as hosts:
+        async with hosts.coordinator(elastic(2, 6), timeline=log) as coord:
+            assert coord.live_ranks == {0, 1}
+            started = trio.current_time()
+            await hosts.start("host-b", [2, 3, 4, 5])
+            await wait_until(lambda: coord.live_ranks == set(range(6)), limit=5)
+            assert trio.current_time() - started < 0.5
+            assert coord.current_world == 6 and coord.rejoins == {}
+            assert coord.state()["world"] == {"min": 2, "max": 6, "current": 6}
+            assert log.events_of(RankJoined) == [
+                RankJoined(rank=r, host="host-b", world=6) for r in (2, 3, 4, 5)]
+            assert log.events_of(RankRejoined) == []
+            survivors = hosts.runs["host-a"].ranks.values()
+            await wait_until(lambda: all(rec.labels().count("DeclareAlive") == 4
+                                         for rec in survivors), limit=2)
+            for rec in survivors:
+                alive = [int(m.rank) for m in rec.received if isinstance(m, DeclareAlive)]
+                assert sorted(alive) == [2, 3, 4, 5]
+                assert rec.ep is not None and rec.ep.dead_peers == frozenset()
+            # The newcomers are addressed like everyone else.
+            result = await coord.broadcast_control(ft.wire.SyncNow())
+            assert result.delivered == frozenset(range(6))
+
+
+async def test_a_joining_host_that_does_not_fit_is_refused_at_once_naming_why(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    cfg = elastic(2, 6, heartbeat_interval=3600, heartbeat_timeout=3600)
+    async with raw_cohort(memory_network, RawCohort) as run:
+        run.nursery.start_soon(functools.partial(run.dial, "host-a", [0, 1], world_size=6))
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=run.salt,
+                                       config=cfg, timeline=run.timeline) as coord:
+            a = coord.relays[0].peer
+            cases = [
+                (("host-x", [5, 6]), {}, "rank 6 is out of range for world_size 6"),
+                (("host-y", [2, 3]), {"model_sigs": {"model": bytes(32)}},
+                 f"model signature mismatch: relay 'host-y' and relay 'host-a' at {a} disagree "
+                 "on 'model'"),
+                (("host-z", [2]), {"world_size": 8}, "world_size mismatch: the coordinator's "
+                 "world_size is 6, the relay's is 8"),
+                (("host-w", [1, 2]), {}, "expected every rank it names to be dead, but rank 1 "
+                 f"is alive on relay 'host-a' at {a}"),
+            ]
+            for (host, ranks), kw, reason in cases:
+                began = trio.current_time()
+                raw = await run.dial(host, ranks, **{"world_size": 6, **kw})
+                assert not raw.acked and raw.refused is not None, host
+                assert reason in raw.refused, raw.refused
+                assert trio.current_time() - began < 0.1
+            assert coord.live_ranks == {0, 1} and coord.current_world == 2
+            assert len(run.refusals()) == 4
+            assert all(r.startswith("rejoin refused") for r in run.refusals())
