@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -30,6 +31,7 @@ from ._boardview import board_document, epoch_in_progress
 from ._leader import Leader
 from ._persist import checked_checkpoint
 from ._relayconn import Delivery, RelayConn
+from ._retire import Retirement
 from ._roster import Roster
 from ._sending import Sender
 from .formation import Formation
@@ -97,6 +99,8 @@ class Coordinator:
         self._shutdown_begun = False
         self._formation_began: float | None = None
         self._formed_at: float | None = None
+        self._retirement = Retirement(roster=self._roster, liveness=self._liveness,
+                                      config=config, timeline=self.timeline)
         self._leader = Leader(salt=salt, config=config, roster=self._roster, sender=self._sender,
                               liveness=self._liveness, formation=self._formation)
         self._roster.report_changes_to(self._leader.changed)
@@ -161,8 +165,11 @@ class Coordinator:
         tasks += self._leader.tasks()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
-        if self.config.elastic:
+        least, most = self.world_range  # an adopted session's range holds (issue 37)
+        if least < most:
             tasks.append(self._formation.watch_join_window)
+        if self.config.retire_after < math.inf:
+            tasks.append(self._retirement.watch)
         return tasks
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
@@ -405,6 +412,24 @@ class Coordinator:
             await self._liveness.wait_told()
         else:
             await trio.lowlevel.checkpoint()
+
+    async def retire(self, ranks: Iterable[int] | int, *,
+                     reason: str = "retired by the orchestrator") -> None:
+        """Take dead (or cleanly exited) ranks out of an elastic world for good (issue 37,
+        docs/elastic.rst): they stop counting in the world and against ``max_failure``, and
+        nobody waits for them; their ids may join again later. All of them or none.
+
+        Raises:
+            ConfigError: not rank ids of this world.
+            MembershipError: one is alive (drain its host instead), not in the world or
+                retired already, or the world would drop below its minimum.
+        """
+        self._retirement.retire(self._retirement.checked(ranks), reason)
+        await trio.lowlevel.checkpoint()
+
+    def retired_reason(self, rank: int) -> str | None:
+        """Why ``rank`` was retired from the world, or None when it is not retired."""
+        return self._roster.retired_reason(rank)
 
     async def shutdown_with_save(self, reason: SaveReason) -> None:
         """Tell every live rank to save and stop (``ShutdownWithSave``); sent once per run."""

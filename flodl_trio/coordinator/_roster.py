@@ -4,7 +4,8 @@ Which relays joined and which ranks each carries, who is dead (and why), who exi
 when each rank was last heard from, how many handshakes were rejected and in which phase the
 run is. The coordinator's IO modules (formation, readers, liveness, sending) ask and tell this
 object; it never waits and never reads a clock, so every rule here is testable without trio.
-The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster_liveness`.
+The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster_liveness`; an
+elastic world's rules (its current size, forming with a range, retiring) in :mod:`._roster_world`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from ..net._ratelimit import JunkCounter, JunkReport
 from ..wire import ranks_text
 from ..wire._handshake import WRONG_SALT_HINT
 from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member
+from ._roster_world import WorldRules
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]
 
 
-class Roster(LivenessRules[M]):
+class Roster(WorldRules[M], LivenessRules[M]):
     """Relays, rank → relay, dead ranks (with reasons), exited ranks, last-seen clocks, reject
     counters and the run's phase (``forming``, ``running``, ``shutting_down``, ``closed``)."""
 
@@ -28,7 +30,7 @@ class Roster(LivenessRules[M]):
         self.world_size = world_size  # the largest world: the rank id space
         # Elastic membership (issue 37): the smallest world the run forms with and keeps.
         self.min_world = world_size if min_world is None else min_world
-        self._retired: dict[int, None] = {}  # ranks taken out of the world, in order
+        self._retired: dict[int, str] = {}  # ranks taken out of the world, why, in order
         # Insertion-ordered sets (dicts): a 16k-rank world has 2,048 relays, and every Hello
         # asks about them, so nothing here may scan the list per relay.
         self._relays: dict[M, None] = {}
@@ -110,18 +112,6 @@ class Roster(LivenessRules[M]):
             return frozenset(self._relay_of)
         waiting = self._unconfirmed
         return frozenset(r for r, relay in self._relay_of.items() if relay not in waiting)
-
-    @property
-    def current_world(self) -> int:
-        """Ranks in the cohort: covered, live or dead-and-awaited or exited; retired ranks
-        and ranks never covered are not."""
-        return len(self._relay_of) - sum(1 for relay in self._unconfirmed
-                                         for r in relay.ranks if self._relay_of.get(r) is relay)
-
-    @property
-    def retired(self) -> tuple[int, ...]:
-        """Ranks retired from the world and not back since, in the order they were."""
-        return tuple(self._retired)
 
     @property
     def live(self) -> frozenset[int]:
@@ -285,13 +275,6 @@ class Roster(LivenessRules[M]):
         return (self._phase == "forming" and len(self._relay_of) == self.world_size
                 and not self._unconfirmed)
 
-    @property
-    def quorate(self) -> bool:
-        """Forming, at least the world's minimum covered, and no relay waiting for its
-        ``Ready``: an elastic world may form (once its join window passed)."""
-        return (self._phase == "forming" and not self._unconfirmed
-                and len(self._relay_of) >= self.min_world)
-
     def unregister(self, relay: M) -> None:
         """Forget ``relay``: the ranks it still carries are uncovered again."""
         if self._relays.pop(relay, 0) is None:  # it was registered
@@ -333,6 +316,7 @@ class Roster(LivenessRules[M]):
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay
+            self._retired.pop(r, None)  # a retired rank's id joined again: the world grew
             if self._dead.pop(r, None) is not None:
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import FormationComplete, RankJoined, RankRejoined
+from flodl_trio.events import (
+    FormationComplete,
+    RankDeclaredDead,
+    RankJoined,
+    RankRejoined,
+    RankRetired,
+)
 from flodl_trio.testing import EventLog, MemoryNetwork
 from flodl_trio.wire import DeclareAlive
 
@@ -146,3 +153,110 @@ async def test_a_joining_host_that_does_not_fit_is_refused_at_once_naming_why(
             assert coord.live_ranks == {0, 1} and coord.current_world == 2
             assert len(run.refusals()) == 4
             assert all(r.startswith("rejoin refused") for r in run.refusals())
+
+
+# ------------------------------------------------------------------ retiring
+
+
+async def test_retiring_dead_ranks_takes_them_out_of_the_world_and_their_ids_may_join_again(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    log = EventLog()
+    layout = {"host-a": [0, 1], "host-b": [2, 3]}
+    async with hosts_by_hand(memory_network, 6, layout) as hosts:
+        async with hosts.coordinator(elastic(2, 6), timeline=log) as coord:
+            hosts.runs["host-b"].kill()
+            await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
+            await coord.retire([3, 2])
+            assert [(ev.rank, ev.host, ev.world) for ev in log.events_of(RankRetired)] == [
+                (2, "host-b", 3), (3, "host-b", 2)]
+            assert coord.dead_ranks == frozenset() and coord.current_world == 2
+            assert coord.retired_ranks == {2, 3}
+            assert coord.retired_reason(2) == "retired by the orchestrator"
+            assert [r.host for r in coord.relays] == ["host-a"]
+            state = coord.state()
+            assert state["world"] == {"min": 2, "max": 6, "current": 2}
+            assert state["retired"] == [2, 3] and state["dead"] == []
+            # Bad input is one clear answer and changes nothing.
+            a = coord.relays[0].peer
+            with pytest.raises(ft.MembershipError) as alive:
+                await coord.retire(0)
+            assert str(alive.value) == (
+                f"retire: expected a dead or exited rank, but rank 0 is alive on relay "
+                f"'host-a' at {a} (drain its host to retire it)")
+            with pytest.raises(ft.MembershipError, match=r"rank 2 was retired already"):
+                await coord.retire([2])
+            with pytest.raises(ft.MembershipError, match=r"rank 5 is not in the world"):
+                await coord.retire([5])
+            with pytest.raises(ft.ConfigError, match=r"expected rank ids in \[0, 6\), got 6"):
+                await coord.retire([1, 6])
+            assert coord.current_world == 2 and coord.live_ranks == {0, 1}
+            # A retired id joins again: the world grows, whichever host brings it.
+            await hosts.start("host-c", [2, 3])
+            await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=5)
+            assert coord.retired_ranks == frozenset() and coord.current_world == 4
+            assert [(ev.rank, ev.host) for ev in log.events_of(RankJoined)] == [
+                (2, "host-c"), (3, "host-c")]
+            assert coord.rejoins == {}
+
+
+async def test_a_world_at_its_minimum_retires_nothing_and_the_policy_decides_as_before(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1], "host-b": [2, 3]}) as hosts:
+        async with hosts.coordinator(elastic(3, 4)) as coord:
+            hosts.runs["host-b"].kill()
+            await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
+            with pytest.raises(ft.MembershipError) as below:
+                await coord.retire([2, 3])
+            assert str(below.value) == (
+                "retire: retiring rank(s) [2, 3] would leave 2 ranks, below the world's "
+                "minimum of 3 (it has 4); the failure policy decides about dead ranks there")
+            await coord.retire(2)  # one of them still fits
+            assert coord.current_world == 3 and coord.dead_ranks == {3}
+
+
+async def test_retire_after_retires_a_dead_rank_then_and_it_no_longer_counts_as_a_failure(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    log = EventLog()
+    layout = {"host-a": [0, 1], "host-b": [2, 3], "host-c": [4, 5]}
+    cfg = elastic(2, 6, retire_after=2, max_failure=ft.MaxFailure.absolute(3))
+    async with hosts_by_hand(memory_network, 6, layout) as hosts:
+        async with hosts.coordinator(cfg, timeline=log) as coord:
+            hosts.runs["host-b"].kill()
+            await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
+            died = log.of(RankDeclaredDead)[-1][0]
+            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=5)
+            retired = log.of(RankRetired)
+            assert all(2 <= t - died < 2.1 for t, _ in retired), retired
+            assert retired[0][1].reason.startswith(
+                "dead for 2s (retire_after): relay 'host-b' at ")
+            # Two more deaths: 2 dead of 4, under max_failure 3 (without the retirement:
+            # 4 dead, the run would stop).
+            hosts.runs["host-c"].kill()
+            await wait_until(lambda: coord.dead_ranks == {4, 5}, limit=5)
+            await trio.sleep(0.5)
+            assert coord.failure is None
+            # host-c's ranks go too; host-a's are the world's minimum and stay.
+            await wait_until(lambda: coord.retired_ranks == {2, 3, 4, 5}, limit=5)
+            assert coord.current_world == 2 and coord.live_ranks == {0, 1}
+
+
+async def test_ranks_due_for_retirement_below_the_minimum_stay_dead_and_are_said_once(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = {"host-a": [0, 1], "host-b": [2, 3], "host-c": [4, 5]}
+    async with hosts_by_hand(memory_network, 6, layout) as hosts:
+        async with hosts.coordinator(elastic(3, 6, retire_after=1)) as coord:
+            for host in ("host-b", "host-c"):
+                hosts.runs[host].kill()
+            await wait_until(lambda: coord.dead_ranks == {2, 3, 4, 5}, limit=5)
+            await trio.sleep(5)
+            assert coord.retired_ranks == {2, 3, 4} and coord.dead_ranks == {5}
+            assert coord.current_world == 3
+            held = [r.getMessage() for r in caplog.records if "is not retired" in r.message]
+            assert held == ["rank 5 has been dead for 1s but is not retired: the world is at "
+                            "its minimum of 3 ranks; the failure policy decides (it counts as "
+                            "dead)"]
