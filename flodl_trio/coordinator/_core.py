@@ -257,6 +257,13 @@ class Coordinator:
         return self._roster.rejoins
 
     @property
+    def joins(self) -> dict[int, int]:
+        """How many times each rank joined the running cohort as a rank it did not cover (an
+        elastic world grew, issue 37; a copy). A count that moved means a new process holds the
+        rank, even if nobody saw it retired in between."""
+        return self._roster.joins
+
+    @property
     def phase(self) -> str:
         """``forming``, ``running``, ``shutting_down`` or ``closed``."""
         return self._roster.phase

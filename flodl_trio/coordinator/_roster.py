@@ -40,6 +40,7 @@ class Roster(WorldRules[M], LivenessRules[M]):
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
+        self._joins: dict[int, int] = {}  # rank -> times it joined a running cohort (grew it)
         self._announced: dict[int, str] = {}  # rank -> host of the last relay that covered it
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
@@ -141,6 +142,12 @@ class Roster(WorldRules[M], LivenessRules[M]):
     def rejoins(self) -> dict[int, int]:
         """Times each rank came back after being declared dead (a copy)."""
         return dict(self._rejoins)
+
+    @property
+    def joins(self) -> dict[int, int]:
+        """Times each rank joined the running cohort as a rank it did not cover (an elastic
+        world grew; a copy)."""
+        return dict(self._joins)
 
     @property
     def exited(self) -> frozenset[int]:
@@ -313,6 +320,8 @@ class Roster(WorldRules[M], LivenessRules[M]):
         for r in relay.ranks:
             old = self._relay_of.get(r)
             previous[r] = self._announced.get(r) if old is None else old.host
+            if old is None and self._phase == "running":
+                self._joins[r] = self._joins.get(r, 0) + 1
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay

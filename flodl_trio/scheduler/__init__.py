@@ -39,6 +39,12 @@ How it decides, in one place:
   whose cover was settled when it died; from the next epoch on it is planned like any rank, after
   it was sent the role and the global step (and, with ``process_group``, after the group was
   re-formed with it). So every epoch stays covered exactly once.
+- **An elastic world** (issue 37). A rank the scheduler never saw in the cohort (a host that
+  joined the running world) waits for the next epoch like a rank that came back, and is planned
+  from it; the process group is re-formed first with the new size (``new_world_size``, dense
+  ``new_rank``). A retired rank left like a dead one (its share was settled when it died, or is
+  settled now if it was retired before the scheduler looked), and a rank whose id joined again
+  (``coord.joins`` moved) is a new process.
 - **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
   extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, and a

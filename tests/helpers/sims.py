@@ -1,15 +1,20 @@
-"""Simulated ranks (:mod:`flodl_trio.sim`) in a local cluster, for the scheduler's whole runs."""
+"""Simulated ranks (:mod:`flodl_trio.sim`) in a local cluster, for the scheduler's whole runs; and
+hosts of simulated ranks started by hand (:func:`start_sim_host`), for worlds that change."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import trio
 
 import flodl_trio as ft
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
+
+from helpers.raw import COORD
 
 
 @attrs.define
@@ -60,3 +65,63 @@ async def sim_cluster(
                     cluster.kill_rank(rank)
 
 
+
+
+@attrs.define(eq=False)
+class SimHost:
+    """One relay and its simulated ranks started by hand (:func:`start_sim_host`), running until
+    killed or the run ends. ``sims[rank].record`` is what each rank did; ``exit`` is how the
+    relay ended (a ``RelayExit`` or the exception), once ``done`` is set."""
+
+    host: str
+    ranks: list[int]
+    sims: dict[int, Any] = attrs.Factory(dict)
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    exit: Any = None
+    done: trio.Event = attrs.Factory(trio.Event)
+
+    def kill(self) -> None:
+        """The host is gone as a SIGKILLed one is: relay and ranks, without a word."""
+        self.scope.cancel()
+
+
+async def _sim_rank(net: MemoryNetwork, h: SimHost, rank: int, *, salt: ft.SessionSalt,
+                    world: int, sim_args: Any) -> None:
+    from flodl_trio.sim import SimulatedCrash, SimulatedRank
+
+    try:
+        async with ft.open_rank(lambda: net.connect(f"relay:{h.host}"), salt=salt, rank=rank,
+                                world_size=world) as ep:
+            h.sims[rank] = SimulatedRank(ep, **sim_args(rank))
+            await h.sims[rank].run()
+    except (SimulatedCrash, ft.FlodlError):
+        pass  # the record says what it did; the coordinator says what became of it
+
+
+async def _run_sim_host(net: MemoryNetwork, h: SimHost, *, salt: ft.SessionSalt, world: int,
+                        sim_args: Any) -> None:
+    try:
+        with h.scope:
+            async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=h.host,
+                                     ranks=h.ranks, world_size=world,
+                                     rank_listen=net.listener(f"relay:{h.host}")) as relay:
+                async with trio.open_nursery() as nursery:
+                    for rank in h.ranks:
+                        nursery.start_soon(functools.partial(
+                            _sim_rank, net, h, rank, salt=salt, world=world,
+                            sim_args=sim_args))
+                    h.exit = await relay.wait_closed()
+    except ft.FlodlError as exc:
+        h.exit = exc
+    finally:
+        h.done.set()
+
+
+def start_sim_host(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: Sequence[int],
+                   *, salt: ft.SessionSalt, world: int, sim_args: Any) -> SimHost:
+    """Start a relay (ranks dial ``relay:<host>``) that dials :data:`COORD`, and one
+    ``SimulatedRank`` per rank (``sim_args(rank)``: its keyword arguments)."""
+    h = SimHost(host, list(ranks))
+    nursery.start_soon(functools.partial(_run_sim_host, net, h, salt=salt, world=world,
+                                         sim_args=sim_args))
+    return h

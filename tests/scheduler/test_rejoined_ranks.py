@@ -140,6 +140,7 @@ async def test_rejoined_ranks_work_from_the_next_epoch_in_a_reformed_group_cover
 def test_a_rank_that_died_and_came_back_unseen_is_settled_then_works_from_the_next_epoch() -> None:
     members = Members()
     live = frozenset({0, 1, 2, 3})
+    members.know(live)
     assert members.newly_gone(frozenset(), frozenset(), {}) == []
     # Rank 1 died and was back before the scheduler looked: only its rejoin count moved.
     assert members.newly_gone(frozenset(), frozenset(), {1: 1}) == [1]
