@@ -224,6 +224,8 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
         summary["coverage"] = {"exact": all(c.exact for c in sched.coverage), "inexact": [
             {"epoch": c.epoch, "samples": c.samples, "total": c.total, "overlaps": c.overlaps,
              "gaps": c.gaps} for c in sched.coverage if not c.exact]}
+        print(coverage_line(result.epochs_completed, args.epochs, summary["coverage"]),
+              flush=True)
         if result.epochs_completed != args.epochs:
             return summary, (f"the run ended after {result.epochs_completed}/{args.epochs} "
                              "epochs")
@@ -240,6 +242,20 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
         return summary, (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
                          f"{len(coord.exited_ranks)} exited cleanly")
     return summary, None
+
+
+def coverage_line(done: int, asked: int, coverage: dict[str, Any]) -> str:
+    """The line that says whether every epoch was covered exactly once.
+
+    >>> coverage_line(3, 3, {"exact": True, "inexact": []})
+    'coordinator: 3/3 epochs, every epoch covered exactly once'
+    >>> coverage_line(2, 3, {"exact": False, "inexact": [{"epoch": 1}]})
+    'coordinator: 2/3 epochs, NOT covered exactly once: epoch(s) [2]'
+    """
+    if coverage["exact"]:
+        return f"coordinator: {done}/{asked} epochs, every epoch covered exactly once"
+    epochs = [entry["epoch"] + 1 for entry in coverage["inexact"]]
+    return f"coordinator: {done}/{asked} epochs, NOT covered exactly once: epoch(s) {epochs}"
 
 
 def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
