@@ -124,6 +124,17 @@ class RankRetired(Event):
 
 
 @attrs.frozen
+class RelayDraining(Event):
+    """Elastic membership (issue 37): ``host``'s relay said its host leaves on purpose
+    (``Relay.drain()``, SIGTERM to ``flodl-trio relay``): its ranks finish their current sync
+    and exit, and each is retired as it does (``RankRetired``), not counted as a failure."""
+
+    host: str
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@attrs.frozen
 class RankTakenOver(Event):
     """A dead rank was taken over by a relay of a different host (a spare), which
     ``CoordinatorConfig(allow_rank_takeover=True)`` allows; a ``RankRejoined`` follows."""

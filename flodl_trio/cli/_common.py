@@ -13,7 +13,7 @@ import os
 import signal
 import tempfile
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import trio
 
@@ -230,9 +230,17 @@ class SignalStop:
     def __init__(self, signals: AsyncIterator[int]) -> None:
         self.signum: int | None = None
         self._signals = signals
+        self._divert: Callable[[int], bool] | None = None
+
+    def divert(self, handler: Callable[[int], bool] | None) -> None:
+        """Offer each signal to ``handler`` first: when it returns True the signal was
+        handled (a relay's first SIGTERM drains it) and the watch goes on."""
+        self._divert = handler
 
     async def watch(self, scope: trio.CancelScope) -> None:
         async for signum in self._signals:
+            if self._divert is not None and self._divert(signum):
+                continue
             self.signum = signum
             scope.cancel()
             return

@@ -310,6 +310,10 @@ async def run_rank(args: argparse.Namespace) -> int:
     last = record.received[-1] if record.received else None
     print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
           flush=True)
+    if ep.draining is not None:  # its host left on purpose: it left after its last sync
+        print(f"rank {args.rank}: its host drained ({ep.draining}); left after its last sync",
+              flush=True)
+        return EXIT_OK
     if isinstance(last, ShutdownWithSave) and last.reason != SaveReason.GRACEFUL_SHUTDOWN:
         raise CommandFailed(f"rank {args.rank}: the coordinator stopped the run: "
                             f"ShutdownWithSave({last.reason.name})")

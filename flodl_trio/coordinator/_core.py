@@ -88,9 +88,12 @@ class Coordinator:
         self._sender = Sender(self._roster, codec, self.timeline, config.world_size)
         self._liveness = Liveness(self._roster, self._sender, config, self.timeline)
         self._board = Board(config.world_size)
+        self._retirement = Retirement(roster=self._roster, liveness=self._liveness,
+                                      config=config, timeline=self.timeline)
         self._readers = Readers(roster=self._roster, liveness=self._liveness, codec=codec,
                                 timeline=self.timeline, timing=self._timing_send,
                                 metrics=self._metrics_send, board=self._board,
+                                retirement=self._retirement,
                                 deliver_heartbeats=config.deliver_heartbeats)
         self._formation = Formation(
             roster=self._roster, sender=self._sender, liveness=self._liveness,
@@ -99,8 +102,6 @@ class Coordinator:
         self._shutdown_begun = False
         self._formation_began: float | None = None
         self._formed_at: float | None = None
-        self._retirement = Retirement(roster=self._roster, liveness=self._liveness,
-                                      config=config, timeline=self.timeline)
         self._leader = Leader(salt=salt, config=config, roster=self._roster, sender=self._sender,
                               liveness=self._liveness, formation=self._formation)
         self._roster.report_changes_to(self._leader.changed)

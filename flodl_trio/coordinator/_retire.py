@@ -19,7 +19,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError, MembershipError
-from ..events import RankRetired
+from ..events import RankRetired, RelayDraining
 from ..timeline import Timeline
 from ._relayconn import RelayConn
 from ._roster import Roster
@@ -38,6 +38,7 @@ class Retirement:
         self._config = config
         self._timeline = timeline
         self._held: set[int] = set()  # due, kept at the minimum: said once each
+        self._draining: dict[RelayConn, str] = {}  # relays whose host leaves, and why
 
     def checked(self, ranks: Iterable[int] | int) -> tuple[int, ...]:
         """``ranks`` as a sorted tuple of rank ids of this world.
@@ -77,6 +78,27 @@ class Retirement:
                 self._retire_one(rank, reason)
                 done.append(rank)
         return done
+
+    def draining(self, conn: RelayConn, reason: str) -> None:
+        """``conn``'s host leaves on purpose (its ``Draining`` record): its ranks that exited
+        already are retired now, the others as they exit (:meth:`exited`)."""
+        if conn in self._draining:
+            log.info("%s: Draining again (%s); ignored", conn.describe(), reason)
+            return
+        self._draining[conn] = reason
+        ranks = tuple(r for r in conn.ranks if self._roster.carries(conn, r))
+        log.warning("%s: its host leaves (%s); ranks %s finish their current sync and exit",
+                    conn.describe(), reason, list(ranks))
+        self._timeline.event(RelayDraining(host=conn.host, ranks=ranks, reason=reason))
+        self.retire_exited(ranks, self._drained(conn))
+
+    def exited(self, conn: RelayConn, rank: int) -> None:
+        """``rank`` of ``conn`` exited cleanly: retired if its host is leaving."""
+        if conn in self._draining:
+            self.retire_exited((rank,), self._drained(conn))
+
+    def _drained(self, conn: RelayConn) -> str:
+        return f"its host {conn.host!r} left: {self._draining[conn]}"
 
     def _retire_one(self, rank: int, reason: str) -> None:
         self._held.discard(rank)

@@ -41,14 +41,14 @@ def until(address: str, check: Any, *, within: float) -> tuple[dict[str, Any], f
 
 
 def host(procs: list[Proc], env: dict[str, str], address: str, name: str,
-         ranks: list[int]) -> Proc:
+         ranks: list[int], *, world: int = 6) -> Proc:
     relay = Proc("relay", "--coordinator", address, "--host", name, "--ranks",
-                 f"{ranks[0]}-{ranks[-1]}", "--world-size", "6", env=env)
+                 f"{ranks[0]}-{ranks[-1]}", "--world-size", str(world), env=env)
     procs.append(relay)
     listening = relay.line_with("listening for ranks on").rsplit(" ", 1)[-1]
     for rank in ranks:
-        procs.append(Proc("rank", "--relay", listening, "--rank", str(rank), "--world-size", "6",
-                          "--batch-ms", BATCH_MS, env=env))
+        procs.append(Proc("rank", "--relay", listening, "--rank", str(rank), "--world-size",
+                          str(world), "--batch-ms", BATCH_MS, env=env))
     return relay
 
 
@@ -90,3 +90,35 @@ def test_a_world_of_2_to_6_grows_with_a_host_and_retires_it_when_it_is_killed(
         assert f"rank {rank} (host-b) joined: the world is 6 ranks" in coord.out
         assert any(line.startswith(f"rank {rank} (host-b) retired: dead for 2s (retire_after)")
                    for line in coord.out), coord.out
+
+
+@pytest.mark.slow
+def test_sigterm_drains_a_relay_its_ranks_leave_after_their_sync_and_everyone_exits_0(
+    env: dict[str, str], procs: list[Proc],
+) -> None:
+    # A long join window: the world forms with both hosts (at once once it has its maximum).
+    coord = Proc("coordinator", "--listen", "127.0.0.1:0", "--world-size", "2:4",
+                 "--join-window", "20", "--epochs", "6", "--batch-size", "4", env=env)
+    procs.append(coord)
+    address = coord.line_with("coordinator listening on").rsplit(" ", 1)[-1]
+    host(procs, env, address, "host-a", [0, 1], world=4)
+    leaving = host(procs, env, address, "host-b", [2, 3], world=4)
+    ranks_b = procs[-2:]
+    assert coord.line_with("formed: ") == "formed: 4 ranks over 2 relays (world 2:4)"
+    coord.line_with("epoch 1/6: ")
+    leaving.signal(signal.SIGTERM)
+    assert leaving.line_with("SIGTERM: draining") == (
+        "relay host-b: SIGTERM: draining: ranks [2, 3] finish their current sync and exit "
+        "(SIGTERM again stops the relay at once)")
+    assert leaving.wait() == 0, (leaving.out, leaving.err)
+    assert leaving.out[-1] == "relay host-b drained: its ranks left after their last sync"
+    assert [rank.wait() for rank in ranks_b] == [0, 0]
+    state, _ = until(address, lambda s: s["retired"] == [2, 3], within=5)
+    assert state["world"]["current"] == 2 and state["dead"] == []
+    assert coord.wait() == 0, (coord.out, coord.err)
+    assert "coordinator: 6/6 epochs, every epoch covered exactly once" in coord.out
+    summary = json.loads(coord.line_with('"summary"'))["summary"]
+    assert summary["dead_ranks"] == [] and summary["deaths"] == {}
+    for rank in (2, 3):
+        assert f"rank {rank} (host-b) retired: its host 'host-b' left: SIGTERM; the world is" \
+            in " ".join(coord.out)

@@ -76,6 +76,7 @@ class SimHost:
     host: str
     ranks: list[int]
     sims: dict[int, Any] = attrs.Factory(dict)
+    relay: ft.Relay | None = None
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     exit: Any = None
     done: trio.Event = attrs.Factory(trio.Event)
@@ -105,6 +106,7 @@ async def _run_sim_host(net: MemoryNetwork, h: SimHost, *, salt: ft.SessionSalt,
             async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=h.host,
                                      ranks=h.ranks, world_size=world,
                                      rank_listen=net.listener(f"relay:{h.host}")) as relay:
+                h.relay = relay
                 async with trio.open_nursery() as nursery:
                     for rank in h.ranks:
                         nursery.start_soon(functools.partial(

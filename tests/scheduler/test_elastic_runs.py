@@ -10,17 +10,18 @@ import functools
 from collections import Counter
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flodl_trio as ft
-from flodl_trio.events import Note
+from flodl_trio.events import Note, RankDeclaredDead, RankRetired, RelayDraining
 from flodl_trio.scheduler import SyncScheduler, exactly_once_fraction
 from flodl_trio.scheduler._parts import Members
 from flodl_trio.sim import SimRecord
 from flodl_trio.testing import EventLog, MemoryNetwork
-from flodl_trio.wire import NewNcclSession, StartEpoch
+from flodl_trio.wire import Drain, NewNcclSession, StartEpoch
 
 from helpers import COORD, wait_until
 from helpers.sims import SimHost, start_sim_host
@@ -177,3 +178,66 @@ def test_a_rank_retired_or_regrown_between_two_looks_is_settled_all_the_same() -
     assert members.survivors(live) == [0, 1] and members.ignores(4)
     # A rank the scheduler never knew, joined and gone again: nothing to settle.
     assert members.newly_gone(frozenset({5}), none, {5: 1}) == []
+
+
+async def test_a_drained_host_leaves_after_its_sync_and_is_retired_without_a_failure(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
+                              sim_args=sims(2))
+    cfg = config(max_failure=ft.MaxFailure.absolute(1))  # one death would stop the run
+    async with trio.open_nursery() as nursery:
+        hosts = [start(nursery, host="host-a", ranks=[0, 1]),
+                 start(nursery, host="host-b", ranks=[2, 3])]
+        b = hosts[1]
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=cfg, timeline=log) as coord:
+            scheduler = SyncScheduler(coord, total_samples=64, batch_size=2, num_epochs=3)
+
+            async def leave() -> None:
+                await wait_until(lambda: any(e == 1 for e, _, _ in
+                                             b.sims[2].record.processed), limit=5)
+                assert b.relay is not None
+                await b.relay.drain("maintenance")
+                with pytest.raises(ft.MembershipError) as twice:
+                    await b.relay.drain("again")
+                assert str(twice.value) == (
+                    "relay 'host-b': expected a relay that is not draining, but it drains "
+                    "already (maintenance); its ranks leave after their current sync")
+
+            nursery.start_soon(leave)
+            summary = await scheduler.run()
+            assert coord.retired_ranks == {2, 3} and coord.current_world == 2
+            assert coord.failure is None
+        await wait_until(lambda: b.done.is_set(), limit=5)
+        nursery.cancel_scope.cancel()
+    assert summary.epochs_completed == 3 and summary.deaths == {}
+    assert_covered_exactly_once(scheduler, records(hosts), 64, 3)
+    assert [(ev.host, ev.reason) for ev in log.events_of(RelayDraining)] == [
+        ("host-b", "maintenance")]
+    assert sorted((ev.rank, ev.reason) for ev in log.events_of(RankRetired)) == [
+        (2, "its host 'host-b' left: maintenance"), (3, "its host 'host-b' left: maintenance")]
+    assert log.events_of(RankDeclaredDead) == []
+    assert isinstance(b.exit, ft.RelayExit) and b.exit.clean
+    assert b.exit.reason == "all ranks exited"
+    for rank in (2, 3):
+        rec = b.sims[rank].record
+        assert any(isinstance(m, Drain) and m.reason == "maintenance" for m in rec.received)
+        # It left right after a SyncAck: every batch it reported was synced.
+        assert rec.synced == rec.processed
+
+
+async def test_a_relay_that_has_not_joined_has_nothing_to_drain(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    salt = ft.SessionSalt.generate()
+    async with ft.open_relay(lambda: memory_network.connect(COORD), salt=salt, host="host-x",
+                             ranks=[0], world_size=2,
+                             rank_listen=memory_network.listener("relay:host-x")) as relay:
+        with pytest.raises(ft.MembershipError) as early:
+            await relay.drain()
+        assert str(early.value) == ("relay 'host-x': expected a relay that joined the cohort "
+                                    "to drain, but it has not joined yet")
+        assert relay.draining is None and not relay.joined
