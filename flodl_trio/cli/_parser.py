@@ -263,6 +263,14 @@ def _add_demo(command: _Command) -> None:
     p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="start a killed host's relay and ranks again SECONDS after the kill: "
                    "they rejoin the running cohort (repeatable, one per host)")
+    p.add_argument("--add-host", type=float, action="append", default=[], metavar="SECONDS",
+                   help="start one more host (a relay and --ranks-per-host ranks) SECONDS after "
+                   "formation: it joins the running cohort, whose world is elastic then "
+                   "(repeatable; docs/elastic.rst)")
+    p.add_argument("--drain-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="SIGTERM that relay process SECONDS after formation: its ranks finish "
+                   "their current sync and leave, and are retired from the (elastic) world "
+                   "(repeatable, one per host)")
     p.add_argument("--kill-coordinator", type=float, default=None, metavar="SECONDS",
                    help="run the coordinator with a session store (sqlite: in the temporary "
                    "directory), SIGKILL it SECONDS after formation and start it again at once "

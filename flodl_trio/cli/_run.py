@@ -280,6 +280,10 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
         out[field.name] = value
     out["dead_ranks"] = sorted(coord.dead_ranks)
     out["rejoins"] = {str(rank): n for rank, n in sorted(coord.rejoins.items())}
+    least, most = coord.world_range
+    if least < most:  # an elastic world: its range, its size at the end, who left it
+        out["world"] = {"min": least, "max": most, "current": coord.current_world}
+        out["retired"] = sorted(coord.retired_ranks)
     out["lost_broadcasts"] = coord.lost_broadcasts
     return out
 

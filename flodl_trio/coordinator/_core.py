@@ -238,6 +238,12 @@ class Coordinator:
         return frozenset(self._roster.retired)
 
     @property
+    def draining_ranks(self) -> frozenset[int]:
+        """Live ranks whose host leaves on purpose (its relay drains, issue 37): each finishes
+        its current sync and exits, and is retired then."""
+        return self._retirement.draining_ranks() & self._roster.live
+
+    @property
     def live_ranks(self) -> frozenset[int]:
         """Covered ranks that are neither dead nor cleanly exited."""
         return self._roster.live

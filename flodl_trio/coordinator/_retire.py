@@ -97,6 +97,11 @@ class Retirement:
         if conn in self._draining:
             self.retire_exited((rank,), self._drained(conn))
 
+    def draining_ranks(self) -> frozenset[int]:
+        """Ranks whose host is leaving on purpose and that are still carried by it."""
+        return frozenset(r for conn, _ in self._draining.items() for r in conn.ranks
+                         if self._roster.carries(conn, r))
+
     def _drained(self, conn: RelayConn) -> str:
         return f"its host {conn.host!r} left: {self._draining[conn]}"
 

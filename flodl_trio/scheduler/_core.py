@@ -261,7 +261,10 @@ class SyncScheduler:
         shares = self._ledger.shares
         fresh = [r for r in survivors  # not members of the epoch (yet): back from a death
                  if r not in shares or shares[r].done is not None]
-        handed = [self._ledger.redistribute(dead, rest, survivors) for dead, rest in remainders]
+        # A draining host's ranks are leaving: they take nothing over, unless nobody else is left.
+        draining = self._coord.draining_ranks
+        takers = [r for r in survivors if r not in draining] or survivors
+        handed = [self._ledger.redistribute(dead, rest, takers) for dead, rest in remainders]
         if settled and not self._phase.resuming:
             # Durable: what a dead rank is credited with cannot be re-derived from it, and a
             # resumed scheduler repeats the extensions that follow, never new ones.
@@ -342,6 +345,11 @@ class SyncScheduler:
         """``EPOCH`` / ``SYNCING``: sync once every live rank stepped; close the epoch once every
         ``Metrics`` is in, after one more sync if some batch of it is unsynced."""
         lockstep = self._lockstep
+        if self._phase.now is Phase.EPOCH and lockstep.all_acked and self._leaving_unsynced():
+            # A draining host's ranks wait for a sync to leave (issue 37): one now, over every
+            # rank that stepped, or they (and whoever waits on their share) would wait forever.
+            await self._sync(lockstep.stepped(self._survivors()))
+            return
         if lockstep.all_stepped and lockstep.all_acked:
             live = self._survivors()
             if live:
@@ -355,6 +363,12 @@ class SyncScheduler:
                 await self._sync(lockstep.stepped(survivors) or survivors)
             else:
                 await self._aggregate()
+
+    def _leaving_unsynced(self) -> bool:
+        """A rank of a draining host has batches no sync covered yet."""
+        draining = self._coord.draining_ranks
+        return bool(draining and self._lockstep.stepped(
+            r for r in self._survivors() if r in draining))
 
     async def _after_last_epoch_step(self) -> None:
         """``FINISHING`` / ``FINAL_SYNC`` / ``CLOSING``: the final sync if two or more ranks

@@ -6,6 +6,7 @@ once whenever hosts join, die or are retired."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
 from typing import Any
@@ -29,8 +30,10 @@ from helpers.sims import SimHost, start_sim_host
 WORLD = 6
 
 
-def sims(batch_size: int, batch_ms: float = 10.0) -> Any:
-    return lambda rank: {"batch_size": batch_size, "batch_ms": batch_ms, "seed": rank}
+def sims(batch_size: int, batch_ms: float = 10.0, slow: frozenset[int] = frozenset()) -> Any:
+    """Simulated ranks' arguments; the ``slow`` ranks take three times as long a batch."""
+    return lambda rank: {"batch_size": batch_size, "seed": rank,
+                         "batch_ms": batch_ms * (3 if rank in slow else 1)}
 
 
 def records(hosts: list[SimHost]) -> list[SimRecord]:
@@ -107,15 +110,20 @@ def test_whenever_hosts_join_die_or_are_retired_every_epoch_is_covered_exactly_o
     # (None) or join later, and may die some time after they joined.
     plan = {host: (data.draw(st.sampled_from([None, 0.02, 0.1, 0.3, 0.6]), label=f"{host} joins"),
                    data.draw(st.sampled_from([None, 0.0, 0.03, 0.1, 0.25]),
-                             label=f"{host} dies after"))
+                             label=f"{host} leaves after"))
             for host in ("host-b", "host-c")}
+    # How a host leaves: killed (then retired or not, as drawn), or drained (it leaves after
+    # its current sync and is retired).
+    how = {host: data.draw(st.sampled_from(["killed", "drained"]), label=f"{host} leaves")
+           for host in plan}
+    slow = frozenset(data.draw(st.sets(st.integers(0, 5)), label="slow ranks"))
     ranks = {"host-b": [2, 3], "host-c": [4, 5]}
 
     async def scenario() -> None:
         net = MemoryNetwork()
         salt = ft.SessionSalt.generate()
         start = functools.partial(start_sim_host, net=net, salt=salt, world=WORLD,
-                                  sim_args=sims(batch))
+                                  sim_args=sims(batch, slow=slow))
         cfg = config(retire_after=0.05 if retire == "after" else float("inf"))
         async with trio.open_nursery() as nursery:
             hosts = [start(nursery, host="host-a", ranks=[0, 1])]
@@ -134,6 +142,11 @@ def test_whenever_hosts_join_die_or_are_retired_every_epoch_is_covered_exactly_o
                         return
                     await wait_until(lambda: set(h.ranks) <= coord.live_ranks, limit=5)
                     await trio.sleep(dies)
+                    if how[host] == "drained":
+                        assert h.relay is not None
+                        with contextlib.suppress(ft.MembershipError):  # the run ended first
+                            await h.relay.drain()
+                        return
                     h.kill()
                     if retire == "by hand":
                         await wait_until(lambda: set(h.ranks) <= coord.dead_ranks, limit=5)
@@ -146,7 +159,9 @@ def test_whenever_hosts_join_die_or_are_retired_every_epoch_is_covered_exactly_o
             nursery.cancel_scope.cancel()
         assert summary.epochs_completed == 3
         assert_covered_exactly_once(scheduler, records(hosts), total, 3)
-        assert set(summary.deaths) <= {2, 3, 4, 5}
+        assert set(summary.deaths) <= {r for h, (_, leaves) in plan.items()
+                                       if leaves is not None and how[h] == "killed"
+                                       for r in ranks[h]}
         # A rank that joined mid-run learned the role and (with a group) its place in the
         # group before its first plan.
         for h in hosts[1:]:
@@ -185,8 +200,10 @@ async def test_a_drained_host_leaves_after_its_sync_and_is_retired_without_a_fai
 ) -> None:
     salt = ft.SessionSalt.generate()
     log = EventLog()
+    # host-b is slow: host-a finishes each epoch's share first and waits, so the only sync
+    # left in an epoch may be the one that closes it (host-b's ranks must still finish).
     start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
-                              sim_args=sims(2))
+                              sim_args=sims(2, slow=frozenset({2, 3})))
     cfg = config(max_failure=ft.MaxFailure.absolute(1))  # one death would stop the run
     async with trio.open_nursery() as nursery:
         hosts = [start(nursery, host="host-a", ranks=[0, 1]),
@@ -197,8 +214,12 @@ async def test_a_drained_host_leaves_after_its_sync_and_is_retired_without_a_fai
             scheduler = SyncScheduler(coord, total_samples=64, batch_size=2, num_epochs=3)
 
             async def leave() -> None:
-                await wait_until(lambda: any(e == 1 for e, _, _ in
-                                             b.sims[2].record.processed), limit=5)
+                # host-a did its whole share of epoch 1 (8 batches) and waits: host-b's ranks
+                # have unsynced batches and no sync comes before they finish theirs.
+                a0 = hosts[0].sims
+                await wait_until(lambda: sum(e == 1 for e, _, _ in a0[0].record.processed) == 8,
+                                 limit=5)
+                await trio.sleep(0.05)  # past the last sync host-a's batches allowed
                 assert b.relay is not None
                 await b.relay.drain("maintenance")
                 with pytest.raises(ft.MembershipError) as twice:
