@@ -178,8 +178,10 @@ class CoordinatorConfig:
     """Everything the coordinator needs to know besides where to listen and the salt.
 
     Args:
-        world_size: number of global ranks (> 0).
-        formation_timeout: seconds for every rank to be covered.
+        world_size: number of global ranks (> 0); with ``min_world_size``, the largest world
+            and the rank id space.
+        formation_timeout: seconds for every rank (an elastic world: its minimum) to be
+            covered.
         handshake_timeout: seconds for one relay connection to complete its handshake.
         heartbeat_timeout: a rank silent longer than this is declared dead.
         write_stall_timeout: a relay whose writer makes no progress this long is lost. No
@@ -225,6 +227,17 @@ class CoordinatorConfig:
             a core with margin at the measured ~250 µs of coordinator CPU each (issue 23).
             Ranks still heartbeat to their relay every second and their silence is still
             detected at ``heartbeat_timeout``. ``math.inf``: always ``heartbeat_interval``.
+        min_world_size: elastic membership (issue 37, docs/elastic.rst): the smallest world
+            the run forms with and keeps, ``1 <= min_world_size <= world_size``; None (the
+            default) is ``world_size``: a fixed world. ``world_size`` is then the maximum and
+            the rank id space ``[0, world_size)`` that relays and ranks are started with.
+        join_window: an elastic world forms once ``min_world_size`` ranks are covered and no
+            relay joined for this many seconds (at once when ``world_size`` ranks are); 0
+            forms as soon as the minimum is covered. ``formation_timeout`` bounds the wait for
+            the minimum.
+        retire_after: a rank dead this long is retired (it stops counting in the world and
+            against ``max_failure``; its id may join again later), as long as the world stays
+            at or above ``min_world_size``. ``math.inf`` (the default): never automatically.
         store_write_rate: with a session store, the writes per second the coordinator's
             session writer paces itself to (issue 34; docs/failover.rst, "How often the store
             is written"): a change that can wait (a death, a join, a scheduler checkpoint saved
@@ -256,6 +269,28 @@ class CoordinatorConfig:
     deliver_heartbeats: bool = attrs.field(default=True, converter=bool)
     relay_heartbeat_rate: float = _rate(300.0)
     store_write_rate: float = _rate(1.0)
+    min_world_size: int | None = attrs.field(default=None)
+    join_window: float = _grace(T.JOIN_WINDOW)
+    retire_after: float = _deadline(math.inf)  # never, unless asked
+
+    @property
+    def min_world(self) -> int:
+        """The smallest world the run forms with and keeps (``world_size`` when fixed)."""
+        return self.world_size if self.min_world_size is None else self.min_world_size
+
+    @property
+    def elastic(self) -> bool:
+        """The world may grow and shrink between ``min_world`` and ``world_size``."""
+        return self.min_world < self.world_size
+
+    @min_world_size.validator
+    def _check_min_world(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if _not_int(value) or not 1 <= value <= self.world_size:
+            raise ConfigError(
+                f"CoordinatorConfig.min_world_size: expected an integer in [1, world_size="
+                f"{self.world_size}] (the world's minimum, at most its maximum), got {value!r}")
 
     @max_rejected_handshakes.validator
     def _deprecated_reject_limit(self, attribute: attrs.Attribute[Any], value: Any) -> None:

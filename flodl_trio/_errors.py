@@ -107,6 +107,12 @@ class FormationAborted(FormationError):
     """The caller's ``abort`` event was set during formation."""
 
 
+class MembershipError(FlodlError):
+    """A change of an elastic world's membership that cannot be made as asked (issue 37):
+    retiring a live rank, or one not in the world, below the world's minimum; draining a relay
+    twice. Nothing was changed; the message says what was expected and what the rank is."""
+
+
 class SendError(FlodlError):
     """A control message could not be written to a rank."""
 

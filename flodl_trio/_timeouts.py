@@ -32,6 +32,9 @@ PEEK_TIMEOUT = 5.0
 SHUTDOWN_GRACE = 5.0
 RESUME_TIMEOUT = 30.0  # an adopting coordinator waits this long for each known relay
 COORDINATOR_GRACE = 30.0  # a relay rides out a lost durable coordinator this long
+# An elastic world (issue 37) forms once its minimum is covered and no relay joined for this long
+# (torchrun's last-call wait).
+JOIN_WINDOW = 1.0
 HEARTBEAT_INTERVAL = 1.0  # a cadence: never scaled
 CONNECT_RETRY_INTERVAL = 0.5  # a cadence: never scaled
 

@@ -100,6 +100,41 @@ class RankRejoined(Event):
 
 
 @attrs.frozen
+class RankJoined(Event):
+    """Elastic membership (issue 37): a rank that was not in the running cohort (never covered,
+    or retired) joined it through ``host``'s relay, and the world grew to ``world`` ranks. The
+    others are told with ``DeclareAlive``, as of a rank that rejoins."""
+
+    rank: int
+    host: str
+    world: int
+
+
+@attrs.frozen
+class RankRetired(Event):
+    """Elastic membership (issue 37): a rank left the world for good (``reason``: retired by
+    the orchestrator, dead for ``retire_after``, or its host drained), which is ``world`` ranks
+    now. It no longer counts against ``max_failure`` and nobody waits for it; its id may join
+    again later."""
+
+    rank: int
+    host: str
+    reason: str
+    world: int
+
+
+@attrs.frozen
+class RelayDraining(Event):
+    """Elastic membership (issue 37): ``host``'s relay said its host leaves on purpose
+    (``Relay.drain()``, SIGTERM to ``flodl-trio relay``): its ranks finish their current sync
+    and exit, and each is retired as it does (``RankRetired``), not counted as a failure."""
+
+    host: str
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@attrs.frozen
 class RankTakenOver(Event):
     """A dead rank was taken over by a relay of a different host (a spare), which
     ``CoordinatorConfig(allow_rank_takeover=True)`` allows; a ``RankRejoined`` follows."""

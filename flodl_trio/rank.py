@@ -50,6 +50,7 @@ from .wire import (
     CoordinatorResumed,
     DeclareAlive,
     DeclareDead,
+    Drain,
     EndOfStream,
     Exiting,
     Fenced,
@@ -82,6 +83,8 @@ class RankEndpoint:
         step_count: reported in every automatic ``Heartbeat``; user code updates it.
         dead_peers: ranks the coordinator declared dead (every other rank once the coordinator
             is lost).
+        draining: why this rank's host leaves the run, once its relay said so (a ``Drain``,
+            issue 37): finish the current sync, then leave the block; else None.
     """
 
     def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
@@ -92,6 +95,7 @@ class RankEndpoint:
         self.step_count = 0
         self.config = config
         self.dead_peers: frozenset[int] = frozenset()
+        self.draining: str | None = None
         self._relay = relay
         self._session = RankSession(FrameCodec(salt), rank=rank, relay=relay)
         self._stream = stream
@@ -276,6 +280,8 @@ class RankEndpoint:
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         elif isinstance(msg, DeclareAlive):
             self.dead_peers = self.dead_peers - {int(msg.rank)}
+        elif isinstance(msg, Drain):  # its host leaves: finish the current sync and exit
+            self.draining = msg.reason
         try:
             self._inbox_send.send_nowait(msg)
             return

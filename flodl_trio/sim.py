@@ -173,9 +173,12 @@ class SimulatedRank:
         self._wake = trio.Event()
         self._failure: BaseException | None = None
         self._reader_scope = trio.CancelScope()
+        self._leaving = False  # its host drains: it stops at its next SyncAck (issue 37)
 
     async def run(self) -> SimRecord:
-        """Serve commands until ``Shutdown`` / ``ShutdownWithSave``.
+        """Serve commands until ``Shutdown`` / ``ShutdownWithSave``, or until its host drains
+        (``Drain``): then it answers its next ``SyncNow`` and returns (at once with nothing
+        unsynced), so that leaving the endpoint's block sends ``Exiting``.
 
         Returns:
             the :class:`SimRecord`.
@@ -220,6 +223,14 @@ class SimulatedRank:
                 return
             if isinstance(msg, wire.CoordinatorReconnecting | wire.CoordinatorResumed):
                 continue  # the relay's news about the coordinator: nothing to simulate
+            if isinstance(msg, wire.Drain):
+                # Its host leaves: it finishes its current sync (nothing is lost that a SyncAck
+                # covered), or leaves at once when no batch of it is unsynced.
+                async with self._send_lock:
+                    self._leaving = True
+                    if len(self.record.synced) == len(self.record.processed):
+                        return
+                continue
             if not isinstance(msg, wire.Throttle) and self._throttled:
                 self._throttled = False
                 self._wake.set()
@@ -290,6 +301,9 @@ class SimulatedRank:
         async with self._send_lock:
             self.record.note_sync()
             await ep.send(wire.SyncAck(rank=self.rank, step_count=ep.step_count))
+        if self._leaving:  # drained: its last sync is done, it leaves cleanly
+            self._reader_scope.cancel()
+            return
         if self.record.syncs == self._fail_after_syncs:
             await self._fail()
 
@@ -336,6 +350,8 @@ class SimulatedRank:
             seconds = self._batch_seconds()
             await trio.sleep(seconds)
             async with self._send_lock:
+                if self._leaving:
+                    return  # drained: no batch after its last SyncAck
                 if generation != self._generation or self._epoch is None:
                     continue  # StartEpoch replaced the work while this batch was in flight
                 if n == size:

@@ -13,7 +13,7 @@ import os
 import signal
 import tempfile
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import trio
 
@@ -71,6 +71,29 @@ def liveness_seconds(value: float) -> float:
     if not value > 0:
         raise UsageError(f"--coord-liveness-timeout: expected seconds > 0, got {value!r}")
     return value
+
+
+def parse_world_range(text: str) -> tuple[int, int]:
+    """The coordinator's ``--world-size``: ``N`` (a fixed world, N:N) or ``MIN:MAX``.
+
+    >>> parse_world_range("4"), parse_world_range("2:6")
+    ((4, 4), (2, 6))
+    >>> parse_world_range("5:3")
+    Traceback (most recent call last):
+        ...
+    flodl_trio._errors.UsageError: --world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, \
+got '5:3' (MIN 5 is above MAX 3)
+    """
+    low, sep, high = text.strip().partition(":")
+    expected = "--world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, got"
+    if not low.isdigit() or (sep and not high.isdigit()):
+        raise UsageError(f"{expected} {text!r}")
+    least, most = int(low), int(high) if sep else int(low)
+    if least < 1 or most < 1:
+        raise UsageError(f"{expected} {text!r} (a world of 0 ranks cannot run)")
+    if least > most:
+        raise UsageError(f"{expected} {text!r} (MIN {least} is above MAX {most})")
+    return least, most
 
 
 def parse_model_sigs(items: list[str]) -> dict[str, bytes]:
@@ -207,9 +230,17 @@ class SignalStop:
     def __init__(self, signals: AsyncIterator[int]) -> None:
         self.signum: int | None = None
         self._signals = signals
+        self._divert: Callable[[int], bool] | None = None
+
+    def divert(self, handler: Callable[[int], bool] | None) -> None:
+        """Offer each signal to ``handler`` first: when it returns True the signal was
+        handled (a relay's first SIGTERM drains it) and the watch goes on."""
+        self._divert = handler
 
     async def watch(self, scope: trio.CancelScope) -> None:
         async for signum in self._signals:
+            if self._divert is not None and self._divert(signum):
+                continue
             self.signum = signum
             scope.cancel()
             return

@@ -78,7 +78,10 @@ async def check_leader(store: SessionStore, *, standby: bool) -> None:
 
 def formed_text(coord: Coordinator, store: SessionStore | None) -> str:
     """The line of a coordinator that formed a new session (with a store: which generation)."""
-    line = f"formed: {coord.world_size} ranks over {len(coord.relays)} relays"
+    line = f"formed: {coord.current_world} ranks over {len(coord.relays)} relays"
+    least, most = coord.world_range
+    if least < most:  # an elastic world says its range: it may grow and shrink within it
+        line += f" (world {least}:{most})"
     if store is not None:
         line += f" (generation {coord.generation} of {store.description}, a new session)"
     return line

@@ -99,7 +99,18 @@ def _add_coordinator(command: _Command) -> None:
                 "was declared dead).\n\n" + EXIT_CODES)
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where relays dial and the status page answers (port 0: any free port)")
-    _add_world_size(p)
+    p.add_argument("--world-size", required=True, metavar="N|MIN:MAX",
+                   help="number of global ranks (required); MIN:MAX: an elastic world that "
+                   "forms with MIN to MAX ranks, takes hosts that join later and retires dead "
+                   "ones (relays and ranks are started with --world-size MAX: rank ids lie in "
+                   "[0, MAX); docs/elastic.rst)")
+    p.add_argument("--join-window", type=float, default=None, metavar="S",
+                   help="an elastic world forms once MIN ranks are covered and no relay joined "
+                   "for S seconds (at once with MAX; None: 1 x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--retire-after", type=float, default=None, metavar="S",
+                   help="retire a rank dead for S seconds: it stops counting in the world and "
+                   "against --max-failure, and its id may join again (None: never; an elastic "
+                   "world never shrinks below MIN)")
     _add_salt_args(p)
     p.add_argument("--tls-cert", metavar="PEM", help="serve every connection over TLS")
     p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
@@ -252,6 +263,14 @@ def _add_demo(command: _Command) -> None:
     p.add_argument("--restart-relay", metavar="HOST@SECONDS", action="append", default=[],
                    help="start a killed host's relay and ranks again SECONDS after the kill: "
                    "they rejoin the running cohort (repeatable, one per host)")
+    p.add_argument("--add-host", type=float, action="append", default=[], metavar="SECONDS",
+                   help="start one more host (a relay and --ranks-per-host ranks) SECONDS after "
+                   "formation: it joins the running cohort, whose world is elastic then "
+                   "(repeatable; docs/elastic.rst)")
+    p.add_argument("--drain-relay", metavar="HOST@SECONDS", action="append", default=[],
+                   help="SIGTERM that relay process SECONDS after formation: its ranks finish "
+                   "their current sync and leave, and are retired from the (elastic) world "
+                   "(repeatable, one per host)")
     p.add_argument("--kill-coordinator", type=float, default=None, metavar="SECONDS",
                    help="run the coordinator with a session store (sqlite: in the temporary "
                    "directory), SIGKILL it SECONDS after formation and start it again at once "

@@ -13,7 +13,7 @@ from typing import TextIO
 
 import trio
 
-from ..events import RankDeclaredDead
+from ..events import RankDeclaredDead, RankJoined, RankRetired
 from ..scheduler._epoch_math import EpochCoverage
 from ..timeline import Stamped, Timeline
 
@@ -42,6 +42,11 @@ class EpochProgress:
             self.dead += 1
             self._deaths_in_epoch += 1
             return [f"rank {ev.rank} ({ev.host}) declared dead: {ev.reason}"]
+        if isinstance(ev, RankJoined):  # an elastic world grew (issue 37)
+            return [f"rank {ev.rank} ({ev.host}) joined: the world is {ev.world} ranks"]
+        if isinstance(ev, RankRetired):
+            return [f"rank {ev.rank} ({ev.host}) retired: {ev.reason}; the world is "
+                    f"{ev.world} ranks"]
         what = getattr(ev, "what", None)
         fields = getattr(ev, "fields", {})
         if what in ("epoch_started", "scheduler_resumed"):

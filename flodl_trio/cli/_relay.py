@@ -5,14 +5,16 @@ coordinator for ``--coordinator-grace`` seconds (docs/failover.rst)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import ssl
 import time
+from functools import partial
 from typing import Any
 
 import trio
 
 from .._config import RelayConfig
-from .._errors import JoinRefused, WrongSession
+from .._errors import JoinRefused, MembershipError, WrongSession
 from .._timeouts import clock_time_in
 from ..net._transport import format_address
 from ..relay import Relay, StoreDialer, open_relay
@@ -143,7 +145,9 @@ async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, 
                           flush=True)
                     watching.start_soon(tell_failover, relay, args.host,
                                         config.coordinator_grace)
+                    stop.divert(partial(_drain_on_sigterm, relay, watching))
                     outcome = await relay.wait_closed()
+                    stop.divert(None)
                     watching.cancel_scope.cancel()
                     print(f"relay {args.host} ended: {outcome.reason}", flush=True)
             except OSError as exc:
@@ -162,4 +166,25 @@ async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, 
         return stopped(stop, f"relay {args.host}")
     if not outcome.clean:
         raise CommandFailed(f"relay {args.host}: {outcome.reason}")
+    if relay.draining is not None:
+        print(f"relay {args.host} drained: its ranks left after their last sync", flush=True)
     return EXIT_OK
+
+
+def _drain_on_sigterm(relay: Relay, nursery: trio.Nursery, signum: int) -> bool:
+    """A relay that joined drains on its first SIGTERM (issue 37): its ranks finish their
+    current sync and exit, the coordinator retires them, and the relay exits 0 once they
+    left. Any other signal, or SIGTERM again, stops it at once (as before)."""
+    if signum != signal.SIGTERM or not relay.joined or relay.draining is not None:
+        return False
+    print(f"relay {relay.host}: SIGTERM: draining: ranks {list(relay.ranks)} finish their "
+          "current sync and exit (SIGTERM again stops the relay at once)", flush=True)
+    nursery.start_soon(_drain, relay)
+    return True
+
+
+async def _drain(relay: Relay) -> None:
+    try:
+        await relay.drain("SIGTERM")
+    except MembershipError as exc:  # it ended meanwhile: nothing left to drain
+        print(f"relay {relay.host}: {exc}", flush=True)

@@ -39,6 +39,7 @@ from ._common import (
     load_salt,
     os_error_text,
     parse_address,
+    parse_world_range,
     replace_text,
 )
 from ._durable import (
@@ -87,8 +88,19 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["resume_timeout"] = args.resume_timeout
     if args.store_write_rate is not None:
         overrides["store_write_rate"] = args.store_write_rate
-    return CoordinatorConfig(world_size=args.world_size,
-                             allow_rank_takeover=args.allow_takeover, **overrides)
+    least, most = parse_world_range(args.world_size)
+    if least < most:
+        overrides["min_world_size"] = least
+    for flag, name in (("--join-window", "join_window"), ("--retire-after", "retire_after")):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not value >= 0 or (name == "retire_after" and not value > 0):
+            limit = "> 0" if name == "retire_after" else ">= 0"
+            raise UsageError(f"{flag}: expected seconds {limit}, got {value!r}")
+        overrides[name] = value
+    return CoordinatorConfig(world_size=most, allow_rank_takeover=args.allow_takeover,
+                             **overrides)
 
 
 async def run_coordinator(args: argparse.Namespace) -> int:
@@ -212,6 +224,8 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
         summary["coverage"] = {"exact": all(c.exact for c in sched.coverage), "inexact": [
             {"epoch": c.epoch, "samples": c.samples, "total": c.total, "overlaps": c.overlaps,
              "gaps": c.gaps} for c in sched.coverage if not c.exact]}
+        print(coverage_line(result.epochs_completed, args.epochs, summary["coverage"]),
+              flush=True)
         if result.epochs_completed != args.epochs:
             return summary, (f"the run ended after {result.epochs_completed}/{args.epochs} "
                              "epochs")
@@ -228,6 +242,20 @@ async def _drive(args: argparse.Namespace, coord: Coordinator,
         return summary, (f"ranks {sorted(coord.dead_ranks)} were declared dead, "
                          f"{len(coord.exited_ranks)} exited cleanly")
     return summary, None
+
+
+def coverage_line(done: int, asked: int, coverage: dict[str, Any]) -> str:
+    """The line that says whether every epoch was covered exactly once.
+
+    >>> coverage_line(3, 3, {"exact": True, "inexact": []})
+    'coordinator: 3/3 epochs, every epoch covered exactly once'
+    >>> coverage_line(2, 3, {"exact": False, "inexact": [{"epoch": 1}]})
+    'coordinator: 2/3 epochs, NOT covered exactly once: epoch(s) [2]'
+    """
+    if coverage["exact"]:
+        return f"coordinator: {done}/{asked} epochs, every epoch covered exactly once"
+    epochs = [entry["epoch"] + 1 for entry in coverage["inexact"]]
+    return f"coordinator: {done}/{asked} epochs, NOT covered exactly once: epoch(s) {epochs}"
 
 
 def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
@@ -252,6 +280,10 @@ def summary_dict(result: RunSummary, coord: Coordinator) -> dict[str, Any]:
         out[field.name] = value
     out["dead_ranks"] = sorted(coord.dead_ranks)
     out["rejoins"] = {str(rank): n for rank, n in sorted(coord.rejoins.items())}
+    least, most = coord.world_range
+    if least < most:  # an elastic world: its range, its size at the end, who left it
+        out["world"] = {"min": least, "max": most, "current": coord.current_world}
+        out["retired"] = sorted(coord.retired_ranks)
     out["lost_broadcasts"] = coord.lost_broadcasts
     return out
 
@@ -282,6 +314,10 @@ async def run_rank(args: argparse.Namespace) -> int:
     last = record.received[-1] if record.received else None
     print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
           flush=True)
+    if ep.draining is not None:  # its host left on purpose: it left after its last sync
+        print(f"rank {args.rank}: its host drained ({ep.draining}); left after its last sync",
+              flush=True)
+        return EXIT_OK
     if isinstance(last, ShutdownWithSave) and last.reason != SaveReason.GRACEFUL_SHUTDOWN:
         raise CommandFailed(f"rank {args.rank}: the coordinator stopped the run: "
                             f"ShutdownWithSave({last.reason.name})")

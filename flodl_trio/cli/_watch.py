@@ -62,6 +62,13 @@ def render(state: dict[str, Any], *, where: str, interval: float) -> Group:
         table.add_row(str(relay.get("host", "?")), str(relay.get("peer", "?")), link,
                       str(sum(r in live for r in ranks)), str(sum(r in dead for r in ranks)),
                       str(sum(r in exited for r in ranks)), _ranks_text(ranks))
+    world = state.get("world")
+    if isinstance(world, dict) and world.get("min") != world.get("max"):
+        # An elastic world (issue 37): its range, its size now, and who left it for good.
+        retired = _ints(state.get("retired"))
+        head.append(f"  world {world.get('min', '?')}:{world.get('max', '?')} now "
+                    f"{world.get('current', '?')}" + (f", retired {_ranks_text(sorted(retired))}"
+                                                      if retired else ""))
     lines: list[RenderableType] = [head, table,
              Text(f"ranks alive {len(live)}  dead {len(dead)}  exited {len(exited)}  lost "
                   f"broadcasts {state.get('lost_broadcasts', '?')}")]

@@ -1,7 +1,7 @@
 """Admission (issue 37): what one authenticated ``Hello`` or ``Resume`` is to the cohort.
 
 Joining, rejoining, a restarted host superseding its old connection, a spare taking over, a
-relay resuming after a failover and (later) growing the world are one question, answered here
+relay resuming after a failover and growing the world are one question, answered here
 by one pure function: :func:`judge` takes the roster, the relay's ``Hello`` (or ``Resume``), the
 coordinator's terms (generation, takeover, adoption) and the rejoins in flight, and returns one
 verdict. No trio, no IO, no clock: :mod:`._admit` asks and applies the verdict, in one place.
@@ -52,11 +52,13 @@ A Hello whose ranks fall in several of rows 10 to 14 (one dead, one alive on the
 restarted relay, say) is admitted whole, as the first of those rows: the roster takes each
 rank as it is.
 
-Row 12 is elastic membership (issue 37, later). It cannot match today: the world has one size
-(its range is ``world_size..world_size``), no rank is ever retired, and a running cohort
-covers every rank (formation completes only then, and nothing uncovers a rank afterwards), so
-there is no room for one more. Until it can, a ``Grow`` would be applied as a ``Rejoin`` of
-uncovered ranks, which is what the rejoin rules did with them before this table.
+Row 12 is elastic membership (issue 37, docs/elastic.rst): a running cohort has room for ranks
+it does not cover -- an elastic world formed below its maximum, a rank retired since -- and a
+relay naming only such ranks grows the world (``RankJoined`` for each, ``DeclareAlive`` to the
+others; no rank can lie above the maximum, row 7 refuses it). A fixed world covers every rank
+once it formed and never retires one, so the row never matches there. An uncovered rank belongs
+to no host once the cohort formed (``Roster.start_running``, ``Roster.retire``): any host may
+grow into it.
 
 Asked again: after the ``Ready`` of rows 10 to 14 (``ready=True``), rows 6 and 8 only (the run
 may have stopped, a rank may have exited or come back elsewhere meanwhile; the rank list and the
@@ -174,7 +176,7 @@ class Resume(BringBack, Generic[C]):
 
 @attrs.frozen
 class Grow(BringBack):
-    """Row 12: new ranks join a running cohort (elastic membership; cannot match today)."""
+    """Row 12: new ranks join a running cohort (elastic membership: the world grows)."""
 
 
 @attrs.frozen

@@ -30,7 +30,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import FlodlError, FormationError
-from ..events import RankRejoined, RankTakenOver, RelayJoined
+from ..events import RankJoined, RankRejoined, RankTakenOver, RelayJoined
 from ..net._transport import STREAM_GONE, is_local_or_private
 from ..timeline import Timeline
 from ..wire import CoordinatorHandshake, DeclareAlive, DeclareDead, Hello, HelloReceived
@@ -167,6 +167,7 @@ class Admitter:
         supersedes it, and its end un-covers the relay."""
         conn = self._new_conn(stream, machine, peer, hello)
         self._roster.register(conn, trio.current_time())
+        self._outcome.moved(joined=True)
         return conn
 
     async def _join(self, stream: trio.abc.Stream, machine: CoordinatorHandshake, peer: str,
@@ -200,6 +201,7 @@ class Admitter:
         closes it). Counted as a reject unless a re-dial superseded it meanwhile."""
         superseded = conn.lost_reason is not None
         self._roster.unregister(conn)
+        self._outcome.moved(joined=False)
         conn.abandon("no Ready")
         if not superseded:
             detail = (f"no Ready within handshake_timeout={self._config.handshake_timeout:g}s"
@@ -304,6 +306,9 @@ class Admitter:
         roster = self._roster
         dropped: list[RelayConn] = []
         back: list[int] = []
+        # Ranks new to a running cohort (never covered, or retired): the world grows (issue 37).
+        grown = ([rank for rank in conn.ranks if roster.relay_of(rank) is None]
+                 if roster.running else [])
         if isinstance(verdict, Join):
             roster.confirm(conn)
             previous = verdict.taken
@@ -328,16 +333,24 @@ class Admitter:
                                                    previous_host=before))
         for rank in back:
             self._timeline.event(RankRejoined(rank=rank, host=conn.host))
-        # The newcomers learn who is still dead; everyone learns who is back. Both are queued
-        # behind the welcome on the new connection, and never wait on any relay.
+        if grown:
+            world = roster.current_world
+            log.info("relay %r grew the world to %d ranks (%d..%d) with ranks %s", conn.host,
+                     world, roster.min_world, roster.world_size, ranks_text(grown))
+            for rank in grown:
+                self._timeline.event(RankJoined(rank=rank, host=conn.host, world=world))
+        # The newcomers learn who is still dead; everyone learns who is back, or new. Both are
+        # queued behind the welcome on the new connection, and never wait on any relay.
         for dead in sorted(roster.dead):
             self._sender.post_to(conn, DeclareDead(rank=dead))
-        for rank in back:
+        for rank in (*back, *grown):
             self._sender.post(DeclareAlive(rank=rank))
         if not isinstance(verdict, Join):
             self._liveness.wake()  # its ranks' clocks start now
         if roster.complete:  # the last ranks are covered (a rejoin during formation too)
             self._outcome.complete()
+        elif roster.forming:  # an elastic world's join window starts again
+            self._outcome.moved(joined=True)
 
     def warn_cleartext(self, peer: str) -> None:
         host = peer.rsplit(":", 1)[0].strip("[]")

@@ -57,6 +57,12 @@ class Adoption:
         state, roster = self._state, self._roster
         now = trio.current_time()
         self._deadline = now + self._config.resume_timeout
+        least = state.world_size if state.min_world_size is None else state.min_world_size
+        if least != self._config.min_world:
+            log.warning("the adopted session's world is %d..%d ranks, this coordinator's "
+                        "config says %d..%d: the session's range holds", least,
+                        state.world_size, self._config.min_world, self._config.world_size)
+        roster.restore_world(least, state.retired)
         for index, (host, ranks) in enumerate(state.roster, start=1):
             conn = RelayConn.awaiting(host=host, ranks=ranks, model_sigs=dict(state.model_sigs),
                                       index=-index,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -30,6 +31,7 @@ from ._boardview import board_document, epoch_in_progress
 from ._leader import Leader
 from ._persist import checked_checkpoint
 from ._relayconn import Delivery, RelayConn
+from ._retire import Retirement
 from ._roster import Roster
 from ._sending import Sender
 from .formation import Formation
@@ -43,7 +45,7 @@ class Coordinator:
     """The run's coordinator, as yielded by :func:`flodl_trio.open_coordinator`.
 
     Attributes:
-        world_size: number of global ranks.
+        world_size: number of global ranks (an elastic world's maximum: the rank id space).
         config: the :class:`CoordinatorConfig` in force.
         address: ``(host, port)`` it listens on (a property; a ``ConfigError`` when it was
             given listeners instead of an address to bind).
@@ -82,13 +84,16 @@ class Coordinator:
             config.metrics_buffer
         )
         codec = FrameCodec(salt)
-        self._roster = Roster[RelayConn](config.world_size)
+        self._roster = Roster[RelayConn](config.world_size, min_world=config.min_world)
         self._sender = Sender(self._roster, codec, self.timeline, config.world_size)
         self._liveness = Liveness(self._roster, self._sender, config, self.timeline)
         self._board = Board(config.world_size)
+        self._retirement = Retirement(roster=self._roster, liveness=self._liveness,
+                                      config=config, timeline=self.timeline)
         self._readers = Readers(roster=self._roster, liveness=self._liveness, codec=codec,
                                 timeline=self.timeline, timing=self._timing_send,
                                 metrics=self._metrics_send, board=self._board,
+                                retirement=self._retirement,
                                 deliver_heartbeats=config.deliver_heartbeats)
         self._formation = Formation(
             roster=self._roster, sender=self._sender, liveness=self._liveness,
@@ -161,6 +166,11 @@ class Coordinator:
         tasks += self._leader.tasks()
         if abort is not None:
             tasks.append(partial(self._formation.watch_abort, abort))
+        least, most = self.world_range  # an adopted session's range holds (issue 37)
+        if least < most:
+            tasks.append(self._formation.watch_join_window)
+        if self.config.retire_after < math.inf:
+            tasks.append(self._retirement.watch)
         return tasks
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
@@ -212,6 +222,28 @@ class Coordinator:
         return self._roster.covered
 
     @property
+    def world_range(self) -> tuple[int, int]:
+        """``(minimum, maximum)`` of the world (``(world_size, world_size)`` when fixed)."""
+        return self._roster.min_world, self._roster.world_size
+
+    @property
+    def current_world(self) -> int:
+        """Ranks in the cohort now: covered, live or dead-and-awaited or exited (retired
+        ranks and ranks that never joined are not); ``max_failure`` is judged against it."""
+        return self._roster.current_world
+
+    @property
+    def retired_ranks(self) -> frozenset[int]:
+        """Ranks retired from the world (issue 37) and not joined again since."""
+        return frozenset(self._roster.retired)
+
+    @property
+    def draining_ranks(self) -> frozenset[int]:
+        """Live ranks whose host leaves on purpose (its relay drains, issue 37): each finishes
+        its current sync and exits, and is retired then."""
+        return self._retirement.draining_ranks() & self._roster.live
+
+    @property
     def live_ranks(self) -> frozenset[int]:
         """Covered ranks that are neither dead nor cleanly exited."""
         return self._roster.live
@@ -230,6 +262,13 @@ class Coordinator:
         never were are absent; a copy). A count that moved means the rank died and came back,
         even if nobody looked at ``dead_ranks`` in between."""
         return self._roster.rejoins
+
+    @property
+    def joins(self) -> dict[int, int]:
+        """How many times each rank joined the running cohort as a rank it did not cover (an
+        elastic world grew, issue 37; a copy). A count that moved means a new process holds the
+        rank, even if nobody saw it retired in between."""
+        return self._roster.joins
 
     @property
     def phase(self) -> str:
@@ -387,6 +426,24 @@ class Coordinator:
             await self._liveness.wait_told()
         else:
             await trio.lowlevel.checkpoint()
+
+    async def retire(self, ranks: Iterable[int] | int, *,
+                     reason: str = "retired by the orchestrator") -> None:
+        """Take dead (or cleanly exited) ranks out of an elastic world for good (issue 37,
+        docs/elastic.rst): they stop counting in the world and against ``max_failure``, and
+        nobody waits for them; their ids may join again later. All of them or none.
+
+        Raises:
+            ConfigError: not rank ids of this world.
+            MembershipError: one is alive (drain its host instead), not in the world or
+                retired already, or the world would drop below its minimum.
+        """
+        self._retirement.retire(self._retirement.checked(ranks), reason)
+        await trio.lowlevel.checkpoint()
+
+    def retired_reason(self, rank: int) -> str | None:
+        """Why ``rank`` was retired from the world, or None when it is not retired."""
+        return self._roster.retired_reason(rank)
 
     async def shutdown_with_save(self, reason: SaveReason) -> None:
         """Tell every live rank to save and stop (``ShutdownWithSave``); sent once per run."""

@@ -132,7 +132,8 @@ class Leader:
         self._adoption = Adoption(state, roster=self._roster, sender=self._sender,
                                   liveness=self._liveness, config=self._config, source=source)
         self._adoption.install(self.generation)
-        self._adopted_formed = state.formed and self._roster.complete
+        # An elastic world formed with its minimum (or more) is formed (issue 37).
+        self._adopted_formed = state.formed and self._roster.quorate
 
     def when_deposed(self, stop: Callable[[], None]) -> None:
         """Call ``stop`` (``open_coordinator``: stop every task) when it steps down."""

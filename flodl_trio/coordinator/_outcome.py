@@ -1,6 +1,7 @@
 """How formation ends (SPEC §4.2), and the rejected handshakes it counts on the way.
 
-Formation completes once every rank is covered by a relay whose ``Ready`` verified, or fails:
+Formation completes once every rank is covered by a relay whose ``Ready`` verified (an elastic
+world, issue 37: once its minimum is, and no relay joined for ``join_window`` seconds), or fails:
 an authenticated contradiction, ``strict_formation`` and a pre-auth reject, ``abort``, or
 ``formation_timeout``. Each failure's message says how many ranks were covered, which hosts
 joined and which connections were rejected, by reason. Both the handshakes
@@ -41,6 +42,9 @@ class FormationOutcome:
         self._settled = trio.Event()
         self._started = 0.0
         self.failure: FormationError | None = None
+        # An elastic world's join window: when a relay last joined, and a wake-up for the watch.
+        self._last_join = 0.0
+        self._moved = trio.Event()
 
     def reject(self, peer: str, category: str, detail: str, *, wrong_salt: bool = False
                ) -> None:
@@ -80,12 +84,12 @@ class FormationOutcome:
             self._settled.set()
 
     def complete(self) -> None:
-        """Every rank is covered: the cohort runs from now."""
+        """Every rank is covered (an elastic world: enough of them): the cohort runs from now."""
         now = trio.current_time()
         self._roster.start_running(now)
         elapsed = (now - self._started) * 1000.0
         relays = len(self._roster.relays)
-        world = self._roster.world_size
+        world = self._roster.current_world
         self._timeline.event(FormationComplete(
             relays=relays, world_size=world, elapsed_ms=round(elapsed, 3)))
         log.info("formation complete: %d ranks over %d relays in %.1f ms", world, relays,
@@ -94,6 +98,33 @@ class FormationOutcome:
         self._liveness.wake()
         self._liveness.formed()
         self.report_rejects_tail()
+
+    def moved(self, *, joined: bool) -> None:
+        """Formation's membership moved: a relay registered or was confirmed (``joined``: the
+        join window starts again), or one was dropped; the join window's watch looks again."""
+        if joined:
+            self._last_join = trio.current_time()
+        self._moved.set()
+
+    async def watch_join_window(self) -> None:
+        """An elastic world (issue 37): complete formation once the minimum is covered, no
+        relay waits for its ``Ready``, and none joined for ``join_window`` seconds (torchrun's
+        last call). The maximum completes it at once, as a fixed world's every rank does."""
+        window = self._config.join_window
+        while self._roster.forming and self.failure is None:
+            self._moved = trio.Event()
+            if self._roster.quorate:
+                due = self._last_join + window
+                if trio.current_time() >= due:
+                    log.info("join window: %gs without a relay joining; forming with %d of "
+                             "%d..%d ranks", window, self._roster.current_world,
+                             self._roster.min_world, self._roster.world_size)
+                    self.complete()
+                    return
+                with trio.move_on_at(due):
+                    await self._moved.wait()
+            else:
+                await self._moved.wait()
 
     def start_clock(self) -> None:
         """Formation's deadline and elapsed time count from now."""

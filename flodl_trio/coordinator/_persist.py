@@ -127,7 +127,9 @@ class Persistence:
             exited=roster.exited, failures=len(roster.dead), generation=self.generation,
             formed=roster.formed, checkpoint=self.checkpoint,
             ended=None if self.ended is None else self.ended[0],
-            ended_at=None if self.ended is None else self.ended[1])
+            ended_at=None if self.ended is None else self.ended[1],
+            min_world_size=roster.min_world if roster.min_world < roster.world_size else None,
+            retired={rank: roster.retired_reason(rank) or "" for rank in roster.retired})
 
     async def run(self) -> None:
         """The one writer (runs in the coordinator's nursery until it is cancelled or the

@@ -4,7 +4,8 @@ Which relays joined and which ranks each carries, who is dead (and why), who exi
 when each rank was last heard from, how many handshakes were rejected and in which phase the
 run is. The coordinator's IO modules (formation, readers, liveness, sending) ask and tell this
 object; it never waits and never reads a clock, so every rule here is testable without trio.
-The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster_liveness`.
+The liveness rules (deaths, staleness, the failure policy) are in :mod:`._roster_liveness`; an
+elastic world's rules (its current size, forming with a range, retiring) in :mod:`._roster_world`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ from ..net._ratelimit import JunkCounter, JunkReport
 from ..wire import ranks_text
 from ..wire._handshake import WRONG_SALT_HINT
 from ._roster_liveness import PAUSED_RECHECK, PHASES, LivenessRules, M, Member
+from ._roster_world import WorldRules
 
 __all__ = ["PAUSED_RECHECK", "PHASES", "M", "Member", "Roster", "ranks_text"]
 
 
-class Roster(LivenessRules[M]):
+class Roster(WorldRules[M], LivenessRules[M]):
     """Relays, rank → relay, dead ranks (with reasons), exited ranks, last-seen clocks, reject
     counters and the run's phase (``forming``, ``running``, ``shutting_down``, ``closed``)."""
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, world_size: int, *, min_world: int | None = None) -> None:
+        self.world_size = world_size  # the largest world: the rank id space
+        # Elastic membership (issue 37): the smallest world the run forms with and keeps.
+        self.min_world = world_size if min_world is None else min_world
+        self._retired: dict[int, str] = {}  # ranks taken out of the world, why, in order
         # Insertion-ordered sets (dicts): a 16k-rank world has 2,048 relays, and every Hello
         # asks about them, so nothing here may scan the list per relay.
         self._relays: dict[M, None] = {}
@@ -35,6 +40,7 @@ class Roster(LivenessRules[M]):
         self._unconfirmed: dict[M, None] = {}  # registered, Ready not yet verified (FT/2)
         self._dead: dict[int, str] = {}
         self._rejoins: dict[int, int] = {}  # rank -> times it came back after a death
+        self._joins: dict[int, int] = {}  # rank -> times it joined a running cohort (grew it)
         self._announced: dict[int, str] = {}  # rank -> host of the last relay that covered it
         self._exited: set[int] = set()
         self._last_seen: dict[int, float] = {}
@@ -138,6 +144,12 @@ class Roster(LivenessRules[M]):
         return dict(self._rejoins)
 
     @property
+    def joins(self) -> dict[int, int]:
+        """Times each rank joined the running cohort as a rank it did not cover (an elastic
+        world grew; a copy)."""
+        return dict(self._joins)
+
+    @property
     def exited(self) -> frozenset[int]:
         return frozenset(self._exited)
 
@@ -191,7 +203,7 @@ class Roster(LivenessRules[M]):
             return (f"{who}: world_size mismatch: the coordinator's world_size is "
                     f"{self.world_size}, the relay's is {world_size}")
         if model_sigs:
-            problem = self._sigs_problem(who, None if rejoin else host, model_sigs)
+            problem = self._sigs_problem(who, host, model_sigs, same_host_too=rejoin)
             if problem is not None:
                 return problem
         if not ranks:
@@ -211,12 +223,13 @@ class Roster(LivenessRules[M]):
                         f"{owner.peer}")
         return None
 
-    def _sigs_problem(self, who: str, host: str | None, sigs: dict[str, bytes]) -> str | None:
+    def _sigs_problem(self, who: str, host: str, sigs: dict[str, bytes], *,
+                      same_host_too: bool) -> str | None:
         # Every registered relay agrees with the first digest seen for each name, so comparing
         # with those is comparing with all of them.
         owners = {self._sig_owner[name][1] for name in sigs if name in self._sig_owner}
         for other in owners:
-            if other.host == host:
+            if other.host == host and not same_host_too:
                 continue  # a re-dial of the same relay (during formation) is judged on its own
             theirs = other.model_sigs
             differ = sorted(name for name, digest in sigs.items()
@@ -307,9 +320,12 @@ class Roster(LivenessRules[M]):
         for r in relay.ranks:
             old = self._relay_of.get(r)
             previous[r] = self._announced.get(r) if old is None else old.host
+            if old is None and self._phase == "running":
+                self._joins[r] = self._joins.get(r, 0) + 1
             if old is not None and old is not relay:
                 before[old] = None
             self._relay_of[r] = relay
+            self._retired.pop(r, None)  # a retired rank's id joined again: the world grew
             if self._dead.pop(r, None) is not None:
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
@@ -354,16 +370,22 @@ class Roster(LivenessRules[M]):
         # Hung up on our Challenge, or a Hello that failed its MAC: what a relay does whose
         # salt differs.
         hint = f" ({salt} like a relay with another salt: {WRONG_SALT_HINT})" if salt else ""
+        world = (f"{self.world_size}" if self.min_world == self.world_size else
+                 f"{self.min_world} (the minimum of a world of {self.min_world} to "
+                 f"{self.world_size})")
         return (
-            f"{headline}: {len(self.covered)}/{self.world_size} ranks covered; hosts joined: "
+            f"{headline}: {len(self.covered)}/{world} ranks covered; hosts joined: "
             f"{joined}; rejected connections: {self._rejects.summary()}{hint}"
         )
 
     def start_running(self, now: float) -> None:
         """Formation is complete: staleness counts from ``now`` for every rank (and every
-        relay's silence)."""
+        relay's silence). A rank left uncovered (an elastic world formed without it) was
+        never in the cohort: any host may grow into it, whoever announced it before."""
         self._phase = "running"
         self.formed = True
+        for r in [r for r in self._announced if r not in self._relay_of]:
+            del self._announced[r]
         for r in self._relay_of:
             self._last_seen[r] = now
         for relay in self._relays:
@@ -406,6 +428,9 @@ class Roster(LivenessRules[M]):
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
             "exited": sorted(self._exited),
             "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
+            "world": {"min": self.min_world, "max": self.world_size,
+                      "current": self.current_world},
+            "retired": sorted(self._retired),
         }
 
 

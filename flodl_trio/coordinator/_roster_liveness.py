@@ -43,6 +43,11 @@ class LivenessRules(Generic[M]):
 
     world_size: int
     _phase: str
+
+    @property
+    def current_world(self) -> int:
+        """The ranks the failure policy's share is taken of (the roster's)."""
+        raise NotImplementedError
     _relay_of: dict[int, M]
     _dead: dict[int, str]
     _exited: set[int]
@@ -172,10 +177,11 @@ class LivenessRules(Generic[M]):
     def failure_reason(self, policy: MaxFailure | None) -> SaveReason | None:
         """Why the run cannot go on under ``policy``, or None while it can. Never while
         forming: an uncovered rank is not lost, and a dead one may still be brought back
-        (the policy is applied once formation completes)."""
+        (the policy is applied once formation completes). A share of the world is a share of
+        the current world (issue 37: ranks in the cohort, retired ones left out)."""
         if not self._dead or self._phase == "forming":
             return None
-        if policy is not None and len(self._dead) >= policy.limit(self.world_size):
+        if policy is not None and len(self._dead) >= policy.limit(self.current_world):
             return SaveReason.MAX_FAILURE_EXCEEDED
         if not self._live:
             return SaveReason.ALL_RANKS_LOST

@@ -117,6 +117,10 @@ class Formation:
         """Formation's deadline and elapsed time count from now."""
         self._outcome.start_clock()
 
+    async def watch_join_window(self) -> None:
+        """An elastic world forms once its minimum is covered and its join window passed."""
+        await self._outcome.watch_join_window()
+
     async def wait(self) -> None:
         """Return once every rank is covered (the tasks run in ``open_coordinator``'s nursery).
 

@@ -96,6 +96,12 @@ class Liveness:
         self.fenced = 0
         self.write_stalls = 0
         self.retired = 0
+        # When each rank was last declared dead (retire_after counts from it; a death restored
+        # by an adoption counts from the coordinator's start), and a wake-up for whoever waits
+        # for the membership to move (a death, a join).
+        self._died_at: dict[int, float] = {}
+        self._born = trio.current_time()
+        self._moved = trio.Event()
 
     @property
     def save_latched(self) -> bool:
@@ -120,6 +126,20 @@ class Liveness:
     def wake(self) -> None:
         """Last-seen clocks moved: the staleness watch recomputes its next deadline."""
         self._wake_event.set()
+        self._membership_moved()
+
+    def _membership_moved(self) -> None:
+        self._moved.set()
+        self._moved = trio.Event()
+
+    async def next_change(self) -> None:
+        """Return at the next death, or the next time ranks join or rejoin."""
+        await self._moved.wait()
+
+    def died_at(self, rank: int) -> float:
+        """When ``rank`` was last declared dead (trio clock; a death restored by an adoption:
+        when this coordinator started)."""
+        return self._died_at.get(rank, self._born)
 
     def close(self) -> None:
         """Shutdown: no more deaths are handled."""
@@ -130,6 +150,8 @@ class Liveness:
         coordinator no longer leads its store)."""
         if not self._leads() or not self._roster.mark_dead(rank, reason):
             return False
+        self._died_at[rank] = trio.current_time()
+        self._membership_moved()
         conn = self._roster.relay_of(rank)
         host = conn.host if conn is not None else "?"
         log.warning("rank %d (host %s) declared dead: %s", rank, host, reason)
@@ -223,7 +245,7 @@ class Liveness:
         if (reason is None or self.failure is not None or self._roster.shutting_down
                 or not self._leads()):
             return
-        world = self._roster.world_size
+        world = self._roster.current_world
         detail = (
             f"max_failure {policy.describe(world)} reached"
             if reason is SaveReason.MAX_FAILURE_EXCEEDED and policy is not None

@@ -26,6 +26,7 @@ from ..timeline import Timeline
 from ..wire import (
     NEED_DATA,
     CoordinatorSession,
+    Draining,
     EndOfStream,
     Exiting,
     FrameCodec,
@@ -41,6 +42,7 @@ from ..wire import (
 )
 from ._board import Board
 from ._relayconn import RelayConn
+from ._retire import Retirement
 from ._roster import Roster
 from .liveness import Liveness
 
@@ -64,6 +66,7 @@ class Readers:
     _timing: trio.MemorySendChannel[TimingMsg]
     _metrics: trio.MemorySendChannel[Metrics]
     _board: Board
+    _retirement: Retirement
     _deliver_heartbeats: bool = True
     _active: int = attrs.field(default=0, init=False)
     _beats: dict[int, Heartbeat] = attrs.field(factory=dict, init=False)  # last delivered
@@ -127,6 +130,9 @@ class Readers:
             if kind is LivenessRecord:
                 now = await self.apply_liveness(conn, event, now)
                 continue
+            if kind is Draining:  # the relay's host leaves on purpose (issue 37)
+                self._retirement.draining(conn, event.reason)
+                continue
             rank = event.rank
             if roster.is_dead(rank) or not roster.carries(conn, rank):
                 log.debug("rank %d was declared dead (or rejoined on another relay); its late "
@@ -141,6 +147,7 @@ class Readers:
                 roster.seen(rank, now)
                 if kind is Exiting and roster.mark_exited(rank):
                     self._timeline.event(RankExited(rank=rank))
+                    self._retirement.exited(conn, rank)
             try:
                 send.send_nowait(event)
             except trio.WouldBlock:

@@ -59,7 +59,19 @@ class Cluster:
         self.listening_at: list[float] = []
         self.layout: dict[str, list[int]] = {}
         self.world = 0
+        # An elastic world (--add-host, --drain-relay): (MIN, MAX) of the coordinator's
+        # --world-size; relays and ranks are started with MAX, the id space.
+        self.world_range: tuple[int, int] | None = None
         self.files: list[IO[str]] = []
+
+    def elastic(self, least: int, most: int) -> None:
+        """Run an elastic world of ``least`` to ``most`` ranks (before :meth:`start`)."""
+        self.world_range = (least, most)
+
+    @property
+    def id_space(self) -> int:
+        """The ``--world-size`` of relays and ranks: the world's maximum."""
+        return self.world if self.world_range is None else self.world_range[1]
 
     def _start(self, argv: list[str], log: str, *, stdout: Any) -> subprocess.Popen[str]:
         err = _log(self.logs, log)
@@ -68,7 +80,7 @@ class Cluster:
                                 stdin=subprocess.DEVNULL, text=True)
 
     def start(self, layout: dict[str, list[int]], world: int) -> str:
-        self.layout, self.world = layout, world
+        self.layout, self.world = dict(layout), world  # --add-host adds to it
         self.start_coordinator("127.0.0.1:0")
         for host in layout:
             self.start_host(host)
@@ -81,9 +93,13 @@ class Cluster:
         self.coordinators += 1
         log = "coordinator" if self.coordinators == 1 else f"coordinator-{self.coordinators}"
         store = ["--store", self.store] if self.store else []
+        world = [str(self.world)]
+        if self.world_range is not None:
+            # Every first host joins within the window (each relay once its ranks are in).
+            world = [f"{self.world_range[0]}:{self.world_range[1]}", "--join-window", "3"]
         self.coord = self._start(_cli(
             "--log-level", "INFO", "coordinator", "--listen", listen, "--world-size",
-            str(self.world), "--epochs", str(a.epochs), "--total-samples",
+            *world, "--epochs", str(a.epochs), "--total-samples",
             str(a.total_samples), "--batch-size", str(a.batch_size), "--timeline",
             str(self.timeline), "--summary-file", str(self.summary), "--heartbeat-timeout", "5",
             "--linger", str(a.linger), *store), log, stdout=subprocess.PIPE)
@@ -114,16 +130,25 @@ class Cluster:
             self.replaced += [self.relays[host], *(self.ranks[r] for r in ranks)]
         relay = self._start(_cli(
             "relay", "--coordinator", self.address, "--host", host, "--ranks",
-            ",".join(map(str, ranks)), "--world-size", str(self.world)), log,
+            ",".join(map(str, ranks)), "--world-size", str(self.id_space)), log,
             stdout=subprocess.PIPE)
         self.relays[host] = relay
         rank_address = _read_line(relay, log, self.logs).split()[-1]
         for r in ranks:
             self.ranks[r] = self._start(_cli(
                 "rank", "--relay", rank_address, "--rank", str(r), "--world-size",
-                str(self.world), "--batch-size", str(a.batch_size), "--batch-ms",
+                str(self.id_space), "--batch-size", str(a.batch_size), "--batch-ms",
                 str(a.batch_ms * slower)), f"rank-{r}-restarted" if again else f"rank-{r}",
                 stdout=subprocess.DEVNULL)
+
+    def add_host(self, host: str) -> list[int]:
+        """Start one more host with the next ``--ranks-per-host`` rank ids: it joins the
+        running cohort (an elastic world). Returns its ranks."""
+        per = self.args.ranks_per_host
+        first = max(r for ranks in self.layout.values() for r in ranks) + 1
+        self.layout[host] = list(range(first, first + per))
+        self.start_host(host)
+        return self.layout[host]
 
     def children(self) -> list[subprocess.Popen[str]]:
         return [*self.relays.values(), *self.ranks.values()]

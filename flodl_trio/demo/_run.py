@@ -72,6 +72,15 @@ def run_demo(args: argparse.Namespace) -> int:
     world = args.hosts * per
     kills = _parse_kills(args.kill_relay, hosts)
     restarts = _parse_restarts(args.restart_relay, hosts, kills)
+    drains = _parse_kills(args.drain_relay, hosts, "--drain-relay")
+    both = sorted(set(drains) & set(kills))
+    if both:
+        raise UsageError(f"--drain-relay: expected a host --kill-relay does not kill, got "
+                         f"{', '.join(both)}")
+    if any(not when >= 0 for when in args.add_host):
+        raise UsageError(f"--add-host: expected seconds >= 0, got {args.add_host}")
+    added = {f"host-{chr(ord('a') + len(hosts) + i)}": when
+             for i, when in enumerate(args.add_host)}
     if args.kill_coordinator is not None and not args.kill_coordinator >= 0:
         raise UsageError(f"--kill-coordinator: expected seconds >= 0, got "
                          f"{args.kill_coordinator!r}")
@@ -87,6 +96,8 @@ def run_demo(args: argparse.Namespace) -> int:
     timeline = Path(args.timeline) if args.timeline else work / "timeline.jsonl"
     store = f"sqlite:{work / 'session.db'}" if args.kill_coordinator is not None else None
     cluster = Cluster(args, env, logs, timeline, work / "summary.json", store=store)
+    if added or drains:  # an elastic world: from the hosts that stay to every host there is
+        cluster.elastic(world - per * len(drains), world + per * len(added))
     keep = bool(args.keep_logs)
     print(f"flodl-trio demo: {args.hosts} hosts x {per} ranks = world {world}, {args.epochs} "
           f"epochs of {args.total_samples} samples in batches of {args.batch_size}", flush=True)
@@ -98,7 +109,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 "--linger S keeps it up S seconds after the run")
         print(f"live page: http://{address}/ (open it in a browser; {kept}; "
               f"/state.json for scripts)", flush=True)
-        director = Director(args, cluster, kills, restarts)
+        director = Director(args, cluster, kills, restarts, added=added, drains=drains)
         director.watch(_table)
         code = _conclude(args, cluster, director.story, director.killed, layout)
         keep = keep or code != 0
@@ -126,7 +137,8 @@ def _table(director: Director) -> Any:
                   caption=story.status_line(cluster.world))
     for column in ("host", "rank", "status"):
         table.add_column(column, justify="right" if column == "rank" else "left")
-    colours = {"dead": "red", "exited": "blue", "alive": "green", "starting": "yellow"}
+    colours = {"dead": "red", "exited": "blue", "alive": "green", "starting": "yellow",
+               "retired": "magenta"}
     for host, ranks in layout.items():
         for r in ranks:
             state = story.rank_state(r)
@@ -144,6 +156,12 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
     for host in sorted(late):  # restarted, but the run ended before they were back
         print(f"  {host} was restarted but the run ended before its ranks rejoined")
         for p in [cluster.relays[host], *(cluster.ranks[r] for r in layout[host])]:
+            p.terminate()
+    unjoined = {h: rs for h, rs in cluster.layout.items()  # --add-host, too late to join
+                if h not in layout and not set(rs) <= set(story.joined)}
+    for host, ranks in unjoined.items():
+        print(f"  {host} was started but the run ended before it joined")
+        for p in [cluster.relays[host], *(cluster.ranks[r] for r in ranks)]:
             p.terminate()
     for p in cluster.children():  # after the final Shutdown they end on their own
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -167,11 +185,14 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
         print(f"  epoch {m['epoch']}: " + (f"avg loss {loss:.4f}" if loss is not None
                                            else "no rank's metrics reached a coordinator"))
     dead = summary.get("dead_ranks", [])
-    print(f"  ranks: {len(layout) * args.ranks_per_host - len(dead)} finished, dead {dead}"
+    finished = len(cluster.ranks) - len(dead) - sum(map(len, unjoined.values()))
+    print(f"  ranks: {finished} finished, dead {dead}"
           + (f" (relays SIGKILLed: {', '.join(sorted(killed))})" if killed else "")
           + (f"; {story.restarts_text(layout, cluster.restarted)}, rejoins "
              f"{summary.get('rejoins', {})}" if cluster.restarted else ""))
     print(f"  rank process exit codes: {dict(sorted(codes.items()))}")
+    if cluster.world_range is not None:
+        print(story.elastic_text(cluster.world_range, summary.get("retired", [])))
     coverage = summary.get("coverage", {})
     if cluster.coordinators > 1:
         print(_failover_text(story, cluster, dead))

@@ -76,6 +76,9 @@ class Story:
         self.dead: dict[int, str] = {}
         self.exited: set[int] = set()
         self.rejoined: set[int] = set()
+        self.joined: dict[int, str] = {}  # rank -> host, joined a running elastic world
+        self.retired: dict[int, str] = {}  # rank -> why it left the elastic world
+        self.drained: list[str] = []  # hosts that left on purpose
         self.events = 0
         self.restarts = 0
         self.generation: int | None = None
@@ -158,6 +161,19 @@ class Story:
             self.dead.pop(int(ev["rank"]), None)
             self.rejoined.add(int(ev["rank"]))
             return f"{t}  rank {ev['rank']} ({ev['host']}) rejoined the running cohort"
+        if kind == "RankJoined":
+            self.joined[int(ev["rank"])] = str(ev["host"])
+            return (f"{t}  rank {ev['rank']} ({ev['host']}) joined the running cohort: the "
+                    f"world is {ev['world']} ranks")
+        if kind == "RelayDraining":
+            self.drained.append(str(ev["host"]))
+            return (f"{t}  relay {ev['host']} drains ({ev['reason']}): ranks {ev['ranks']} "
+                    "finish their current sync and leave")
+        if kind == "RankRetired":
+            self.retired[int(ev["rank"])] = str(ev["reason"])
+            self.dead.pop(int(ev["rank"]), None)
+            return (f"{t}  rank {ev['rank']} ({ev['host']}) retired: {ev['reason']}; the world "
+                    f"is {ev['world']} ranks")
         if kind == "RankTakenOver":
             return (f"{t}  rank {ev['rank']} of host {ev['previous_host']} taken over by host "
                     f"{ev['host']}")
@@ -205,6 +221,9 @@ class Story:
         if what == "ranks_rejoined":
             return (f"{t}  ranks {fields['ranks']} get work again from epoch "
                     f"{int(fields['from_epoch']) + 1}")
+        if what == "ranks_joined":
+            return (f"{t}  ranks {fields['ranks']} get work from epoch "
+                    f"{int(fields['from_epoch']) + 1}")
         if what == "batch_size_mismatch":
             return (f"{t}  rank {fields['rank']} batches disagree with the plan: "
                     f"{fields['samples']} samples in {fields['batches']} batches, batch size "
@@ -229,7 +248,19 @@ class Story:
             parts.append(f"restarted but not back before the run ended: {', '.join(late)}")
         return "; ".join(parts)
 
+    def elastic_text(self, world: tuple[int, int], retired: Sequence[int]) -> str:
+        """The summary's words on an elastic world: its range, who joined, who left."""
+        joined = sorted(self.joined)
+        hosts = sorted(set(self.joined.values()))
+        grew = (f"ranks {joined} joined ({', '.join(hosts)})" if joined
+                else "no host joined while it ran")
+        drained = f"drained: {', '.join(self.drained)}" if self.drained else "no host drained"
+        return (f"  world {world[0]}:{world[1]}: {grew}; {drained}; retired "
+                f"{sorted(retired) if retired else sorted(self.retired)}")
+
     def rank_state(self, rank: int) -> str:
+        if rank in self.retired:
+            return "retired"
         if rank in self.dead:
             return "dead"
         if rank in self.exited:

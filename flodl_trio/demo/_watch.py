@@ -37,9 +37,12 @@ class Director:
     """
 
     def __init__(self, args: argparse.Namespace, cluster: Cluster,
-                 kills: dict[str, float], restarts: dict[str, float]) -> None:
+                 kills: dict[str, float], restarts: dict[str, float], *,
+                 added: dict[str, float] | None = None,
+                 drains: dict[str, float] | None = None) -> None:
         self.args, self.cluster = args, cluster
         self.kills, self.restarts = kills, dict(restarts)
+        self.added, self.drains = dict(added or {}), dict(drains or {})  # still to do
         self.story = Story(cluster.timeline, args.epochs, anchors=cluster.listening_at)
         self.killed: set[str] = set()
         self.killed_coordinator = False
@@ -73,6 +76,29 @@ class Director:
             if killed_at is not None and time.monotonic() - killed_at >= when:
                 del self.restarts[host]
                 self._restart(host, killed_at)
+        for host, when in list(self.added.items()):
+            if since >= when:
+                del self.added[host]
+                self._add(host)
+        for host, when in list(self.drains.items()):
+            if since >= when:
+                del self.drains[host]
+                self._drain(host)
+
+    def _add(self, host: str) -> None:
+        self._catch_up()
+        at = time.monotonic()
+        ranks = self.cluster.add_host(host)
+        self._say_at(at, f"started host {host} with ranks {ranks} "
+                         f"{self._since_formation(at):.2f} s after formation: it joins the "
+                         "running cohort")
+
+    def _drain(self, host: str) -> None:
+        self._catch_up()
+        self.cluster.relays[host].terminate()  # SIGTERM: a relay that joined drains
+        at = time.monotonic()
+        self._say_at(at, f"SIGTERMed relay {host} (ranks {self.cluster.layout[host]}) "
+                         f"{self._since_formation(at):.2f} s after formation: it drains")
 
     def _kill_relay(self, host: str) -> None:
         self._catch_up()
@@ -155,6 +181,12 @@ class Director:
         for host, when in self.restarts.items():  # not yet started when the run ended
             self.say(f"  {host} was not restarted: the run ended before its restart was due "
                      f"({when:g}s after the kill)")
+        for host, when in self.added.items():
+            self.say(f"  {host} was not added: the run ended before it was due ({when:g}s "
+                     "after formation)")
+        for host, when in self.drains.items():
+            self.say(f"  {host} was not drained: the run ended before it was due ({when:g}s "
+                     "after formation)")
 
 
 def summary_written(cluster: Cluster) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from .._config import RelayConfig
-from .._errors import ConfigError, FlodlError
+from .._errors import ConfigError, FlodlError, MembershipError
 from .._lifecycle import open_lifecycle
 from ..net._transport import DialTarget, close_all
 from ..store import SessionStore
@@ -163,6 +163,40 @@ class Relay:
     def error(self) -> FlodlError | None:
         """Why the relay failed (what ``open_relay`` raises), else None."""
         return self._error
+
+    @property
+    def joined(self) -> bool:
+        """The relay joined the cohort (:meth:`wait_connected` returned) and has not ended."""
+        return self._connected.is_set() and not self._closed.is_set()
+
+    @property
+    def draining(self) -> str | None:
+        """Why the host leaves, once :meth:`drain` was called; else None."""
+        return self._pump.draining if self._pump is not None else None
+
+    async def drain(self, reason: str = "drained") -> None:
+        """The host leaves the run on purpose (issue 37, docs/elastic.rst): each local rank
+        is told (``Drain``) to finish its current sync and exit cleanly, and the coordinator
+        (``Draining``) retires each one as it exits, not counting it as a failure. The relay
+        ends once its last rank exited (``RelayExit("all ranks exited")``); wait for it with
+        :meth:`wait_closed`.
+
+        Raises:
+            MembershipError: the relay has not joined (or has ended), or it drains already.
+        """
+        pump = self._pump
+        if pump is None or self._closed.is_set():
+            state = "ended" if self._closed.is_set() else "not joined yet"
+            raise MembershipError(f"relay {self.host!r}: expected a relay that joined the "
+                                  f"cohort to drain, but it has {state}")
+        if pump.draining is not None:
+            raise MembershipError(f"relay {self.host!r}: expected a relay that is not "
+                                  f"draining, but it drains already ({pump.draining}); its "
+                                  "ranks leave after their current sync")
+        log.warning("relay %r: draining (%s): ranks %s finish their current sync and exit",
+                    self.host, reason, list(self.ranks))
+        pump.drain(reason, self._notices.drain_frame(reason))
+        await trio.lowlevel.checkpoint()
 
     def cancel_on_error(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the user's block) when the relay fails."""

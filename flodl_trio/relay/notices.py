@@ -14,7 +14,7 @@ from __future__ import annotations
 import trio
 
 from ..net._transport import STREAM_GONE
-from ..wire import FrameCodec, RelayWaiting, SessionSalt
+from ..wire import Drain, FrameCodec, RelayWaiting, SessionSalt
 from .ranks import LocalRanks
 
 # Cadence of the notices (not scaled: a rate, not patience), and the bound on one write.
@@ -34,6 +34,10 @@ class RankNotices:
         self._local = local
         self._codec = FrameCodec(salt)
         self.upstream_status = "about to dial the coordinator"
+
+    def drain_frame(self, reason: str) -> bytes:
+        """The ``Drain`` frame that tells a local rank its host leaves (issue 37)."""
+        return self._codec.encode(Drain(host=self._local.host, reason=reason))
 
     def status(self, text: str) -> None:
         """What phase 2 is doing now, for the next notice."""

@@ -28,6 +28,7 @@ from ..net._transport import STREAM_GONE
 from ..timeline import Timeline
 from ..wire import (
     Deliver,
+    Draining,
     EndOfStream,
     FenceRank,
     RankDropped,
@@ -100,6 +101,9 @@ class Pump:
         self.heartbeats = Heartbeats(self.config.heartbeat_interval)
         self._readers = 0
         self._readers_gone = trio.Event()
+        # Issue 37: the host leaves on purpose (drain), and why; Draining goes up once.
+        self.draining: str | None = None
+        self._drain_asked = trio.Event()
         self.leg = self._new_leg(stream, opener, sealer, first)
 
     def _new_leg(self, stream: trio.abc.Stream, opener: RecordOpener, sealer: RecordSealer,
@@ -134,7 +138,32 @@ class Pump:
                         self._readers_gone.set()
                     nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
                                        up_send.clone(), self._readers_gone, self.send_up)
+                    nursery.start_soon(self._send_draining, up_send.clone())
         return self._outcome if self._outcome is not None else RelayExit("stopped", True)
+
+    def drain(self, reason: str, frame: bytes) -> None:
+        """The host leaves (issue 37): ``frame`` (a ``Drain`` sealed for the ranks) goes to
+        every local rank after what is queued for it, and ``Draining`` to the coordinator."""
+        self.draining = reason
+        now = trio.current_time()
+        for link in self.local.links():
+            if not link.gone and not link.offer(link.session.send(frame), now):
+                self.drop_rank(link, "it did not drain its queue within write_stall_timeout")
+        self._drain_asked.set()
+
+    async def _send_draining(self, up_send: trio.MemorySendChannel[Upstream]) -> None:
+        """Queue ``Draining`` upstream once :meth:`drain` asks, unless every rank left first
+        (this task's queue clone closes with the readers', so the writer still ends)."""
+        with up_send:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_when, self._readers_gone, nursery.cancel_scope)
+                await self._drain_asked.wait()
+                nursery.cancel_scope.cancel()
+            if self.draining is not None and not self._readers_gone.is_set():
+                try:
+                    await self.send_up(up_send, Draining(reason=self.draining))
+                except STREAM_GONE:
+                    pass
 
     @property
     def stream(self) -> trio.abc.Stream:
@@ -357,3 +386,8 @@ class Pump:
                 self._readers -= 1
                 if not self._readers:
                     self._readers_gone.set()
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

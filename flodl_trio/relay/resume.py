@@ -32,6 +32,7 @@ from ..wire import (
     CoordHeartbeat,
     CoordinatorReconnecting,
     CoordinatorResumed,
+    Draining,
     Established,
     FrameCodec,
     Liveness,
@@ -44,9 +45,9 @@ from .ranks import LocalRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
-# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), or the
-# notice that its link ended.
-Upstream = tuple[int, bytes] | RankExit | RankDropped | Liveness
+# What the rank readers queue for the upstream writer: a rank's frame (rank, blob), the notice
+# that its link ended, the ranks' coalesced heartbeats, or that the host leaves (issue 37).
+Upstream = tuple[int, bytes] | RankExit | RankDropped | Liveness | Draining
 
 # A connection and its handshake, done.
 Joined = tuple[trio.abc.Stream, Established]

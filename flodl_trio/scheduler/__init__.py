@@ -41,6 +41,14 @@ How it decides, in one place:
   re-formed with it). When every member of the epoch left, the ranks that came back take it
   over at once instead (in a resume too), rather than the run failing with live ranks. So every
   epoch stays covered exactly once.
+- **An elastic world** (issue 37). A rank the scheduler never saw in the cohort (a host that
+  joined the running world) waits for the next epoch like a rank that came back, and is planned
+  from it; the process group is re-formed first with the new size (``new_world_size``, dense
+  ``new_rank``). A retired rank left like a dead one (its share was settled when it died, or is
+  settled now if it was retired before the scheduler looked), and a rank whose id joined again
+  (``coord.joins`` moved) is a new process. A draining host's ranks (``coord.draining_ranks``)
+  leave after their next sync: one goes out at once when they have batches no sync covered, and
+  they take over no other rank's remainder.
 - **Epoch end.** A rank is done with the epoch when its ``Metrics`` for it arrived and, if it was
   extended, reports ``samples_processed`` covering its plan plus extensions (a rank sends
   cumulative ``Metrics`` each time it runs out of work). When every live rank is done, and a

@@ -44,6 +44,13 @@ log = logging.getLogger("flodl_trio.scheduler")
 # ---------------------------------------------------------------------------- the scheduler
 
 
+def _comings(coord: Coordinator) -> dict[int, int]:
+    """How many times each rank came (back) into the cohort: rejoins after a death and joins
+    of an elastic world; a count that moved means a new process holds the rank."""
+    rejoins, joins = coord.rejoins, coord.joins
+    return {r: rejoins.get(r, 0) + joins.get(r, 0) for r in rejoins.keys() | joins.keys()}
+
+
 class SyncScheduler:
     """Drive ``num_epochs`` epochs of ``total_samples`` samples with the Sync policy.
 
@@ -124,6 +131,8 @@ class SyncScheduler:
         self._phase.fire(PhaseEvent.RUN)
         coord = self._coord
         started = trio.current_time()
+        # The cohort as it starts; a rank that joins later is new (issue 37).
+        self._members.know(coord.covered_ranks | coord.dead_ranks | coord.exited_ranks)
         async with coord.timeline.subscribe() as events:
             if self._resume is None:
                 await self._open_epoch(0, "the first session")
@@ -211,14 +220,19 @@ class SyncScheduler:
         coord = self._coord
         # A rank that died and came back between two looks is a death all the same: what it
         # owed of this epoch died with its old process (so did a resumed share's restarted one).
-        new = self._members.newly_gone(coord.dead_ranks, coord.exited_ranks, coord.rejoins)
+        # A retired rank left like a dead one; one that joined again since is a new process.
+        new = self._members.newly_gone(coord.dead_ranks | coord.retired_ranks,
+                                       coord.exited_ranks, _comings(coord))
         if new:
             await self._fold_gone(new)
-        back = self._members.returned(coord.live_ranks)
-        if back:
-            log.info("rank(s) %s rejoined; they get work from the next epoch", back)
-            coord.timeline.event(Note(what="ranks_rejoined", fields={
-                "ranks": back, "from_epoch": self._ledger.epoch + 1}))
+        live = coord.live_ranks
+        for what, ranks in (("ranks_rejoined", self._members.returned(live)),
+                            ("ranks_joined", self._members.arrived(live))):
+            if ranks:
+                log.info("rank(s) %s %s; they get work from the next epoch", ranks,
+                         what.removeprefix("ranks_"))
+                coord.timeline.event(Note(what=what, fields={
+                    "ranks": ranks, "from_epoch": self._ledger.epoch + 1}))
 
     async def _fold_gone(self, new: Sequence[int]) -> None:
         """Settle ranks that left; hand their remainders over, re-form the group, move the
@@ -247,7 +261,10 @@ class SyncScheduler:
         shares = self._ledger.shares
         fresh = [r for r in survivors  # not members of the epoch (yet): back from a death
                  if r not in shares or shares[r].done is not None]
-        handed = [self._ledger.redistribute(dead, rest, survivors) for dead, rest in remainders]
+        # A draining host's ranks are leaving: they take nothing over, unless nobody else is left.
+        draining = self._coord.draining_ranks
+        takers = [r for r in survivors if r not in draining] or survivors
+        handed = [self._ledger.redistribute(dead, rest, takers) for dead, rest in remainders]
         if settled and not self._phase.resuming:
             # Durable: what a dead rank is credited with cannot be re-derived from it, and a
             # resumed scheduler repeats the extensions that follow, never new ones.
@@ -332,6 +349,11 @@ class SyncScheduler:
         """``EPOCH`` / ``SYNCING``: sync once every live rank stepped; close the epoch once every
         ``Metrics`` is in, after one more sync if some batch of it is unsynced."""
         lockstep = self._lockstep
+        if self._phase.now is Phase.EPOCH and lockstep.all_acked and self._leaving_unsynced():
+            # A draining host's ranks wait for a sync to leave (issue 37): one now, over every
+            # rank that stepped, or they (and whoever waits on their share) would wait forever.
+            await self._sync(lockstep.stepped(self._survivors()))
+            return
         if lockstep.all_stepped and lockstep.all_acked:
             live = self._survivors()
             if live:
@@ -345,6 +367,12 @@ class SyncScheduler:
                 await self._sync(lockstep.stepped(survivors) or survivors)
             else:
                 await self._aggregate()
+
+    def _leaving_unsynced(self) -> bool:
+        """A rank of a draining host has batches no sync covered yet."""
+        draining = self._coord.draining_ranks
+        return bool(draining and self._lockstep.stepped(
+            r for r in self._survivors() if r in draining))
 
     async def _after_last_epoch_step(self) -> None:
         """``FINISHING`` / ``FINAL_SYNC`` / ``CLOSING``: the final sync if two or more ranks
@@ -431,7 +459,7 @@ class SyncScheduler:
         """``STARTING`` from a checkpoint: settle the ranks that left since, then ``CLOSING``
         (a finished run), the next epoch (between two), or ``ANCHOR_DUE`` (inside one)."""
         coord = self._coord
-        self._members.baseline(coord.rejoins)
+        self._members.baseline(_comings(coord))
         self._ledger.restore(res.epoch, res.shares, res.epochs_completed, res.last_steps)
         announce(coord.timeline, res, self._num_epochs)
         start = resume_start(res, num_epochs=self._num_epochs, live=coord.live_ranks,

@@ -189,17 +189,24 @@ async def _take_one(channel: trio.MemoryReceiveChannel[_T], held: deque[_T],
 class Members:
     """Who takes part in the scheduler's current epoch, as the coordinator's view changes.
 
-    ``gone``: ranks that died or exited, whose share is settled. ``joining``: ranks back from
-    the dead (issue 26) that wait for the next epoch to get work. A rank whose rejoin count
-    moved between two looks died and came back unseen: it is gone all the same, and so is one
-    whose anchoring ``SyncAck`` after a resume cannot be the share holder's (:meth:`restarted`).
+    ``known``: ranks the scheduler has seen in the cohort; a live rank it has not (an elastic
+    world grew, issue 37) is new. ``gone``: ranks that died, exited or were retired, whose share
+    is settled. ``joining``: ranks back from the dead (issue 26) or new, that wait for the next
+    epoch to get work. A rank whose rejoin (or join) count moved between two looks died and
+    came back unseen: it is gone all the same, and so is one whose anchoring ``SyncAck`` after
+    a resume cannot be the share holder's (:meth:`restarted`).
     """
 
     def __init__(self) -> None:
         self.gone: set[int] = set()
         self.joining: set[int] = set()
+        self.known: set[int] = set()
         self._rejoins_seen: dict[int, int] = {}
         self._restarted: set[int] = set()
+
+    def know(self, ranks: Iterable[int]) -> None:
+        """``ranks`` are in the cohort as the scheduler starts (members, or gone)."""
+        self.known.update(ranks)
 
     def baseline(self, rejoins: Mapping[int, int]) -> None:
         """Take the coordinator's rejoin counts as seen (a scheduler that resumes a run: the
@@ -208,21 +215,23 @@ class Members:
 
     def survivors(self, live: frozenset[int]) -> list[int]:
         """The ranks that take part in the current epoch, ascending."""
-        return sorted(live - self.gone - self.joining)
+        return sorted((live & self.known) - self.gone - self.joining)
 
     def ignores(self, rank: int) -> bool:
         """``rank`` has no share in the current epoch: its reports are not counted."""
-        return rank in self.gone or rank in self.joining
+        return rank in self.gone or rank in self.joining or rank not in self.known
 
     def newly_gone(self, dead: frozenset[int], exited: frozenset[int],
                    rejoins: Mapping[int, int]) -> list[int]:
-        """Ranks that left since the last look (a death and return between two looks
-        included), ascending; the caller settles each and calls :meth:`leave`."""
+        """Known ranks that left since the last look (dead, exited or retired; a death and
+        return between two looks included), ascending; the caller settles each and calls
+        :meth:`leave`."""
         missed = {r for r, n in rejoins.items()
                   if n != self._rejoins_seen.get(r, 0) and r not in self.gone}
         self._rejoins_seen = dict(rejoins)
         restarted, self._restarted = self._restarted - self.gone, set()
-        return sorted(((dead | exited) - self.gone) | missed | restarted)
+        left = ((dead | exited) - self.gone) | missed | restarted
+        return sorted(left & self.known)
 
     def restarted(self, rank: int) -> None:
         """``rank``'s anchoring ``SyncAck`` cannot be the share holder's: a new process holds
@@ -237,6 +246,7 @@ class Members:
         """``ranks`` have no share in the current epoch (a resume found them live without
         one): they get work from the next epoch."""
         self.joining.update(ranks)
+        self.known.update(ranks)
 
     def returned(self, live: frozenset[int]) -> list[int]:
         """Gone ranks that are live again; they join at the next epoch."""
@@ -244,6 +254,14 @@ class Members:
         self.gone.difference_update(back)
         self.joining.update(back)
         return back
+
+    def arrived(self, live: frozenset[int]) -> list[int]:
+        """Live ranks the scheduler never saw (an elastic world grew); they join at the next
+        epoch."""
+        new = sorted(live - self.known)
+        self.known.update(new)
+        self.joining.update(new)
+        return new
 
     def take_joiners(self, live: frozenset[int]) -> list[int]:
         """At an epoch boundary: the joining ranks still live take part from now on."""
@@ -254,8 +272,9 @@ class Members:
 
 def why_gone(coord: Coordinator, rank: int) -> str:
     """Why ``rank`` left, as the coordinator says (for a re-formation's error message)."""
-    return coord.dead_reason(rank) or ("exited cleanly" if rank in coord.exited_ranks
-                                       else "died and came back")
+    retired = coord.retired_reason(rank)
+    return coord.dead_reason(rank) or (f"retired: {retired}" if retired is not None else (
+        "exited cleanly" if rank in coord.exited_ranks else "died and came back"))
 
 
 def no_rank_left(coord: Coordinator, epoch: int, num_epochs: int) -> ClusterFailure:

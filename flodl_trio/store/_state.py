@@ -8,7 +8,9 @@ and why. Nothing here does IO: the stores move the bytes.
 
 The end marker (``ended``, ``ended_at``) is written only into the state of a session that ended,
 so a running session's state encodes as it did before the marker existed, and a state written
-before it (no such keys) decodes as a running session.
+before it (no such keys) decodes as a running session. Likewise an elastic world's range and its
+retired ranks (``min_world_size``, ``retired``, issue 37) are written only when there is one:
+a fixed world's state encodes as before, and an older state decodes as a fixed world.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class SessionState:
             written by its coordinator as it shut the cohort down; None while it runs (or
             when its coordinator died: that session is for a new leader to adopt).
         ended_at: when it ended (Unix time), or None.
+        min_world_size: an elastic world's minimum (its maximum is ``world_size``), or None
+            for a fixed world.
+        retired: rank -> why it was retired from the elastic world (ranks that joined again
+            since are not in it).
     """
 
     salt_id: bytes
@@ -69,6 +75,8 @@ class SessionState:
     checkpoint: Mapping[str, Any] | None = None
     ended: str | None = None
     ended_at: float | None = None
+    min_world_size: int | None = None
+    retired: Mapping[int, str] = attrs.field(factory=dict)
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {
@@ -86,6 +94,10 @@ class SessionState:
         if self.ended is not None:
             doc["ended"] = self.ended
             doc["ended_at"] = self.ended_at
+        if self.min_world_size is not None:
+            doc["min_world_size"] = self.min_world_size
+        if self.retired:
+            doc["retired"] = [[rank, why] for rank, why in sorted(self.retired.items())]
         body = cbor2.dumps(doc, canonical=True)
         return STATE_MAGIC + hashlib.sha256(body).digest() + body
 
@@ -162,11 +174,33 @@ def _from_doc(doc: Any, bad: Any) -> SessionState:
         raise bad(f"got a checkpoint of type {type(checkpoint).__name__}")
     formed = field("formed", bool)
     ended, ended_at = _end_marker(doc, bad)
+    least, retired = _elastic_world(doc, bad, world)
     return SessionState(
         salt_id=sid, world_size=world, model_sigs=sigs, roster=tuple(roster), dead=dead,
         exited=exited, failures=uint(field("failures", int), "failures"),
         generation=uint(field("generation", int), "generation"), formed=formed,
-        checkpoint=checkpoint, ended=ended, ended_at=ended_at)
+        checkpoint=checkpoint, ended=ended, ended_at=ended_at, min_world_size=least,
+        retired=retired)
+
+
+def _elastic_world(doc: dict[Any, Any], bad: Any, world: int) -> tuple[int | None, dict[int, str]]:
+    """The optional range and retired ranks of an elastic world: absent from a fixed world's
+    state (and from every state written before elastic membership)."""
+    least = doc.get("min_world_size")
+    if least is not None and (isinstance(least, bool) or not isinstance(least, int)
+                              or not 1 <= least <= world):
+        raise bad(f"got min_world_size = {least!r}, not an integer in [1, {world}]")
+    retired: dict[int, str] = {}
+    entries = doc.get("retired", [])
+    if not isinstance(entries, list):
+        raise bad(f"got 'retired' of type {type(entries).__name__}")
+    for entry in entries:
+        if (not isinstance(entry, list) or len(entry) != 2 or isinstance(entry[0], bool)
+                or not isinstance(entry[0], int) or not 0 <= entry[0] < world
+                or not isinstance(entry[1], str)):
+            raise bad(f"got a retired entry {entry!r:.80}")
+        retired[entry[0]] = entry[1]
+    return least, retired
 
 
 def _end_marker(doc: dict[Any, Any], bad: Any) -> tuple[str | None, float | None]:

@@ -344,3 +344,21 @@ class CoordinatorResumed(ControlMsg):
     """
 
     generation: U64
+
+
+@variant(CONTROL_MSG, 25)
+@attrs.frozen
+class Drain(ControlMsg):
+    """Relay → rank only (beyond flodl, issue 37): sent by the relay itself, sealed with the
+    salt, when its host leaves the run on purpose (``Relay.drain()``, SIGTERM to ``flodl-trio
+    relay``). The rank finishes its current sync (or leaves at once with nothing unsynced) and
+    exits cleanly; the coordinator retires it, without counting it as a failure. Delivered to
+    users (``RankEndpoint.draining`` says it came).
+
+    Attributes:
+        host: the relay's host.
+        reason: why the host leaves.
+    """
+
+    host: HostName
+    reason: str

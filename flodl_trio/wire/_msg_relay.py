@@ -223,6 +223,22 @@ class Cadence(RelayControlMsg):
     interval: F64
 
 
+@variant(RELAY_CONTROL_MSG, 13)
+@attrs.frozen
+class Draining(RelayControlMsg):
+    """Relay → coordinator (beyond flodl, issue 37): the relay's host leaves the run on
+    purpose; its ranks were told to finish their current sync and exit (``Drain``). The
+    coordinator retires each of them as it exits cleanly (as long as the world keeps its
+    minimum), without counting it as a failure; a rank of it that dies meanwhile dies as any.
+    A second one on the same connection is ignored.
+
+    Attributes:
+        reason: why the host leaves.
+    """
+
+    reason: str
+
+
 MAX_CADENCE = 3600.0  # seconds: a Cadence above this is a coordinator's bug, not a wish
 
 

@@ -26,6 +26,7 @@ from ._frames import FrameCodec, frames_before, len_frame
 from ._handshake import NEED_DATA
 from ._messages import (
     Cadence,
+    Draining,
     FenceRank,
     Goodbye,
     Liveness,
@@ -243,7 +244,8 @@ class CoordinatorSession(_RecordSession):
 
     Events: ``TimingMsg``, ``Metrics``, ``RankExit``, ``RankDropped``, ``Liveness`` (each for
     ranks the relay carries; a ``Liveness`` whose ranks are not ascending, not the relay's, or
-    not one step count each is an :class:`Invalid`), :class:`Invalid`, :class:`EndOfStream`.
+    not one step count each is an :class:`Invalid`), ``Draining`` (the relay's host leaves),
+    :class:`Invalid`, :class:`EndOfStream`.
     """
 
     def __init__(self, opener: RecordOpener, sealer: RecordSealer, codec: FrameCodec, *,
@@ -333,6 +335,8 @@ class CoordinatorSession(_RecordSession):
             return Invalid("undecodable", f"relay control record: {exc}")
         if type(msg) is Liveness:
             return self._liveness(msg)
+        if type(msg) is Draining:
+            return msg  # the relay's host leaves on purpose (issue 37)
         if not isinstance(msg, RankExit | RankDropped):
             return Invalid("unexpected control", f"{type(msg).__name__} after the handshake")
         rank = int(msg.rank)
@@ -401,12 +405,13 @@ class UpstreamSession(_RecordSession):
         """Records the handshake opened already (the coordinator's welcome); events first."""
         self._units[self._index:self._index] = list(records)
 
-    def send(self, msg: RankExit | RankDropped | Liveness) -> bytes:
+    def send(self, msg: RankExit | RankDropped | Liveness | Draining) -> bytes:
         """The sealed CONTROL record of ``msg`` (relay → coordinator: RankExit, RankDropped,
-        Liveness of local ranks)."""
+        Liveness of local ranks, Draining)."""
         if type(msg) is Liveness and not self.rank_set.issuperset(msg.ranks):
             raise self._not_carried("relay→coordinator", "Liveness", msg.ranks)
-        return self._send_control(msg, (RankExit, RankDropped, Liveness), "relay→coordinator")
+        return self._send_control(msg, (RankExit, RankDropped, Liveness, Draining),
+                                  "relay→coordinator")
 
     def send_frame(self, rank: int, frame: bytes) -> bytes:
         """The sealed DATA record of a frame of local ``rank`` (WireError for another rank),

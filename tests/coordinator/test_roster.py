@@ -146,7 +146,7 @@ def test_state_fields_describe_membership() -> None:
                    {"host": "host-2", "ranks": [2], "peer": "10.0.0.1:4000",
                     "connected": True}],
         "live": [1], "dead": [{"rank": 2, "reason": "relay lost"}], "exited": [0],
-        "rejoins": {},
+        "rejoins": {}, "world": {"min": 3, "max": 3, "current": 3}, "retired": [],
     }
 
 

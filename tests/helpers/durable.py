@@ -142,11 +142,13 @@ class Cluster:
         await coord.declare_dead(1, "oom")
         await until_stored(self.store, lambda state: set(state.dead) == {1})
 
-    async def crashed_first_run(self, body: Callable[[Any], Any] | None = None) -> None:
-        """A first coordinator forms, runs ``body``, and is gone as a crashed one is: its
-        lease runs out, it steps down without a word to its relays and without recording an
-        end (a coordinator that ends any other way ends its session: nothing to adopt)."""
-        await crash(self.coordinator("coord-1"), body, self.store)
+    async def crashed_first_run(self, body: Callable[[Any], Any] | None = None,
+                                **overrides: Any) -> None:
+        """A first coordinator (its config: :func:`config` with ``overrides``) forms, runs
+        ``body``, and is gone as a crashed one is: its lease runs out, it steps down without a
+        word to its relays and without recording an end (a coordinator that ends any other way
+        ends its session: nothing to adopt)."""
+        await crash(self.coordinator("coord-1", **overrides), body, self.store)
 
 
 async def crash(opened: Any, body: Callable[[Any], Any] | None, store: MemoryStore) -> None:

@@ -1,6 +1,6 @@
 """Simulated ranks (:mod:`flodl_trio.sim`) in a local cluster, for the scheduler's whole runs; and
-hosts of simulated ranks started by hand (:class:`SimHost`), for the runs where a host dies and
-comes back."""
+hosts of simulated ranks started by hand (:func:`start_sim_host`), for worlds that change: hosts
+that die and come back, join or leave."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import attrs
 import trio
 
 import flodl_trio as ft
-from flodl_trio.sim import SimRecord, SimulatedRank
+from flodl_trio.sim import SimRecord
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 
 from helpers.raw import COORD
@@ -69,53 +69,71 @@ async def sim_cluster(
 
 
 
-# ---------------------------------------------------------------------------------------------
-# Hosts started by hand: a relay and its simulated ranks, killed and started again at will.
-
-
 @attrs.define(eq=False)
 class SimHost:
-    """One relay and its simulated ranks, running until killed (``scope.cancel()``) or the run
-    ends; ``exit`` is how its relay ended (a ``RelayExit`` or the error)."""
+    """One relay and its simulated ranks started by hand (:func:`start_sim_host`), running until
+    killed or the run ends. ``sims[rank].record`` is what each rank did; ``exit`` is how the
+    relay ended (a ``RelayExit`` or the exception), once ``done`` is set."""
 
     host: str
     ranks: list[int]
-    world_size: int
-    batch_size: int
-    batch_ms: float
-    records: dict[int, SimRecord] = attrs.Factory(dict)
+    sims: dict[int, Any] = attrs.Factory(dict)
+    relay: ft.Relay | None = None
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     exit: Any = None
     done: trio.Event = attrs.Factory(trio.Event)
 
+    @property
+    def records(self) -> dict[int, SimRecord]:
+        """What each of its ranks did so far."""
+        return {rank: sim.record for rank, sim in self.sims.items()}
+
     def worked_in(self, epoch: int) -> bool:
         """Its first rank reported a batch of ``epoch``."""
-        rec = self.records.get(self.ranks[0])
-        return rec is not None and any(e == epoch for e, _, _ in rec.processed)
+        sim = self.sims.get(self.ranks[0])
+        return sim is not None and any(e == epoch for e, _, _ in sim.record.processed)
 
-    async def kill(self) -> None:
-        """Cancel the relay and its ranks (no ``Exiting``: a lost relay) and wait until done."""
+    def kill(self) -> None:
+        """The host is gone as a SIGKILLed one is: relay and ranks, without a word."""
         self.scope.cancel()
+
+    async def kill_and_wait(self) -> None:
+        """:meth:`kill`, then wait until the relay and its ranks are gone."""
+        self.kill()
         await self.done.wait()
 
 
-async def _sim_rank(net: MemoryNetwork, h: SimHost, rank: int, salt: ft.SessionSalt) -> None:
-    async with ft.open_rank(lambda: net.connect(f"relay:{h.host}"), salt=salt, rank=rank,
-                            world_size=h.world_size) as ep:
-        sim = SimulatedRank(ep, batch_size=h.batch_size, batch_ms=h.batch_ms)
-        h.records[rank] = sim.record
-        await sim.run()
+def batches(batch_size: int, batch_ms: float = 50.0) -> Any:
+    """``sim_args`` for :func:`start_sim_host`: every rank the same batches."""
+    return lambda rank: {"batch_size": batch_size, "batch_ms": batch_ms}
 
 
-async def _run_host(net: MemoryNetwork, h: SimHost, salt: ft.SessionSalt) -> None:
+async def _sim_rank(net: MemoryNetwork, h: SimHost, rank: int, *, salt: ft.SessionSalt,
+                    world: int, sim_args: Any) -> None:
+    from flodl_trio.sim import SimulatedCrash, SimulatedRank
+
+    try:
+        async with ft.open_rank(lambda: net.connect(f"relay:{h.host}"), salt=salt, rank=rank,
+                                world_size=world) as ep:
+            h.sims[rank] = SimulatedRank(ep, **sim_args(rank))
+            await h.sims[rank].run()
+    except (SimulatedCrash, ft.FlodlError):
+        pass  # the record says what it did; the coordinator says what became of it
+
+
+async def _run_sim_host(net: MemoryNetwork, h: SimHost, *, salt: ft.SessionSalt, world: int,
+                        sim_args: Any) -> None:
     try:
         with h.scope:
             async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=h.host,
-                                     ranks=h.ranks, world_size=h.world_size,
+                                     ranks=h.ranks, world_size=world,
                                      rank_listen=net.listener(f"relay:{h.host}")) as relay:
+                h.relay = relay
                 async with trio.open_nursery() as nursery:
                     for rank in h.ranks:
-                        nursery.start_soon(_sim_rank, net, h, rank, salt)
+                        nursery.start_soon(functools.partial(
+                            _sim_rank, net, h, rank, salt=salt, world=world,
+                            sim_args=sim_args))
                     h.exit = await relay.wait_closed()
     except ft.FlodlError as exc:
         h.exit = exc
@@ -123,11 +141,11 @@ async def _run_host(net: MemoryNetwork, h: SimHost, salt: ft.SessionSalt) -> Non
         h.done.set()
 
 
-def start_sim_host(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: list[int],
-                   salt: ft.SessionSalt, *, world_size: int = 4, batch_size: int = 4,
-                   batch_ms: float = 50.0) -> SimHost:
-    """Start ``host``'s relay (reaching the coordinator at ``COORD``) and one ``SimulatedRank``
-    per rank in ``nursery``; the returned :class:`SimHost` fills in as they run."""
-    h = SimHost(host, ranks, world_size, batch_size, batch_ms)
-    nursery.start_soon(functools.partial(_run_host, net, h, salt))
+def start_sim_host(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: Sequence[int],
+                   *, salt: ft.SessionSalt, world: int, sim_args: Any) -> SimHost:
+    """Start a relay (ranks dial ``relay:<host>``) that dials :data:`COORD`, and one
+    ``SimulatedRank`` per rank (``sim_args(rank)``: its keyword arguments)."""
+    h = SimHost(host, list(ranks))
+    nursery.start_soon(functools.partial(_run_sim_host, net, h, salt=salt, world=world,
+                                         sim_args=sim_args))
     return h

@@ -17,7 +17,7 @@ from flodl_trio.scheduler._parts import Members
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
-from helpers.sims import SimHost, start_sim_host
+from helpers.sims import SimHost, batches, start_sim_host
 
 BATCH = 4
 SAMPLES = 64
@@ -25,7 +25,7 @@ SAMPLES = 64
 
 def start(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: list[int],
           salt: ft.SessionSalt) -> SimHost:
-    return start_sim_host(nursery, net, host, ranks, salt, batch_size=BATCH)
+    return start_sim_host(nursery, net, host, ranks, salt=salt, world=4, sim_args=batches(BATCH))
 
 
 def _worked_in(h: SimHost, epoch: int) -> bool:
@@ -101,6 +101,7 @@ async def test_rejoined_ranks_work_from_the_next_epoch_in_a_reformed_group_cover
 def test_a_rank_that_died_and_came_back_unseen_is_settled_then_works_from_the_next_epoch() -> None:
     members = Members()
     live = frozenset({0, 1, 2, 3})
+    members.know(live)
     assert members.newly_gone(frozenset(), frozenset(), {}) == []
     # Rank 1 died and was back before the scheduler looked: only its rejoin count moved.
     assert members.newly_gone(frozenset(), frozenset(), {1: 1}) == [1]

@@ -22,7 +22,7 @@ from flodl_trio.scheduler import SyncScheduler
 from flodl_trio.testing import EventLog, MemoryNetwork
 
 from helpers import COORD, wait_until
-from helpers.sims import SimHost, start_sim_host
+from helpers.sims import SimHost, batches, start_sim_host
 
 BATCH = 4
 SAMPLES = 160  # 10 batches a rank per epoch: time for a host to die and come back in one
@@ -49,18 +49,20 @@ async def test_live_ranks_take_the_epoch_over_when_its_members_die_around_a_take
     settings: dict[str, Any] = {"total_samples": SAMPLES, "batch_size": BATCH,
                                 "num_epochs": EPOCHS}
     async with trio.open_nursery() as nursery:
-        a = start_sim_host(nursery, memory_network, "host-a", [0, 1], salt, batch_size=BATCH)
-        b = start_sim_host(nursery, memory_network, "host-b", [2, 3], salt, batch_size=BATCH)
+        a = start_sim_host(nursery, memory_network, "host-a", [0, 1], salt=salt, world=4,
+                           sim_args=batches(BATCH))
+        b = start_sim_host(nursery, memory_network, "host-b", [2, 3], salt=salt, world=4,
+                           sim_args=batches(BATCH))
         async with ft.open_coordinator(memory_network.listener(COORD), salt=salt, config=cfg,
                                        timeline=log) as coord:
             first = SyncScheduler(coord, **settings)
             with trio.CancelScope() as first_scope:
                 async def a_dies_and_comes_back() -> None:
                     await wait_until(lambda: a.worked_in(1), limit=60)
-                    await a.kill()
+                    await a.kill_and_wait()
                     await wait_until(lambda: coord.dead_ranks == {0, 1}, limit=5)
-                    back.append(start_sim_host(nursery, memory_network, "host-a", [0, 1], salt,
-                                               batch_size=BATCH))
+                    back.append(start_sim_host(nursery, memory_network, "host-a", [0, 1],
+                                               salt=salt, world=4, sim_args=batches(BATCH)))
                     await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=3)
                     first_scope.cancel()  # the scheduler dies; its run is taken over
 
@@ -69,7 +71,7 @@ async def test_live_ranks_take_the_epoch_over_when_its_members_die_around_a_take
                 await first.run()
             assert len(first.coverage) == 1, "epoch 1 closed before the takeover"
             if when == "before the takeover":
-                await b.kill()
+                await b.kill_and_wait()
                 await wait_until(lambda: coord.dead_ranks == {2, 3}, limit=5)
 
             async def b_dies_at_the_anchor(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -77,7 +79,7 @@ async def test_live_ranks_take_the_epoch_over_when_its_members_die_around_a_take
                     task_status.started()
                     async for stamped in seen:  # the resumed scheduler's first sync: the anchor
                         if isinstance(stamped.event, Note) and stamped.event.what == "sync":
-                            await b.kill()
+                            await b.kill_and_wait()
                             return
 
             if when == "during the anchoring sync":
@@ -143,12 +145,12 @@ async def _around_a_takeover(a_dies_at: float, a_away: float, takeover_after: fl
     hosts: list[SimHost] = []
 
     def host(name: str, ranks: list[int], ms: float) -> SimHost:
-        hosts.append(start_sim_host(nursery, net, name, ranks, salt, batch_size=BATCH,
-                                    batch_ms=ms))
+        hosts.append(start_sim_host(nursery, net, name, ranks, salt=salt, world=4,
+                                    sim_args=batches(BATCH, ms)))
         return hosts[-1]
 
     async def b_dies_now(coord: ft.Coordinator, b: SimHost) -> None:
-        await b.kill()
+        await b.kill_and_wait()
         await wait_until(lambda: {2, 3} <= coord.dead_ranks, limit=5)
         if b_back:
             await trio.sleep(0.05)
@@ -162,7 +164,7 @@ async def _around_a_takeover(a_dies_at: float, a_away: float, takeover_after: fl
             with trio.CancelScope() as first_scope:
                 async def a_dies_and_comes_back() -> None:
                     await trio.sleep(a_dies_at)
-                    await a.kill()
+                    await a.kill_and_wait()
                     await wait_until(lambda: {0, 1} <= coord.dead_ranks, limit=5)
                     await trio.sleep(a_away)
                     host("host-a", [0, 1], 50.0)

@@ -112,6 +112,7 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (22, wire.DeclareAlive, [U64]),
     (23, wire.CoordinatorReconnecting, [HOST, TEXT]),
     (24, wire.CoordinatorResumed, [U64]),
+    (25, wire.Drain, [HOST, TEXT]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -144,6 +145,7 @@ RELAY_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (10, wire.Generation, [U64]),
     (11, wire.Liveness, [seq(U32), seq(U64), seq(F64)]),
     (12, wire.Cadence, [F64]),
+    (13, wire.Draining, [TEXT]),
 ]
 FAMILIES = [
     ("ControlMsg", wire.ControlMsg, CONTROL_TABLE, wire.decode_control),
@@ -254,16 +256,16 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [25], ["ControlMsg", "unknown variant index 25"]),
+        (wire.decode_control, [26], ["ControlMsg", "unknown variant index 26"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
-        (wire.decode_relay, [13, 0], ["RelayControlMsg", "unknown variant index 13"]),
+        (wire.decode_relay, [14, 0], ["RelayControlMsg", "unknown variant index 14"]),
         (wire.decode_control, [True], ["ControlMsg", "variant index"]),
         (wire.decode_control, [], ["ControlMsg", "array"]),
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-25", "ctl-neg", "timing-15", "relay-13", "bool-index", "empty", "int", "map"],
+    ids=["ctl-26", "ctl-neg", "timing-15", "relay-14", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]

@@ -265,7 +265,7 @@ def test_relay_refuses_to_send_what_only_flows_to_it_and_seals_nothing() -> None
     session = relay_side()
     opener = wire.RecordOpener(KEY, wire.RELAY_TO_COORD)
     with pytest.raises(WireError, match=r"CONTROL record: expected one of RankExit, "
-                       r"RankDropped, Liveness, got FenceRank"):
+                       r"RankDropped, Liveness, Draining, got FenceRank"):
         session.send(wire.FenceRank(rank=2, reason="x"))  # type: ignore[arg-type]
     with pytest.raises(WireError, match=r"DATA record: expected ranks of the coordinator "
                        r"\(relay 'h1'\) \[2, 3\], got \[7\]"):
