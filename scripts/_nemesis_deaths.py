@@ -21,9 +21,12 @@ def death_window(h: History) -> float:
 
 def justified(h: History, death: Entry) -> bool:
     """A fault the docs say may kill ``death``'s rank (on it, its host or its link), or a
-    restart of its host, around the death."""
+    restart of its host, around the death; or the nemesis stopping the cluster after a run
+    that stopped progressing (judged by the ``run end`` rule instead)."""
     after = death_window(h)
     rank, host = death["rank"], death.get("host")
+    if any(stop["t"] <= death["t"] for stop in h.by_type["run_timeout"]):
+        return True  # the nemesis stopped a run that no longer progressed: the "run end" rule's
     for f in h.faults:
         if f.get("kills") and rank in (f.get("ranks") or []) and \
                 f["start"] - 0.5 <= death["t"] <= f["end"] + after:

@@ -27,7 +27,7 @@ from _nemesis_cluster import Cluster, Layout, Timings
 from _nemesis_procs import fd_count, session_leftovers
 
 SAMPLES_PER_S = 300.0      # the cluster's pace without faults: the run outlasts the window
-TAIL_S = 100.0             # after the window: the run's last epochs (bounded)
+TAIL_S = 100.0             # after the window: the longest wait for the next epoch to close
 EXIT_WAIT_S = 20.0         # after the run ended: relays and ranks exit on their own
 CLEAN_EPOCHS = 2           # the run's last epochs: no fault starts once they began
 
@@ -82,13 +82,26 @@ async def _drive(cluster: Cluster, nemesis: faults.Nemesis, window: float) -> No
             await nemesis.run(stop)
         cluster.record("schedule_end", injected=len(nemesis.injected),
                        skipped=len(nemesis.skipped))
-        with trio.move_on_after(TAIL_S) as waiting:
-            await cluster.finished.wait()
-        if waiting.cancelled_caught:
-            cluster.record("run_timeout", seconds=TAIL_S)
-        else:
+        if await wait_for_end(cluster):
             await settle(cluster)
+        else:
+            cluster.record("run_timeout", seconds=TAIL_S, epochs_closed=cluster.epochs_closed)
         nursery.cancel_scope.cancel()
+
+
+async def wait_for_end(cluster: Cluster) -> bool:
+    """Wait for the run's end as long as it progresses: at most ``TAIL_S`` without an epoch
+    closing (a long window's faults leave more epochs than a fixed tail could run). Bounded by
+    ``TAIL_S`` per epoch left. Returns False when the run stopped progressing."""
+    closed, deadline = cluster.epochs_closed, trio.current_time() + TAIL_S
+    while not cluster.finished.is_set():
+        if cluster.epochs_closed != closed:
+            closed, deadline = cluster.epochs_closed, trio.current_time() + TAIL_S
+        if trio.current_time() >= deadline:
+            return False
+        with trio.move_on_after(0.5):
+            await cluster.finished.wait()
+    return True
 
 
 async def quiet_near_the_end(cluster: Cluster, stop: trio.Event) -> None:

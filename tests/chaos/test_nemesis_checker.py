@@ -103,6 +103,21 @@ def test_a_restart_excuses_only_the_deaths_after_it() -> None:
     assert violations([*clean(), caused, {**death, "t": T0 + 4.7}]) == []
 
 
+def test_a_run_that_stopped_progressing_is_one_run_end_not_the_deaths_of_stopping_it() -> None:
+    # The nemesis stops the cluster once no epoch closed for its tail: the relays' ends then
+    # read as deaths, which are its doing; the run's end says what went wrong.
+    history = [x for x in clean() if x["type"] not in ("run_end", "run_exit", "proc_exit")
+               and not (x["type"] == "epoch_covered" and x["epoch"] == 1)]
+    stopped = [e(7.0, "run_timeout", seconds=100.0, epochs_closed=1),
+               e(7.01, "dead", by="coord-a#0", generation=1, rank=0, host="host-0",
+                 reason="relay 'host-0' at p lost: connection closed by the relay (EOF)")]
+    found = violations([*history, *stopped])
+    assert sorted(v.rule for v in found) == ["epochs", "run end"], [v.message for v in found]
+    # the same death before the nemesis stopped anything is a false one
+    early = [{**x, "t": T0 + 6.9} if x["type"] == "dead" else x for x in stopped]
+    assert "false death" in [v.rule for v in violations([*history, *early])]
+
+
 def test_a_death_declared_by_a_superseded_coordinator_is_not_counted() -> None:
     history = [*clean(), e(6.5, "elected", by="coord-b#0", pid=200, generation=2,
                            adopted=True),
