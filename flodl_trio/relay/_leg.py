@@ -86,6 +86,7 @@ class Verdict(enum.Enum):
     RIDE_OUT = "ride out"  # keep the ranks, re-dial the durable coordinator, run a new leg
     FINISH = "finish"  # the ranks leave, what they queue is still written, for shutdown_grace
     FAIL = "fail"  # deliver what the ranks were sent, then stop
+    REJOIN = "rejoin"  # every rank left was fenced: keep them, join again with a fresh Hello
 
 
 class Downstream(Protocol):
