@@ -42,7 +42,7 @@ from ..wire import (
     RecordSealer,
     UpstreamSession,
 )
-from ._leg import Ending, Leg, LegEnd, Verdict
+from ._leg import Ending, Leg, LegEnd, Verdict, verdict
 from ._link import RankLink, RelayExit
 from ._liveness import Heartbeats
 from ._wakeup import Rejoin, Wakeup
@@ -56,22 +56,6 @@ log = logging.getLogger("flodl_trio.relay")
 # queue holds queue_size items; a rank reader waits when it is full, so a slow upstream slows the
 # ranks' sends down (TCP backpressure, end to end).
 _FROM_RANK = (RankFrame, RankHeartbeat)
-
-
-def verdict(end: LegEnd, *, resumable: bool) -> Verdict:
-    """What a leg's end means for the pump. ``resumable``: a durable coordinator, a
-    ``coordinator_grace`` > 0, and the pump not ending already.
-
-    The ranks all gone, or a ``Goodbye`` then EOF, finish (the ranks leave; what they queue is
-    still written). A durable coordinator lost in any other way is ridden out. Otherwise a
-    coordinator that closed without a ``Goodbye`` finishes too (not clean), and a connection
-    that broke (a reset, a stall, silence, a protocol error) fails the pump.
-    """
-    if end.ending is Ending.RANKS_GONE or (end.ending is Ending.CLOSED and end.clean):
-        return Verdict.FINISH
-    if resumable:
-        return Verdict.RIDE_OUT
-    return Verdict.FINISH if end.ending is Ending.CLOSED else Verdict.FAIL
 
 
 class Pump:
