@@ -94,7 +94,8 @@ class RankEndpoint:
             issue 37): finish the current sync, then leave the block; else None.
         fenced: with ``rejoin_when_fenced``, why the coordinator declared this rank dead,
             while it waits for its relay to bring it back; else None.
-        readmissions: how many times it came back after being fenced (``Readmitted``).
+        readmissions: how many times it came back after being fenced (``Readmitted``; its
+            ``step_count`` is then 0 again).
         dropped_while_fenced: frames the user sent while it was fenced (dropped).
     """
 
@@ -316,6 +317,7 @@ class RankEndpoint:
                         "dead: %s)", self.rank, self._relay, self.fenced)
             self.fenced = self._evicted = None
             self.readmissions += 1
+            self.step_count = 0  # the scheduler takes a rank that came back for a new process
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         elif isinstance(msg, DeclareAlive):

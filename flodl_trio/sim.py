@@ -290,14 +290,13 @@ class SimulatedRank:
         """Its relay brought it back after it was fenced (issue 37): it restarts as a new
         process would. The work it did since its last acknowledged sync was settled without
         it (the coordinator ignored it, or never got it), so it is dropped; its step count
-        starts again at 0; the next plan gives it work."""
+        starts again at 0 (the endpoint's); the next plan gives it work."""
         async with self._send_lock:
             self._generation += 1  # a batch in flight is void
             self._queue.clear()
             self._plan, self._epoch, self._extensions = None, None, set()
             self._throttled = False
             del self.record.processed[len(self.record.synced):]
-            self.endpoint.step_count = 0
             self._steps_since_global = 0
 
     def _extend(self, msg: wire.ExtendPartition) -> None:
