@@ -43,6 +43,10 @@ log = logging.getLogger("flodl_trio.relay")
 
 # Join again with a fresh Hello naming these ranks.
 Rejoin = Callable[[tuple[int, ...]], Awaitable[Joined]]
+# Before naming its ranks the relay lets them read their Fenced: one that does not wait for its
+# relay (RankConfig.rejoin_when_fenced off) closes its link meanwhile, and is not brought back
+# only to die again at once. Not scaled: local ranks on loopback, not a network deadline.
+WAKE_SETTLE = 0.25
 
 
 @attrs.frozen
@@ -124,6 +128,14 @@ class Wakeup:
         now = trio.current_time()
         for link in links:
             link.offer(link.session.send(frame), now)
+
+    async def settle(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
+        """Give the held ranks ``WAKE_SETTLE`` to read their ``Fenced`` (what they send
+        meanwhile is dropped); True if one is still connected, to be brought back."""
+        with trio.move_on_after(WAKE_SETTLE):
+            async for _ in up_recv:
+                pass
+        return bool(self._held_links())
 
     async def wake_up(self, up_recv: trio.MemoryReceiveChannel[Upstream]) -> Woken | None:
         """Join again with the held ranks still connected; the new connection, or None (see

@@ -205,6 +205,10 @@ class Pump:
         assert self.wakeup is not None
         await trio.aclose_forcefully(leg.stream)
         leg.unsent()  # void: the coordinator ignores what a fenced rank sent
+        if not await self.wakeup.settle(up_recv):  # every rank left: end as without it
+            assert leg.outcome is not None
+            self.finish(leg.outcome.reason, leg.outcome.clean, now=False)
+            return False
         woken = await self.wakeup.wake_up(up_recv)
         if woken is None:
             why, self.error = self.wakeup.gave_up
