@@ -73,7 +73,13 @@ def liveness_seconds(value: float) -> float:
     return value
 
 
-def parse_world_range(text: str) -> tuple[int, int]:
+def world_size_arg(text: str) -> int | str:
+    """argparse's ``type`` for the coordinator's ``--world-size``: ``N`` as an int (as every
+    other command's), anything else as given for :func:`parse_world_range` to judge."""
+    return int(text) if text.strip().isdigit() else text
+
+
+def parse_world_range(given: str | int) -> tuple[int, int]:
     """The coordinator's ``--world-size``: ``N`` (a fixed world, N:N) or ``MIN:MAX``.
 
     >>> parse_world_range("4"), parse_world_range("2:6")
@@ -84,6 +90,7 @@ def parse_world_range(text: str) -> tuple[int, int]:
     flodl_trio._errors.UsageError: --world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, \
 got '5:3' (MIN 5 is above MAX 3)
     """
+    text = str(given)
     low, sep, high = text.strip().partition(":")
     expected = "--world-size: expected N or MIN:MAX with 1 <= MIN <= MAX, got"
     if not low.isdigit() or (sep and not high.isdigit()):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .._version import __version__
-from ._common import EXIT_USAGE, SALT_ENV
+from ._common import EXIT_USAGE, SALT_ENV, world_size_arg
 from ._suggest import SuggestingParser
 
 DEFAULT_BATCH_SIZE = 4
@@ -99,7 +99,7 @@ def _add_coordinator(command: _Command) -> None:
                 "was declared dead).\n\n" + EXIT_CODES)
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where relays dial and the status page answers (port 0: any free port)")
-    p.add_argument("--world-size", required=True, metavar="N|MIN:MAX",
+    p.add_argument("--world-size", required=True, metavar="N|MIN:MAX", type=world_size_arg,
                    help="number of global ranks (required); MIN:MAX: an elastic world that "
                    "forms with MIN to MAX ranks, takes hosts that join later and retires dead "
                    "ones (relays and ranks are started with --world-size MAX: rank ids lie in "
