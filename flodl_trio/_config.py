@@ -345,17 +345,28 @@ class RelayConfig:
     # last one, coalesced (issue 23); a coordinator of many relays asks for a slower one
     # (Cadence). Never scaled, like the ranks' own heartbeat_interval.
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
+    # Issue 37, waking up: once the coordinator fenced every rank the relay still carries (its
+    # host froze past heartbeat_timeout), re-dial with a fresh Hello and bring those ranks back
+    # instead of ending. Off here (the library keeps its ranks' links only when asked); the
+    # command line turns it on (docs/elastic.rst, "Waking up").
+    rejoin_when_fenced: bool = attrs.field(default=False, converter=bool)
 
 
 @attrs.frozen(kw_only=True)
 class RankConfig:
-    """Deadlines and cadence of a rank endpoint (SPEC §6)."""
+    """Deadlines and cadence of a rank endpoint (SPEC §6).
+
+    ``rejoin_when_fenced`` (issue 37): a rank the coordinator fenced waits on its link for its
+    relay to bring it back (``Readmitted``) instead of ending with ``RankEvicted``; it still
+    ends with it if the relay closes the link. Off by default; the command line turns it on.
+    """
 
     connect_timeout: float = _deadline(T.CONNECT_TIMEOUT)
     handshake_timeout: float = _deadline(T.HANDSHAKE_TIMEOUT)
     coord_liveness_timeout: float = _deadline(T.COORD_LIVENESS_TIMEOUT)
     write_stall_timeout: float = _deadline(T.WRITE_STALL_TIMEOUT)
     heartbeat_interval: float = _cadence(T.HEARTBEAT_INTERVAL)
+    rejoin_when_fenced: bool = attrs.field(default=False, converter=bool)
 
 
 def check_liveness_order(relay: RelayConfig, rank: RankConfig, *, rank_name: str = "a rank"

@@ -7,6 +7,12 @@ raises ``CoordinatorLost`` when the coordinator goes silent for ``coord_liveness
 the coordinator declared dead is told so (``Fenced``) and ends with ``RankEvicted``, a
 ``CoordinatorLost`` that carries the coordinator's reason.
 
+With ``RankConfig.rejoin_when_fenced`` (issue 37) a fenced rank does not end: it waits on its
+link for its relay to join again with it (``fenced`` says why meanwhile, and its own sends are
+dropped, its heartbeats aside), and goes on once the relay says ``Readmitted``, which the user's
+loop gets: the work done since the last acknowledged sync is void. If the relay closes the link
+instead, it ends with ``RankEvicted`` as without the setting.
+
 With a durable coordinator (issue 22) the relay rides out its loss: the user's loop gets the
 relay's ``CoordinatorReconnecting`` then ``CoordinatorResumed`` (both reset the liveness clock,
 like every verified frame, and the relay keeps it fed in between); ``reconnecting`` says why
@@ -61,6 +67,7 @@ from .wire import (
     RankConfirmed,
     RankDialHandshake,
     RankSession,
+    Readmitted,
     RelayWaiting,
     SessionSalt,
     Shutdown,
@@ -85,6 +92,11 @@ class RankEndpoint:
             is lost).
         draining: why this rank's host leaves the run, once its relay said so (a ``Drain``,
             issue 37): finish the current sync, then leave the block; else None.
+        fenced: with ``rejoin_when_fenced``, why the coordinator declared this rank dead,
+            while it waits for its relay to bring it back; else None.
+        readmissions: how many times it came back after being fenced (``Readmitted``; its
+            ``step_count`` is then 0 again).
+        dropped_while_fenced: frames the user sent while it was fenced (dropped).
     """
 
     def __init__(self, *, rank: int, world_size: int, salt: SessionSalt, stream: trio.abc.Stream,
@@ -96,6 +108,12 @@ class RankEndpoint:
         self.config = config
         self.dead_peers: frozenset[int] = frozenset()
         self.draining: str | None = None
+        self.fenced: str | None = None
+        self.readmissions = 0
+        self.dropped_while_fenced = 0
+        # Fenced, until the user took Readmitted: the user's sends are dropped (work from
+        # before the fence must not reach the coordinator once the relay forwards again).
+        self._muted = False
         self._relay = relay
         self._session = RankSession(FrameCodec(salt), rank=rank, relay=relay)
         self._stream = stream
@@ -139,16 +157,18 @@ class RankEndpoint:
             msg = await self._inbox.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._ended = True
+            said = "" if self._relay_said is None else f"; the relay said: {self._relay_said}"
             if self._evicted is not None:
-                raise RankEvicted(f"rank {self.rank} (via relay {self._relay}): {self._lost}",
-                                  self._evicted) from None
+                raise RankEvicted(f"rank {self.rank} (via relay {self._relay}): "
+                                  f"{self._lost}{said}", self._evicted) from None
             if self._lost is not None:
-                said = "" if self._relay_said is None else f"; the relay said: {self._relay_said}"
                 raise CoordinatorLost(f"rank {self.rank} (via relay {self._relay}): "
                                       f"{self._lost}{said}") from None
             raise StopAsyncIteration from None
         if isinstance(msg, Shutdown | ShutdownWithSave):
             self._ended = True
+        elif isinstance(msg, Readmitted):
+            self._muted = False  # the user has it: what it sends from now on is new work
         return msg
 
     async def receive(self) -> ControlMsg:
@@ -177,6 +197,10 @@ class RankEndpoint:
         if self._lost is not None:
             raise SendError(f"rank {self.rank}: cannot send {control_label(msg)}: coordinator "
                             f"lost ({self._lost})")
+        if self._muted and type(msg) is not Heartbeat:
+            self.dropped_while_fenced += 1
+            await trio.lowlevel.checkpoint()
+            return
         blob = self._session.send(msg)
         try:
             if self._socket is not None and self._writer.idle:
@@ -202,14 +226,24 @@ class RankEndpoint:
                             f"{self._relay}: link closed ({type(exc).__name__})") from None
 
     def _evict(self, reason: str) -> None:
-        """The coordinator declared us dead (SPEC §4.5 fencing): end with ``RankEvicted``."""
+        """The coordinator declared us dead (SPEC §4.5 fencing): end with ``RankEvicted``, or,
+        with ``rejoin_when_fenced``, wait for the relay to bring us back (issue 37)."""
         if self._lost is None and not self._session.shutdown_seen:
             self._evicted = reason
             log.warning("rank %d: declared dead by the coordinator: %s", self.rank, reason)
+            if self.config.rejoin_when_fenced:
+                self.fenced = reason
+                self._muted = True
+                log.warning("rank %d: waiting for relay %s to bring it back "
+                            "(rejoin_when_fenced)", self.rank, self._relay)
+                return
         self._set_lost(f"the coordinator declared rank {self.rank} dead ({reason}) and cut it "
                        "off")
 
     def _set_lost(self, reason: str) -> None:
+        if self.fenced is not None:  # it waited to come back; its relay never brought it
+            reason = (f"the coordinator declared rank {self.rank} dead ({self.fenced}) and cut "
+                      "it off")
         if self._lost is None and not self._session.shutdown_seen and not self._leaving:
             self._lost = reason
             self.dead_peers = frozenset(r for r in range(self.world_size) if r != self.rank)
@@ -276,6 +310,14 @@ class RankEndpoint:
         if isinstance(msg, Fenced):
             self._evict(msg.reason)
             return
+        if isinstance(msg, Readmitted):
+            if self.fenced is None:
+                return  # not fenced: nothing to come back from
+            log.warning("rank %d: back in the run (its relay %s joined again; it was declared "
+                        "dead: %s)", self.rank, self._relay, self.fenced)
+            self.fenced = self._evicted = None
+            self.readmissions += 1
+            self.step_count = 0  # the scheduler takes a rank that came back for a new process
         if isinstance(msg, DeclareDead):
             self.dead_peers = self.dead_peers | {int(msg.rank)}
         elif isinstance(msg, DeclareAlive):

@@ -223,6 +223,9 @@ class SimulatedRank:
                 return
             if isinstance(msg, wire.CoordinatorReconnecting | wire.CoordinatorResumed):
                 continue  # the relay's news about the coordinator: nothing to simulate
+            if isinstance(msg, wire.Readmitted):
+                await self._readmitted()
+                continue
             if isinstance(msg, wire.Drain):
                 # Its host leaves: it finishes its current sync (nothing is lost that a SyncAck
                 # covered), or leaves at once when no batch of it is unsynced.
@@ -282,6 +285,19 @@ class SimulatedRank:
         self._loss_sum = self._compute_ms = 0.0
         self._queue = deque([(int(plan.partition_offset), int(plan.partition_size))])
         self._wake.set()
+
+    async def _readmitted(self) -> None:
+        """Its relay brought it back after it was fenced (issue 37): it restarts as a new
+        process would. The work it did since its last acknowledged sync was settled without
+        it (the coordinator ignored it, or never got it), so it is dropped; its step count
+        starts again at 0 (the endpoint's); the next plan gives it work."""
+        async with self._send_lock:
+            self._generation += 1  # a batch in flight is void
+            self._queue.clear()
+            self._plan, self._epoch, self._extensions = None, None, set()
+            self._throttled = False
+            del self.record.processed[len(self.record.synced):]
+            self._steps_since_global = 0
 
     def _extend(self, msg: wire.ExtendPartition) -> None:
         """Queue an extension of the epoch's share (once: a repeat is ignored)."""

@@ -185,6 +185,10 @@ def _add_relay(command: _Command) -> None:
                    help="a coordinator that runs with a --store and sends nothing for S seconds "
                    "is lost (then ridden out); keep it at most 2/3 of the ranks' own (None: 20 "
                    "x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--no-rejoin-when-fenced", dest="rejoin_when_fenced", action="store_false",
+                   help="once the coordinator fenced every rank of this host (it froze past "
+                   "--heartbeat-timeout), end as before instead of joining again with the "
+                   "ranks still running (docs/elastic.rst, Waking up)")
     p.add_argument("--host", required=True, metavar="NAME", help="this host's name (required)")
     p.add_argument("--ranks", required=True, metavar="LIST",
                    help="global ranks of this host, e.g. 0-3,8 (required)")
@@ -223,6 +227,9 @@ def _add_rank(command: _Command) -> None:
                    help="no frame from the coordinator (nor from the relay riding a lost one "
                    "out) for S seconds: the rank gives up; keep its relay's at most 2/3 of it "
                    "(None: 30 x $FLODL_NET_TIMEOUT_SCALE)")
+    p.add_argument("--no-rejoin-when-fenced", dest="rejoin_when_fenced", action="store_false",
+                   help="once the coordinator fenced this rank, exit 1 (RankEvicted) instead of "
+                   "waiting for its relay to bring it back (docs/elastic.rst, Waking up)")
     _add_salt_args(p)
 
 

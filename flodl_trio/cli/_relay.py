@@ -55,7 +55,7 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         overrides["coordinator_grace"] = args.coordinator_grace
     if args.coord_liveness_timeout is not None:
         overrides["coord_liveness_timeout"] = liveness_seconds(args.coord_liveness_timeout)
-    return RelayConfig(**overrides)
+    return RelayConfig(rejoin_when_fenced=args.rejoin_when_fenced, **overrides)
 
 
 def waiting_line(host: str, what: str, until: float, connect_timeout: float) -> str:
@@ -98,6 +98,27 @@ async def tell_failover(relay: Relay, host: str, grace: float, *,
             dropped = relay.dropped_while_reconnecting
             print(f"relay {host}: resumed with the coordinator (generation "
                   f"{relay.generation}; {dropped} frame(s) from the ranks dropped meanwhile)",
+                  flush=True)
+        await trio.sleep(interval)
+
+
+async def tell_wakeups(relay: Relay, host: str, *, interval: float = POLL_S) -> None:
+    """Print one line when every rank the relay carries was fenced and it joins again with
+    them, and one when it is back (polled every ``interval`` seconds, until cancelled; a
+    wake-up done between two looks gets both lines)."""
+    woken = relay.wakeups
+    said = False
+    while True:
+        woke = relay.wakeups > woken
+        if not said and (relay.rejoining is not None or woke):
+            said = True
+            ranks, reason = relay.rejoining or relay.last_wakeup or ((), "?")
+            print(shorten(f"relay {host}: the coordinator fenced every rank it carries "
+                          f"({reason}); joining again with ranks {list(ranks)}", MAX_LINE),
+                  flush=True)
+        if woke:
+            woken, said = relay.wakeups, False
+            print(f"relay {host}: back in the run with its ranks (wake-up {woken})",
                   flush=True)
         await trio.sleep(interval)
 
@@ -145,6 +166,7 @@ async def _relay(args: argparse.Namespace, target: Any, *, config: RelayConfig, 
                           flush=True)
                     watching.start_soon(tell_failover, relay, args.host,
                                         config.coordinator_grace)
+                    watching.start_soon(tell_wakeups, relay, args.host)
                     stop.divert(partial(_drain_on_sigterm, relay, watching))
                     outcome = await relay.wait_closed()
                     stop.divert(None)

@@ -301,8 +301,10 @@ async def run_rank(args: argparse.Namespace) -> int:
         stop = SignalStop(signals)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop.watch, nursery.cancel_scope)
-            config = RankConfig() if args.coord_liveness_timeout is None else RankConfig(
-                coord_liveness_timeout=liveness_seconds(args.coord_liveness_timeout))
+            config = RankConfig(rejoin_when_fenced=args.rejoin_when_fenced) \
+                if args.coord_liveness_timeout is None else RankConfig(
+                    coord_liveness_timeout=liveness_seconds(args.coord_liveness_timeout),
+                    rejoin_when_fenced=args.rejoin_when_fenced)
             async with open_rank(target, salt=salt, rank=args.rank, world_size=args.world_size,
                                  config=config) as ep:
                 sim = SimulatedRank(ep, batch_ms=args.batch_ms, jitter=args.jitter,
@@ -314,6 +316,9 @@ async def run_rank(args: argparse.Namespace) -> int:
     last = record.received[-1] if record.received else None
     print(json.dumps({"rank": args.rank, "batches": record.batches, "syncs": record.syncs}),
           flush=True)
+    if ep.readmissions:  # fenced while its host was frozen, and brought back by its relay
+        print(f"rank {args.rank}: fenced and brought back by its relay {ep.readmissions} "
+              "time(s)", flush=True)
     if ep.draining is not None:  # its host left on purpose: it left after its last sync
         print(f"rank {args.rank}: its host drained ({ep.draining}); left after its last sync",
               flush=True)

@@ -86,6 +86,23 @@ class Verdict(enum.Enum):
     RIDE_OUT = "ride out"  # keep the ranks, re-dial the durable coordinator, run a new leg
     FINISH = "finish"  # the ranks leave, what they queue is still written, for shutdown_grace
     FAIL = "fail"  # deliver what the ranks were sent, then stop
+    REJOIN = "rejoin"  # every rank left was fenced: keep them, join again with a fresh Hello
+
+
+def verdict(end: LegEnd, *, resumable: bool) -> Verdict:
+    """What a leg's end means for the pump. ``resumable``: a durable coordinator, a
+    ``coordinator_grace`` > 0, and the pump not ending already.
+
+    The ranks all gone, or a ``Goodbye`` then EOF, finish (the ranks leave; what they queue is
+    still written). A durable coordinator lost in any other way is ridden out. Otherwise a
+    coordinator that closed without a ``Goodbye`` finishes too (not clean), and a connection
+    that broke (a reset, a stall, silence, a protocol error) fails the pump.
+    """
+    if end.ending is Ending.RANKS_GONE or (end.ending is Ending.CLOSED and end.clean):
+        return Verdict.FINISH
+    if resumable:
+        return Verdict.RIDE_OUT
+    return Verdict.FINISH if end.ending is Ending.CLOSED else Verdict.FAIL
 
 
 class Downstream(Protocol):
@@ -352,4 +369,4 @@ class Leg:
         return None
 
 
-__all__ = ["BATCH", "Downstream", "Ending", "Leg", "LegEnd", "Verdict"]
+__all__ = ["BATCH", "Downstream", "Ending", "Leg", "LegEnd", "Verdict", "verdict"]

@@ -51,6 +51,12 @@ class Heartbeats:
         0 on a new connection: the relay's own ``heartbeat_interval`` again)."""
         self.cadence = interval
 
+    def forget(self) -> None:
+        """A new connection after a wake-up (issue 37): what was pending is void, and the
+        pace is the relay's own again."""
+        self._pending = {}
+        self.cadence = 0.0
+
     def record(self, rank: int, step_count: int, now: float) -> None:
         """``rank``'s Heartbeat verified at ``now``; a later one replaces it."""
         self._pending[rank] = (step_count, now)

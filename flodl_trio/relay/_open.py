@@ -55,6 +55,8 @@ class Relay:
         leader_moves: how many times it left its coordinator for a newer leader its store
             named (a property).
         waiting: what its join waits for and until when, while it waits (a property).
+        fenced: the fenced ranks whose links it holds, and ``wakeups``: how many times it
+            joined again with them (``rejoin_when_fenced``; properties).
         dropped_while_reconnecting: frames from its ranks dropped while reconnecting, over
             ``reconnect_queue`` (a property).
     """
@@ -158,6 +160,33 @@ class Relay:
         """How many times the relay left its connection for a newer leader the store named
         (issue 34)."""
         return self._watch.moves if self._watch is not None else 0
+
+    @property
+    def fenced(self) -> dict[int, str]:
+        """With ``rejoin_when_fenced``: the ranks the coordinator fenced whose links the relay
+        holds open (rank -> the coordinator's reason), until they are back or released."""
+        wakeup = self._pump.wakeup if self._pump is not None else None
+        return dict(wakeup.held) if wakeup is not None else {}
+
+    @property
+    def rejoining(self) -> tuple[tuple[int, ...], str] | None:
+        """While the relay joins again after every rank it carried was fenced: the ranks it
+        brings back and why they were fenced; else None."""
+        wakeup = self._pump.wakeup if self._pump is not None else None
+        return wakeup.waking if wakeup is not None else None
+
+    @property
+    def last_wakeup(self) -> tuple[tuple[int, ...], str] | None:
+        """The ranks the last wake-up brought back (or tried to) and why they were fenced."""
+        wakeup = self._pump.wakeup if self._pump is not None else None
+        return wakeup.last if wakeup is not None else None
+
+    @property
+    def wakeups(self) -> int:
+        """How many times the relay joined again after every rank it carried was fenced
+        (``rejoin_when_fenced``, docs/elastic.rst)."""
+        wakeup = self._pump.wakeup if self._pump is not None else None
+        return wakeup.wakeups if wakeup is not None else 0
 
     @property
     def error(self) -> FlodlError | None:
@@ -286,7 +315,8 @@ class Relay:
             redial = self._dialer.resume if self._watch is None else self._watch.resume
             durable = Durable(established.generation, redial)
         self._pump = Pump(self._local, stream, established.sealer, established.opener,
-                          self.timeline, first=established.records, durable=durable)
+                          self.timeline, first=established.records, durable=durable,
+                          rejoin=self._dialer.rejoin)
         return self._pump
 
     async def _close_all(self) -> None:

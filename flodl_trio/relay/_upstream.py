@@ -98,10 +98,11 @@ class UpstreamDialer:
         return f"relay {self._host!r}"
 
     async def handshake(self, stream: trio.abc.Stream, *, generation: int | None, peer: str,
-                        wrong_salt: list[int]) -> Joined:
+                        wrong_salt: list[int], ranks: tuple[int, ...] | None = None) -> Joined:
         """The relay's end of one handshake on ``stream`` (a join, or a resume given the
         generation seen), within ``handshake_timeout``; ``wrong_salt[0]`` counts the attempts
-        in a row whose Challenge did not verify with our salt.
+        in a row whose Challenge did not verify with our salt. ``ranks``: the ranks to name
+        (default: all of the relay's).
 
         Raises:
             JoinRefused: a verified ``Refused``.
@@ -109,7 +110,8 @@ class UpstreamDialer:
             WireError / HandshakeError / trio.TooSlowError / a stream error: this attempt
                 failed.
         """
-        machine = RelayHandshake(self._salt, host=self._host, ranks=self._ranks,
+        machine = RelayHandshake(self._salt, host=self._host,
+                                 ranks=self._ranks if ranks is None else ranks,
                                  world_size=self._world_size, model_sigs=self._model_sigs,
                                  coordinator=peer, generation=generation)
         try:
@@ -131,9 +133,11 @@ class UpstreamDialer:
         return stream, done
 
     async def connect(self, generation: int | None = None, *,
-                      connect_timeout: float | None = None) -> Joined:
+                      connect_timeout: float | None = None,
+                      ranks: tuple[int, ...] | None = None) -> Joined:
         """Dial and join (``Hello``), or, given the generation seen, resume (``Resume``),
-        re-dialing until ``connect_timeout`` (default: the config's).
+        re-dialing until ``connect_timeout`` (default: the config's). ``ranks``: the ranks the
+        ``Hello`` names (default: all of the relay's; a wake-up names those still connected).
 
         Raises:
             JoinRefused / WrongSession / HandshakeError: see ``open_relay``.
@@ -173,7 +177,7 @@ class UpstreamDialer:
         try:
             return await dial_and_handshake(
                 target, partial(self.handshake, generation=generation, peer=coordinator,
-                                wrong_salt=wrong_salt),
+                                wrong_salt=wrong_salt, ranks=ranks),
                 what=self.what, peer=coordinator,
                 connect_timeout=self._config.connect_timeout if connect_timeout is None
                 else connect_timeout,
@@ -189,6 +193,15 @@ class UpstreamDialer:
             )
         finally:
             self.waiting = None
+
+    async def rejoin(self, ranks: tuple[int, ...]) -> Joined:
+        """Join again with a fresh ``Hello`` naming ``ranks``, as a restarted host does: the
+        wake-up of a relay whose ranks were fenced (issue 37), within ``connect_timeout``.
+
+        Raises:
+            JoinRefused / WrongSession / HandshakeError: see ``open_relay``.
+        """
+        return await self.connect(ranks=ranks)
 
     async def resume(self, generation: int, deadline: float) -> Joined:
         """Re-dial a durable coordinator with ``Resume`` until ``deadline`` (Trio clock).

@@ -8,7 +8,9 @@ The rank side (readers, writers, the queue) lives as long as the pump; the upstr
 reader form a *leg* over one connection (:class:`~._leg.Leg`). A leg ends with one
 :class:`~._leg.LegEnd`, and :meth:`Pump.leg_ended` says, in one place, what it means
 (:func:`verdict`): with a durable coordinator (issue 22) a leg lost without a ``Goodbye`` is
-ridden out (:mod:`.resume`) and the next leg runs on the resumed connection; a close lets the
+ridden out (:mod:`.resume`) and the next leg runs on the resumed connection; with
+``rejoin_when_fenced`` (issue 37) the end of a connection that fenced every rank the relay still
+carries is a wake-up (:mod:`._wakeup`): the next leg runs on a fresh join; a close lets the
 ranks leave and finishes; anything else fails the pump.
 """
 
@@ -40,9 +42,10 @@ from ..wire import (
     RecordSealer,
     UpstreamSession,
 )
-from ._leg import Ending, Leg, LegEnd, Verdict
+from ._leg import Ending, Leg, LegEnd, Verdict, verdict
 from ._link import RankLink, RelayExit
 from ._liveness import Heartbeats
+from ._wakeup import Rejoin, Wakeup
 from .ranks import LocalRanks
 from .resume import Backlog, Durable, Reconnector, Upstream
 
@@ -55,22 +58,6 @@ log = logging.getLogger("flodl_trio.relay")
 _FROM_RANK = (RankFrame, RankHeartbeat)
 
 
-def verdict(end: LegEnd, *, resumable: bool) -> Verdict:
-    """What a leg's end means for the pump. ``resumable``: a durable coordinator, a
-    ``coordinator_grace`` > 0, and the pump not ending already.
-
-    The ranks all gone, or a ``Goodbye`` then EOF, finish (the ranks leave; what they queue is
-    still written). A durable coordinator lost in any other way is ridden out. Otherwise a
-    coordinator that closed without a ``Goodbye`` finishes too (not clean), and a connection
-    that broke (a reset, a stall, silence, a protocol error) fails the pump.
-    """
-    if end.ending is Ending.RANKS_GONE or (end.ending is Ending.CLOSED and end.clean):
-        return Verdict.FINISH
-    if resumable:
-        return Verdict.RIDE_OUT
-    return Verdict.FINISH if end.ending is Ending.CLOSED else Verdict.FAIL
-
-
 class Pump:
     """Phase 3 over the authenticated upstream connection, one leg after the other.
 
@@ -80,17 +67,21 @@ class Pump:
             it), else None.
         resume: set for a durable coordinator (one that sent ``Generation``); see
             :mod:`.resume`.
+        wakeup: set with ``rejoin_when_fenced``; see :mod:`._wakeup`.
     """
 
     def __init__(self, local: LocalRanks, stream: trio.abc.Stream, sealer: RecordSealer,
                  opener: RecordOpener, timeline: Timeline | None = None, *,
-                 first: tuple[Record, ...] = (), durable: Durable | None = None) -> None:
+                 first: tuple[Record, ...] = (), durable: Durable | None = None,
+                 rejoin: Rejoin | None = None) -> None:
         self.local = local
         self.host = local.host
         self.config: RelayConfig = local.config
         self.error: FlodlError | None = None
         self.resume = (Reconnector(local, durable, drop_rank=self.drop_rank)
                        if durable is not None else None)
+        self.wakeup = (Wakeup(local, rejoin)
+                       if rejoin is not None and self.config.rejoin_when_fenced else None)
         self.timeline = timeline
         self.dropped = 0  # local ranks dropped for not draining their queue
         self._nursery: trio.Nursery | None = None
@@ -107,8 +98,10 @@ class Pump:
         self.leg = self._new_leg(stream, opener, sealer, first)
 
     def _new_leg(self, stream: trio.abc.Stream, opener: RecordOpener, sealer: RecordSealer,
-                 opened: tuple[Record, ...], backlog: Backlog | None = None) -> Leg:
-        session = UpstreamSession(opener, sealer, host=self.host, ranks=self.local.ranks)
+                 opened: tuple[Record, ...], backlog: Backlog | None = None,
+                 ranks: tuple[int, ...] | None = None) -> Leg:
+        session = UpstreamSession(opener, sealer, host=self.host,
+                                  ranks=self.local.ranks if ranks is None else ranks)
         session.feed_opened(opened)  # opened with the handshake (the welcome)
         return Leg(stream, session, config=self.config, downstream=self, first=backlog)
 
@@ -126,6 +119,8 @@ class Pump:
         with self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.wakeup is not None:
+                    self.wakeup.attach(nursery)
                 nursery.start_soon(self.run_upstream, up_recv)
                 # One queue clone per rank reader: the queue ends (and the writer with it) only
                 # once every reader has queued its last frame and its RankExit.
@@ -180,6 +175,8 @@ class Pump:
             end = await leg.run(up_recv, durable=self.resume is not None)
             if leg.verdict is Verdict.RIDE_OUT and await self._ride_out(leg, end, up_recv):
                 continue
+            if leg.verdict is Verdict.REJOIN and await self._wake_up(leg, up_recv):
+                continue
             if leg.verdict is not Verdict.FINISH or leg.cut_short:
                 await self.flush_ranks()
             self._scope.cancel()
@@ -202,9 +199,33 @@ class Pump:
         self.heartbeats.follow(0.0)  # a Cadence was the old connection's
         return True
 
+    async def _wake_up(self, leg: Leg, up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
+        """Join again with the fenced ranks (:mod:`._wakeup`); True once a new leg runs on the
+        new connection, else the pump fails with why."""
+        assert self.wakeup is not None
+        await trio.aclose_forcefully(leg.stream)
+        leg.unsent()  # void: the coordinator ignores what a fenced rank sent
+        if not await self.wakeup.settle(up_recv):  # every rank left: end as without it
+            assert leg.outcome is not None
+            self.finish(leg.outcome.reason, leg.outcome.clean, now=False)
+            return False
+        woken = await self.wakeup.wake_up(up_recv)
+        if woken is None:
+            why, self.error = self.wakeup.gave_up
+            self.finish(why, False, now=False)
+            return False
+        stream, established = woken.joined
+        self.leg = self._new_leg(stream, established.opener, established.sealer,
+                                 established.records, woken.backlog, ranks=woken.ranks)
+        self.heartbeats.forget()
+        return True
+
     def leg_ended(self, end: LegEnd) -> Verdict:
         """The one place that says what a leg's end means (:func:`verdict`), and records how
-        the relay ends unless the loss is ridden out."""
+        the relay ends unless the loss is ridden out or the relay wakes up."""
+        if (self.wakeup is not None and end.ending in (Ending.CLOSED, Ending.LOST)
+                and self._outcome is None and self.draining is None and self.wakeup.armed()):
+            return Verdict.REJOIN
         said = verdict(end, resumable=self.resumable())
         if said is Verdict.RIDE_OUT:
             if end.error is not None:
@@ -310,6 +331,10 @@ class Pump:
         # Everything queued before (the Fenced frame last) is delivered, then the link is
         # half-closed and, after shutdown_grace at the latest, closed.
         link.session.fence(msg.reason)
+        if self.wakeup is not None and self.draining is None:
+            leg = self.leg
+            self.wakeup.hold(link, msg.reason, lambda: leg.outcome is not None)
+            return
         link.end_queue()
         log.warning("relay %r: the coordinator fenced rank %d: %s", self.host, link.rank,
                     msg.reason)

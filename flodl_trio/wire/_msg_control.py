@@ -362,3 +362,22 @@ class Drain(ControlMsg):
 
     host: HostName
     reason: str
+
+
+@variant(CONTROL_MSG, 26)
+@attrs.frozen
+class Readmitted(ControlMsg):
+    """Relay → rank only (beyond flodl, issue 37): sent by the relay itself, sealed with the
+    salt, once a relay whose ranks were all fenced (its host froze past ``heartbeat_timeout``)
+    re-dialed with a fresh ``Hello`` and the coordinator took this rank back. The rank's frames
+    flow again; the work it did since its last acknowledged sync was settled without it, so it
+    drops that and takes its state from the next plan (docs/elastic.rst, "Waking up").
+    Delivered to users (``RankEndpoint.fenced`` is None again, ``readmissions`` counts it).
+
+    Attributes:
+        host: the relay's host.
+        reason: why the coordinator had declared the rank dead.
+    """
+
+    host: HostName
+    reason: str

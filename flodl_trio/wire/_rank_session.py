@@ -74,6 +74,11 @@ class RankLinkSession(_Session):
         if self.fenced is None:
             self.fenced = reason
 
+    def readmit(self) -> None:
+        """The coordinator took the fenced rank back (its relay re-joined with it, issue 37):
+        its frames are forwarded again."""
+        self.fenced = None
+
     def send(self, frame: bytes) -> bytes:
         """The length-prefixed blob of one ``ControlMsg`` frame for the rank (the relay's own
         notices; what the coordinator sends comes length-prefixed in a ``Deliver`` already).

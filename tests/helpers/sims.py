@@ -1,6 +1,6 @@
 """Simulated ranks (:mod:`flodl_trio.sim`) in a local cluster, for the scheduler's whole runs; and
 hosts of simulated ranks started by hand (:func:`start_sim_host`), for worlds that change: hosts
-that die and come back, join or leave."""
+that die and come back, join or leave, or freeze and wake up."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import flodl_trio as ft
 from flodl_trio.sim import SimRecord
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 
+from helpers.frozen import Freeze, FrozenStream
 from helpers.raw import COORD
 
 
@@ -80,6 +81,12 @@ class SimHost:
     sims: dict[int, Any] = attrs.Factory(dict)
     relay: ft.Relay | None = None
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    # How each rank's sim ended: its SimRecord, or the exception (RankEvicted, ...).
+    outcomes: dict[int, Any] = attrs.Factory(dict)
+    # Set: the host's streams (the relay's upstream, the ranks' links) freeze at its switch.
+    freeze: Freeze | None = None
+    relay_config: ft.RelayConfig | None = None
+    rank_config: ft.RankConfig | None = None
     exit: Any = None
     done: trio.Event = attrs.Factory(trio.Event)
 
@@ -113,21 +120,33 @@ async def _sim_rank(net: MemoryNetwork, h: SimHost, rank: int, *, salt: ft.Sessi
     from flodl_trio.sim import SimulatedCrash, SimulatedRank
 
     try:
-        async with ft.open_rank(lambda: net.connect(f"relay:{h.host}"), salt=salt, rank=rank,
-                                world_size=world) as ep:
+        async with ft.open_rank(_dialer(net, f"relay:{h.host}", h.freeze), salt=salt,
+                                rank=rank, world_size=world, config=h.rank_config) as ep:
             h.sims[rank] = SimulatedRank(ep, **sim_args(rank))
-            await h.sims[rank].run()
-    except (SimulatedCrash, ft.FlodlError):
-        pass  # the record says what it did; the coordinator says what became of it
+            h.outcomes[rank] = await h.sims[rank].run()
+    except (SimulatedCrash, ft.FlodlError) as exc:
+        h.outcomes[rank] = exc  # the coordinator says what became of it
+
+
+def _dialer(net: MemoryNetwork, name: str, freeze: Freeze | None) -> Any:
+    """Dial ``name``; with ``freeze``, the dialer's end is gated by it (a frozen host's)."""
+    if freeze is None:
+        return lambda: net.connect(name)
+
+    async def dial() -> trio.abc.Stream:
+        return FrozenStream(await net.connect(name), freeze)
+
+    return dial
 
 
 async def _run_sim_host(net: MemoryNetwork, h: SimHost, *, salt: ft.SessionSalt, world: int,
                         sim_args: Any) -> None:
     try:
         with h.scope:
-            async with ft.open_relay(lambda: net.connect(COORD), salt=salt, host=h.host,
+            async with ft.open_relay(_dialer(net, COORD, h.freeze), salt=salt, host=h.host,
                                      ranks=h.ranks, world_size=world,
-                                     rank_listen=net.listener(f"relay:{h.host}")) as relay:
+                                     rank_listen=net.listener(f"relay:{h.host}"),
+                                     config=h.relay_config) as relay:
                 h.relay = relay
                 async with trio.open_nursery() as nursery:
                     for rank in h.ranks:
@@ -142,10 +161,14 @@ async def _run_sim_host(net: MemoryNetwork, h: SimHost, *, salt: ft.SessionSalt,
 
 
 def start_sim_host(nursery: trio.Nursery, net: MemoryNetwork, host: str, ranks: Sequence[int],
-                   *, salt: ft.SessionSalt, world: int, sim_args: Any) -> SimHost:
+                   *, salt: ft.SessionSalt, world: int, sim_args: Any,
+                   freeze: Freeze | None = None, relay_config: ft.RelayConfig | None = None,
+                   rank_config: ft.RankConfig | None = None) -> SimHost:
     """Start a relay (ranks dial ``relay:<host>``) that dials :data:`COORD`, and one
-    ``SimulatedRank`` per rank (``sim_args(rank)``: its keyword arguments)."""
-    h = SimHost(host, list(ranks))
+    ``SimulatedRank`` per rank (``sim_args(rank)``: its keyword arguments). With ``freeze``
+    the host's streams stop at its switch, as a ``SIGSTOP``-ped host's do."""
+    h = SimHost(host, list(ranks), freeze=freeze, relay_config=relay_config,
+                rank_config=rank_config)
     nursery.start_soon(functools.partial(_run_sim_host, net, h, salt=salt, world=world,
                                          sim_args=sim_args))
     return h

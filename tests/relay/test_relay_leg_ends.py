@@ -1,5 +1,5 @@
 """What a relay makes of the end of its upstream connection (issue 36): one table, one place
-(``pump.verdict``), no sockets. A durable coordinator lost in any way but a ``Goodbye`` is
+(``_leg.verdict``), no sockets. A durable coordinator lost in any way but a ``Goodbye`` is
 ridden out; a close lets the ranks leave; a broken connection to any other coordinator fails
 the relay."""
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flodl_trio import WireError
-from flodl_trio.relay._leg import Ending, LegEnd, Verdict
-from flodl_trio.relay.pump import verdict
+from flodl_trio.relay._leg import Ending, LegEnd, Verdict, verdict
 from flodl_trio.wire import EndOfStream
 
 GOODBYE = LegEnd.of_eof(EndOfStream("coordinator said Goodbye: run over", True))

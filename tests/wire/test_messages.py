@@ -113,6 +113,7 @@ CONTROL_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (23, wire.CoordinatorReconnecting, [HOST, TEXT]),
     (24, wire.CoordinatorResumed, [U64]),
     (25, wire.Drain, [HOST, TEXT]),
+    (26, wire.Readmitted, [HOST, TEXT]),
 ]
 TIMING_TABLE: list[tuple[int, type[Any], list[st.SearchStrategy[Pair]]]] = [
     (0, wire.Batch, [U64, F64, F64, U64, opt(F64), F64, opt(F64)]),
@@ -256,7 +257,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
 @pytest.mark.parametrize(
     ("decode", "value", "words"),
     [
-        (wire.decode_control, [26], ["ControlMsg", "unknown variant index 26"]),
+        (wire.decode_control, [27], ["ControlMsg", "unknown variant index 27"]),
         (wire.decode_control, [-1], ["ControlMsg", "unknown variant index -1"]),
         (wire.decode_timing, [15, 0], ["TimingMsg", "unknown variant index 15"]),
         (wire.decode_relay, [14, 0], ["RelayControlMsg", "unknown variant index 14"]),
@@ -265,7 +266,7 @@ def _metrics_fields(scalars: Any = None) -> list[Any]:
         (wire.decode_control, 5, ["ControlMsg", "array"]),
         (wire.decode_control, {"a": 1}, ["ControlMsg", "array"]),
     ],
-    ids=["ctl-26", "ctl-neg", "timing-15", "relay-14", "bool-index", "empty", "int", "map"],
+    ids=["ctl-27", "ctl-neg", "timing-15", "relay-14", "bool-index", "empty", "int", "map"],
 )
 def test_bad_variant_index_is_wire_error_naming_the_family(
     decode: Any, value: Any, words: list[str]
