@@ -303,7 +303,7 @@ class Coordinator:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
         says whether the coordinator has closed its connection (``closed``; ``connected``
         turns false first, when the relay is lost or being disconnected). An elastic world's
-        ``world``, ``retired``, ``retirements``, ``joins`` and ``draining`` are in
+        ``world``, ``retired``, ``retirements``, ``joins``, ``draining`` and ``drains`` are in
         docs/elastic.rst. ``store`` is its
         session store's size and writes (None without a store, and until it leads one;
         docs/failover.rst)."""
@@ -311,6 +311,7 @@ class Coordinator:
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
         fields.update(self._leader.standby_fields())
+        drains_total, drains = self._retirement.drains()
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -323,6 +324,7 @@ class Coordinator:
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
             "epoch": epoch_in_progress(self.timeline),
             "draining": sorted(self.draining_ranks),
+            "drains_total": drains_total, "drains": drains,
             "store": self._leader.store_status(),
         }
 
