@@ -22,6 +22,9 @@ What it does with each control message:
   peer died, the all-reduce fails fast; the rank acknowledges anyway and waits for its new
   session (the coordinator is re-forming the group).
 - ``Checkpoint`` (to this rank): save the model, answer ``CheckpointResult``.
+- ``Drain`` (from the relay: its host leaves, docs/elastic.rst): answer the next ``SyncNow``
+  (at once, with no batch trained since the last one), then evaluate, write ``rank-R.json`` and
+  leave: closing the client says ``Exiting``, and the coordinator retires the rank.
 - ``Shutdown``: evaluate on the held-out split and write ``rank-R.json`` to ``--out``.
 
 Every sample index in ``[0, train size)`` maps through a permutation seeded by the epoch, the same
@@ -141,17 +144,27 @@ class Trainer:
         self.batches = self.samples = 0
         self.loss_sum = self.compute_ms = 0.0
         self.syncs = self.failed_syncs = 0
+        self.unsynced = 0  # batches trained since the last SyncNow
+        self.leaving: wire.Drain | None = None  # its host drains: leave after the next sync
 
     def run(self) -> None:
         while True:
-            msg = self.rc.recv(timeout=0 if self.queue else None)
+            # A draining rank trains nothing more: what it trained waits for the sync.
+            busy = self.queue and self.leaving is None
+            msg = self.rc.recv(timeout=0 if busy else None)
             if msg is None:
                 self.train_one_batch()
                 continue
             if isinstance(msg, wire.Shutdown | wire.ShutdownWithSave):
                 self.finish(msg)
                 return
-            self.on_message(msg)
+            if isinstance(msg, wire.Drain):
+                self.leaving = msg
+            else:
+                self.on_message(msg)
+            if self.leaving is not None and self.unsynced == 0:
+                self.finish(self.leaving)
+                return
 
     def set_lr(self) -> None:
         """``--lr`` times the group's size (linear scaling: an average over fewer replicas is a
@@ -199,6 +212,7 @@ class Trainer:
                 self.syncs += 1
             else:
                 self.failed_syncs += 1
+            self.unsynced = 0
             rc.send(wire.SyncAck(rank=self.rank, step_count=rc.step_count))
         elif isinstance(msg, wire.Checkpoint) and msg.target_rank == self.rank:
             started = time.monotonic()
@@ -231,6 +245,7 @@ class Trainer:
         self.loss_sum += value
         self.compute_ms += elapsed_ms
         self.rc.step_count += 1
+        self.unsynced += 1
         self.rc.send(wire.Batch(rank=self.rank, batch_ms=elapsed_ms, data_ms=0.0,
                                 step_count=self.rc.step_count, param_norm=None,
                                 batch_loss=value))

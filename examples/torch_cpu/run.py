@@ -2,7 +2,8 @@
 scheduler), two relay processes (host-a: ranks 0, 1; host-b: ranks 2, 3) and four PyTorch rank
 processes (``rank.py``).
 
-    python run.py --out DIR [--kill [--restart] | --kill-coordinator] [--epochs 20] [--result FILE]
+    python run.py --out DIR [--kill [--restart] | --kill-coordinator | --grow | --drain]
+        [--epochs 20] [--result FILE]
 
 With ``--kill``, once epoch ``--kill-epoch`` has run a few syncs, host-b's relay and its two
 ranks are SIGKILLed. The coordinator declares ranks 2 and 3 dead at once, the scheduler hands
@@ -21,6 +22,17 @@ it is SIGKILLed and started again at once with the same command (``kill_coordina
 relays keep their ranks connected and training meanwhile, re-dial and resume; the new coordinator
 adopts the session and its scheduler resumes from the last checkpoint: no rank dies, and every
 epoch is still covered exactly once.
+
+With ``--grow`` the world is elastic, 4 to 6 ranks (docs/elastic.rst): it forms with host-a and
+host-b, and a few syncs into epoch 1 a third host, host-c (ranks 4, 5), is
+started; it joins the running cohort, and at the next epoch the scheduler re-forms the process
+group with six ranks (the newcomers take rank 0's parameters) and repartitions the data over
+them. Nobody is restarted.
+
+With ``--drain`` (a world of 2 to 4 ranks) host-b's relay gets SIGTERM a few syncs into epoch
+``--kill-epoch`` instead: it drains, its ranks answer one more sync and leave, the coordinator
+retires them (no death), their remainder of the epoch goes to ranks 0 and 1, and the group is
+re-formed with two.
 
 Prints the scheduler's accounting (each epoch's samples, who processed them, whether they were
 covered exactly once), the deaths, the held-out accuracy and the wall time; ``--result`` writes
@@ -41,11 +53,12 @@ from typing import Any
 import trio
 
 import flodl_trio as ft
-from flodl_trio.events import Note, RankRejoined
+from flodl_trio.events import Note, RankJoined, RankRejoined, RankRetired
 from flodl_trio.scheduler import SyncScheduler
 
 HERE = Path(__file__).resolve().parent
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
+GROWN = {"host-c": [4, 5]}  # the host --grow adds
 WORLD = 4
 TRAIN_SAMPLES = 1347  # load_digits: 1797 samples, 25 % held out (rank.py makes the split)
 
@@ -56,9 +69,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Process],
-                                epoch: int, syncs: int, killed: dict[str, Any]) -> None:
-    """SIGKILL host-b's relay and ranks once ``epoch`` has started and run ``syncs`` syncs."""
+def world_of(args: argparse.Namespace) -> int:
+    """The rank id space: six with the host --grow adds."""
+    return WORLD + 2 if args.grow else WORLD
+
+
+async def after_syncs(timeline: ft.Timeline, epoch: int, syncs: int) -> int:
+    """Return once ``epoch`` has started and run ``syncs`` syncs (how many it counted)."""
     seen = 0
     started = False
     async with timeline.subscribe() as events:
@@ -72,6 +89,13 @@ async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Pro
                 seen += 1
                 if seen >= syncs:
                     break
+    return seen
+
+
+async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Process],
+                                epoch: int, syncs: int, killed: dict[str, Any]) -> None:
+    """SIGKILL host-b's relay and ranks once ``epoch`` has started and run ``syncs`` syncs."""
+    seen = await after_syncs(timeline, epoch, syncs)
     for name in ("relay host-b", "rank 2", "rank 3"):
         procs[name].send_signal(signal.SIGKILL)
     killed.update(at=time.monotonic(), epoch=epoch, after_syncs=seen)
@@ -82,15 +106,16 @@ async def kill_host_b_mid_epoch(timeline: ft.Timeline, procs: dict[str, trio.Pro
 async def start_host(nursery: trio.Nursery, procs: dict[str, trio.Process], host: str,
                      coordinator: str, salt: ft.SessionSalt, args: argparse.Namespace) -> None:
     """Start ``host``'s relay and rank processes (again, after a kill: the same command)."""
-    py, port, ranks = sys.executable, free_port(), HOSTS[host]
+    py, port, ranks = sys.executable, free_port(), {**HOSTS, **GROWN}[host]
+    world = str(world_of(args))
     procs[f"relay {host}"] = await nursery.start(child, [
         py, str(HERE / "relay.py"), "--coordinator", coordinator, "--salt-hex", salt.hex(),
-        "--host", host, "--ranks", ",".join(map(str, ranks)), "--world-size", str(WORLD),
+        "--host", host, "--ranks", ",".join(map(str, ranks)), "--world-size", world,
         "--rank-port", str(port)])
     for rank in ranks:
         procs[f"rank {rank}"] = await nursery.start(child, [
             py, str(HERE / "rank.py"), "--relay", f"127.0.0.1:{port}", "--salt-hex", salt.hex(),
-            "--rank", str(rank), "--world-size", str(WORLD), "--out", str(args.out),
+            "--rank", str(rank), "--world-size", world, "--out", str(args.out),
             "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--lr",
             str(args.lr)])
 
@@ -108,6 +133,36 @@ async def kill_and_restart(timeline: ft.Timeline, procs: dict[str, trio.Process]
           flush=True)
 
 
+async def grow_or_drain(timeline: ft.Timeline, procs: dict[str, trio.Process],
+                        changed: dict[str, Any], coordinator: str, salt: ft.SessionSalt,
+                        args: argparse.Namespace, nursery: trio.Nursery) -> None:
+    """``--grow``: start host-c a few syncs into epoch 1; ``--drain``: SIGTERM host-b's relay a
+    few syncs into epoch ``--kill-epoch`` (it drains)."""
+    # A new host's processes take seconds to start (torch imports): it is started in epoch 1,
+    # so that it joins while the run has epochs left.
+    epoch = 1 if args.grow else args.kill_epoch
+    seen = await after_syncs(timeline, epoch, args.kill_after_syncs)
+    changed.update(at=time.monotonic(), epoch=epoch, after_syncs=seen)
+    if args.grow:
+        await start_host(nursery, procs, "host-c", coordinator, salt, args)
+        print(f"started host-c (ranks 4, 5) in epoch {epoch} after {seen} syncs: it joins the "
+              "running cohort", flush=True)
+    else:
+        procs["relay host-b"].send_signal(signal.SIGTERM)
+        print(f"SIGTERMed relay host-b in epoch {epoch} after {seen} syncs: it drains",
+              flush=True)
+
+
+def coordinator_config(args: argparse.Namespace) -> ft.CoordinatorConfig:
+    """A fixed world of 4; 4 to 6 ranks with --grow, 2 to 4 with --drain (docs/elastic.rst)."""
+    if args.grow:
+        return ft.CoordinatorConfig(world_size=WORLD + 2, min_world_size=WORLD,
+                                    formation_timeout=180)
+    if args.drain:
+        return ft.CoordinatorConfig(world_size=WORLD, min_world_size=2, formation_timeout=180)
+    return ft.CoordinatorConfig(world_size=WORLD, formation_timeout=180)
+
+
 async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any], ft.Timeline]:
     out = Path(args.out)
     salt = ft.SessionSalt.generate()
@@ -115,7 +170,7 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
     procs: dict[str, trio.Process] = {}
     killed: dict[str, Any] = {}
     started = time.monotonic()
-    cfg = ft.CoordinatorConfig(world_size=WORLD, formation_timeout=180)
+    cfg = coordinator_config(args)
     async with trio.open_nursery() as nursery:
         bound = await ft.bind_coordinator(("127.0.0.1", 0))
         coordinator = f"{bound.address[0]}:{bound.address[1]}"
@@ -123,11 +178,14 @@ async def run(args: argparse.Namespace) -> tuple[Any, Any, float, dict[str, Any]
             await start_host(nursery, procs, host, coordinator, salt, args)
         async with ft.open_coordinator(bound, salt=salt, config=cfg, timeline=timeline) as coord:
             formed = time.monotonic()
-            print(f"formed: {WORLD} ranks over {len(coord.relays)} relays in "
+            print(f"formed: {coord.current_world} ranks over {len(coord.relays)} relays in "
                   f"{formed - started:.1f}s", flush=True)
             if args.kill or args.restart:
                 nursery.start_soon(kill_and_restart, timeline, procs, killed, coordinator,
                                    salt, args, nursery)
+            elif args.grow or args.drain:
+                nursery.start_soon(grow_or_drain, timeline, procs, killed, coordinator, salt,
+                                   args, nursery)
             scheduler = SyncScheduler(coord, total_samples=TRAIN_SAMPLES,
                                       batch_size=args.batch_size, num_epochs=args.epochs,
                                       checkpoint_every=args.epochs, process_group=True,
@@ -156,9 +214,17 @@ def from_timeline(timeline: ft.Timeline) -> tuple[list[dict[str, Any]], list[int
     return groups, sorted(e.rank for e in timeline.events() if isinstance(e, RankRejoined))
 
 
+def elastic_from(timeline: ft.Timeline) -> dict[str, list[int]]:
+    """The ranks that joined the running cohort and those retired, from the timeline."""
+    events = timeline.events()
+    return {"joined": sorted(e.rank for e in events if isinstance(e, RankJoined)),
+            "retired": sorted(e.rank for e in events if isinstance(e, RankRetired))}
+
+
 def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall: float,
            killed: dict[str, Any], groups: list[dict[str, Any]],
-           rejoined: list[int]) -> dict[str, Any]:
+           rejoined: list[int], elastic: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    elastic = elastic or {"joined": [], "retired": []}
     print(f"epochs completed: {summary.epochs_completed}, syncs {summary.syncs}, global step "
           f"{summary.global_step}")
     for rank, reason in summary.deaths.items():
@@ -167,6 +233,10 @@ def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall
         print(f"  process group {g['generation']}: ranks {g['ranks']}")
     if rejoined:
         print(f"  ranks {rejoined} rejoined the running cohort")
+    if elastic["joined"]:
+        print(f"  ranks {elastic['joined']} joined the running cohort (the world grew)")
+    if elastic["retired"]:
+        print(f"  ranks {elastic['retired']} drained and were retired (not dead)")
     exact = True
     for cov in coverage:
         exact = exact and cov.exact
@@ -174,14 +244,16 @@ def report(summary: Any, coverage: Any, results: dict[int, dict[str, Any]], wall
         print(f"  epoch {cov.epoch}: {cov.samples}/{cov.total} samples, covered exactly once: "
               f"{'yes' if cov.exact else 'NO'} ({who})")
     accuracies = {r: res["accuracy"] for r, res in results.items()}
-    print("held-out accuracy by surviving rank: "
-          + ", ".join(f"rank {r}: {a:.2%}" for r, a in sorted(accuracies.items())))
+    left = {r for r, res in results.items() if res.get("ended_with") == "Drain"}
+    print("held-out accuracy by rank: " + ", ".join(
+        f"rank {r}: {a:.2%}" + (" (when it left)" if r in left else "")
+        for r, a in sorted(accuracies.items())))
     accuracy = accuracies[min(accuracies)] if accuracies else 0.0
     print(f"wall time: {wall:.1f}s")
     return {"accuracy": accuracy, "accuracies": accuracies, "wall_s": wall,
             "epochs": summary.epochs_completed, "deaths": dict(summary.deaths),
             "groups": groups, "covered_exactly_once": exact, "killed": killed,
-            "rejoined": rejoined,
+            "rejoined": rejoined, **elastic,
             "coverage": [[c.epoch, c.samples, c.total, c.exact,
                           {str(k): v for k, v in c.per_rank.items()}]
                          for c in coverage]}
@@ -196,6 +268,10 @@ def main() -> None:
     p.add_argument("--kill-coordinator", action="store_true",
                    help="the coordinator runs as a process with a SQLite session store; it is "
                         "SIGKILLed mid-epoch and started again at once: it adopts the run")
+    p.add_argument("--grow", action="store_true",
+                   help="an elastic world of 4 to 6: host-c (ranks 4, 5) joins mid-epoch")
+    p.add_argument("--drain", action="store_true",
+                   help="a world of 2 to 4: host-b's relay gets SIGTERM mid-epoch and drains")
     p.add_argument("--restart-after", type=float, default=1.0, metavar="S",
                    help="seconds between the kill and the restart")
     p.add_argument("--epochs", type=int, default=20)
@@ -206,6 +282,8 @@ def main() -> None:
     p.add_argument("--kill-after-syncs", type=int, default=4)
     p.add_argument("--result", help="write the outcome as JSON here")
     args = p.parse_args()
+    if sum((args.kill or args.restart, args.kill_coordinator, args.grow, args.drain)) > 1:
+        p.error("choose one of --kill/--restart, --kill-coordinator, --grow and --drain")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in ("rank-*.json", "session.db*", "coverage.jsonl", "summary.json"):
@@ -216,12 +294,14 @@ def main() -> None:
 
         summary, coverage, wall, killed, groups, rejoined = trio.run(
             run_with_coordinator_killed, args)
+        elastic = None
     else:
         summary, coverage, wall, killed, timeline = trio.run(run, args)
         groups, rejoined = from_timeline(timeline)
+        elastic = elastic_from(timeline)
     results = {int(p.stem.split("-")[1]): json.loads(p.read_text())
                for p in sorted(out.glob("rank-*.json"))}
-    outcome = report(summary, coverage, results, wall, killed, groups, rejoined)
+    outcome = report(summary, coverage, results, wall, killed, groups, rejoined, elastic)
     if args.result:
         Path(args.result).write_text(json.dumps(outcome, indent=2))
     sys.exit(0 if outcome["covered_exactly_once"] and outcome["accuracy"] > 0 else 1)

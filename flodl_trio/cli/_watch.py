@@ -2,7 +2,9 @@
 
 Each refresh is one ``/state.json`` request; the view shows the phase, the epoch in progress,
 each host with its ranks alive, dead and exited, the dead ranks' reasons (the first few) and the
-lost broadcasts. It ends on SIGINT / SIGTERM (exit 130 / 143, as every command) or when the
+lost broadcasts; in an elastic world its range and size now, and one line printed above the
+view for each host that joined, began to drain or had ranks retired since the last refresh
+(:func:`changes`). It ends on SIGINT / SIGTERM (exit 130 / 143, as every command) or when the
 coordinator goes away: exit 0 with one line saying how it was last seen (from here, a run that
 ended and a coordinator that crashed look alike; the last phase seen tells them apart when a
 refresh caught the shutdown).
@@ -46,6 +48,7 @@ def render(state: dict[str, Any], *, where: str, interval: float) -> Group:
     """The view of one status document (fields missing from it show as ``?``)."""
     live = _ints(state.get("live"))
     exited = _ints(state.get("exited"))
+    draining = _ints(state.get("draining"))
     dead_entries = [d for d in state.get("dead") or [] if isinstance(d, dict)]
     dead = {d.get("rank") for d in dead_entries}
     epoch = state.get("epoch")
@@ -58,18 +61,19 @@ def render(state: dict[str, Any], *, where: str, interval: float) -> Group:
         if not isinstance(relay, dict):
             continue
         ranks = [r for r in relay.get("ranks") or [] if isinstance(r, int)]
-        link = "connected" if relay.get("connected", True) else "gone"
+        link = ("draining" if draining.intersection(ranks) else "connected"
+                if relay.get("connected", True) else "gone")
         table.add_row(str(relay.get("host", "?")), str(relay.get("peer", "?")), link,
                       str(sum(r in live for r in ranks)), str(sum(r in dead for r in ranks)),
                       str(sum(r in exited for r in ranks)), _ranks_text(ranks))
+    lines: list[RenderableType] = [head]
     world = state.get("world")
     if isinstance(world, dict) and world.get("min") != world.get("max"):
         # An elastic world (issue 37): its range, its size now, and who left it for good.
         retired = _ints(state.get("retired"))
-        head.append(f"  world {world.get('min', '?')}:{world.get('max', '?')} now "
-                    f"{world.get('current', '?')}" + (f", retired {_ranks_text(sorted(retired))}"
-                                                      if retired else ""))
-    lines: list[RenderableType] = [head, table,
+        lines.append(Text(_world_text(state) + (f", retired {_ranks_text(sorted(retired))}"
+                                                if retired else "")))
+    lines += [table,
              Text(f"ranks alive {len(live)}  dead {len(dead)}  exited {len(exited)}  lost "
                   f"broadcasts {state.get('lost_broadcasts', '?')}")]
     for entry in dead_entries[:DEAD_SHOWN]:
@@ -102,6 +106,7 @@ async def watch(address: tuple[str, int], where: str, *, interval: float,
     console = console if console is not None else Console(file=sys.stdout)
     state = await fetch_state(address, timeout=timeout)  # its error is the plain status error
     started = time.monotonic()
+    before = state
     with Live(render(state, where=where, interval=interval), console=console,
               auto_refresh=False, transient=False) as view:
         while True:  # until the coordinator goes away, or a signal cancels it
@@ -111,12 +116,72 @@ async def watch(address: tuple[str, int], where: str, *, interval: float,
             except FlodlError as exc:
                 gone = exc
                 break
+            for line in changes(before, state):
+                view.console.print(f"{time.strftime('%H:%M:%S')} {line}", soft_wrap=True,
+                                   highlight=False, markup=False)
+            before = state
             view.update(render(state, where=where, interval=interval), refresh=True)
     if not console.is_terminal:
         console.line()  # the last view, printed once at the end, has no newline of its own
     console.print(gone_line(state, where, gone, time.monotonic() - started), soft_wrap=True,
                   highlight=False, markup=False)
     return 0
+
+
+def _world_text(state: dict[str, Any]) -> str:
+    world = state.get("world")
+    if not isinstance(world, dict):
+        return f"world {state.get('world_size', '?')}"
+    return f"world {world.get('current', '?')} of {world.get('min', '?')}..{world.get('max', '?')}"
+
+
+def _hosts(state: dict[str, Any]) -> dict[int, str]:
+    return {r: str(relay.get("host", "?")) for relay in state.get("relays") or []
+            if isinstance(relay, dict) for r in relay.get("ranks") or [] if isinstance(r, int)}
+
+
+def _counts(value: object) -> dict[str, int]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, int)}
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """One line per host for each membership change between two status documents: ranks that
+    joined the running cohort (their ``joins`` count moved), hosts that said they drain
+    (``drains_total`` moved: said even when the drain ended between the two), ranks retired
+    (with the reason); nothing for a coordinator that does not say (older)."""
+    hosts, lines = _hosts(after), []
+    world = _world_text(after)
+    was, now = _counts(before.get("joins")), _counts(after.get("joins"))
+    joined = sorted(int(r) for r, n in now.items() if n > was.get(r, 0) and r.isdigit())
+    for host, ranks in _by_host(joined, hosts).items():
+        lines.append(f"{host} joined: rank(s) {_ranks_text(ranks)} in the cohort; {world}")
+    drains = [d for d in after.get("drains") or [] if isinstance(d, dict)]
+    told = after.get("drains_total", 0), before.get("drains_total", 0)
+    new = told[0] - told[1] if all(isinstance(n, int) for n in told) else 0
+    for drain in drains[len(drains) - min(new, len(drains)):] if new > 0 else []:
+        ranks = [r for r in drain.get("ranks") or [] if isinstance(r, int)]
+        lines.append(f"{drain.get('host', '?')} draining ({drain.get('reason', '?')}): rank(s) "
+                     f"{_ranks_text(ranks)} finish their current sync and exit")
+    old = {(e.get("rank"), e.get("reason")) for e in before.get("retirements") or []
+           if isinstance(e, dict)}
+    fresh: dict[tuple[str, str], list[int]] = {}
+    for entry in after.get("retirements") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("rank"), int) and (
+                (entry["rank"], entry.get("reason")) not in old or entry["rank"] in joined):
+            key = (str(entry.get("host") or "?"), str(entry.get("reason", "?")))
+            fresh.setdefault(key, []).append(entry["rank"])
+    for (host, reason), ranks in fresh.items():
+        lines.append(f"{host}: rank(s) {_ranks_text(ranks)} retired ({reason}); {world}")
+    return lines
+
+
+def _by_host(ranks: list[int], hosts: dict[int, str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        out.setdefault(hosts.get(r, "?"), []).append(r)
+    return out
 
 
 def gone_line(state: dict[str, Any], where: str, exc: BaseException, seconds: float) -> str:

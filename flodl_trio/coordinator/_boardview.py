@@ -19,7 +19,12 @@ from ._roster import Roster
 
 RANK_DETAIL_LIMIT: Final = 1024
 DEATHS_LISTED: Final = 200
-STATES: Final = ("alive", "dead", "exited", "waiting")
+# A rank's state on the page: ``joined`` (it joined the running cohort: the world grew) and
+# ``draining`` (its host leaves on purpose) are alive too; ``retired`` is out of the world, not
+# dead (docs/elastic.rst); ``waiting`` is not covered yet (or, once an elastic world runs, room
+# it may grow into).
+STATES: Final = ("alive", "joined", "draining", "dead", "exited", "retired", "waiting")
+RETIRED_LISTED: Final = 200
 
 
 def page_phase(phase: str, failed: bool) -> str:
@@ -35,19 +40,28 @@ def page_phase(phase: str, failed: bool) -> str:
 class _States:
     """Each rank's state, from the roster's sets taken once per document."""
 
-    def __init__(self, roster: Roster[RelayConn]) -> None:
+    def __init__(self, roster: Roster[RelayConn], draining: frozenset[int]) -> None:
         self.dead = roster.dead
         self.dead_set = frozenset(self.dead)
         self.exited = roster.exited
         self.covered = roster.covered
         self.live = roster.live
+        self.retired = frozenset(roster.retired)
+        self.draining = draining & self.live
+        self.joined = frozenset(roster.joins) & self.live
 
     def of(self, rank: int) -> str:
         if rank in self.dead:
             return "dead"
         if rank in self.exited:
             return "exited"
-        return "alive" if rank in self.covered else "waiting"
+        if rank in self.retired:
+            return "retired"
+        if rank not in self.covered:
+            return "waiting"
+        if rank in self.draining:
+            return "draining"
+        return "joined" if rank in self.joined else "alive"
 
 
 def _age(seen: Mapping[int, float], rank: int, now: float) -> float | None:
@@ -62,7 +76,7 @@ def _rank_rows(ranks: Iterable[int], states: _States, board: Board,
 
 
 RELAY_COLUMNS: Final = ("host", "peer", "connected", "n", "alive", "dead", "exited", "waiting",
-                        "steps_min", "steps_max", "age_max")
+                        "steps_min", "steps_max", "age_max", "retired", "draining")
 
 
 def _relay_row(conn: RelayConn, states: _States, board: Board,
@@ -73,22 +87,26 @@ def _relay_row(conn: RelayConn, states: _States, board: Board,
     ranks, rank_set = conn.ranks, conn.rank_set
     dead = len(rank_set & states.dead_set) if states.dead_set else 0
     exited = len(rank_set & states.exited) if states.exited else 0
+    retired = len(rank_set & states.retired) if states.retired else 0
+    draining = len(rank_set & states.draining) if states.draining else 0
     live = rank_set & states.live
     steps = [v for v in map(board.steps.get, ranks) if v is not None]
     heard = [t for t in map(seen.get, ranks if len(live) == len(ranks) else live)
              if t is not None]
     return [conn.host, conn.peer, conn.alive, len(ranks), len(live), dead, exited,
-            len(ranks) - len(live) - dead - exited, min(steps, default=None),
-            max(steps, default=None), round(max(0.0, now - min(heard)), 1) if heard else None]
+            len(ranks) - len(live) - dead - exited - retired, min(steps, default=None),
+            max(steps, default=None), round(max(0.0, now - min(heard)), 1) if heard else None,
+            retired, draining]
 
 
 def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
                    failed: bool, extras: Mapping[str, Any],
-                   coverage: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                   coverage: Iterable[Mapping[str, Any]] = (),
+                   draining: frozenset[int] = frozenset()) -> dict[str, Any]:
     """The page's document at trio time ``now``.
 
     Args:
-        roster: membership, deaths and last-heard clocks.
+        roster: membership, deaths, retirements and last-heard clocks.
         board: steps, dashboard pushes and epoch summaries.
         now: the trio clock, which the roster's clocks are on.
         failed: the run failed (formation or the failure policy).
@@ -97,48 +115,74 @@ def board_document(roster: Roster[RelayConn], board: Board, *, now: float,
             ``epoch_covered`` notes :class:`~flodl_trio.scheduler.SyncScheduler` records):
             each epoch's row gets ``samples_covered`` of ``samples_total``, ``exactly_once``,
             ``gaps`` and ``overlaps`` from it (None without one).
+        draining: ranks whose host leaves on purpose (``Coordinator.draining_ranks``).
     """
-    states = _States(roster)
-    seen = roster.last_seen
+    states = _States(roster, draining)
     detailed = roster.world_size <= RANK_DETAIL_LIMIT
-    relays: list[Any] = []
-    carried: set[int] = set()
-    for conn in roster.relays:
-        if detailed:
-            relays.append({"host": conn.host, "peer": conn.peer, "connected": conn.alive,
-                           "n": len(conn.ranks),
-                           "ranks": _rank_rows(conn.ranks, states, board, seen, now)})
-            carried.update(conn.ranks)
-        else:
-            relays.append(_relay_row(conn, states, board, seen, now))
-    if detailed and len(carried) < roster.world_size:
-        waiting = [r for r in range(roster.world_size) if r not in carried]
-        relays.append({"host": None, "peer": None, "connected": False, "n": len(waiting),
-                       "ranks": _rank_rows(waiting, states, board, seen, now)})
     dead = roster.dead
     deaths = [{"rank": r, "host": _host(roster, r), "reason": why}
               for r, why in list(dead.items())[-DEATHS_LISTED:]]
+    retired = [{"rank": r, "host": roster.retired_host(r), "reason": roster.retired_reason(r)}
+               for r in roster.retired[-RETIRED_LISTED:]]
     epochs = with_coverage(board.epochs(), coverage)
-    counts = dict.fromkeys(STATES, 0)
-    counts["dead"], counts["exited"] = len(dead), len(states.exited)
-    counts["alive"] = len(states.live)
-    counts["waiting"] = roster.world_size - counts["alive"] - counts["dead"] - counts["exited"]
     return {
         "phase": page_phase(roster.phase, failed),
         "coordinator_phase": roster.phase,
         "world_size": roster.world_size,
+        "world": {"min": roster.min_world, "max": roster.world_size,
+                  "current": roster.current_world},
         "detail": "ranks" if detailed else "relays",
         "relay_columns": None if detailed else RELAY_COLUMNS,
-        "counts": counts,
-        "relays": relays,
+        "counts": _counts(roster.world_size, states),
+        "relays": _relays(roster, states, board, now, detailed=detailed),
         "deaths": deaths,
         "deaths_total": len(dead),
+        "retired": retired,
+        "retired_total": len(states.retired),
         "epochs": epochs,
         "throughput": epochs[-1]["samples_per_s"] if epochs else None,
         "dashboard": [p.to_dict() for p in board.pushes()],
         "dashboard_forgotten": board.forgotten_pushers,
         **extras,
     }
+
+
+def _relays(roster: Roster[RelayConn], states: _States, board: Board, now: float, *,
+            detailed: bool) -> list[Any]:
+    """Each relay's entry (its ranks, or a row of counts in a large world); in a small world,
+    the ranks no relay carries as two more: those retired from the world (``"group":
+    "retired"``), and those no relay covers yet (``"group": "waiting"``)."""
+    seen = roster.last_seen
+    if not detailed:
+        return [_relay_row(conn, states, board, seen, now) for conn in roster.relays]
+    relays: list[Any] = []
+    carried: set[int] = set()
+    for conn in roster.relays:
+        relays.append({"host": conn.host, "peer": conn.peer, "connected": conn.alive,
+                       "n": len(conn.ranks), "draining": bool(conn.rank_set & states.draining),
+                       "ranks": _rank_rows(conn.ranks, states, board, seen, now)})
+        carried.update(conn.ranks)
+    if len(carried) < roster.world_size:
+        rest = [r for r in range(roster.world_size) if r not in carried]
+        for group in ("retired", "waiting"):
+            ranks = [r for r in rest if (r in states.retired) == (group == "retired")]
+            if ranks:
+                relays.append({"host": None, "peer": None, "connected": False,
+                               "n": len(ranks), "group": group,
+                               "ranks": _rank_rows(ranks, states, board, seen, now)})
+    return relays
+
+
+def _counts(world_size: int, states: _States) -> dict[str, int]:
+    """Ranks per state: alive, dead, exited, retired and waiting add up to the world's
+    maximum; joined and draining are counted among the alive too."""
+    counts = dict.fromkeys(STATES, 0)
+    counts.update(alive=len(states.live), joined=len(states.joined),
+                  draining=len(states.draining), dead=len(states.dead),
+                  exited=len(states.exited), retired=len(states.retired))
+    counts["waiting"] = (world_size - counts["alive"] - counts["dead"] - counts["exited"]
+                         - counts["retired"])
+    return counts
 
 
 def with_coverage(epochs: list[dict[str, Any]], coverage: Iterable[Mapping[str, Any]]

@@ -302,13 +302,16 @@ class Coordinator:
     def state(self) -> dict[str, Any]:
         """The status document served at ``/state.json`` (SPEC §7); each relay entry also
         says whether the coordinator has closed its connection (``closed``; ``connected``
-        turns false first, when the relay is lost or being disconnected). ``store`` is its
+        turns false first, when the relay is lost or being disconnected). An elastic world's
+        ``world``, ``retired``, ``retirements``, ``joins``, ``draining`` and ``drains`` are in
+        docs/elastic.rst. ``store`` is its
         session store's size and writes (None without a store, and until it leads one;
         docs/failover.rst)."""
         fields = self._roster.state_fields()
         for entry, conn in zip(fields["relays"], self._roster.relays, strict=True):
             entry["closed"] = conn.closed
         fields.update(self._leader.standby_fields())
+        drains_total, drains = self._retirement.drains()
         return {
             **fields,
             "lost_broadcasts": self.lost_broadcasts,
@@ -320,6 +323,8 @@ class Coordinator:
             "pending_handshakes": self._formation.pending_handshakes,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
             "epoch": epoch_in_progress(self.timeline),
+            "draining": sorted(self.draining_ranks),
+            "drains_total": drains_total, "drains": drains,
             "store": self._leader.store_status(),
         }
 
@@ -333,8 +338,9 @@ class Coordinator:
 
     def board(self) -> dict[str, Any]:
         """The status page's document (``/board.json``, every ``/events`` message): phase,
-        formation time, ranks by relay with their state, step count and last heartbeat age
-        (counts per relay above 1,024 ranks), deaths, epochs, throughput, dashboard pushes."""
+        formation time, the world (its range and size now), ranks by relay with their state,
+        step count and last heartbeat age (counts per relay above 1,024 ranks), deaths,
+        retirements, epochs, throughput, dashboard pushes."""
         now = trio.current_time()
         began, formed = self._formation_began, self._formed_at
         formation_s = None if began is None else round((formed or now) - began, 3)
@@ -343,7 +349,7 @@ class Coordinator:
             "formation_s": formation_s, "formed": formed is not None,
             "lost_broadcasts": self.lost_broadcasts,
             "uptime_s": round(time.monotonic() - self._started_wall, 3),
-        }, coverage=self.timeline.recent_notes("epoch_covered"))
+        }, coverage=self.timeline.recent_notes("epoch_covered"), draining=self.draining_ranks)
         doc.update(self._leader.standby_fields())
         return doc
 

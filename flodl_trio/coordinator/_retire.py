@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
+from typing import Any, Final
 
 import trio
 
@@ -26,6 +27,7 @@ from ._roster import Roster
 from .liveness import Liveness
 
 log = logging.getLogger("flodl_trio.coordinator")
+DRAINS_LISTED: Final = 32
 
 
 class Retirement:
@@ -101,6 +103,14 @@ class Retirement:
         """Ranks whose host is leaving on purpose and that are still carried by it."""
         return frozenset(r for conn, _ in self._draining.items() for r in conn.ranks
                          if self._roster.carries(conn, r))
+
+    def drains(self) -> tuple[int, list[dict[str, Any]]]:
+        """How many relays said ``Draining`` in this run, and the last :data:`DRAINS_LISTED`
+        of them (host, ranks, reason), oldest first: the status document's, so a watcher
+        that looked before and after a drain that ended in between still sees it."""
+        told = list(self._draining.items())[-DRAINS_LISTED:]
+        return len(self._draining), [{"host": conn.host, "ranks": list(conn.ranks),
+                                      "reason": why} for conn, why in told]
 
     def _drained(self, conn: RelayConn) -> str:
         return f"its host {conn.host!r} left: {self._draining[conn]}"

@@ -31,6 +31,7 @@ class Roster(WorldRules[M], LivenessRules[M]):
         # Elastic membership (issue 37): the smallest world the run forms with and keeps.
         self.min_world = world_size if min_world is None else min_world
         self._retired: dict[int, str] = {}  # ranks taken out of the world, why, in order
+        self._retired_from: dict[int, str] = {}  # their hosts (unknown after an adoption)
         # Insertion-ordered sets (dicts): a 16k-rank world has 2,048 relays, and every Hello
         # asks about them, so nothing here may scan the list per relay.
         self._relays: dict[M, None] = {}
@@ -326,6 +327,7 @@ class Roster(WorldRules[M], LivenessRules[M]):
                 before[old] = None
             self._relay_of[r] = relay
             self._retired.pop(r, None)  # a retired rank's id joined again: the world grew
+            self._retired_from.pop(r, None)
             if self._dead.pop(r, None) is not None:
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
@@ -428,9 +430,7 @@ class Roster(WorldRules[M], LivenessRules[M]):
             "dead": [{"rank": r, "reason": why} for r, why in sorted(self._dead.items())],
             "exited": sorted(self._exited),
             "rejoins": {str(r): n for r, n in sorted(self._rejoins.items())},
-            "world": {"min": self.min_world, "max": self.world_size,
-                      "current": self.current_world},
-            "retired": sorted(self._retired),
+            **self.world_fields(),
         }
 
 

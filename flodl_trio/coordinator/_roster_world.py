@@ -9,7 +9,7 @@ no host, so its id may join again (grow) through any relay.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Generic
+from typing import Any, Generic
 
 from ..wire import ranks_text
 from ._roster_liveness import M
@@ -29,6 +29,8 @@ class WorldRules(Generic[M]):
     _live: set[int]
     _announced: dict[int, str]
     _retired: dict[int, str]
+    _retired_from: dict[int, str]
+    _joins: dict[int, int]
     on_change: Callable[[M | None], None]
 
     def unregister(self, relay: M) -> None:
@@ -53,6 +55,24 @@ class WorldRules(Generic[M]):
 
     def retired_reason(self, rank: int) -> str | None:
         return self._retired.get(rank)
+
+    def retired_host(self, rank: int) -> str | None:
+        """The host ``rank`` was retired from (None: not retired, or retired before this
+        coordinator adopted the session)."""
+        return self._retired_from.get(rank)
+
+    def world_fields(self) -> dict[str, Any]:
+        """The elastic part of the status document: the range and the cohort's size now,
+        the retired ranks (and each one's host and reason), and how many times each rank
+        joined the running cohort (``status --watch`` prints a line when a count moves)."""
+        return {
+            "world": {"min": self.min_world, "max": self.world_size,
+                      "current": self.current_world},
+            "retired": sorted(self._retired),
+            "retirements": [{"rank": r, "host": self._retired_from.get(r), "reason": why}
+                            for r, why in sorted(self._retired.items())],
+            "joins": {str(r): n for r, n in sorted(self._joins.items())},
+        }
 
     def retire_problem(self, ranks: tuple[int, ...]) -> str | None:
         """Why ``ranks`` cannot be retired now (all or none), or None: each must be in the
@@ -89,6 +109,7 @@ class WorldRules(Generic[M]):
         self._last_seen.pop(rank, None)
         self._announced.pop(rank, None)  # an id nobody holds: any host may grow into it
         self._retired[rank] = reason
+        self._retired_from[rank] = owner.host
         if not any(self._relay_of.get(r) is owner for r in owner.ranks):
             self.unregister(owner)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import trio
 from rich.console import Console
 
 from flodl_trio.cli import main
-from flodl_trio.cli._watch import render
+from flodl_trio.cli._watch import changes, render
 from flodl_trio.events import Note
 from flodl_trio.local_cluster import layout
 from flodl_trio.pytest_plugin import LocalClusterFactory
@@ -89,15 +90,16 @@ def test_watch_and_json_together_are_a_usage_error(capsys: pytest.CaptureFixture
 
 
 class _StatusServer:
-    """A status page on loopback that answers STATE and counts requests (a coordinator's view)."""
+    """A status page on loopback that answers STATE (or each of ``documents`` in turn, the last
+    one from then on) and counts requests (a coordinator's view)."""
 
-    def __init__(self) -> None:
+    def __init__(self, documents: tuple[dict[str, Any], ...] = (STATE,)) -> None:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 owner.requests += 1
-                body = json.dumps(STATE).encode()
+                body = json.dumps(documents[min(owner.requests, len(documents)) - 1]).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -161,3 +163,60 @@ def test_watch_stopped_by_ctrl_c_exits_130_with_one_line(status_server: _StatusS
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err == f"flodl-trio: status --watch {status_server.address} stopped by SIGINT\n"
+
+
+# An elastic world (2..6) as a coordinator's /state.json tells it: host-c joins, host-b drains,
+# its ranks are retired as they exit.
+ELASTIC: dict[str, Any] = dict(
+    STATE, world_size=6, covered=4, live=[0, 1, 2, 3], dead=[], lost_broadcasts=0,
+    relays=[{"host": "host-a", "ranks": [0, 1], "peer": "127.0.0.1:5001", "connected": True},
+            {"host": "host-b", "ranks": [2, 3], "peer": "127.0.0.1:5002", "connected": True}],
+    world={"min": 2, "max": 6, "current": 4}, retired=[], retirements=[], joins={},
+    draining=[])
+HOST_C = {"host": "host-c", "ranks": [4, 5], "peer": "127.0.0.1:5003", "connected": True}
+GROWN = dict(ELASTIC, relays=[*ELASTIC["relays"], HOST_C], live=[0, 1, 2, 3, 4, 5],
+             covered=6, world={"min": 2, "max": 6, "current": 6}, joins={"4": 1, "5": 1})
+DRAINING = dict(GROWN, draining=[2, 3], drains_total=1, drains=[
+    {"host": "host-b", "ranks": [2, 3], "reason": "SIGTERM"}])
+DRAINED = dict(DRAINING, draining=[], relays=[ELASTIC["relays"][0], HOST_C],
+               live=[0, 1, 4, 5], covered=4, world={"min": 2, "max": 6, "current": 4},
+               retired=[2, 3], retirements=[
+                   {"rank": r, "host": "host-b", "reason": "its host 'host-b' left: SIGTERM"}
+                   for r in (2, 3)])
+
+
+def test_each_join_drain_and_retirement_is_one_line_and_a_steady_world_none() -> None:
+    assert changes(ELASTIC, GROWN) == ["host-c joined: rank(s) 4,5 in the cohort; world 6 of 2..6"]
+    assert changes(GROWN, DRAINING) == [
+        "host-b draining (SIGTERM): rank(s) 2,3 finish their current sync and exit"]
+    # A drain that began and ended between two refreshes is said all the same.
+    assert changes(GROWN, DRAINED) == [
+        "host-b draining (SIGTERM): rank(s) 2,3 finish their current sync and exit",
+        "host-b: rank(s) 2,3 retired (its host 'host-b' left: SIGTERM); world 4 of 2..6"]
+    assert changes(DRAINING, DRAINED) == [
+        "host-b: rank(s) 2,3 retired (its host 'host-b' left: SIGTERM); world 4 of 2..6"]
+    assert changes(DRAINED, DRAINED) == [] and changes(STATE, STATE) == []
+    # Retired again after joining again between two refreshes: both said.
+    back = dict(DRAINED, joins={"2": 1, "3": 1, "4": 1, "5": 1})
+    assert changes(DRAINED, back) == [
+        "? joined: rank(s) 2,3 in the cohort; world 4 of 2..6",
+        "host-b: rank(s) 2,3 retired (its host 'host-b' left: SIGTERM); world 4 of 2..6"]
+    assert "world 4 of 2..6, retired 2,3" in screen(DRAINED)
+    assert "host-b  127.0.0.1:5002  draining" in screen(DRAINING)
+
+
+@pytest.mark.slow
+def test_watch_prints_a_line_for_each_join_drain_and_retirement_as_it_sees_them() -> None:
+    server = _StatusServer((ELASTIC, ELASTIC, GROWN, GROWN, DRAINING, DRAINED))
+    try:
+        proc = watch(server.address)
+        server.wait_for(8)
+    finally:
+        server.stop()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    said = [line[9:] for line in out.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert said == [
+        "host-c joined: rank(s) 4,5 in the cohort; world 6 of 2..6",
+        "host-b draining (SIGTERM): rank(s) 2,3 finish their current sync and exit",
+        "host-b: rank(s) 2,3 retired (its host 'host-b' left: SIGTERM); world 4 of 2..6"]

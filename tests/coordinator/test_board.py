@@ -93,9 +93,10 @@ def test_a_16384_rank_world_is_one_row_of_counts_per_relay_and_the_last_deaths()
     rows = [dict(zip(RELAY_COLUMNS, row, strict=True)) for row in document["relays"]]
     assert rows[1] == {"host": "host-1", "peer": "127.0.0.1:40006", "connected": True, "n": 8,
                        "alive": 6, "dead": 2, "exited": 0, "waiting": 0, "steps_min": 7,
-                       "steps_max": 7, "age_max": 2.5}
+                       "steps_max": 7, "age_max": 2.5, "retired": 0, "draining": 0}
     assert (rows[2]["alive"], rows[2]["exited"]) == (7, 1)
-    assert document["counts"] == {"alive": 16384 - 303, "dead": 302, "exited": 1, "waiting": 0}
+    assert document["counts"] == {"alive": 16384 - 303, "joined": 0, "draining": 0, "dead": 302,
+                                  "exited": 1, "retired": 0, "waiting": 0}
     assert document["deaths_total"] == 302 and len(document["deaths"]) == 200
     assert document["deaths"][-1] == {"rank": 1299, "host": "host-162",
                                       "reason": "rank 1299 went silent"}

@@ -147,6 +147,7 @@ def test_state_fields_describe_membership() -> None:
                     "connected": True}],
         "live": [1], "dead": [{"rank": 2, "reason": "relay lost"}], "exited": [0],
         "rejoins": {}, "world": {"min": 3, "max": 3, "current": 3}, "retired": [],
+        "retirements": [], "joins": {},
     }
 
 

@@ -20,10 +20,12 @@ import pytest
 import trio
 
 import flodl_trio as ft
+from flodl_trio.coordinator._board import Board
 from flodl_trio.coordinator._boardview import board_document
+from flodl_trio.coordinator._roster import Roster
 from flodl_trio.status import serve_status
 
-from helpers.board import big_world, metrics
+from helpers.board import FakeRelay, big_world, metrics
 from helpers.scripts import load_script, start_relay_processes
 
 _chromium = load_script("_chromium")
@@ -192,3 +194,37 @@ async def test_chromium_shows_samples_covered_as_the_cli_says_them_rounded_numbe
     assert seen["throughput"] == "throughput (samples/s)304"
     assert seen["formation"] == "formed in 1.97 s"
     assert seen["pushes"].startswith("none yet: no rank has sent DashboardRegister")
+
+
+async def test_chromium_shows_an_elastic_world_5_of_2_to_6_with_its_retired_ranks_apart() -> None:
+    roster: Roster[Any] = Roster(6, min_world=2)
+    for relay in (FakeRelay("host-a", (0, 1)), FakeRelay("host-b", (2, 3))):
+        roster.register(relay, 0.0)
+        roster.confirm(relay)
+    roster.start_running(1.0)
+    roster.rejoin(FakeRelay("host-c", (4, 5)), 2.0)  # grew
+    roster.mark_dead(2, "relay 'host-b' lost")
+    roster.retire(2, "dead for 5s (retire_after): relay 'host-b' lost")
+    board = Board(6)
+    async with board_in_chromium(lambda: board_document(
+            roster, board, now=3.0, failed=False, extras=extras(formation_s=1.0),
+            draining=frozenset({3})), "document.querySelectorAll('.relay').length") as page:
+        seen = json.loads(await page.evaluate("""JSON.stringify({
+          facts: [...document.querySelectorAll('#facts div')].map(e => e.textContent),
+          ranks: [...document.querySelectorAll('[data-rank]')].map(e => [
+            Number(e.dataset.rank), e.dataset.state]),
+          colours: Object.fromEntries([...document.querySelectorAll('[data-rank]')].map(e => [
+            e.dataset.state, getComputedStyle(e).backgroundColor])),
+          retired: [...document.querySelectorAll('[data-retired-rank]')].map(e => e.textContent),
+          retiredShown: !document.getElementById('retirements').hidden,
+          deaths: document.querySelectorAll('[data-dead-rank]').length,
+          heads: [...document.querySelectorAll('.relay h3')].map(e => e.textContent),
+        })"""))
+    assert seen["facts"][:7] == ["world5 of 2..6", "alive5", "dead0", "exited0", "joined2",
+                                 "draining1", "retired1"]
+    assert sorted(seen["ranks"]) == [[0, "alive"], [1, "alive"], [2, "retired"],
+                                     [3, "draining"], [4, "joined"], [5, "joined"]]
+    assert len(set(seen["colours"].values())) == 4  # alive, retired, draining, joined: apart
+    assert seen["retiredShown"] and seen["deaths"] == 0  # retired is not dead
+    assert seen["retired"] == ["rank 2 (host-b): dead for 5s (retire_after): relay 'host-b' lost"]
+    assert "host-b 10.0.0.1:4000 · 2 ranks · connected · draining: its host leaves" in seen["heads"]
