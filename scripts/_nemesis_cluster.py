@@ -316,6 +316,11 @@ class Cluster:
                 self.record("restart", target=proc.name, cause=f"exit {proc.code}")
                 self.start_coordinator(proc.name, standby=True)
             return
+        if proc.code == 0:
+            # A relay or rank exits 0 only after the run's Shutdown: the run is ending, and its
+            # coordinator's last line may not have been read yet. Starting the host again then
+            # killed its other processes and left new ones no run to join (soak seed 5).
+            return
         host = proc.name.split()[1] if proc.role == "relay" else self.host_of(
             int(proc.name.split()[1]))
         if proc not in self.host_procs(host):
