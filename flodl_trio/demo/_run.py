@@ -63,15 +63,9 @@ def _parse_restarts(specs: list[str], hosts: list[str],
     return restarts
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
-    per = args.ranks_per_host
-    if args.hosts < 1 or per < 1 or args.epochs < 1:
-        raise UsageError("demo: expected --hosts, --ranks-per-host and --epochs >= 1")
-    layout = {h: list(range(i * per, (i + 1) * per)) for i, h in enumerate(hosts)}
-    world = args.hosts * per
-    kills = _parse_kills(args.kill_relay, hosts)
-    restarts = _parse_restarts(args.restart_relay, hosts, kills)
+def _parse_elastic(args: argparse.Namespace, hosts: list[str], kills: dict[str, float]
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """``--add-host`` (the new hosts' names and when) and ``--drain-relay`` (which and when)."""
     drains = _parse_kills(args.drain_relay, hosts, "--drain-relay")
     both = sorted(set(drains) & set(kills))
     if both:
@@ -81,6 +75,19 @@ def run_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--add-host: expected seconds >= 0, got {args.add_host}")
     added = {f"host-{chr(ord('a') + len(hosts) + i)}": when
              for i, when in enumerate(args.add_host)}
+    return added, drains
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    hosts = [f"host-{chr(ord('a') + i)}" if i < 26 else f"host-{i}" for i in range(args.hosts)]
+    per = args.ranks_per_host
+    if args.hosts < 1 or per < 1 or args.epochs < 1:
+        raise UsageError("demo: expected --hosts, --ranks-per-host and --epochs >= 1")
+    layout = {h: list(range(i * per, (i + 1) * per)) for i, h in enumerate(hosts)}
+    world = args.hosts * per
+    kills = _parse_kills(args.kill_relay, hosts)
+    restarts = _parse_restarts(args.restart_relay, hosts, kills)
+    added, drains = _parse_elastic(args, hosts, kills)
     if args.kill_coordinator is not None and not args.kill_coordinator >= 0:
         raise UsageError(f"--kill-coordinator: expected seconds >= 0, got "
                          f"{args.kill_coordinator!r}")
@@ -148,10 +155,10 @@ def _table(director: Director) -> Any:
     return table
 
 
-def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: set[str],
-              layout: dict[str, list[int]]) -> int:
-    assert cluster.coord is not None
-    code = cluster.coord.poll()  # None: it keeps the page up (--linger) after its summary
+def _stop_the_late(cluster: Cluster, story: Story, layout: dict[str, list[int]]
+                   ) -> dict[str, list[int]]:
+    """Stop the hosts started again (``--restart-relay``) or added (``--add-host``) that the
+    run ended before they were back or joined, saying so; returns the added ones."""
     late = {h for h in cluster.restarted if not set(layout[h]) <= story.rejoined}
     for host in sorted(late):  # restarted, but the run ended before they were back
         print(f"  {host} was restarted but the run ended before its ranks rejoined")
@@ -163,6 +170,14 @@ def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: 
         print(f"  {host} was started but the run ended before it joined")
         for p in [cluster.relays[host], *(cluster.ranks[r] for r in ranks)]:
             p.terminate()
+    return unjoined
+
+
+def _conclude(args: argparse.Namespace, cluster: Cluster, story: Story, killed: set[str],
+              layout: dict[str, list[int]]) -> int:
+    assert cluster.coord is not None
+    code = cluster.coord.poll()  # None: it keeps the page up (--linger) after its summary
+    unjoined = _stop_the_late(cluster, story, layout)
     for p in cluster.children():  # after the final Shutdown they end on their own
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)

@@ -161,19 +161,8 @@ class Story:
             self.dead.pop(int(ev["rank"]), None)
             self.rejoined.add(int(ev["rank"]))
             return f"{t}  rank {ev['rank']} ({ev['host']}) rejoined the running cohort"
-        if kind == "RankJoined":
-            self.joined[int(ev["rank"])] = str(ev["host"])
-            return (f"{t}  rank {ev['rank']} ({ev['host']}) joined the running cohort: the "
-                    f"world is {ev['world']} ranks")
-        if kind == "RelayDraining":
-            self.drained.append(str(ev["host"]))
-            return (f"{t}  relay {ev['host']} drains ({ev['reason']}): ranks {ev['ranks']} "
-                    "finish their current sync and leave")
-        if kind == "RankRetired":
-            self.retired[int(ev["rank"])] = str(ev["reason"])
-            self.dead.pop(int(ev["rank"]), None)
-            return (f"{t}  rank {ev['rank']} ({ev['host']}) retired: {ev['reason']}; the world "
-                    f"is {ev['world']} ranks")
+        if kind in ("RankJoined", "RelayDraining", "RankRetired"):
+            return self._tell_membership(t, kind, ev)
         if kind == "RankTakenOver":
             return (f"{t}  rank {ev['rank']} of host {ev['previous_host']} taken over by host "
                     f"{ev['host']}")
@@ -189,6 +178,21 @@ class Story:
         if kind == "Note":
             return self._tell_note(t, str(ev.get("what")), ev.get("fields", {}))
         return None
+
+    def _tell_membership(self, t: str, kind: str, ev: dict[str, Any]) -> str:
+        """An elastic world's changes: a rank joined, a host drains, a rank retired."""
+        if kind == "RankJoined":
+            self.joined[int(ev["rank"])] = str(ev["host"])
+            return (f"{t}  rank {ev['rank']} ({ev['host']}) joined the running cohort: the "
+                    f"world is {ev['world']} ranks")
+        if kind == "RelayDraining":
+            self.drained.append(str(ev["host"]))
+            return (f"{t}  relay {ev['host']} drains ({ev['reason']}): ranks {ev['ranks']} "
+                    "finish their current sync and leave")
+        self.retired[int(ev["rank"])] = str(ev["reason"])
+        self.dead.pop(int(ev["rank"]), None)
+        return (f"{t}  rank {ev['rank']} ({ev['host']}) retired: {ev['reason']}; the world is "
+                f"{ev['world']} ranks")
 
     def _tell_note(self, t: str, what: str, fields: dict[str, Any]) -> str | None:
         if what == "sync":

@@ -147,16 +147,7 @@ class UpstreamDialer:
         self._notices.status(f"dialing the coordinator {at} {coordinator}")
         self.waiting = None
         wrong_salt = [0]
-
-        def on_retry(exc: BaseException) -> None:
-            if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
-                # Retrying cannot make an untrusted certificate trusted: say so now.
-                raise HandshakeError(
-                    f"{self.what}: TLS: the coordinator at {coordinator} presented a "
-                    f"certificate we do not trust ({exc.__cause__.verify_message}); pass an "
-                    "ssl_context that trusts its CA") from None
-            self._notices.status(f"re-dialing the coordinator {at} {coordinator} "
-                                 f"(last attempt: {exc!r})")
+        on_retry = partial(self._on_retry, f"{at} {coordinator}")
 
         def on_dial_error(exc: OSError, deadline: float) -> None:
             waiting = waiting_text(exc, coordinator)
@@ -193,6 +184,16 @@ class UpstreamDialer:
             )
         finally:
             self.waiting = None
+
+    def _on_retry(self, where: str, exc: BaseException) -> None:
+        """A failed attempt: said to the ranks; an untrusted certificate ends the attempts."""
+        if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+            # Retrying cannot make an untrusted certificate trusted: say so now.
+            raise HandshakeError(
+                f"{self.what}: TLS: the coordinator {where} presented a certificate we do not "
+                f"trust ({exc.__cause__.verify_message}); pass an ssl_context that trusts its "
+                "CA") from None
+        self._notices.status(f"re-dialing the coordinator {where} (last attempt: {exc!r})")
 
     async def rejoin(self, ranks: tuple[int, ...]) -> Joined:
         """Join again with a fresh ``Hello`` naming ``ranks``, as a restarted host does: the
