@@ -75,7 +75,7 @@ def test_the_tests_after_the_demo_add_the_test_extra_to_the_same_venv(tmp_path: 
     assert lines[:3] == [f"would run: {VENV_PIP} --upgrade pip",
                          f"would run: {VENV_PIP} -e .[test]",
                          "would run: touch .venv/.flodl-installed-test"]
-    assert lines[-1] == "would run: .venv/bin/python -m pytest -n 2 --dist loadfile -q"
+    assert lines[-1] == "would run: .venv/bin/python -m pytest -n 3 --dist loadfile -q"
     # As root, the Debian packages the tests drive, if they are missing; nothing else.
     assert set(lines[3:-1]) <= {"would run: apt-get install -y -qq chromium",
                                 "would run: apt-get install -y -qq etcd-server"}, lines
