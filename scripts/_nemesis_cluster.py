@@ -51,6 +51,9 @@ from flodl_trio.status import fetch_state
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "flodl_trio", "--log-level", "INFO"]
 PREFIX = "flodl/nemesis"
+# A relay or rank that exits 0 heard the run's end (Shutdown, Goodbye) before the coordinator
+# wrote its summary: its host is started again only if the end is not noticed within this.
+CLEAN_EXIT_WAIT_S = 10.0
 
 class Cluster:
     """The parts of the run, their processes and the proxies; ``record`` writes the history."""
@@ -91,6 +94,7 @@ class Cluster:
         self.connected: frozenset[str] = frozenset(layout.host_names)
         self.recovering: set[str] = set()  # hosts a fault killed, until seen live again
         self._generations: dict[int, int] = {}  # coordinator PID -> the generation it led
+        self._deferred: dict[str, float] = {}  # host -> when to restart it (trio clock)
 
     def hold(self, part: str) -> None:
         """A fault holds ``part`` (a host, a coordinator slot): the supervisor does not restart
@@ -217,7 +221,19 @@ class Cluster:
             if not self.finished.is_set():
                 self._notice_end()
                 self._notice_progress()
+            self._restart_deferred()
             await trio.sleep(0.1)
+
+    def _restart_deferred(self) -> None:
+        """Start again the hosts whose clean exit was not the run's end after all."""
+        for host, at in list(self._deferred.items()):
+            if self.finished.is_set() or host in self.held or self.host_whole(host):
+                del self._deferred[host]
+            elif trio.current_time() >= at:
+                del self._deferred[host]
+                self.record("restart", target=host, cause=f"exited 0 {CLEAN_EXIT_WAIT_S:g} s "
+                            "before, and the run did not end")
+                self.start_host(host)
 
     def _notice_end(self) -> None:
         """A coordinator that wrote its summary ended the run, unless it was deposed: it says
@@ -276,6 +292,9 @@ class Cluster:
         if proc not in self.host_procs(host):
             return  # an older incarnation, killed when its host was started again
         if host not in self.held and not self.host_whole(host):
+            if proc.code == 0:  # it heard the run's end; the summary may not be written yet
+                self._deferred.setdefault(host, trio.current_time() + CLEAN_EXIT_WAIT_S)
+                return
             self.record("restart", target=host, cause=f"{proc.name} exit {proc.code}")
             self.start_host(host)
 
