@@ -4,7 +4,9 @@ An action takes the cluster, the fault's history entry (it adds the target it ch
 coordinator slot and its PID, etcd members, a host and its ranks), the target the scheduler
 claimed for it and its draw; it injects the fault and returns the coroutine function that heals
 it. Parts a fault keeps down are ``held`` meanwhile, so that the supervisor does not restart them
-under it; the heal restarts them.
+under it; the heal restarts them. The elastic kinds drain a host (SIGTERM to its relay: its ranks
+leave after their sync and are retired) and start it again, or start the spare host and drain it
+when the fault heals.
 """
 
 from __future__ import annotations
@@ -186,10 +188,68 @@ async def _rank_kill(cluster: Cluster, entry: dict[str, Any], host: str, draw: f
     return _host_heal(cluster, host, "rank-kill")
 
 
+JOIN_WAIT_S = 30.0   # a spare's relay joins within this of its start (processes import, handshake)
+DRAIN_WAIT_S = 30.0  # a drained host's processes exit within this (one sync of its ranks; a
+#                      takeover in progress meanwhile: resume_timeout and the lease)
+
+
+async def _host_drain(cluster: Cluster, entry: dict[str, Any], host: str, _: float) -> Heal:
+    cluster.hold(host)
+    entry.update(target=host, ranks=cluster.layout.ranks_of(host))
+    cluster.relays[host].signal(signal.SIGTERM)
+
+    async def heal() -> None:
+        await drained(cluster, host, entry)
+        cluster.release(host)
+        if not cluster.finished.is_set():
+            # its ranks were retired: started again, they join the running cohort anew (no
+            # process of it is left to kill, so no death may follow from this start)
+            cluster.record("host_start", target=host, cause="host-drain healed")
+            cluster.start_host(host)
+
+    return heal
+
+
+async def _host_join(cluster: Cluster, entry: dict[str, Any], spare: str, _: float) -> Heal:
+    entry.update(target=spare, ranks=cluster.layout.ranks_of(spare))
+    cluster.record("host_start", target=spare, cause="host-join")
+    cluster.release(spare)  # while it is in, the supervisor restarts it as any host
+    cluster.start_host(spare)
+
+    async def heal() -> None:
+        cluster.hold(spare)
+        # SIGTERM drains a relay that joined; one that has not would stop at once
+        with trio.move_on_after(JOIN_WAIT_S):
+            while not cluster.finished.is_set() and not cluster.host_recovered(spare):  # noqa: ASYNC110 - read from the leader's page
+                await trio.sleep(0.2)
+        if cluster.finished.is_set():
+            return  # its processes end with the run
+        cluster.record("drain", target=spare, cause="host-join healed")
+        cluster.relays[spare].signal(signal.SIGTERM)
+        await drained(cluster, spare, entry)
+
+    return heal
+
+
+async def drained(cluster: Cluster, host: str, entry: dict[str, Any]) -> None:
+    """Wait (bounded by ``DRAIN_WAIT_S``) for every process of a host sent SIGTERM to exit;
+    one still running then is recorded (``drain_overdue``) and killed: the checker finds the
+    ranks' deaths, if any, unexplained."""
+    with trio.move_on_after(DRAIN_WAIT_S):
+        while not cluster.host_gone(host):  # noqa: ASYNC110 - child processes
+            await trio.sleep(0.1)
+    if not cluster.host_gone(host) and not cluster.finished.is_set():
+        cluster.record("drain_overdue", index=entry["index"], target=host,
+                       running=[p.name for p in cluster.host_procs(host) if p.running],
+                       seconds=DRAIN_WAIT_S)
+        cluster.kill_host(host)
+
+
 ACTIONS: dict[str, Action] = {
     "coord-kill": _coord_kill, "coord-stop": _coord_stop, "coord-stop-long": _coord_stop,
     "etcd-kill": _etcd_kill, "etcd-quorum": _etcd_quorum, "relay-kill": _relay_kill,
     "relay-stop": _relay_stop, "link-stall": _link_stall, "link-stall-long": _link_stall,
     "link-stall-past-grace": _link_stall, "link-cut": _link_cut,
-    "link-cut-past-grace": _link_cut, "rank-kill": _rank_kill,
+    "link-cut-past-grace": _link_cut, "rank-kill": _rank_kill, "host-drain": _host_drain,
+    "host-join": _host_join,
 }

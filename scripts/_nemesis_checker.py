@@ -28,6 +28,9 @@ class Report:
         self.kinds = Counter(f["kind"] for f in self.faults)
         self.false_deaths = sum(1 for v in violations if v.rule == "false death")
         self.deposed_deaths = len(deaths_by_leaders(history)[1])
+        # the elastic world: ranks that left it retired (a drain: never a death) and joined it
+        self.retired = len(history.by_type["retired"])
+        self.joined = len(history.by_type["joined"])
         self.exactly_once = exactly_once_fraction(history)
         ends = history.by_type["run_end"]
         exits = [e for e in history.by_type["run_exit"] if ends and e["name"] == ends[0]["name"]]
@@ -45,7 +48,8 @@ class Report:
         """The round's figures, for the soak's table."""
         return {"faults": len(self.faults), "kinds": len(self.kinds),
                 "violations": len(self.violations), "false_deaths": self.false_deaths,
-                "exactly_once": self.exactly_once, "exit_code": self.exit_code}
+                "exactly_once": self.exactly_once, "exit_code": self.exit_code,
+                "retired": self.retired, "joined": self.joined}
 
     def text(self) -> str:
         h = self.history
@@ -53,7 +57,8 @@ class Report:
             f"{k} {n}" for k, n in sorted(self.kinds.items())),
             f"epochs covered exactly once: {self.exactly_once:.2f} of {h.epochs}; run exit "
             f"code {self.exit_code}; deaths declared {len(h.by_type['dead'])} "
-            f"({self.deposed_deaths} by a coordinator already superseded, which reach nobody)",
+            f"({self.deposed_deaths} by a coordinator already superseded, which reach nobody); "
+            f"ranks retired {self.retired}, joined {self.joined}",
             f"invariant violations: {len(self.violations)}"
             + (" (" + ", ".join(f"{r} {n}" for r, n in Counter(
                 v.rule for v in self.violations).most_common()) + ")" if self.violations

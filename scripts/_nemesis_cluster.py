@@ -7,7 +7,10 @@
 - ``hosts`` relays (``flodl-trio relay --coordinator PA,PB``) of ``ranks_per_host`` simulated
   ranks each (scripts/_nemesis_rank.py); each relay dials the two coordinator ports through two
   chaos proxies of its own (:func:`flodl_trio.chaos.open_chaos_proxy`), its *link*. A host whose
-  relay or rank exited before the run ended is started again whole, unless a fault holds it.
+  relay or rank exited before the run ended is started again whole, unless a fault holds it;
+- the coordinator runs an elastic world (``--world-size MIN:MAX``, :class:`Layout`): a spare
+  host (``host-4``) is started only by a ``host-join`` fault and drained when it heals, and a
+  ``host-drain`` fault drains a host (SIGTERM to its relay) and starts it again to join anew.
 
 Every child gets ``FLODL_NET_TIMEOUT_SCALE`` (:class:`Timings`) and a ``TMPDIR`` in the run
 directory, which must be empty at the end (no temporary file leaked).
@@ -26,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 from _etcd import EtcdCluster
+from _nemesis_layout import Layout, Timings
 from _nemesis_procs import (
     Proc,
     Registry,
@@ -48,62 +51,9 @@ from flodl_trio.status import fetch_state
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "flodl_trio", "--log-level", "INFO"]
 PREFIX = "flodl/nemesis"
-
-
-@attrs.frozen(kw_only=True)
-class Timings:
-    """The deadlines of the run (docs/recovery.rst explains each choice).
-
-    ``scale`` is ``FLODL_NET_TIMEOUT_SCALE`` for every child: ``handshake_timeout`` (10 s) and
-    ``write_stall_timeout`` (30 s) are scaled by it. The relays' and ranks'
-    ``coord_liveness_timeout`` are given on their command lines: the relay's 2/3 of the ranks'
-    (docs/deadlines.rst), and both long enough that a leader stopped a little past its lease
-    (``coord-stop``) is left for the standby by the store's lease, not by its relays' silence.
-    The lease is given on the store URL with the test cluster's election timeout (0.5 s), so
-    that it is the shortest etcd accepts for three members (docs/failover.rst).
-    """
-
-    scale: float = 0.2
-    heartbeat_timeout: float = 6.0   # coordinator --heartbeat-timeout
-    resume_timeout: float = 10.0     # coordinator --resume-timeout
-    grace: float = 20.0              # relay --coordinator-grace
-    formation_timeout: float = 90.0  # 17 processes starting on 2 busy cores
-    lease_ttl: float = 3.0           # ?ttl= on the store URL: min_ttl of 3 members at 0.5 s
-    election_timeout: float = 0.5    # the test cluster's (scripts/_etcd.py)
-    relay_liveness: float = 8.0      # relay --coord-liveness-timeout
-    rank_liveness: float = 12.0      # rank --coord-liveness-timeout (1.5 x the relay's)
-
-    @property
-    def coord_liveness(self) -> float:
-        """The relays' ``coord_liveness_timeout``: how long they wait for a silent leader."""
-        return self.relay_liveness
-
-    @property
-    def handshake(self) -> float:
-        return 10.0 * self.scale
-
-
-@attrs.frozen(kw_only=True)
-class Layout:
-    hosts: int = 4
-    ranks_per_host: int = 2
-    epochs: int = 30
-    total_samples: int = 1600
-    batch_size: int = 4
-    batch_ms: float = 100.0
-
-    @property
-    def world(self) -> int:
-        return self.hosts * self.ranks_per_host
-
-    def ranks_of(self, host: str) -> list[int]:
-        h = int(host.rsplit("-", 1)[1])
-        return list(range(h * self.ranks_per_host, (h + 1) * self.ranks_per_host))
-
-    @property
-    def host_names(self) -> list[str]:
-        return [f"host-{h}" for h in range(self.hosts)]
-
+# A relay or rank that exits 0 heard the run's end (Shutdown, Goodbye) before the coordinator
+# wrote its summary: its host is started again only if the end is not noticed within this.
+CLEAN_EXIT_WAIT_S = 10.0
 
 class Cluster:
     """The parts of the run, their processes and the proxies; ``record`` writes the history."""
@@ -122,14 +72,17 @@ class Cluster:
                    TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
         self.procs = Registry(root, env)
         self.etcd = EtcdCluster(root / "etcd", size=3)
-        ports = distinct_ports(2 + layout.hosts)
+        every_host = layout.host_names + layout.spare_names
+        ports = distinct_ports(2 + len(every_host))
         self.coord_ports = {"coord-a": ports[0], "coord-b": ports[1]}
         self.coords: dict[str, Proc] = {}
         self.relays: dict[str, Proc] = {}
         self.ranks: dict[int, Proc] = {}
-        self.rank_ports = dict(zip(layout.host_names, ports[2:], strict=True))
+        self.rank_ports = dict(zip(every_host, ports[2:], strict=True))
         self.proxies: dict[str, list[ChaosProxy]] = {}
-        self.held: set[str] = set()  # parts a fault holds: the supervisor leaves them alone
+        # parts a fault holds: the supervisor leaves them alone (a spare host is held while
+        # it is out of the run)
+        self.held: set[str] = set(layout.spare_names)
         self.finished = trio.Event()  # a coordinator ended the run (exit 0 or a failure)
         self.final: Proc | None = None  # the coordinator that ended it
         self.leader_generation: int | None = None  # the store's, as last read
@@ -141,6 +94,7 @@ class Cluster:
         self.connected: frozenset[str] = frozenset(layout.host_names)
         self.recovering: set[str] = set()  # hosts a fault killed, until seen live again
         self._generations: dict[int, int] = {}  # coordinator PID -> the generation it led
+        self._deferred: dict[str, float] = {}  # host -> when to restart it (trio clock)
 
     def hold(self, part: str) -> None:
         """A fault holds ``part`` (a host, a coordinator slot): the supervisor does not restart
@@ -163,7 +117,8 @@ class Cluster:
 
         def argv(files: dict[str, Path]) -> list[str]:
             return [*CLI, "coordinator", "--listen", f"127.0.0.1:{self.coord_ports[slot]}",
-                    "--world-size", str(lay.world), "--salt-file", str(self.salt_file),
+                    "--world-size", f"{lay.min_world}:{lay.max_world}", "--join-window",
+                    f"{t.join_window:g}", "--salt-file", str(self.salt_file),
                     "--store", self.store_url, "--epochs", str(lay.epochs),
                     "--total-samples", str(lay.total_samples), "--batch-size",
                     str(lay.batch_size), "--heartbeat-timeout", f"{t.heartbeat_timeout:g}",
@@ -185,7 +140,7 @@ class Cluster:
 
         def argv(files: dict[str, Path]) -> list[str]:
             return [*CLI, "relay", "--coordinator", links, "--host", host, "--ranks",
-                    ",".join(map(str, ranks)), "--world-size", str(self.layout.world),
+                    ",".join(map(str, ranks)), "--world-size", str(self.layout.max_world),
                     "--salt-file", str(self.salt_file), "--rank-port",
                     str(self.rank_ports[host]), "--coordinator-grace", f"{t.grace:g}",
                     "--coord-liveness-timeout", f"{t.relay_liveness:g}"]
@@ -202,7 +157,7 @@ class Cluster:
         def argv(files: dict[str, Path]) -> list[str]:
             return [sys.executable, str(HERE / "_nemesis_rank.py"), "--relay",
                     f"127.0.0.1:{self.rank_ports[host]}", "--rank", str(rank), "--world-size",
-                    str(lay.world), "--salt-file", str(self.salt_file), "--batch-ms",
+                    str(lay.max_world), "--salt-file", str(self.salt_file), "--batch-ms",
                     f"{lay.batch_ms:g}", "--batch-size", str(lay.batch_size), "--log",
                     str(files["log"]), "--coord-liveness-timeout",
                     f"{self.timings.rank_liveness:g}"]
@@ -227,6 +182,10 @@ class Cluster:
         for proc in self.host_procs(host):
             proc.kill()
 
+    def host_gone(self, host: str) -> bool:
+        """No process of ``host`` runs (a spare before it joins, a drained host)."""
+        return not any(p.running for p in self.host_procs(host))
+
     def host_whole(self, host: str) -> bool:
         procs = self.host_procs(host)
         return len(procs) == 1 + self.layout.ranks_per_host and all(p.running for p in procs)
@@ -238,7 +197,7 @@ class Cluster:
         await trio.to_thread.run_sync(self.etcd.start)
         self.record("etcd_start", endpoints=self.etcd.endpoints,
                     pids=[m.pid for m in self.etcd.members])
-        for host in self.layout.host_names:
+        for host in self.layout.host_names + self.layout.spare_names:
             self.proxies[host] = [await nursery.start(_serve_proxy, ("127.0.0.1", port))
                                   for port in self.coord_ports.values()]
         first = self.start_coordinator("coord-a", standby=False)
@@ -262,7 +221,19 @@ class Cluster:
             if not self.finished.is_set():
                 self._notice_end()
                 self._notice_progress()
+            self._restart_deferred()
             await trio.sleep(0.1)
+
+    def _restart_deferred(self) -> None:
+        """Start again the hosts whose clean exit was not the run's end after all."""
+        for host, at in list(self._deferred.items()):
+            if self.finished.is_set() or host in self.held or self.host_whole(host):
+                del self._deferred[host]
+            elif trio.current_time() >= at:
+                del self._deferred[host]
+                self.record("restart", target=host, cause=f"exited 0 {CLEAN_EXIT_WAIT_S:g} s "
+                            "before, and the run did not end")
+                self.start_host(host)
 
     def _notice_end(self) -> None:
         """A coordinator that wrote its summary ended the run, unless it was deposed: it says
@@ -326,6 +297,9 @@ class Cluster:
         if proc not in self.host_procs(host):
             return  # an older incarnation, killed when its host was started again
         if host not in self.held and not self.host_whole(host):
+            if proc.code == 0:  # it heard the run's end; the summary may not be written yet
+                self._deferred.setdefault(host, trio.current_time() + CLEAN_EXIT_WAIT_S)
+                return
             self.record("restart", target=host, cause=f"{proc.name} exit {proc.code}")
             self.start_host(host)
 

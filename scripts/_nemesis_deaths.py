@@ -64,7 +64,7 @@ def policy_end(h: History) -> Entry | None:
     for death in deaths_by_leaders(h)[0]:
         if death["t"] <= end["t"]:
             last[death["rank"]] = death
-    for back in h.by_type["rejoined"]:
+    for back in h.by_type["rejoined"] + h.by_type["joined"]:
         if back["t"] <= end["t"] and back["rank"] in last and back["t"] > last[back["rank"]]["t"]:
             del last[back["rank"]]
     world = h.world

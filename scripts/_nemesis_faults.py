@@ -7,7 +7,9 @@ different targets overlap; at most one cluster-wide fault (coordinator, etcd) ru
 the next one waits ``SETTLE_S`` after it healed (a takeover in progress is not a fault of its
 own); at most ``hosts_down`` hosts (2 by default, ``--max-hosts-down``) are under a fault at
 once, so the run never loses all its ranks (the failure policy's limit, which the schedule does
-not mean to reach).
+not mean to reach). A drained host counts among them until it joined again, which keeps the
+elastic world at or above its MIN (:class:`~_nemesis_layout.Layout`); the spare host a
+``host-join`` starts is a target of its own, drawn again only once its last drain ended.
 
 Each kind says whether the documented deadlines make its target's ranks die (``kills``): the
 checker accepts a death only inside the window of a fault that may cause it.
@@ -23,7 +25,8 @@ from typing import Any
 import attrs
 import trio
 from _nemesis_actions import ACTIONS
-from _nemesis_cluster import Cluster, Timings
+from _nemesis_cluster import Cluster
+from _nemesis_layout import Timings
 
 SETTLE_S = 6.0       # after a cluster-wide fault healed, before the next one
 WAIT_FOR_TARGET_S = 30.0  # a fault whose target is busy waits this long, then is skipped
@@ -35,7 +38,8 @@ class Kind:
 
     Attributes:
         name: how ``--kinds`` / ``--exclude`` and the history name it.
-        scope: ``cluster`` (a coordinator or etcd), ``host`` (a relay or its link) or ``rank``.
+        scope: ``cluster`` (a coordinator or etcd), ``host`` (a relay or its link), ``rank``,
+            or ``spare`` (the host that is not started with the run).
         seconds: the range its duration is drawn from (a function of the timings).
         weight: how often the schedule draws it.
         kills: the docs say its target's ranks die (or may die) of it.
@@ -96,8 +100,15 @@ KINDS: tuple[Kind, ...] = (
          "once the link heals"),
     Kind(name="rank-kill", scope="rank", seconds=lambda t: (0.5, 2.0), weight=2, kills=True,
          what="SIGKILL a rank process, start it again after the duration"),
+    Kind(name="host-drain", scope="host", seconds=lambda t: (2.0, 6.0), weight=2, kills=False,
+         what="SIGTERM a relay: it drains (its ranks leave after their sync, retired, exit 0); "
+         "after the duration its host starts again and its ranks join anew"),
+    Kind(name="host-join", scope="spare", seconds=lambda t: (6.0, 15.0), weight=2, kills=False,
+         what="start the spare host (ranks 8-9): it joins the running cohort; when the fault "
+         "heals it is drained (SIGTERM) and its ranks are retired"),
 )
 BY_NAME = {k.name: k for k in KINDS}
+LEAVES = frozenset({"host-drain"})  # kinds whose host's ranks leave the world (retired)
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +169,7 @@ class Nemesis:
         self.record = record
         self.busy: set[str] = set()
         self.settled_at = 0.0  # trio clock: when the next cluster-wide fault may start
+        self.drained: set[str] = set()  # hosts a drain took out, until they are back
         self.injected: list[dict[str, Any]] = []
         self.skipped: list[Planned] = []
 
@@ -191,7 +203,7 @@ class Nemesis:
         try:
             await self._inject(kind, fault, target, stop)
         finally:
-            if kind.kills and kind.scope != "cluster":
+            if (kind.kills or kind.name in LEAVES) and kind.scope != "cluster":
                 # Its ranks died: the host is down until a fresh look at the leader counts
                 # them live again (a stale status, e.g. while the leader is stopped, must not
                 # let the schedule take one more host than --max-hosts-down allows).
@@ -203,6 +215,14 @@ class Nemesis:
     def _claim(self, kind: Kind, draw: float) -> str | None:
         """A free target for ``kind`` (marked busy), or None while there is none."""
         hosts = self.cluster.layout.host_names
+        if kind.scope == "spare":
+            spares = [s for s in self.cluster.layout.spare_names
+                      if s not in self.busy and self.cluster.host_gone(s)]
+            if not spares:
+                return None
+            spare = spares[int(draw * len(spares))]
+            self.busy.add(spare)
+            return spare
         if kind.scope == "cluster":
             if "cluster" in self.busy or trio.current_time() < self.settled_at:
                 return None
@@ -215,8 +235,14 @@ class Nemesis:
         free = [h for h in hosts if h not in down]
         if len(down) >= self.hosts_down or not free:
             return None
+        self.drained = {h for h in self.drained if h in self.busy
+                        or not self.cluster.host_recovered(h)}
+        if kind.name in LEAVES and len(self.drained) >= self.cluster.layout.drains_at_once:
+            return None  # one more would take the elastic world below its MIN
         host = free[int(draw * len(free))]
         self.busy.add(host)
+        if kind.name in LEAVES:
+            self.drained.add(host)
         return host
 
     async def _inject(self, kind: Kind, fault: Planned, claimed: str, stop: trio.Event) -> None:

@@ -6,7 +6,8 @@ Sources, per process incarnation (the files :mod:`_nemesis_cluster` gave it):
   it was elected and with which generation, when it stepped down;
 - its ``--timeline`` (JSONL, milliseconds since the timeline started, turned into wall clock with
   the ``Listening`` event, logged at the same moment): deaths, rejoins, relays joined and lost,
-  each epoch's coverage (``epoch_covered``), a cluster failure; its ``--summary-file``;
+  the elastic world's changes (``joined``, ``draining``, ``retired``), each epoch's coverage
+  (``epoch_covered``), a cluster failure; its ``--summary-file``;
 - a relay's stderr: each generation it accepted (``durable (generation G)``, ``resumed ...
   (generation G``), each coordinator it lost, its end;
 - a rank's log (scripts/_nemesis_rank.py): every control message handed to it, its end.
@@ -125,6 +126,15 @@ def timeline_entry(row: dict[str, Any], t: float) -> dict[str, Any] | None:
                 "reason": row["reason"]}
     if kind == "RankRejoined":
         return {"t": t, "type": "rejoined", "rank": row["rank"], "host": row["host"]}
+    if kind == "RankJoined":
+        return {"t": t, "type": "joined", "rank": row["rank"], "host": row["host"],
+                "world": row.get("world")}
+    if kind == "RankRetired":
+        return {"t": t, "type": "retired", "rank": row["rank"], "host": row.get("host"),
+                "reason": row.get("reason"), "world": row.get("world")}
+    if kind == "RelayDraining":
+        return {"t": t, "type": "draining", "host": row["host"],
+                "ranks": list(row.get("ranks") or []), "reason": row.get("reason")}
     if kind == "RelayJoined":
         return {"t": t, "type": "relay_joined", "host": row["host"], "peer": row["peer"]}
     if kind == "RelayLost":

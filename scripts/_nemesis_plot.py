@@ -1,6 +1,7 @@
 """Draw a nemesis run (scripts/nemesis.py ``--plot PATH``): what an operator looks at first.
 
-Top: one lane per rank (alive, declared dead by the leading coordinator, back after a rejoin)
+Top: one lane per rank (alive, declared dead by the leading coordinator, back after a rejoin;
+blank while retired, out of the elastic world, until it joins again)
 and one per coordinator slot (down, standby, leading with its generation); bottom: the epochs
 closed so far. Every fault is a band across both, coloured by kind and numbered as in the
 history; each violation is a red mark at its time.
@@ -90,20 +91,23 @@ def draw_faults(ax: Any, h: History, lanes: list[str], cmap: Any) -> dict[str, A
 
 def rank_spans(h: History, rank: int, end: float) -> list[tuple[float, float, str]]:
     """(start, stop, colour) of a rank's lane: alive from its first message, dead from each
-    death a leading coordinator declared until it rejoined."""
+    death a leading coordinator declared until it rejoined, nothing drawn from a retirement
+    until it joined again."""
     msgs = [e["t"] - h.t0 for e in h.by_type["rank_msg"] if e["rank"] == rank]
     if not msgs:
         return []
     changes: list[tuple[float, str]] = [(msgs[0], ALIVE)]
     led = deaths_by_leaders(h)[0]
-    for e in sorted(led + h.by_type["rejoined"], key=lambda e: e["t"]):
+    colour = {"dead": DEAD, "retired": ""}
+    for e in sorted(led + h.by_type["rejoined"] + h.by_type["retired"] + h.by_type["joined"],
+                    key=lambda e: e["t"]):
         if e["rank"] == rank:
-            changes.append((e["t"] - h.t0, DEAD if e["type"] == "dead" else ALIVE))
+            changes.append((e["t"] - h.t0, colour.get(e["type"], ALIVE)))
     last = msgs[-1]  # its last message: what comes later (a finished run adopted) is not drawn
     changes = [c for c in changes if c[0] <= last]
     spans = []
     for (start, color), nxt in zip(changes, [*changes[1:], (min(last, end), "")], strict=True):
-        if nxt[0] > start:
+        if nxt[0] > start and color:
             spans.append((start, nxt[0], color))
     return spans
 

@@ -11,10 +11,11 @@ the clock of every other log of the run)::
     1712345678.123456 msg SyncNow
     1712345678.223456 msg CoordinatorResumed 2
     1712345679.000000 end ok Shutdown            (or: end lost CoordinatorLost: ...)
+    1712345679.000000 end drained SIGTERM        (its host drained: it left after its sync)
 
 Deadlines come from ``FLODL_NET_TIMEOUT_SCALE`` as for the command, but
 ``--coord-liveness-timeout``. Exit status as ``flodl-trio rank``: 0 after a graceful
-``Shutdown``, 1 otherwise.
+``Shutdown`` or when its host drained (docs/elastic.rst), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ async def run(args: argparse.Namespace, salt: ft.SessionSalt, log: TextIO) -> in
                             batch_size=args.batch_size, batch_ms=args.batch_ms, jitter=0.2,
                             seed=args.rank)
         record = await sim.run()
+    if ep.draining is not None:  # its host left on purpose: it left after its last sync
+        write(log, f"end drained {ep.draining}")
+        return 0
     last = record.received[-1] if record.received else None
     if isinstance(last, wire.Shutdown) or (
             isinstance(last, wire.ShutdownWithSave)

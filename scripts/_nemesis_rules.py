@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from _nemesis_deaths import FAILED_EXIT, deaths_by_leaders, justified, policy_end
 from _nemesis_history import RELAY_LOCAL, Entry, History, Violation, about
+from _nemesis_membership import rule_membership
 
 RSS_LIMIT_MB = 200.0   # a coordinator of 8 ranks: ~60 MB; past this it grows with the faults
 FD_LIMIT = 96          # a coordinator of 4 relays holds ~30 descriptors
@@ -335,4 +336,5 @@ def rule_resources(h: History) -> list[Violation]:
 
 
 RULES = (rule_epochs, rule_false_deaths, rule_generations_grow, rule_one_coordinator,
-         rule_deposed_records, rule_step_down, rule_run_end, rule_after_run, rule_resources)
+         rule_deposed_records, rule_step_down, rule_run_end, rule_after_run, rule_resources,
+         rule_membership)

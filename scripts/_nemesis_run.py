@@ -23,7 +23,8 @@ import _nemesis_faults as faults
 import _nemesis_logs as logs
 import attrs
 import trio
-from _nemesis_cluster import Cluster, Layout, Timings
+from _nemesis_cluster import Cluster
+from _nemesis_layout import Layout, Timings
 from _nemesis_procs import fd_count, session_leftovers
 
 SAMPLES_PER_S = 300.0      # the cluster's pace without faults: the run outlasts the window
@@ -43,12 +44,13 @@ class History:
         self.events.append({"t": round(time.time(), 6), "type": entry_type, **fields})
 
 
-def layout_for(minutes: float) -> Layout:
+def layout_for(minutes: float, hosts_down: int) -> Layout:
     """Enough epochs that the run outlasts the fault window even at the pace of a run without
-    faults (the faults then last the whole window; the epochs left after it run clean)."""
+    faults (the faults then last the whole window; the epochs left after it run clean); the
+    elastic world's MIN from how many hosts may be down at once."""
     base = Layout()
     epochs = max(4, math.ceil(minutes * 60 * SAMPLES_PER_S / base.total_samples))
-    return Layout(epochs=epochs)
+    return Layout(epochs=epochs, hosts_down=hosts_down)
 
 
 async def drive(cluster: Cluster, nemesis: faults.Nemesis, window: float) -> bool:
@@ -157,7 +159,8 @@ def run_round(spec: Round) -> tuple[History, checker.Report, bool]:
                             "lease_ttl": timings.lease_ttl,
                             "coord_liveness": timings.coord_liveness,
                             "rank_liveness": timings.rank_liveness,
-                            "handshake": timings.handshake},
+                            "handshake": timings.handshake,
+                            "join_window": timings.join_window},
                    schedule=[attrs.asdict(p) for p in schedule])
     root = Path(tempfile.mkdtemp(prefix="flodl-nemesis-"))
     try:
@@ -175,8 +178,10 @@ def _run_in(root: Path, spec: Round, history: History,
     """Run the cluster and the schedule, stop everything, collect the logs; True when
     interrupted (Ctrl-C)."""
     driver_fds = fd_count()
-    cluster = Cluster(root, Timings(), layout_for(spec.minutes), history.record)
-    history.record("layout", **attrs.asdict(cluster.layout), world=cluster.layout.world)
+    layout = layout_for(spec.minutes, spec.hosts_down)
+    cluster = Cluster(root, Timings(), layout, history.record)
+    history.record("layout", **attrs.asdict(layout), world=layout.world,
+                   min_world=layout.min_world, max_world=layout.max_world)
     nemesis = faults.Nemesis(cluster, schedule, history.record, hosts_down=spec.hosts_down)
     interrupted = False
     try:

@@ -3,13 +3,15 @@ of faults of many kinds injected while the reference scheduler runs, and a check
 whole history of the run.
 
 The cluster (scripts/_nemesis_cluster.py): a 3-member etcd, a leading coordinator and a standby
-on it (``flodl-trio coordinator --store etcd://...``), 4 relays (``flodl-trio relay``) of 2
-simulated ranks each, every relay's upstream through chaos proxies. The faults
-(scripts/_nemesis_faults.py, ``--list-kinds``): coordinators SIGKILLed and SIGSTOPped, etcd
-members killed and the quorum lost, relays killed and stopped, links stalled and cut, ranks
-killed. The checker (scripts/_nemesis_checker.py) reads the coordinators' timelines and
-summaries, the relays' and ranks' logs and the store, and prints every violation with the slice
-of history that shows it. docs/recovery.rst says what each rule is and why.
+on it (``flodl-trio coordinator --store etcd://... --world-size 4:10``, an elastic world), 4
+relays (``flodl-trio relay``) of 2 simulated ranks each and a spare host not started, every
+relay's upstream through chaos proxies. The faults (scripts/_nemesis_faults.py,
+``--list-kinds``): coordinators SIGKILLed and SIGSTOPped, etcd members killed and the quorum
+lost, relays killed and stopped, links stalled and cut, ranks killed, hosts drained and started
+again, the spare host joining and drained. The checker (scripts/_nemesis_checker.py) reads the
+coordinators' timelines and summaries, the relays' and ranks' logs and the store, and prints
+every violation with the slice of history that shows it. docs/recovery.rst says what each rule
+is and why.
 
     .venv/bin/python scripts/nemesis.py --quick --json          # <= 4 minutes, >= 20 faults
     .venv/bin/python scripts/nemesis.py --minutes 30 --seed 7   # a soak: rounds back to back
@@ -40,7 +42,7 @@ import _nemesis_checker as checker
 import _nemesis_faults as faults
 import _report as rep
 from _etcd import etcd_binary
-from _nemesis_cluster import Timings
+from _nemesis_layout import Timings
 from _nemesis_run import Round, run_round
 
 QUICK_MINUTES = 1.5  # the fault window of --quick: the whole run stays under 4 minutes
@@ -156,7 +158,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--exclude", help="comma-separated fault kinds to leave out")
     parser.add_argument("--list-kinds", action="store_true", help="print the kinds and exit")
     parser.add_argument("--max-hosts-down", type=int, default=2, metavar="N",
-                        help="hosts under a fault at once (of 4)")
+                        help="hosts under a fault at once (of 4; a drained host counts "
+                        "until it joined again; the elastic world's MIN is 8 - 2 N ranks)")
     parser.add_argument("--history", metavar="PATH", help="write the history here (JSONL)")
     parser.add_argument("--plot", metavar="PATH", help="draw each round as a PNG (matplotlib)")
     parser.add_argument("--keep-logs", action="store_true",

@@ -257,3 +257,95 @@ def test_after_the_run_a_failed_exit_an_adopted_finished_run_and_leaks_are_caugh
 def test_a_coordinator_over_its_rss_or_descriptor_bound_is_caught() -> None:
     history = [*clean(), e(7, "sample", name="coord-a", pid=100, rss_mb=250.0, fds=30)]
     assert "coord-a (pid 100): RSS 250 MB" in only(history, "resources").message
+
+
+def drained(*, dead: int | None = None, exit_code: int = 0,
+            rejoined: bool = True) -> list[dict[str, Any]]:
+    """clean() with host-1 (ranks 2, 3) drained from 4.0 s to 5.0 s (SIGTERM to its relay):
+    the coordinator hears Draining and retires both ranks as they exit; the heal starts the
+    host again and its ranks join anew. ``dead``: that rank is declared dead instead."""
+    h = [*clean(), *fault(4.0, 5.0, "host-drain", target="host-1", ranks=[2, 3])]
+    for name, t in (("relay host-1", 2.0), ("rank 2", 2.0), ("rank 3", 2.0)):
+        h.append(e(t - 1.5, "proc_start", name=name, role=name.split()[0], incarnation=0))
+    h.append(e(4.01, "draining", by="coord-a#0", generation=1, host="host-1", ranks=[2, 3],
+               reason="SIGTERM"))
+    for rank in (2, 3):
+        if rank == dead:
+            h.append(e(4.2, "dead", by="coord-a#0", generation=1, rank=rank, host="host-1",
+                       reason="relay 'host-1' at p lost: connection closed by the relay (EOF)"))
+        else:
+            h.append(e(4.05, "retired", by="coord-a#0", generation=1, rank=rank,
+                       host="host-1", reason="its host 'host-1' left: SIGTERM", world=2 + rank))
+        h.append(e(4.1, "proc_exit", name=f"rank {rank}", role="rank", incarnation=0,
+                   code=exit_code if rank == 3 else 0))
+    h.append(e(4.2, "proc_exit", name="relay host-1", role="relay", incarnation=0, code=0))
+    h.append(e(5.0, "host_start", target="host-1", cause="host-drain healed"))
+    if rejoined:
+        h += [e(5.6, "joined", by="coord-a#0", generation=1, rank=rank, host="host-1",
+                world=3 + rank) for rank in (2, 3)]
+    # the run goes on long enough after the heal that the host must have joined again
+    return [x if x["type"] not in ("run_end", "run_exit", "teardown")
+            else {**x, "t": x["t"] + 40} for x in h]
+
+
+def test_a_drained_hosts_ranks_are_retired_not_dead_and_join_again() -> None:
+    report = checker.check(drained())
+    assert report.violations == [], [(v.rule, v.message) for v in report.violations]
+    assert (report.retired, report.joined, report.false_deaths) == (2, 2, 0)
+    assert "ranks retired 2, joined 2" in report.text()
+
+
+def test_a_death_during_a_drain_is_still_a_false_death() -> None:
+    # a drain kills nobody: a rank declared dead instead of retired has no fault to excuse it
+    found = sorted(violations(drained(dead=2)), key=lambda v: v.rule)
+    assert [v.rule for v in found] == ["false death", "membership"]
+    assert found[0].message.startswith("rank 2 (host-1) declared dead by coord-a#0 "
+                                       "(generation 1) with no fault that kills it")
+    assert found[1].message == ("host-drain of host-1 (fault 0): rank(s) [2] were not retired "
+                                "after their host drained (a drained rank leaves the world "
+                                "retired, never dead)")
+    assert checker.check(drained(dead=2)).false_deaths == 1
+
+
+def test_a_drained_rank_that_fails_or_a_host_that_never_joins_again_is_caught() -> None:
+    found = only(drained(exit_code=1), "membership")
+    assert found.message == ("host-drain of host-1 (fault 0): rank 3 exited with 1 after its "
+                             "host drained (expected 0)")
+    found = only(drained(rejoined=False), "membership")
+    assert found.message == ("host-drain of host-1 (fault 0) started again: rank(s) [2, 3] "
+                             "never joined the running cohort within 30.5 s")
+
+
+def spare_joined(*, joined: bool = True) -> list[dict[str, Any]]:
+    """clean() with the spare host-4 (ranks 8, 9) started at 3.0 s: it joins the running
+    cohort (a relay of generation 1 like the others), and is drained when the fault heals."""
+    h = [*clean(), *fault(3.0, 6.0, "host-join", target="host-4", ranks=[8, 9])]
+    h += [e(3.0, "proc_start", name=name, role=name.split()[0], incarnation=0)
+          for name in ("relay host-4", "rank 8", "rank 9")]
+    if joined:
+        h += [e(3.5, "relay_joined", by="coord-a#0", generation=1, host="host-4", peer="p"),
+              e(3.51, "relay_accept", host="host-4", incarnation=0, generation=1, how="join")]
+        h += [e(3.5, "joined", by="coord-a#0", generation=1, rank=r, host="host-4",
+                world=5 + r - 8) for r in (8, 9)]
+    h.append(e(5.0, "drain", target="host-4", cause="host-join healed"))
+    h += [e(5.1, "retired", by="coord-a#0", generation=1, rank=r, host="host-4",
+            reason="its host 'host-4' left: SIGTERM", world=13 - r) for r in (8, 9)]
+    h += [e(5.2, "proc_exit", name=name, role=name.split()[0], incarnation=0, code=0)
+          for name in ("rank 8", "rank 9", "relay host-4")]
+    return h
+
+
+def test_a_spare_that_joins_and_drains_is_no_generation_rejoin_or_death_violation() -> None:
+    report = checker.check(spare_joined())
+    assert report.violations == [], [(v.rule, v.message) for v in report.violations]
+    assert (report.joined, report.retired) == (2, 2)
+    found = only(spare_joined(joined=False), "membership")
+    assert found.message == ("host-join of host-4 (fault 0): rank(s) [8, 9] never joined the "
+                             "running cohort within 3.0 s")
+
+
+def test_a_drain_that_did_not_finish_is_caught() -> None:
+    late = e(7.0, "drain_overdue", index=0, target="host-4", running=["rank 9"], seconds=30.0)
+    found = only([*spare_joined(), late], "membership")
+    assert found.message == ("host-4 had not finished draining 30.0 s after SIGTERM: "
+                             "['rank 9'] still ran (killed)")
