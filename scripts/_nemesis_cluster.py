@@ -287,17 +287,13 @@ class Cluster:
                 self.record("restart", target=proc.name, cause=f"exit {proc.code}")
                 self.start_coordinator(proc.name, standby=True)
             return
-        if proc.code == 0:
-            # A relay or rank exits 0 only after the run's Shutdown: the run is ending, and its
-            # coordinator's last line may not have been read yet. Starting the host again then
-            # killed its other processes and left new ones no run to join (soak seed 5).
-            return
         host = proc.name.split()[1] if proc.role == "relay" else self.host_of(
             int(proc.name.split()[1]))
         if proc not in self.host_procs(host):
             return  # an older incarnation, killed when its host was started again
         if host not in self.held and not self.host_whole(host):
             if proc.code == 0:  # it heard the run's end; the summary may not be written yet
+                # (restarting at once killed a finishing host's other rank: soak seed 5)
                 self._deferred.setdefault(host, trio.current_time() + CLEAN_EXIT_WAIT_S)
                 return
             self.record("restart", target=host, cause=f"{proc.name} exit {proc.code}")
