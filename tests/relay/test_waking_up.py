@@ -40,6 +40,11 @@ def sims(rank: int) -> dict[str, Any]:
     return {"batch_size": 2, "batch_ms": 50.0, "seed": rank}
 
 
+def starter(net: MemoryNetwork, salt: ft.SessionSalt) -> Any:
+    """``start(nursery, host=..., ranks=..., ...)``: a host of simulated ranks of this world."""
+    return functools.partial(start_sim_host, net=net, salt=salt, world=WORLD, sim_args=sims)
+
+
 def config(**kw: Any) -> ft.CoordinatorConfig:
     return ft.CoordinatorConfig(world_size=WORLD, heartbeat_timeout=HEARTBEAT_TIMEOUT, **kw)
 
@@ -69,8 +74,7 @@ async def test_a_frozen_host_declared_dead_rejoins_when_it_wakes_and_works_from_
     salt = ft.SessionSalt.generate()
     log = EventLog()
     freeze = Freeze()
-    start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
-                              sim_args=sims)
+    start = starter(memory_network, salt)
     async with trio.open_nursery() as nursery:
         a = start(nursery, host="host-a", ranks=[0, 1])
         b = start(nursery, host="host-b", ranks=[2, 3], freeze=freeze, **WAKE)
@@ -115,8 +119,7 @@ async def test_without_rejoin_when_fenced_a_frozen_host_ends_as_before(
 ) -> None:
     salt = ft.SessionSalt.generate()
     freeze = Freeze()
-    start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
-                              sim_args=sims)
+    start = starter(memory_network, salt)
     async with trio.open_nursery() as nursery:
         start(nursery, host="host-a", ranks=[0, 1])
         b = start(nursery, host="host-b", ranks=[2, 3], freeze=freeze)
@@ -143,8 +146,7 @@ async def test_a_wake_up_refused_because_a_spare_took_the_ranks_over_ends_with_t
     salt = ft.SessionSalt.generate()
     log = EventLog()
     freeze = Freeze()
-    start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
-                              sim_args=sims)
+    start = starter(memory_network, salt)
     async with trio.open_nursery() as nursery:
         start(nursery, host="host-a", ranks=[0, 1])
         b = start(nursery, host="host-b", ranks=[2, 3], freeze=freeze, **WAKE)
