@@ -113,6 +113,8 @@ class SyncScheduler:
                               members=self._members, group=self._group,
                               callbacks=self._callbacks)
         self._phase = PhaseMachine()
+        # The closed epoch's notes, held until its close is durable (see ``_save``).
+        self._unannounced: list[Note] = []
 
     async def run(self) -> RunSummary:
         """Run every epoch, then broadcast ``Shutdown``.
@@ -178,6 +180,16 @@ class SyncScheduler:
             epochs_completed=ledger.epochs_completed, global_step=self._lockstep.global_step,
             syncs=self._lockstep.syncs, shares={} if between is not None else ledger.shares,
             last_steps=ledger.last_steps, losses=self._epoch_losses()), durable=durable)
+        if durable:
+            self._announce_closed()
+
+    def _announce_closed(self) -> None:
+        """Record the closed epoch's notes (``epoch_aggregated``, ``epoch_covered``) once its
+        close is in the store: a line saying an epoch is done (the CLI's progress, the nemesis's
+        coverage) then means a coordinator taking over resumes after it, never inside it."""
+        for note in self._unannounced:
+            self._coord.timeline.event(note)
+        self._unannounced.clear()
 
     def _epoch_losses(self) -> tuple[float | None, ...]:
         """Every closed epoch's ``avg_loss`` (see ``RunSummary.epoch_losses``): the
@@ -396,6 +408,7 @@ class SyncScheduler:
         await self._fold_joiners()
         live = self._survivors()
         if not live:
+            self._announce_closed()  # the run ends here: what closed is still told
             raise no_rank_left(self._coord, self._ledger.epoch, self._num_epochs)
         plans = self._ledger.plan(epoch, live)
         if self._outbox.role is None:  # first dispatch: every rank learns the role first
@@ -423,14 +436,15 @@ class SyncScheduler:
         metrics = self._ledger.close()
         epoch = self._ledger.epoch
         log.info("epoch %d aggregated: avg_loss %.4f", epoch, metrics.avg_loss)
-        self._coord.timeline.event(Note(what="epoch_aggregated", fields={
-            "epoch": epoch, "avg_loss": metrics.avg_loss}))
         # Its accounting, beside it: it outlives this scheduler in the timeline (a failover's
-        # epochs are summed from it) and the status page shows it.
+        # epochs are summed from it) and the status page shows it. Both are recorded once
+        # the close is durable (the next durable ``_save``).
         cov = self._ledger.coverage[-1]
-        self._coord.timeline.event(Note(what="epoch_covered", fields={
-            "epoch": epoch, "exactly_once": cov.exactly_once, "samples": cov.samples,
-            "total": cov.total, "gaps": cov.gaps, "overlaps": cov.overlaps}))
+        self._unannounced += [
+            Note(what="epoch_aggregated", fields={"epoch": epoch, "avg_loss": metrics.avg_loss}),
+            Note(what="epoch_covered", fields={
+                "epoch": epoch, "exactly_once": cov.exactly_once, "samples": cov.samples,
+                "total": cov.total, "gaps": cov.gaps, "overlaps": cov.overlaps})]
         await self._outbox.broadcast(EpochAggregated(metrics=metrics))
         completed = epoch + 1
         # The close is durable by itself only when something goes out before the next

@@ -185,3 +185,40 @@ async def test_a_rank_that_dies_having_synced_its_whole_share_is_settled_durably
     (share,) = [s for s in state.checkpoint["shares"] if s["rank"] == 1]
     assert share["done"] == [[8, 8]] and share["synced"] == 4
     assert c.sims[1].record.synced_samples(0) == list(range(8, 16))
+
+
+class StoreWatchingLog(EventLog):
+    """An EventLog that notes, with each event, the last checkpoint the store held then."""
+
+    def __init__(self, store: RecordingStore) -> None:
+        super().__init__()
+        self.store = store
+        self.held: list[tuple[Any, Any]] = []
+
+    def event(self, ev: Any) -> Any:
+        last = self.store.writes[-1][1].checkpoint if self.store.writes else None
+        self.held.append((ev, last))
+        return super().event(ev)
+
+
+async def test_an_epoch_is_said_closed_only_once_its_close_is_in_the_store(
+        autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork) -> None:
+    """The ``epoch_aggregated`` and ``epoch_covered`` notes (the CLI's "epoch 1/4: ..." line,
+    the nemesis's coverage) come after the store holds the close: a coordinator killed right
+    after saying so is resumed after that epoch, never inside it (CI caught the line printed a
+    few milliseconds before the next epoch's checkpoint made the close durable). Slow
+    paced writes, so that only a durable checkpoint can have written it."""
+    store = RecordingStore()
+    log = StoreWatchingLog(store)
+    config = ft.CoordinatorConfig(world_size=2, store_write_rate=0.01)
+    async with sim_cluster(memory_network, layout(1, 2), sims({0: 10.0, 1: 15.0}, {}, "syncs"),
+                           coord_config=config, store=store, timeline=log) as c:
+        summary = await SyncScheduler(c.coord, total_samples=16, batch_size=2,
+                                      num_epochs=3).run()
+    assert summary.epochs_completed == 3
+    closes = [(ev.what, ev.fields["epoch"], held) for ev, held in log.held
+              if getattr(ev, "what", None) in ("epoch_aggregated", "epoch_covered")]
+    assert [(what, epoch) for what, epoch, _ in closes] == [
+        (what, epoch) for epoch in range(3) for what in ("epoch_aggregated", "epoch_covered")]
+    for what, epoch, held in closes:
+        assert held is not None and held["epochs_completed"] >= epoch + 1, (what, epoch, held)
