@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -30,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import _join_floor as jf
 import _report as rep
 import trio
 from bench_cluster import run_case
@@ -148,27 +150,45 @@ def main() -> None:
                 form += r["formation_ms"]
                 val += r["value_ms"]
             rows[name] = {"formation": statistics.median(form), "value": statistics.median(val)}
+    cpu: dict[str, list[float]] = {"coord": [], "lg": []}
     for per in (1, 8):
         form, val = [], []
         for _ in range(args.reps):
             r = trio.run(run_case, world, per, args.values, args.procs)
             form.append(r["formation_ms"])
             val.append(r["p50_ms"])
+            if per == 1:
+                cpu["coord"].append(r["cpu_coord_formation_s"] * 1e6 / world)
         rows[f"flodl-trio, {per} rank/relay"] = {"formation": statistics.median(form),
                                                  "value": statistics.median(val)}
+    joins = join_costs(world, args.reps, args.procs)
+    joins["coordinator CPU per join us"] = statistics.median(cpu["coord"])
+    rows["floor: selectors + FT/2 machines, 1 rank/relay"] = {
+        "formation": joins.pop("floor formation ms"), "value": math.nan}
     base = rows.get("TCPStore (libuv)") or rows.get("TCPStore, machine DNS")
-    print(f"\n{world} ranks, loopback, {os.cpu_count()} cores, {args.procs} load-generator "
+    print(f"\n{world} ranks, loopback, {rep.machine_note()}, {args.procs} load-generator "
           f"processes, medians of {args.reps} formations x {args.values} values")
-    header = (f"{'system':<26} {'formation ms':>13} {'ratio':>7} {'value->all ms':>14} "
+    header = (f"{'system':<48} {'formation ms':>13} {'ratio':>7} {'value->all ms':>14} "
               f"{'ratio':>7}")
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
         fr = f"{r['formation'] / base['formation']:.2f}" if base else "-"
-        vr = f"{r['value'] / base['value']:.2f}" if base else "-"
-        print(f"{name:<26} {r['formation']:>13.1f} {fr:>7} {r['value']:>14.2f} {vr:>7}")
-    print("targets (issue 23, SPEC §13): formation 1 rank/relay <= 1.0x TCPStore, 8 ranks/relay "
-          "<= 0.5x; value->all 1 rank/relay <= 1.5x, 8 ranks/relay <= 1.0x")
+        vr = f"{r['value'] / base['value']:.2f}" if base and r["value"] == r["value"] else "-"
+        value = f"{r['value']:>14.2f}" if r["value"] == r["value"] else f"{'-':>14}"
+        print(f"{name:<48} {r['formation']:>13.1f} {fr:>7} {value} {vr:>7}")
+    print("\nCPU per join, 1 rank per relay (µs):")
+    for name in JOIN_FIGURES:
+        print(f"  {name:<44} {joins[name]:>7.0f}")
+    print("coordinator: its process's CPU from the relays' release to formation, / relays; "
+          "relay: a library relay's\nrank accept, rank handshake, upstream handshake and pump "
+          "start (bench_relay_upstream.py, 64 relays, its\nranks and coordinator in another "
+          "process); handshake machine: the sans-IO FT/2 machines alone, in memory;\nfloor: "
+          "a selectors coordinator (no Trio, no roster) driving the same machines over "
+          "loopback.")
+    print("targets (issues 23 and 38, SPEC §13): formation 1 rank/relay <= 1.0x TCPStore, 8 "
+          "ranks/relay <= 0.5x; value->all 1 rank/relay <= 1.5x, 8 ranks/relay <= 1.0x; "
+          f"coordinator CPU per join <= {COORD_JOIN_US:g} us, relay <= {RELAY_JOIN_US:g} us")
     if args.json:
         targets = []
         if base:
@@ -178,10 +198,44 @@ def main() -> None:
                     mine = rows[f"flodl-trio, {per} rank/relay"][key]
                     targets.append(rep.target(f"{what}, {per} rank/relay / TCPStore",
                                               mine / base[key], "<=", limit))
+        targets += [
+            rep.target("coordinator CPU per join us", joins["coordinator CPU per join us"],
+                       "<=", COORD_JOIN_US),
+            rep.target("relay CPU per join us", joins["relay CPU per join us"], "<=",
+                       RELAY_JOIN_US)]
         raw = [{"system": name, "formation_ms": r["formation"], "value_ms": r["value"]}
                for name, r in rows.items()]
-        rep.finish("vs_tcpstore", raw, targets, True)
+        rep.finish("vs_tcpstore", raw, targets, True, joins=joins)
 
+
+# Issue 38's figures, in the order printed; the first two are targets.
+JOIN_FIGURES = ("coordinator CPU per join us", "relay CPU per join us",
+                "handshake machine CPU per join us", "handshake machine, relay side us",
+                "floor CPU per join us", "floor, relay side us")
+COORD_JOIN_US, RELAY_JOIN_US = 200.0, 450.0
+
+
+def join_costs(world: int, reps: int, procs: int) -> dict[str, float]:
+    """Issue 38's per-join figures besides the coordinator's own (medians of ``reps``): a
+    library relay's join (bench_relay_upstream.py's, 64 relays of 1 rank), the sans-IO
+    machines alone, and the selectors floor's formation of ``world`` relays."""
+    machine = jf.machine_cpu_us(2000, 1)
+    floors = [trio.run(jf.selectors_formation, world, 1, procs) for _ in range(reps)]
+    relay = []
+    for _ in range(reps):
+        done = subprocess.run([sys.executable, str(HERE / "bench_relay_upstream.py"),
+                               "--relays", "64", "--per", "1", "--quick", "--json"],
+                              capture_output=True, text=True, check=True, timeout=300)
+        relay.append(json.loads(done.stdout.splitlines()[-1])["rows"][0]["join_cpu_relay"]
+                     * 1000)
+    return {
+        "relay CPU per join us": statistics.median(relay),
+        "handshake machine CPU per join us": machine["coord_us"],
+        "handshake machine, relay side us": machine["relay_us"],
+        "floor CPU per join us": statistics.median(f["coord_us"] for f in floors),
+        "floor, relay side us": statistics.median(f["relay_us"] for f in floors),
+        "floor formation ms": statistics.median(f["ms"] for f in floors),
+    }
 
 if __name__ == "__main__":
     main()
