@@ -186,6 +186,31 @@ class Mac64:
         return hmac.compare_digest(self.tag(*parts), tag)
 
 
+# Keys whose MAC state many connections share: the session salt (every ControlFrame, and the
+# Challenge record of every upstream handshake). A Mac64 is never changed once keyed (``tag``
+# copies its states), so one instance serves them all. Bounded: a process rarely holds more
+# than one or two salts.
+_SHARED_MACS: dict[bytes, Mac64] = {}
+_SHARED_MAX = 16
+
+
+def shared_mac(key: SessionSalt | bytes) -> Mac64:
+    """The one ``Mac64`` of ``key`` for this process (keyed once: issue 38, a join costs no
+    HMAC key schedule for the salt)."""
+    raw = bytes(key)
+    mac = _SHARED_MACS.get(raw)
+    if mac is None:
+        if len(_SHARED_MACS) >= _SHARED_MAX:
+            _SHARED_MACS.clear()
+        mac = _SHARED_MACS[raw] = Mac64(raw)
+    return mac
+
+
+def mac_of(key: bytes) -> Mac64:
+    """``key``'s shared ``Mac64`` when it is a shared key (the salt), else a new one."""
+    return _SHARED_MACS.get(key) or Mac64(key)
+
+
 def key_bytes(key: SessionSalt | bytes) -> bytes:
     return bytes(key)
 

@@ -22,7 +22,7 @@ from ._constants import (
     RANK_HELLO_MAGIC,
     MsgKind,
 )
-from ._crypto import Mac64, SessionSalt, mac64
+from ._crypto import SessionSalt, mac64, shared_mac
 from ._messages import (
     ControlMsg,
     Metrics,
@@ -153,7 +153,7 @@ class FrameCodec:
     __slots__ = ("_kinds", "_mac", "max_payload")
 
     def __init__(self, salt: SessionSalt | bytes, *, max_payload: int = MAX_CONTROL_PAYLOAD):
-        self._mac = Mac64(bytes(salt))
+        self._mac = shared_mac(salt)
         self.max_payload = max_payload
         self._kinds: dict[type[WireMessage], int] = {}  # message class -> its MsgKind
 

@@ -49,7 +49,7 @@ from ._constants import (
     RELAY_TO_COORD,
     RecordKind,
 )
-from ._crypto import SessionSalt, conn_key, hs_key
+from ._crypto import SessionSalt, conn_key, hs_key, shared_mac
 from ._frames import encode_frame
 from ._messages import (
     Cadence,
@@ -199,6 +199,20 @@ class UpstreamMachine:
         return msg
 
 
+_HEARTBEATS: dict[SessionSalt, bytes] = {}
+
+
+def _heartbeat_frame(salt: SessionSalt) -> bytes:
+    """The welcome's ``CoordHeartbeat`` frame: the same bytes for every relay of a session (a
+    ControlFrame has no nonce), so it is sealed once per salt."""
+    frame = _HEARTBEATS.get(salt)
+    if frame is None:
+        if len(_HEARTBEATS) >= 16:
+            _HEARTBEATS.clear()
+        frame = _HEARTBEATS[salt] = encode_frame(salt, CoordHeartbeat())
+    return frame
+
+
 class CoordinatorHandshake(UpstreamMachine):
     """The coordinator's end: magic, ``Challenge``, authenticated ``Hello``, ``HelloAck``.
 
@@ -233,7 +247,9 @@ class CoordinatorHandshake(UpstreamMachine):
         self._magic = bytearray()
         self.coord_nonce = secrets.token_bytes(NONCE_LEN)
         self._hs_key = hs_key(salt, self.coord_nonce)
-        # The Challenge is sealed with the salt itself: a relay of another session fails there.
+        # The Challenge is sealed with the salt itself: a relay of another session fails there
+        # (its MAC state keyed once per process: shared_mac).
+        shared_mac(salt)
         self._sealer = RecordSealer(bytes(salt), COORD_TO_RELAY)
         self._opener = RecordOpener(self._hs_key, RELAY_TO_COORD, max_payload=max_hello)
         self._state = "magic"
@@ -313,7 +329,7 @@ class CoordinatorHandshake(UpstreamMachine):
                 self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(gen))
             # The welcome confirms the join to the relay: it is established only once a
             # record arrives after its Ready.
-            welcome = encode_fanout(self.hello.ranks, encode_frame(self._salt, CoordHeartbeat()))
+            welcome = encode_fanout(self.hello.ranks, _heartbeat_frame(self._salt))
             self._out += self._sealer.seal(RecordKind.FANOUT, 0, welcome)
             if self._cadence:
                 self._out += self._sealer.seal(RecordKind.CONTROL, 0, self._cadence)

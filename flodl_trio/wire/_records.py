@@ -24,7 +24,7 @@ from ._constants import (
     RELAY_TO_COORD,
     RecordKind,
 )
-from ._crypto import Mac64
+from ._crypto import mac_of
 from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
@@ -66,7 +66,7 @@ class _RecordKeys:
     def __init__(
         self, key: bytes, direction: int, *, max_payload: int = MAX_RECORD_PAYLOAD
     ) -> None:
-        self._mac = Mac64(bytes(key))
+        self._mac = mac_of(bytes(key))
         self.direction = _check_direction(direction)
         self.max_payload = max_payload
         self.seq = 0
@@ -74,7 +74,7 @@ class _RecordKeys:
     def rekey(self, key: bytes, *, max_payload: int | None = None) -> None:
         """Switch keys for the next record (and, given ``max_payload``, the payload ceiling:
         the handshake's is lower); the sequence number keeps counting."""
-        self._mac = Mac64(bytes(key))
+        self._mac = mac_of(bytes(key))
         if max_payload is not None:
             self.max_payload = max_payload
 

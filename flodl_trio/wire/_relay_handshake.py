@@ -17,7 +17,7 @@ from ._constants import (
     RELAY_TO_COORD,
     RecordKind,
 )
-from ._crypto import SessionSalt, conn_key, hs_key
+from ._crypto import SessionSalt, conn_key, hs_key, shared_mac
 from ._handshake import (
     MAX_HANDSHAKE_PAYLOAD,
     NEED_DATA,
@@ -79,6 +79,7 @@ class RelayHandshake(UpstreamMachine):
         self._max_record_payload = max_record_payload
         self.relay_nonce = secrets.token_bytes(NONCE_LEN)
         self._coord_nonce = b""
+        shared_mac(salt)  # the Challenge's MAC state, keyed once per process
         self._opener = RecordOpener(bytes(salt), COORD_TO_RELAY, max_payload=MAX_HANDSHAKE_PAYLOAD)
         self._sealer: RecordSealer | None = None
         self._state = "challenge"

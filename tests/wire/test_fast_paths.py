@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flodl_trio import wire
 from flodl_trio._errors import WireError
-from flodl_trio.wire import _cbor, _messages
+from flodl_trio.wire import _cbor, _crypto, _messages
 from flodl_trio.wire._specs import Mismatch
 
 from helpers.sansio import assert_refused_naming
@@ -220,6 +220,28 @@ def test_mac64_equals_truncated_hmac_sha256_for_every_key_length(
         assert mac.tag2(*parts) == expected
     # The precomputed states are copied, never consumed: the same tag again.
     assert mac.tag(*parts) == expected
+
+
+def test_the_salt_mac_is_keyed_once_and_shared_and_its_tags_stay_exact() -> None:
+    """Issue 38: the session salt's MAC state is built once per process and shared by every
+    connection (its Challenge record, every ControlFrame); its tags are HMAC-SHA256's, a
+    record keyed with the salt verifies whether or not the shared state exists yet, and the
+    table stays bounded however many salts a process sees."""
+    salt = wire.SessionSalt.generate()
+    fresh = wire.RecordSealer(bytes(salt), wire.COORD_TO_RELAY).seal(2, 0, b"challenge")
+    shared = _crypto.shared_mac(salt)
+    assert _crypto.shared_mac(bytes(salt)) is shared
+    assert shared.tag(b"x") == hmac.digest(bytes(salt), b"x", "sha256")[:8]
+    assert wire.RecordSealer(bytes(salt), wire.COORD_TO_RELAY).seal(2, 0, b"challenge") == fresh
+    opener = wire.RecordOpener(bytes(salt), wire.COORD_TO_RELAY)
+    assert opener.feed(fresh) == [wire.Record(2, 0, b"challenge")]
+    other = bytes(32)  # a key nobody shared: its own state, the same tags
+    assert _crypto.mac_of(other) is not _crypto.mac_of(other)
+    for _ in range(100):
+        _crypto.shared_mac(wire.SessionSalt.generate())
+    assert len(_crypto._SHARED_MACS) <= _crypto._SHARED_MAX
+    frame = wire.encode_frame(salt, wire.CoordHeartbeat())
+    assert wire.decode_frame(salt, frame).kind == 1
 
 
 # ---------------------------------------------------------------- records opened from the chunk
