@@ -321,9 +321,10 @@ class Admitter:
         for old in dropped:  # every rank it carried is back elsewhere
             if old.alive:
                 old.abandon(f"its ranks rejoined through {conn.describe()}")
-        log.info("relay %r %s from %s with ranks %s", conn.host,
-                 "joined" if isinstance(verdict, Join) else "rejoined", conn.peer,
-                 ranks_text(conn.ranks))
+        if log.isEnabledFor(logging.INFO):  # thousands join: no ranks text nobody reads
+            log.info("relay %r %s from %s with ranks %s", conn.host,
+                     "joined" if isinstance(verdict, Join) else "rejoined", conn.peer,
+                     ranks_text(conn.ranks))
         self._timeline.event(RelayJoined(host=conn.host, ranks=conn.ranks, peer=conn.peer))
         for rank, before in previous.items():
             if before is not None and before != conn.host:

@@ -310,7 +310,7 @@ class CoordinatorHandshake(UpstreamMachine):
                 assert isinstance(msg, Hello)
                 hello = msg
             self.hello = hello
-            self._sealer.rekey(self._hs_key)
+            self._sealer.rekey(self._opener.mac)  # hs_key, keyed once
             self._state = "decide"
             return HelloReceived(hello, self.resume)
         if self._state == "decide":
@@ -381,7 +381,7 @@ class CoordinatorHandshake(UpstreamMachine):
         self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(ack))
         key = conn_key(self._salt, self.coord_nonce, self.hello.nonce)
         self._sealer.rekey(key)
-        self._opener.rekey(key, max_payload=self._max_record_payload)
+        self._opener.rekey(self._sealer.mac, max_payload=self._max_record_payload)
         self._state = "acked"
 
     @property

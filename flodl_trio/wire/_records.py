@@ -24,7 +24,7 @@ from ._constants import (
     RELAY_TO_COORD,
     RecordKind,
 )
-from ._crypto import mac_of
+from ._crypto import Mac64, mac_of
 from ._specs import describe
 
 _HEAD = struct.Struct("<IIBII")  # 17 bytes: magic, version, kind, rank, payload_len
@@ -71,12 +71,19 @@ class _RecordKeys:
         self.max_payload = max_payload
         self.seq = 0
 
-    def rekey(self, key: bytes, *, max_payload: int | None = None) -> None:
+    def rekey(self, key: bytes | Mac64, *, max_payload: int | None = None) -> None:
         """Switch keys for the next record (and, given ``max_payload``, the payload ceiling:
-        the handshake's is lower); the sequence number keeps counting."""
-        self._mac = mac_of(bytes(key))
+        the handshake's is lower); the sequence number keeps counting. ``key`` may be the
+        other direction's :attr:`mac` (both directions use one key from the Hello on: its MAC
+        state is then keyed once)."""
+        self._mac = key if isinstance(key, Mac64) else mac_of(bytes(key))
         if max_payload is not None:
             self.max_payload = max_payload
+
+    @property
+    def mac(self) -> Mac64:
+        """The MAC state of the current key (never changed once keyed: it can be shared)."""
+        return self._mac
 
 
 class RecordSealer(_RecordKeys):

@@ -143,7 +143,7 @@ class RelayHandshake(UpstreamMachine):
         key = hs_key(self._salt, challenge.nonce)
         self._sealer = RecordSealer(key, RELAY_TO_COORD)
         self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(self._hello()))
-        self._opener.rekey(key)
+        self._opener.rekey(self._sealer.mac)  # hs_key, keyed once
         self._state = "ack"
         return True
 
@@ -174,7 +174,7 @@ class RelayHandshake(UpstreamMachine):
             return RefusalReceived(ack.reason)
         final = conn_key(self._salt, self._coord_nonce, self.relay_nonce)
         self._sealer.rekey(final)
-        self._opener.rekey(final, max_payload=self._max_record_payload)
+        self._opener.rekey(self._sealer.mac, max_payload=self._max_record_payload)
         self._out += self._sealer.seal(RecordKind.CONTROL, 0, encode(Ready()))
         self._state = "welcome"
         return None
