@@ -51,6 +51,7 @@ class Lifecycle:
         self._tasks: trio.Nursery | None = None
         self._body_scope = trio.CancelScope()
         self._services_scope: trio.CancelScope | None = None
+        self._whole: trio.CancelScope | None = None  # open_lifecycle's: start-up and body
 
     @property
     def nursery(self) -> trio.Nursery:
@@ -92,7 +93,24 @@ class Lifecycle:
             async with trio.open_nursery() as tasks:
                 self._tasks = tasks
                 task_status.started()
-                await trio.sleep_forever()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    if tasks.cancel_scope.cancel_called and not scope.cancel_called:
+                        # A background task failed (its nursery cancelled this wait): stop
+                        # the component now -- its start-up wait (formation) or the body --
+                        # rather than when something else ends; the tasks that are still
+                        # shielded (writers) end with its graceful shutdown.
+                        self.stop_all()
+
+    def stop_all_with(self, scope: trio.CancelScope) -> None:
+        """``scope`` covers the component's start-up and body (``open_lifecycle``'s)."""
+        self._whole = scope
+
+    def stop_all(self) -> None:
+        """Cancel the start-up and the body (a background task failed)."""
+        if self._whole is not None:
+            self._whole.cancel()
 
 
 @asynccontextmanager
@@ -113,6 +131,7 @@ async def open_lifecycle(
     error: BaseException
     try:
         async with trio.open_nursery() as nursery:
+            life.stop_all_with(nursery.cancel_scope)
             # Shielded: started() does not hand a task over from a cancelled start, so a caller
             # cancelled before this point would leave host_tasks shielded in start's own nursery
             # and this await would never return. It returns at once: host_tasks starts at once.

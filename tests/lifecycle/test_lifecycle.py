@@ -372,3 +372,62 @@ def test_choose_prefers_keyboard_interrupt_over_a_flodl_error() -> None:
     chosen = choose_one_exception(group, body_exc=None, failure=None,
                                   cancelled_from_outside=True)
     assert chosen is interrupt
+
+
+# ------------------------------------------------------------------ a task's bug stops all
+
+
+async def test_a_task_bug_stops_the_start_up_wait_at_once_beside_a_shielded_task(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A background task that fails while the component still waits to start (formation),
+    beside a task its graceful shutdown needs (shielded, as the coordinator's writers are):
+    the wait is cancelled at once, the shutdown runs, and the bug comes out; it used to wait
+    out the start-up deadline first."""
+    shutdown_done = trio.Event()
+    ended_at: list[float] = []
+
+    async def shielded_helper() -> None:  # ends only with the component's shutdown
+        with trio.CancelScope(shield=True):
+            await shutdown_done.wait()
+
+    async def buggy_task() -> None:
+        await trio.sleep(1)
+        raise KeyError("rank 7")
+
+    with pytest.raises(ft.FlodlInternalError, match=r"KeyError\('rank 7'\)"):
+        async with open_lifecycle("test", failure=lambda: None) as life:
+            life.nursery.start_soon(shielded_helper)
+            life.nursery.start_soon(buggy_task)
+            try:
+                await trio.sleep(600)  # the start-up wait, before the body
+                pytest.fail("the start-up wait outlived the task's bug")
+            finally:
+                ended_at.append(trio.current_time())
+                shutdown_done.set()
+    assert ended_at == [1.0]
+
+
+async def test_a_coordinator_task_bug_during_formation_ends_open_coordinator_at_once(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in one of the coordinator's background tasks while it forms ends
+    ``open_coordinator`` with ``FlodlInternalError`` within a second, not after
+    ``formation_timeout`` (the relay writers' host is shielded: it used to hold the bug
+    until formation timed out)."""
+    from flodl_trio.coordinator import liveness
+
+    async def buggy_watch(self: object) -> None:
+        await trio.sleep(0.5)
+        raise KeyError("rank 7")
+
+    monkeypatch.setattr(liveness.Liveness, "staleness_watch", buggy_watch)
+    cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=60)
+    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+        with pytest.raises(ft.FlodlInternalError, match=r"KeyError\('rank 7'\)"):
+            async with hosts.coordinator(cfg):
+                pytest.fail("formation cannot complete: host-b never comes")
+        assert trio.current_time() < 2.0
+        await wait_until(lambda: hosts.runs["host-a"].all_done)
+    memory_network.assert_all_closed()
