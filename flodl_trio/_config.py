@@ -247,6 +247,13 @@ class CoordinatorConfig:
             (``save_checkpoint`` with ``durable=True``, formation) goes at once. The default
             1/s keeps an etcd store to about 60 revisions a minute in steady state; a change
             that can wait is durable within about a second. ``math.inf``: no pacing.
+        pause_gc_in_formation: pause Python's cyclic garbage collector (``gc.disable``)
+            from the first accept until the cohort formed (or formation failed), then resume
+            it as it was (issue 38; docs/performance.rst, "The garbage collector in
+            formation"): full collections over the relays being admitted were a fifth of a
+            large formation's CPU. Process-wide, as the collector is; counted, so
+            coordinators forming at once in one process resume it when the last one formed.
+            ``False``: the collector is left alone.
     """
 
     world_size: int = attrs.field(validator=_positive_int)
@@ -272,6 +279,7 @@ class CoordinatorConfig:
     min_world_size: int | None = attrs.field(default=None)
     join_window: float = _grace(T.JOIN_WINDOW)
     retire_after: float = _deadline(math.inf)  # never, unless asked
+    pause_gc_in_formation: bool = attrs.field(default=True, converter=bool)
 
     @property
     def min_world(self) -> int:

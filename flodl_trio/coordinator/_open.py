@@ -14,6 +14,7 @@ import trio
 
 from .._config import CoordinatorConfig
 from .._errors import ConfigError
+from .._gc import gc_paused
 from .._lifecycle import Lifecycle, open_lifecycle
 from ..events import Listening
 from ..net._interfaces import dialable_addresses, interface_addresses
@@ -281,11 +282,13 @@ async def _run(coord: Coordinator, life: Lifecycle, stack: AsyncExitStack,
         if store is not None:
             await coord.lead(store, fresh=fresh, standby=standby)  # a standby waits
             stack.push_async_callback(_release, store, coord)
-        for task in coord.background_tasks(control, abort):
-            life.nursery.start_soon(task)
-        if store is not None and bind is not None:
-            life.nursery.start_soon(coord.publish_address, bind.addresses_for_peers())
-        await coord.formed()
+        # Formation, with the garbage collector paused (issue 38; see .._gc).
+        with gc_paused(coord.config.pause_gc_in_formation):
+            for task in coord.background_tasks(control, abort):
+                life.nursery.start_soon(task)
+            if store is not None and bind is not None:
+                life.nursery.start_soon(coord.publish_address, bind.addresses_for_peers())
+            await coord.formed()
         with life.body() as body_scope:
             coord.cancel_on_failure(body_scope)
             yield coord
