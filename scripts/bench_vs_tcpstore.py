@@ -6,6 +6,15 @@ rank" is master ``set`` -> the last client's blocked ``get`` returning. For flod
 bench_cluster's load generators): formation from the relays' release to the coordinator's block,
 and a ``broadcast_control`` -> the last rank's user code, with 1 and with 8 ranks per relay.
 
+Issue 38's figures, per join at 1 rank per relay: ``coordinator CPU per join us`` (the
+coordinator process's CPU in that formation / relays), ``relay CPU per join us`` (a library
+relay's rank accept, rank handshake, upstream handshake and pump start, from
+bench_relay_upstream.py: 64 relays in one process, their ranks and coordinator in another),
+``handshake machine CPU per join us`` (the sans-IO FT/2 machines alone, bytes handed over in
+memory: what no IO shape can go below) and ``floor CPU per join us`` (a ``selectors``
+coordinator with no Trio and no roster driving the same machine over loopback, against the same
+kind of load relays; its formation is a row of the table). See scripts/_join_floor.py.
+
 TCPStore looks up the name of every client socket; on a machine whose DNS server is unreachable
 each lookup stalls for the resolver timeout (5 s here), which would swamp the comparison. So when
 run as root with ``unshare``, the TCPStore processes get a private mount namespace whose
