@@ -64,6 +64,15 @@ class HubJoining:
         self.conn: RelayConn | None = None
         self.verdict: Join | None = None
 
+    def end(self) -> None:
+        """The hub is done with it: drop what its callbacks and its pending slot refer to, so
+        that no reference cycle (this, its HubConn's callbacks, its slot's ``on_shed``) is
+        left for the garbage collector (paused during formation: issue 38)."""
+        for name in ("pending", "slot"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.conn = self.verdict = None
+
 
 class Formation:
     """Accepts relay connections, runs their handshakes and hands each authenticated Hello to
@@ -255,17 +264,19 @@ class Formation:
         # The slot is already given back (shed): the oldest of max_pending_handshakes, stale.
         joining.hub.drop(joining.pending)
         joining.pending.sock.close()
+        joining.end()
         self._outcome.reject(joining.peer, "shed", self._shed_text(joining.peer))
 
     def _hub_rejected(self, joining: HubJoining, exc: BaseException) -> None:
         """No authenticated Hello: the connection is rejected and closed."""
         self._pending.release(joining.slot)
         joining.pending.sock.close()
+        machine = joining.pending.machine
+        joining.end()
         peer = joining.peer
         if isinstance(exc, trio.TooSlowError):
             self._outcome.reject(peer, "timeout", self._timeout_text(peer))
         elif isinstance(exc, FlodlError):
-            machine = joining.pending.machine
             category = machine.failure_category  # type: ignore[attr-defined]
             self._outcome.reject(peer, category or "malformed", str(exc),
                                  wrong_salt=machine.salt_suspect)  # type: ignore[attr-defined]
@@ -281,6 +292,7 @@ class Formation:
         machine: CoordinatorHandshake = pending.machine  # type: ignore[assignment]
         verdict = self._admitter.judge(received, joining.peer)
         if not isinstance(verdict, Join):
+            joining.end()
             joining.nursery.start_soon(self._admitter.admit, joining.stream, machine,
                                        joining.peer, received)
             return
@@ -297,6 +309,7 @@ class Formation:
     def _hub_ready(self, joining: HubJoining, established: Established) -> None:
         conn, verdict = joining.conn, joining.verdict
         assert conn is not None and verdict is not None
+        joining.end()
         if self._admitter.joined(conn, verdict):
             joining.nursery.start_soon(self._readers.read_relay, conn)
         else:  # superseded while its Ready was in flight
@@ -305,5 +318,6 @@ class Formation:
     def _hub_no_ready(self, joining: HubJoining, exc: BaseException) -> None:
         conn = joining.conn
         assert conn is not None
+        joining.end()
         self._admitter.no_ready(conn, joining.peer, exc)
         joining.nursery.start_soon(conn.close)

@@ -103,3 +103,4 @@ async def test_a_disabled_collector_stays_disabled_and_false_leaves_it_alone(
         async with hosts.coordinator(cfg):
             pass
     assert seen == [True] and gc.isenabled()
+
