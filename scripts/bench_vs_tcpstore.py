@@ -191,8 +191,9 @@ def main() -> None:
         print(f"  {name:<44} {joins[name]:>7.0f}")
     print("coordinator: its process's CPU from the relays' release to formation, / relays; "
           "relay: a library relay's\nrank accept, rank handshake, upstream handshake and pump "
-          "start (bench_relay_upstream.py, 64 relays, its\nranks and coordinator in another "
-          "process); handshake machine: the sans-IO FT/2 machines alone, in memory;\nfloor: "
+          "start (bench_relay_upstream.py, 64 relays, median of 3 joins in one process, its\n"
+          "ranks and coordinator in another process); handshake machine: the sans-IO FT/2 "
+          "machines alone, in memory;\nfloor: "
           "a selectors coordinator (no Trio, no roster) driving the same machines over "
           "loopback.")
     print("targets (issues 23 and 38, SPEC §13): formation 1 rank/relay <= 1.0x TCPStore, 8 "
@@ -230,15 +231,14 @@ def join_costs(world: int, reps: int, procs: int) -> dict[str, float]:
     machines alone, and the selectors floor's formation of ``world`` relays."""
     machine = jf.machine_cpu_us(2000, 1)
     floors = [trio.run(jf.selectors_formation, world, 1, procs) for _ in range(reps)]
-    relay = []
-    for _ in range(reps):
-        done = subprocess.run([sys.executable, str(HERE / "bench_relay_upstream.py"),
-                               "--relays", "64", "--per", "1", "--quick", "--json"],
-                              capture_output=True, text=True, check=True, timeout=300)
-        relay.append(json.loads(done.stdout.splitlines()[-1])["rows"][0]["join_cpu_relay"]
-                     * 1000)
+    # One process, ``reps`` joins of 64 relays each (the first pays the process's first use
+    # of every path: with --quick alone that one-off cost was most of the figure).
+    done = subprocess.run([sys.executable, str(HERE / "bench_relay_upstream.py"), "--relays",
+                           "64", "--per", "1", "--runs", str(max(reps, 3)), "--seconds", "1",
+                           "--json"], capture_output=True, text=True, check=True, timeout=300)
+    runs = json.loads(done.stdout.splitlines()[-1])["runs"]
     return {
-        "relay CPU per join us": statistics.median(relay),
+        "relay CPU per join us": statistics.median(r["join_cpu_relay"] * 1000 for r in runs),
         "handshake machine CPU per join us": machine["coord_us"],
         "handshake machine, relay side us": machine["relay_us"],
         "floor CPU per join us": statistics.median(f["coord_us"] for f in floors),
