@@ -45,3 +45,18 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
 def gc_pausers() -> int:
     """How many blocks pause the collector now (for tests and the status page)."""
     return _pausers
+
+
+def freeze_setup() -> int:
+    """Move everything the process allocated so far out of the collector's reach, after one
+    collection (``gc.collect``, then ``gc.freeze``); the number of objects frozen.
+
+    For a process that runs one component for its whole life (the command line's
+    ``coordinator``, ``relay`` and ``rank``): its imports and set-up are never garbage, yet every
+    full collection scanned them again. One fell inside a relay's join in most runs, about
+    15 ms of CPU (``scripts/bench_relay_upstream.py``, issue 38). An embedding program decides
+    for itself (docs/performance.rst, "The garbage collector").
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from .._errors import ConfigError, FlodlError
+from .._gc import freeze_setup
 from .._version import __version__
 from ..wire import SessionSalt
 from ._common import (
@@ -95,13 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for logger in loggers:
         logger.addFilter(said)
     try:
-        return _main(args)
+        return _main(args, own_process=argv is None)
     finally:
         for logger in loggers:
             logger.removeFilter(said)
 
 
-def _main(args: Any) -> int:
+def _main(args: Any, *, own_process: bool = False) -> int:
+    """``own_process``: this is the process's own command line (``main()`` with no argv),
+    not ``main()`` called inside another program."""
     if args.command is None:
         print(f"flodl-trio {__version__}")
         print(f"fresh session salt: {SessionSalt.generate().hex()}")
@@ -119,7 +122,7 @@ def _main(args: Any) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
-            return _dispatch(args)
+            return _dispatch(args, own_process=own_process)
         except BaseExceptionGroup as group:
             chosen = _one_exception(group)
             if chosen is None or args.debug:
@@ -169,7 +172,7 @@ def _failure_line(args: Any, exc: BaseException, line: str | None) -> str:
     return error_line(exc, command=args.command, who=who, address=address, default=line)
 
 
-def _dispatch(args: Any) -> int:
+def _dispatch(args: Any, *, own_process: bool = False) -> int:
     if args.command == "salt":
         salt = SessionSalt.generate()
         if args.file is None:
@@ -183,6 +186,8 @@ def _dispatch(args: Any) -> int:
 
         run = {"status": _cli_run.run_status, "coordinator": _cli_run.run_coordinator,
                "relay": _cli_relay.run_relay, "rank": _cli_run.run_rank}[args.command]
+        if own_process and args.command != "status":  # one component for its whole life
+            freeze_setup()
         return trio.run(run, args)
     if args.command == "demo":
         from ..demo._run import run_demo
