@@ -278,6 +278,12 @@ class Cluster:
                     self.epochs_closed = max(self.epochs_closed, int(match.group(1)))
 
     def _react(self, proc: Proc) -> None:
+        if proc.role == "coordinator" and not self.finished.is_set():
+            # It may have written its summary and exited since the last pass: read it while
+            # the process is still its slot's (a restart would replace it and hide the end).
+            self._notice_end()
+            if proc is self.final:
+                return  # its exit is recorded with the run's end
         if proc.role == "coordinator" and proc is self.final:
             self.record("run_exit", name=proc.name, code=proc.code)
         if self.finished.is_set():
