@@ -139,6 +139,10 @@ class Leg:
         self.outcome: LegEnd | None = None
         self.verdict: Verdict | None = None
         self.cut_short = False
+        # The coordinator closed its end (EOF) before the leg ended: what the relay wrote
+        # before its own EOF was read (a frozen coordinator never closes).
+        self.peer_closed = False
+        self.goodbye = False  # the coordinator said Goodbye: it ends the run itself
         self._config = config
         self._down = downstream
         self._durable = False  # a silent coordinator is lost after coord_liveness_timeout
@@ -322,6 +326,7 @@ class Leg:
         except STREAM_GONE as exc:
             end = LegEnd.lost(self.session.close(f"upstream connection lost "
                                                  f"({type(exc).__name__})"))
+        self.peer_closed = end.ending is Ending.CLOSED
         self.end(end)
         self._read.set()
         await self.wind_down(self._written)
@@ -355,6 +360,7 @@ class Leg:
             elif type(event) is Cadence:
                 down.pace(event.interval)  # Liveness at the coordinator's pace
             elif type(event) is Goodbye:
+                self.goodbye = True
                 log.info("relay %r: the coordinator is shutting down: %s", session.host,
                          event.reason)
             else:

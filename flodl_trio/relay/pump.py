@@ -95,6 +95,10 @@ class Pump:
         # Issue 37: the host leaves on purpose (drain), and why; Draining goes up once.
         self.draining: str | None = None
         self._drain_asked = trio.Event()
+        # What went up as each rank left (RankExit, RankDropped), to tell a coordinator
+        # again when the one they were written to never confirmed them (see _tell_again).
+        self._farewells: list[Upstream] = []
+        self._retold = False
         self.leg = self._new_leg(stream, opener, sealer, first)
 
     def _new_leg(self, stream: trio.abc.Stream, opener: RecordOpener, sealer: RecordSealer,
@@ -177,6 +181,8 @@ class Pump:
                 continue
             if leg.verdict is Verdict.REJOIN and await self._wake_up(leg, up_recv):
                 continue
+            if self._unconfirmed(leg) and await self._tell_again(leg, up_recv):
+                continue
             if leg.verdict is not Verdict.FINISH or leg.cut_short:
                 await self.flush_ranks()
             self._scope.cancel()
@@ -197,6 +203,39 @@ class Pump:
         self.leg = self._new_leg(resumed.stream, established.opener, established.sealer,
                                  established.records, resumed.backlog)
         self.heartbeats.follow(0.0)  # a Cadence was the old connection's
+        return True
+
+    def _unconfirmed(self, leg: Leg) -> bool:
+        """The last rank left and its records were written, but the durable coordinator never
+        closed its end within ``shutdown_grace`` nor said ``Goodbye``: it may be frozen (a
+        stopped process takes the bytes into its socket and reads none), and the coordinator
+        that takes over would adopt a session in which these ranks never left."""
+        return (leg.verdict is Verdict.FINISH and leg.outcome is not None
+                and leg.outcome.ending is Ending.RANKS_GONE and not leg.peer_closed
+                and not leg.goodbye and not leg.cut_short
+                and self.resume is not None and self.resume.enabled
+                and not self._retold and bool(self._farewells))
+
+    async def _tell_again(self, leg: Leg, up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
+        """Ride the unconfirmed finish out like a loss and tell the coordinator that leads
+        then, on the resumed connection, that the host leaves (``Draining``) and its ranks
+        left; True once that connection runs. When no coordinator answers within
+        ``coordinator_grace`` (or it refuses the resume: it knows already), the relay ends as
+        it would have."""
+        assert self.resume is not None
+        self._retold = True
+        reason = (f"no close from the coordinator within shutdown_grace="
+                  f"{self.config.shutdown_grace:g}s after the last rank left (frozen?)")
+        log.warning("relay %r: %s; telling the coordinator that leads next", self.host, reason)
+        await trio.aclose_forcefully(leg.stream)
+        told: list[Upstream] = [Draining(reason=self.draining)] if self.draining else []
+        resumed = await self.resume.ride_out(reason, up_recv, told + self._farewells)
+        if resumed is None:
+            log.warning("relay %r: %s; it ends as it was", self.host, self.resume.gave_up[0])
+            return False
+        established = resumed.established
+        self.leg = self._new_leg(resumed.stream, established.opener, established.sealer,
+                                 established.records, resumed.backlog)
         return True
 
     async def _wake_up(self, leg: Leg, up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
@@ -404,6 +443,9 @@ class Pump:
             try:
                 if beats.pending(rank) and (liveness := beats.take(clock())) is not None:
                     await send_up(up_send, liveness)  # its last heartbeat before its RankExit
+                if session.exiting_frame is not None:  # its Exiting, then its end
+                    self._farewells.append((rank, session.exiting_frame))
+                self._farewells.append(gone)
                 await send_up(up_send, gone)
             except STREAM_GONE:
                 pass

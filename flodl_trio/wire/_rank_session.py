@@ -32,6 +32,10 @@ _TIMING_FRAME_KIND = _FRAME_KIND.pack(int(MsgKind.TIMING))
 # A Heartbeat's CBOR payload starts [5, ...]: an array of 3, variant index 5 (SPEC §2.7). Only
 # frames that start so are opened by the relay; every other frame goes through untouched.
 _HEARTBEAT_HEAD = b"\x83\x05"
+# An Exiting's starts [2, rank]: an array of 2, variant index 2. The relay keeps the last one
+# a rank sent, to tell a coordinator again that the rank left cleanly (issue 35, the nemesis:
+# the leader it was written to may have been frozen).
+_EXITING_HEAD = b"\x82\x02"
 
 
 class RankFrame(NamedTuple):
@@ -67,6 +71,9 @@ class RankLinkSession(_Session):
         self.host = host
         self.codec = codec
         self.fenced: str | None = None  # the coordinator's reason, once it fenced the rank
+        # The rank's ``Exiting`` frame as it was forwarded (unverified: the coordinator
+        # verifies it), once it sent one.
+        self.exiting_frame: bytes | None = None
         self._decoder = LenFrameDecoder(max_len=max_len)
 
     def fence(self, reason: str) -> None:
@@ -96,14 +103,17 @@ class RankLinkSession(_Session):
     def _event(self, blob: bytes) -> Any:
         if self.fenced is not None:
             return None
-        if (self.codec is not None and blob[16:20] == _TIMING_FRAME_KIND
-                and blob[24:26] == _HEARTBEAT_HEAD):
-            try:
-                msg = decode_timing(self.codec.open(blob).payload)
-            except WireError:  # forwarded: the coordinator verifies, counts and reports it
-                return RankFrame(self.rank, blob)
-            if type(msg) is Heartbeat and msg.rank == self.rank:
-                return RankHeartbeat(self.rank, msg.step_count)
+        if blob[16:20] == _TIMING_FRAME_KIND:
+            head = blob[24:26]
+            if head == _EXITING_HEAD:
+                self.exiting_frame = blob
+            elif self.codec is not None and head == _HEARTBEAT_HEAD:
+                try:
+                    msg = decode_timing(self.codec.open(blob).payload)
+                except WireError:  # forwarded: the coordinator verifies, counts, reports it
+                    return RankFrame(self.rank, blob)
+                if type(msg) is Heartbeat and msg.rank == self.rank:
+                    return RankHeartbeat(self.rank, msg.step_count)
         return RankFrame(self.rank, blob)
 
     def _fatal_reason(self, exc: WireError) -> str:

@@ -206,3 +206,78 @@ async def test_a_stale_or_unanswered_published_address_never_moves_the_relay(
         assert run.outcome == "ended"
         labels = [label for label in run.labels() if label != "CoordHeartbeat"]
         assert labels == ["CoordinatorReconnecting", "CoordinatorResumed", "Shutdown"]
+
+
+async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_successor(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # Found by the nemesis (seed 3): host-b drains while the leader is SIGSTOPped. Its relay
+    # wrote Draining and its ranks' exits into the frozen leader's socket and ended after
+    # shutdown_grace; the standby adopted the session as the store had it, waited
+    # resume_timeout for host-b and declared ranks 2 and 3 dead. Now a finish the durable
+    # coordinator never confirmed (it did not close) is ridden out: the relay resumes with the
+    # standby and tells it again, and the ranks are retired, never dead.
+    net = memory_network
+    salt = ft.SessionSalt.generate()
+    store = MemoryStore(name="run1")
+    freeze = Freeze()
+    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
+    leader: list[Any] = []
+    standby: list[ft.Coordinator] = []
+    standby_log = EventLog()
+    done = trio.Event()
+
+    async def run_leader() -> None:
+        try:
+            async with ft.open_coordinator(
+                    FrozenListener(net.listener("coord-1"), freeze), salt=salt, config=cfg,
+                    store=FrozenStore(store, freeze), timeline=EventLog()) as coord:
+                leader.append(coord)
+                await trio.sleep_forever()
+        except (ft.LeadershipLost, ft.ClusterFailure) as exc:
+            leader.append(exc)
+
+    async def run_standby(handle: MemoryStore) -> None:
+        async with ft.open_coordinator(net.listener("coord-2"), salt=salt, config=cfg,
+                                       store=handle, timeline=standby_log) as coord:
+            standby.append(coord)
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        try:
+            nursery.start_soon(run_leader)
+            await publish_once_leading(store, ("coord-1", 1))
+            hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
+                                      target=store_dialer(store, net)) for host, ranks in ROSTER]
+            await wait_until(lambda: leader, limit=60)
+            handle = store.clone()
+            nursery.start_soon(run_standby, handle)
+            await trio.sleep(5)
+
+            freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
+            draining = hosts[1]
+            await relay_of(draining).drain("maintenance")
+            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
+                                         for run in draining.ranks.values()), limit=10)
+            for run in draining.ranks.values():
+                run.leave()  # each finishes and exits (Exiting, then RankExit upstream)
+            await trio.sleep(LEASE_TTL)
+            store.expire()  # its lease ran out: the standby leads, adopts and publishes
+            await publish_once_leading(handle, ("coord-2", 2))
+            await wait_until(lambda: bool(standby), limit=60)
+            (coord,) = standby
+            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
+            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+            await wait_until(lambda: draining.all_done, limit=60)
+            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+            assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+
+            freeze.thaw()
+            await freeze.run_closes()
+            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
+            done.set()
+            await wait_until(lambda: hosts[0].all_done, limit=60)
+        finally:
+            freeze.thaw()
+            await freeze.run_closes()
+    assert standby_log.of(RankDeclaredDead) == []
