@@ -54,6 +54,32 @@ def plain_dialer(store: MemoryStore, net: MemoryNetwork) -> Any:
     return dial
 
 
+async def lead_until_deposed(net: MemoryNetwork, salt: ft.SessionSalt, cfg: ft.CoordinatorConfig,
+                             store: MemoryStore, freeze: Freeze, leader: list[Any]) -> None:
+    """The leader on ``coord-1``, frozen by ``freeze``; ``leader`` gets it, then how it ended.
+    Its timers ran while it was stopped: once thawed it finds every rank stale
+    (ClusterFailure) or its leadership gone (LeadershipLost); either way it ends, and what it
+    says on the way reaches nobody."""
+    try:
+        async with ft.open_coordinator(
+                FrozenListener(net.listener("coord-1"), freeze), salt=salt, config=cfg,
+                store=FrozenStore(store, freeze), timeline=EventLog()) as coord:
+            leader.append(coord)
+            await trio.sleep_forever()
+    except (ft.LeadershipLost, ft.ClusterFailure) as exc:
+        leader.append(exc)
+
+
+async def stand_by(net: MemoryNetwork, salt: ft.SessionSalt, cfg: ft.CoordinatorConfig,
+                   handle: MemoryStore, standby: list[ft.Coordinator], log: EventLog,
+                   done: trio.Event) -> None:
+    """The standby on ``coord-2``: it leads once the leader's lease runs out, until ``done``."""
+    async with ft.open_coordinator(net.listener("coord-2"), salt=salt, config=cfg,
+                                   store=handle, timeline=log) as coord:
+        standby.append(coord)
+        await done.wait()
+
+
 @pytest.mark.parametrize("target", ["store", "callable"])
 async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, target: str
@@ -71,35 +97,16 @@ async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
     standby_log = EventLog()
     done = trio.Event()
 
-    async def run_leader() -> None:
-        try:
-            async with ft.open_coordinator(
-                    FrozenListener(net.listener("coord-1"), freeze), salt=salt, config=cfg,
-                    store=FrozenStore(store, freeze), timeline=EventLog()) as coord:
-                leader.append(coord)
-                await trio.sleep_forever()
-        except (ft.LeadershipLost, ft.ClusterFailure) as exc:
-            # Its timers ran while it was stopped: once thawed it finds every rank stale
-            # (ClusterFailure) or its leadership gone (LeadershipLost); either way it ends,
-            # and what it says on the way reaches nobody.
-            leader.append(exc)
-
-    async def run_standby(handle: MemoryStore) -> None:
-        async with ft.open_coordinator(net.listener("coord-2"), salt=salt, config=cfg,
-                                       store=handle, timeline=standby_log) as coord:
-            standby.append(coord)
-            await done.wait()
-
     async with trio.open_nursery() as nursery:
         try:
-            nursery.start_soon(run_leader)
+            nursery.start_soon(lead_until_deposed, net, salt, cfg, store, freeze, leader)
             await publish_once_leading(store, ("coord-1", 1))
             dialer = store_dialer if target == "store" else plain_dialer
             hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
                                       target=dialer(store, net)) for host, ranks in ROSTER]
             await wait_until(lambda: leader, limit=60)
             handle = store.clone()
-            nursery.start_soon(run_standby, handle)
+            nursery.start_soon(stand_by, net, salt, cfg, handle, standby, standby_log, done)
             await trio.sleep(5)  # a running cohort, its standby waiting for the leadership
 
             freeze.freeze()  # SIGSTOP
@@ -227,31 +234,15 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
     standby_log = EventLog()
     done = trio.Event()
 
-    async def run_leader() -> None:
-        try:
-            async with ft.open_coordinator(
-                    FrozenListener(net.listener("coord-1"), freeze), salt=salt, config=cfg,
-                    store=FrozenStore(store, freeze), timeline=EventLog()) as coord:
-                leader.append(coord)
-                await trio.sleep_forever()
-        except (ft.LeadershipLost, ft.ClusterFailure) as exc:
-            leader.append(exc)
-
-    async def run_standby(handle: MemoryStore) -> None:
-        async with ft.open_coordinator(net.listener("coord-2"), salt=salt, config=cfg,
-                                       store=handle, timeline=standby_log) as coord:
-            standby.append(coord)
-            await done.wait()
-
     async with trio.open_nursery() as nursery:
         try:
-            nursery.start_soon(run_leader)
+            nursery.start_soon(lead_until_deposed, net, salt, cfg, store, freeze, leader)
             await publish_once_leading(store, ("coord-1", 1))
             hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
                                       target=store_dialer(store, net)) for host, ranks in ROSTER]
             await wait_until(lambda: leader, limit=60)
             handle = store.clone()
-            nursery.start_soon(run_standby, handle)
+            nursery.start_soon(stand_by, net, salt, cfg, handle, standby, standby_log, done)
             await trio.sleep(5)
 
             freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
