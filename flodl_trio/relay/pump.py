@@ -95,8 +95,9 @@ class Pump:
         # Issue 37: the host leaves on purpose (drain), and why; Draining goes up once.
         self.draining: str | None = None
         self._drain_asked = trio.Event()
-        # What went up as each rank left (RankExit, RankDropped), to tell a coordinator
-        # again when the one they were written to never confirmed them (see _tell_again).
+        # What went up as each rank left (its Exiting frame, then RankExit or RankDropped), to
+        # tell a coordinator again when the one they were written to never confirmed them
+        # (see _tell_again).
         self._farewells: list[Upstream] = []
         self._retold = False
         self.leg = self._new_leg(stream, opener, sealer, first)
