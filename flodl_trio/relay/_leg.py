@@ -139,8 +139,8 @@ class Leg:
         self.outcome: LegEnd | None = None
         self.verdict: Verdict | None = None
         self.cut_short = False
-        # The coordinator closed its end (EOF) before the leg ended: what the relay wrote
-        # before its own EOF was read (a frozen coordinator never closes).
+        # The coordinator closed its end (an EOF, or a reset) before the leg ended: it was
+        # running and read what the relay wrote (a frozen coordinator never closes).
         self.peer_closed = False
         self.goodbye = False  # the coordinator said Goodbye: it ends the run itself
         self._config = config
@@ -323,10 +323,11 @@ class Leg:
     async def reader(self) -> None:
         try:
             end = await self.read_until_end()
+            self.peer_closed = end.ending is Ending.CLOSED
         except STREAM_GONE as exc:
             end = LegEnd.lost(self.session.close(f"upstream connection lost "
                                                  f"({type(exc).__name__})"))
-        self.peer_closed = end.ending is Ending.CLOSED
+            self.peer_closed = True  # reset by a coordinator that closed with bytes unread
         self.end(end)
         self._read.set()
         await self.wind_down(self._written)
