@@ -175,10 +175,11 @@ class RelayProcess:
                 *extra]
         proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE)
         child = cls(proc, host)
-        nursery.start_soon(child._collect)
+        nursery.start_soon(child.collect)
         return child
 
-    async def _collect(self) -> None:
+    async def collect(self) -> None:
+        """Read its output into :attr:`lines` until EOF (started by :meth:`start`)."""
         assert self.proc.stdout is not None
         pending = b""
         try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import _report as rep
 import trio
+from _relay_proc import RelayProcess
 
 import flodl_trio as ft
 from flodl_trio.events import Note, RankDeclaredDead, RankJoined, RankRetired
@@ -50,56 +51,33 @@ JOIN_TARGET_S = 4.0
 DRAIN_TARGET_S = 1.0
 
 
-class Child:
-    """One ``flodl-trio`` process and the lines it printed so far."""
-
-    def __init__(self, proc: trio.Process, name: str) -> None:
-        self.proc, self.name = proc, name
-        self.lines: list[str] = []
-        self._changed = trio.Event()
+class Child(RelayProcess):
+    """One ``flodl-trio`` process and the lines it printed so far (``_relay_proc``'s line
+    collection and stop, for any command)."""
 
     @classmethod
-    async def start(cls, nursery: trio.Nursery, name: str, *argv: str) -> Child:
+    async def command(cls, nursery: trio.Nursery, name: str, *argv: str) -> Child:
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "flodl_trio", *argv], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env={**os.environ})
         child = cls(proc, name)
-        nursery.start_soon(child._collect)
+        nursery.start_soon(child.collect)
         return child
 
-    async def _collect(self) -> None:
-        assert self.proc.stdout is not None
-        pending = b""
-        async for chunk in self.proc.stdout:
-            pending += chunk
-            *complete, pending = pending.split(b"\n")
-            self.lines.extend(line.decode() for line in complete)
-            self._changed.set()
-            self._changed = trio.Event()
-
     async def line_with(self, text: str) -> str:
-        while True:  # bounded by the run's fail_after
-            for line in self.lines:
-                if text in line:
-                    return line
-            await self._changed.wait()
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-        with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await self.proc.wait()
+        """The first printed line holding ``text`` (the run's fail_after bounds the wait)."""
+        return (await self.wait_lines(lambda line: text in line))[0]
 
 
 async def start_host(nursery: trio.Nursery, address: tuple[str, int], salt: ft.SessionSalt,
                      host: str, ranks: list[int]) -> tuple[Child, list[Child]]:
     """A relay process, then one rank process per rank once it printed its rank port."""
-    relay = await Child.start(nursery, host, "relay", "--coordinator",
+    relay = await Child.command(nursery, host, "relay", "--coordinator",
                               f"{address[0]}:{address[1]}", "--host", host, "--ranks",
                               ",".join(map(str, ranks)), "--world-size", str(WORLD),
                               "--salt-hex", salt.hex())
     listening = (await relay.line_with("listening for ranks on")).rsplit(" ", 1)[-1]
-    children = [await Child.start(nursery, f"rank {r}", "rank", "--relay", listening, "--rank",
+    children = [await Child.command(nursery, f"rank {r}", "rank", "--relay", listening, "--rank",
                                   str(r), "--world-size", str(WORLD), "--batch-ms",
                                   str(BATCH_MS), "--batch-size", str(BATCH_SIZE), "--salt-hex",
                                   salt.hex()) for r in ranks]
