@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -80,6 +81,43 @@ async def stand_by(net: MemoryNetwork, salt: ft.SessionSalt, cfg: ft.Coordinator
         await done.wait()
 
 
+
+@attrs.define(eq=False)
+class LeaderAndStandby:
+    """A leader (frozen by ``freeze``) running the ROSTER's hosts, and its standby waiting."""
+
+    salt: ft.SessionSalt
+    store: MemoryStore
+    handle: MemoryStore  # the standby's handle on the store
+    freeze: Freeze
+    hosts: list[HostRun]
+    leader: list[Any]  # the leader, then how it ended
+    standby: list[ft.Coordinator]
+    standby_log: EventLog
+    done: trio.Event  # the standby's block ends
+
+
+async def leader_and_standby(nursery: trio.Nursery, net: MemoryNetwork,
+                             cfg: ft.CoordinatorConfig, dialer: Any) -> LeaderAndStandby:
+    """The leader on ``coord-1`` with the ROSTER's hosts (each dialing ``dialer(store, net)``),
+    then its standby on ``coord-2``, 5 s into the run."""
+    salt = ft.SessionSalt.generate()
+    store = MemoryStore(name="run1")
+    freeze = Freeze()
+    leader: list[Any] = []
+    nursery.start_soon(lead_until_deposed, net, salt, cfg, store, freeze, leader)
+    await publish_once_leading(store, ("coord-1", 1))
+    hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
+                              target=dialer(store, net)) for host, ranks in ROSTER]
+    await wait_until(lambda: leader, limit=60)
+    pair = LeaderAndStandby(salt, store, store.clone(), freeze, hosts, leader, [], EventLog(),
+                            trio.Event())
+    nursery.start_soon(stand_by, net, salt, cfg, pair.handle, pair.standby, pair.standby_log,
+                       pair.done)
+    await trio.sleep(5)  # a running cohort, its standby waiting for the leadership
+    return pair
+
+
 @pytest.mark.parametrize("target", ["store", "callable"])
 async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
     autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, target: str
@@ -88,27 +126,13 @@ async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
     # cannot watch, their own silence deadline (20 s, 2/3 of the ranks') moves them, and they
     # feed their ranks from then on: with it at the ranks' 30 s, every rank died.
     net = memory_network
-    salt = ft.SessionSalt.generate()
-    store = MemoryStore(name="run1")
-    freeze = Freeze()
     cfg = ft.CoordinatorConfig(world_size=4, resume_timeout=30)  # heartbeats every second
-    leader: list[Any] = []
-    standby: list[ft.Coordinator] = []
-    standby_log = EventLog()
-    done = trio.Event()
-
+    dialer = store_dialer if target == "store" else plain_dialer
     async with trio.open_nursery() as nursery:
+        run = await leader_and_standby(nursery, net, cfg, dialer)
+        store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
+        leader, standby, standby_log, done = run.leader, run.standby, run.standby_log, run.done
         try:
-            nursery.start_soon(lead_until_deposed, net, salt, cfg, store, freeze, leader)
-            await publish_once_leading(store, ("coord-1", 1))
-            dialer = store_dialer if target == "store" else plain_dialer
-            hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
-                                      target=dialer(store, net)) for host, ranks in ROSTER]
-            await wait_until(lambda: leader, limit=60)
-            handle = store.clone()
-            nursery.start_soon(stand_by, net, salt, cfg, handle, standby, standby_log, done)
-            await trio.sleep(5)  # a running cohort, its standby waiting for the leadership
-
             freeze.freeze()  # SIGSTOP
             frozen_at = trio.current_time()
             await trio.sleep(LEASE_TTL)
@@ -225,26 +249,12 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
     # coordinator never confirmed (it did not close) is ridden out: the relay resumes with the
     # standby and tells it again, and the ranks are retired, never dead.
     net = memory_network
-    salt = ft.SessionSalt.generate()
-    store = MemoryStore(name="run1")
-    freeze = Freeze()
     cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
-    leader: list[Any] = []
-    standby: list[ft.Coordinator] = []
-    standby_log = EventLog()
-    done = trio.Event()
-
     async with trio.open_nursery() as nursery:
+        run = await leader_and_standby(nursery, net, cfg, store_dialer)
+        store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
+        leader, standby, standby_log, done = run.leader, run.standby, run.standby_log, run.done
         try:
-            nursery.start_soon(lead_until_deposed, net, salt, cfg, store, freeze, leader)
-            await publish_once_leading(store, ("coord-1", 1))
-            hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
-                                      target=store_dialer(store, net)) for host, ranks in ROSTER]
-            await wait_until(lambda: leader, limit=60)
-            handle = store.clone()
-            nursery.start_soon(stand_by, net, salt, cfg, handle, standby, standby_log, done)
-            await trio.sleep(5)
-
             freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
             draining = hosts[1]
             await relay_of(draining).drain("maintenance")
