@@ -95,9 +95,10 @@ class Pump:
         # Issue 37: the host leaves on purpose (drain), and why; Draining goes up once.
         self.draining: str | None = None
         self._drain_asked = trio.Event()
+        self._draining_queued = False
         # What went up as each rank left (its Exiting frame, then RankExit or RankDropped), to
         # tell a coordinator again when the one they were written to never confirmed them
-        # (see _tell_again).
+        # (see _told_again).
         self._farewells: list[Upstream] = []
         self._retold = False
         self.leg = self._new_leg(stream, opener, sealer, first)
@@ -162,6 +163,7 @@ class Pump:
             if self.draining is not None and not self._readers_gone.is_set():
                 try:
                     await self.send_up(up_send, Draining(reason=self.draining))
+                    self._draining_queued = True
                 except STREAM_GONE:
                     pass
 
@@ -195,7 +197,7 @@ class Pump:
         the pump fails (the grace ran out, or the resume was refused)."""
         assert self.resume is not None
         await trio.aclose_forcefully(leg.stream)  # nothing from it is delivered again
-        resumed = await self.resume.ride_out(end.reason, up_recv, leg.unsent())
+        resumed = await self.resume.ride_out(end.reason, up_recv, self._told_again(leg.unsent()))
         if resumed is None:
             why, self.error = self.resume.gave_up
             self.finish(why, False, now=False)
@@ -229,8 +231,7 @@ class Pump:
                   f"{self.config.shutdown_grace:g}s after the last rank left (frozen?)")
         log.warning("relay %r: %s; telling the coordinator that leads next", self.host, reason)
         await trio.aclose_forcefully(leg.stream)
-        told: list[Upstream] = [Draining(reason=self.draining)] if self.draining else []
-        resumed = await self.resume.ride_out(reason, up_recv, told + self._farewells)
+        resumed = await self.resume.ride_out(reason, up_recv, self._told_again(leg.unsent()))
         if resumed is None:
             log.warning("relay %r: %s; it ends as it was", self.host, self.resume.gave_up[0])
             return False
@@ -238,6 +239,21 @@ class Pump:
         self.leg = self._new_leg(resumed.stream, established.opener, established.sealer,
                                  established.records, resumed.backlog)
         return True
+
+    def _told_again(self, unsent: list[Upstream]) -> list[Upstream]:
+        """What a resumed connection carries first: ``unsent`` (what the lost one did not
+        write), after what the lost one wrote and the next coordinator may never have heard,
+        since a frozen or killed leader reads nothing and its successor adopts the session as
+        the store had it -- that the host leaves (``Draining``, once queued) and each rank
+        that left (its ``Exiting``, then its ``RankExit`` or ``RankDropped``). Told twice,
+        they change nothing: the coordinator ignores a second ``Draining`` and the end of a
+        rank that left already."""
+        again: list[Upstream] = []
+        if self._draining_queued and not any(isinstance(u, Draining) for u in unsent):
+            assert self.draining is not None
+            again.append(Draining(reason=self.draining))
+        again += [item for item in self._farewells if item not in unsent]
+        return again + unsent
 
     async def _wake_up(self, leg: Leg, up_recv: trio.MemoryReceiveChannel[Upstream]) -> bool:
         """Join again with the fenced ranks (:mod:`._wakeup`); True once a new leg runs on the

@@ -282,3 +282,49 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
             freeze.thaw()
             await freeze.run_closes()
     assert standby_log.of(RankDeclaredDead) == []
+
+
+async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_retires_every_rank(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # Found by the nemesis (seed 5): host-b's Draining went into the frozen leader's socket,
+    # the relay resumed with the standby, and its ranks exited there. The standby never heard
+    # that the host leaves: it kept them as exited (not retired), and the restarted host was
+    # refused for good ("rank 8 exited cleanly and does not rejoin"). Now a resumed connection
+    # tells the next coordinator again: Draining, and the ranks that left before (rank 2 here,
+    # whose Exiting the frozen leader took and never read).
+    net = memory_network
+    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
+    async with trio.open_nursery() as nursery:
+        run = await leader_and_standby(nursery, net, cfg, store_dialer)
+        store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
+        leader, standby, standby_log, done = run.leader, run.standby, run.standby_log, run.done
+        try:
+            freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
+            draining = hosts[1]
+            await relay_of(draining).drain("maintenance")
+            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
+                                         for run in draining.ranks.values()), limit=10)
+            draining.ranks[2].leave()  # one rank finishes before the leader is replaced
+            await trio.sleep(LEASE_TTL)
+            store.expire()  # its lease ran out: the standby leads, adopts and publishes
+            await publish_once_leading(handle, ("coord-2", 2))
+            await wait_until(lambda: relay_of(draining).reconnects == 1, limit=60)
+            (coord,) = standby
+            await wait_until(lambda: coord.retired_ranks == {2}, limit=10)
+            draining.ranks[3].leave()  # the other only once its relay resumed
+            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=10)
+            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+            assert coord.exited_ranks == frozenset()
+            await wait_until(lambda: draining.all_done, limit=60)
+            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+
+            freeze.thaw()
+            await freeze.run_closes()
+            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
+            done.set()
+            await wait_until(lambda: hosts[0].all_done, limit=60)
+        finally:
+            freeze.thaw()
+            await freeze.run_closes()
+    assert standby_log.of(RankDeclaredDead) == []
