@@ -23,14 +23,16 @@ The table; the first row that holds wins ("the ranks" are the ranks the relay na
    6  ENDING   shutting down, or the failure policy stopped the run       Refuse
    7  any      another world size or model, or a rank list that is not    Refuse
                one (empty, unsorted, a rank twice or out of range)
-   8  any      a rank exited cleanly, is alive on a relay it does not     Refuse
-               supersede, or belongs to another host (takeover off)
+   8  any      a rank exited cleanly (a fixed world), is alive on a       Refuse
+               relay it does not supersede, or belongs to another host
+               (takeover off)
    9  any      another relay's rejoin claims a rank                       Refuse
   10  RUNNING  a rank is alive on its own host's connection               Supersede(old)
   11  RUNNING  a Resume; a rank is on its host's relay awaiting resume    Resume(conns)
   12  RUNNING  every rank uncovered, and the world has room for them      Grow
   13  any      a rank was last carried by another host (takeover on)      TakeOver(previous)
-  14  any      otherwise: every rank dead or uncovered, of its own host   Rejoin
+  14  any      otherwise: every rank dead or uncovered (or exited, in an  Rejoin
+               elastic world), of its own host
 
 FORMING: the roster is forming. RUNNING: it runs and the failure policy has not stopped the run;
 ENDING: it runs and the policy stopped the run, or it is shutting down. During formation rows
@@ -339,10 +341,12 @@ def rejoin_problem(roster: Roster[C], host: str, ranks: Iterable[int], peer: str
                    allow_takeover: bool, superseding: Collection[C] = ()) -> str | None:
     """Rows 4 and 8: why a relay may not bring ``ranks`` (back) into the cohort, or None.
 
-    Every rank must be dead (or not covered); a rank that exited cleanly never comes back; a
-    rank announced by another host needs ``allow_takeover`` (during formation too, once the
-    relay that announced it was lost). A rank alive on one of ``superseding`` (the same host's
-    connections, about to be superseded or resumed) counts as dead.
+    Every rank must be dead (or not covered); a rank that exited cleanly never comes back to a
+    fixed world, and comes back to an elastic one like a dead rank (the minimum kept it in the
+    world, its host drained or not); a rank announced by another host needs
+    ``allow_takeover`` (during formation too, once the relay that announced it was lost). A
+    rank alive on one of ``superseding`` (the same host's connections, about to be superseded
+    or resumed) counts as dead.
     """
     who = f"authenticated Hello from relay {host!r} at {peer}"
     for rank in ranks:
@@ -356,9 +360,10 @@ def rejoin_problem(roster: Roster[C], host: str, ranks: Iterable[int], peer: str
                         "True), CLI --allow-takeover)")
             continue
         if roster.has_exited(rank):
-            return (f"{who}: expected every rank it names to be dead, but rank {rank} exited "
-                    "cleanly and does not rejoin")
-        if not roster.is_dead(rank) and owner not in superseding:
+            if roster.min_world == roster.world_size:  # else elastic: it may come back
+                return (f"{who}: expected every rank it names to be dead, but rank {rank} "
+                        "exited cleanly and does not rejoin")
+        elif not roster.is_dead(rank) and owner not in superseding:
             return (f"{who}: expected every rank it names to be dead, but rank {rank} is alive "
                     f"on relay {owner.host!r} at {owner.peer}")
         if owner.host != host and not allow_takeover:

@@ -306,6 +306,7 @@ class Admitter:
         roster = self._roster
         dropped: list[RelayConn] = []
         back: list[int] = []
+        returned: list[int] = []  # exited, back in an elastic world (no DeclareDead was told)
         # Ranks new to a running cohort (never covered, or retired): the world grows (issue 37).
         grown = ([rank for rank in conn.ranks if roster.relay_of(rank) is None]
                  if roster.running else [])
@@ -313,9 +314,10 @@ class Admitter:
             roster.confirm(conn)
             previous = verdict.taken
         else:
-            was_dead = roster.dead
+            was_dead, had_left = roster.dead, roster.exited
             previous, dropped = roster.rejoin(conn, trio.current_time())
             back = [rank for rank in conn.ranks if rank in was_dead]
+            returned = [rank for rank in conn.ranks if rank in had_left]
         self._sender.start_writer(conn)
         self.warn_cleartext(conn.peer)
         for old in dropped:  # every rank it carried is back elsewhere
@@ -332,7 +334,7 @@ class Admitter:
                             rank, before, conn.host)
                 self._timeline.event(RankTakenOver(rank=rank, host=conn.host,
                                                    previous_host=before))
-        for rank in back:
+        for rank in (*back, *returned):
             self._timeline.event(RankRejoined(rank=rank, host=conn.host))
         if grown:
             world = roster.current_world

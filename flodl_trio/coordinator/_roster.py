@@ -328,7 +328,8 @@ class Roster(WorldRules[M], LivenessRules[M]):
             self._relay_of[r] = relay
             self._retired.pop(r, None)  # a retired rank's id joined again: the world grew
             self._retired_from.pop(r, None)
-            if self._dead.pop(r, None) is not None:
+            if self._dead.pop(r, None) is not None or r in self._exited:
+                self._exited.discard(r)  # an elastic world's rank that left comes back
                 self._rejoins[r] = self._rejoins.get(r, 0) + 1
             self._last_seen[r] = now
             self._live.add(r)

@@ -62,8 +62,9 @@ def hello(host: str, ranks: tuple[int, ...], *, world: int = 4,
                                                ranks=ranks, nonce=NONCE, generation=resume))
 
 
-def roster_of(*conns: Conn, world: int = 4, run: bool = False) -> Roster[Conn]:
-    roster: Roster[Conn] = Roster(world)
+def roster_of(*conns: Conn, world: int = 4, least: int | None = None,
+              run: bool = False) -> Roster[Conn]:
+    roster: Roster[Conn] = Roster(world, min_world=least)
     for conn in conns:
         roster.register(conn, 0.0)
         roster.confirm(conn)
@@ -304,6 +305,20 @@ def test_a_dead_rank_named_during_formation_follows_the_rejoin_rules() -> None:
     assert ask(roster, hello("host-x", (0, 1, 2)), terms=Terms(allow_takeover=True)) == Refuse(
         f"{WHO}: expected every rank it names to be dead, but rank 0 is alive on relay "
         "'host-a' at 10.0.0.9:4000")
+
+
+def test_in_an_elastic_world_a_rank_that_exited_comes_back_with_its_own_host_only() -> None:
+    # An elastic world of 2 to 4 ranks (the minimum keeps exits in it).
+    roster = roster_of(Conn("host-a", (0, 1)), Conn("host-b", (2, 3)), least=2, run=True)
+    roster.mark_exited(2)
+    roster.mark_exited(3)
+    assert ask(roster, hello("host-b", (2, 3))) == Rejoin((2, 3))
+    assert ask(roster, hello("host-x", (2,))) == Refuse(
+        f"authenticated Hello from relay 'host-x' at {PEER}: rank 2 was announced by host "
+        "'host-b'; expected that host to bring it back (a different host takes over dead "
+        "ranks only with CoordinatorConfig(allow_rank_takeover=True), CLI --allow-takeover)")
+    assert ask(roster, hello("host-x", (2,)), terms=Terms(allow_takeover=True)) == TakeOver(
+        (2,), previous={2: "host-b"})
 
 
 # ------------------------------------------------------------------ asked again

@@ -17,7 +17,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flodl_trio as ft
-from flodl_trio.events import Note, RankDeclaredDead, RankRetired, RelayDraining
+from flodl_trio.events import Note, RankDeclaredDead, RankRejoined, RankRetired, RelayDraining
 from flodl_trio.scheduler import SyncScheduler, exactly_once_fraction
 from flodl_trio.scheduler._parts import Members
 from flodl_trio.sim import SimRecord
@@ -248,6 +248,50 @@ async def test_a_drained_host_leaves_after_its_sync_and_is_retired_without_a_fai
         assert any(isinstance(m, Drain) and m.reason == "maintenance" for m in rec.received)
         # It left right after a SyncAck: every batch it reported was synced.
         assert rec.synced == rec.processed
+
+
+async def test_a_host_drained_at_the_minimum_stays_in_the_world_and_comes_back_when_restarted(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # Found by the nemesis (seed 5): a host drained while the world was at its minimum leaves
+    # its ranks exited (never a failure, never retired), and its next Hello was refused for
+    # good ("rank 2 exited cleanly and does not rejoin"): the world stayed a host short. In an
+    # elastic world the restarted host brings them back, and they get work from the next epoch.
+    salt = ft.SessionSalt.generate()
+    log = EventLog()
+    start = functools.partial(start_sim_host, net=memory_network, salt=salt, world=WORLD,
+                              sim_args=sims(2))
+    cfg = config(min_world_size=4, max_failure=ft.MaxFailure.absolute(0))  # no death allowed
+    async with trio.open_nursery() as nursery:
+        hosts = [start(nursery, host="host-a", ranks=[0, 1]),
+                 start(nursery, host="host-b", ranks=[2, 3])]
+        async with ft.open_coordinator(memory_network.listener(COORD), salt=salt,
+                                       config=cfg, timeline=log) as coord:
+            scheduler = SyncScheduler(coord, total_samples=64, batch_size=2, num_epochs=4)
+            back: list[SimHost] = []
+
+            async def leave_and_come_back() -> None:
+                b = hosts[1]
+                await wait_until(lambda: b.worked_in(1), limit=10)
+                assert b.relay is not None
+                await b.relay.drain("maintenance")
+                await wait_until(lambda: b.done.is_set(), limit=10)
+                assert coord.exited_ranks == {2, 3} and coord.retired_ranks == frozenset()
+                assert coord.current_world == 4 and coord.failure is None
+                back.append(start(nursery, host="host-b", ranks=[2, 3]))
+                await wait_until(lambda: coord.live_ranks == {0, 1, 2, 3}, limit=10)
+                assert coord.exited_ranks == frozenset() and coord.rejoins == {2: 1, 3: 1}
+
+            nursery.start_soon(leave_and_come_back)
+            summary = await scheduler.run()
+            assert coord.failure is None and back and coord.live_ranks == {0, 1, 2, 3}
+        nursery.cancel_scope.cancel()
+    assert summary.epochs_completed == 4 and summary.deaths == {}
+    assert_covered_exactly_once(scheduler, records(hosts + back), 64, 4)
+    assert log.events_of(RankRetired) == [] and log.events_of(RankDeclaredDead) == []
+    assert sorted((ev.rank, ev.host) for ev in log.events_of(RankRejoined)) == [
+        (2, "host-b"), (3, "host-b")]
+    assert any(e >= 2 for e, _, _ in back[0].sims[2].record.processed)  # it worked again
 
 
 async def test_a_relay_that_has_not_joined_has_nothing_to_drain(
