@@ -358,6 +358,10 @@ class RelayConfig:
     # instead of ending. Off here (the library keeps its ranks' links only when asked); the
     # command line turns it on (docs/elastic.rst, "Waking up").
     rejoin_when_fenced: bool = attrs.field(default=False, converter=bool)
+    # Issue 38: Python's cyclic garbage collector is paused from the relay's start until its
+    # pump runs (joined) or the join failed, then resumed as it was found (flodl_trio._gc,
+    # counted across relays and coordinators in one process). False leaves it alone.
+    pause_gc_in_join: bool = attrs.field(default=True, converter=bool)
 
 
 @attrs.frozen(kw_only=True)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 import trio
 
 from .._config import RelayConfig
 from .._errors import ConfigError, FlodlError, MembershipError
+from .._gc import gc_paused
 from .._lifecycle import open_lifecycle
 from ..net._transport import DialTarget, close_all
 from ..store import SessionStore
@@ -261,6 +262,10 @@ class Relay:
 
     async def run(self, listeners: list[trio.abc.Listener[Any]]) -> None:
         """Phases 1 to 3, then close every connection (``open_relay`` runs it)."""
+        # The collector is paused for the join (RelayConfig.pause_gc_in_join), until the pump
+        # started its tasks or the join failed.
+        join = ExitStack()
+        join.enter_context(gc_paused(self.config.pause_gc_in_join))
         try:
             stop_notices = trio.Event()
             async with trio.open_nursery() as nursery:
@@ -269,8 +274,10 @@ class Relay:
             if isinstance(pump, FlodlError):
                 raise pump  # outside the nursery: not wrapped in an ExceptionGroup
             self._connected.set()
-            log.info("relay %r connected upstream with ranks %s", self.host, list(self.ranks))
-            exit_ = await self._run_pump(pump)
+            if log.isEnabledFor(logging.INFO):
+                log.info("relay %r connected upstream with ranks %s", self.host,
+                         list(self.ranks))
+            exit_ = await self._run_pump(pump, join.close)
             self._error = pump.error
         except FlodlError as exc:
             self._error = exc
@@ -278,6 +285,7 @@ class Relay:
             # The ranks would otherwise only see their link end: tell them why first.
             await self._notices.tell(f"relay {self.host!r} gave up: {exc}")
         finally:
+            join.close()  # once only: the pump's start closed it already
             # Runs on cancellation too: no rank or upstream socket outlives the relay.
             await self._close_all()
         self._exit = exit_
@@ -285,14 +293,15 @@ class Relay:
         if self._error is not None and self._body_scope is not None:
             self._body_scope.cancel()
 
-    async def _run_pump(self, pump: Pump) -> RelayExit:
-        """Phase 3; with a durable coordinator and a store, the leader watch beside it."""
+    async def _run_pump(self, pump: Pump, running: Callable[[], None]) -> RelayExit:
+        """Phase 3 (``running``: called once the pump started its tasks); with a durable
+        coordinator and a store, the leader watch beside it."""
         watch = self._watch
         if watch is None or pump.resume is None:
-            return await pump.run()
+            return await pump.run(running)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch.run, pump)
-            exit_ = await pump.run()
+            exit_ = await pump.run(running)
             nursery.cancel_scope.cancel()
         return exit_
 

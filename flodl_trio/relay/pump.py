@@ -17,6 +17,7 @@ ranks leave and finishes; anything else fails the pump.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -94,7 +95,7 @@ class Pump:
         self._readers_gone = trio.Event()
         # Issue 37: the host leaves on purpose (drain), and why; Draining goes up once.
         self.draining: str | None = None
-        self._drain_asked = trio.Event()
+        self._drain_send: trio.MemorySendChannel[Upstream] | None = None
         self._draining_queued = False
         # What went up as each rank left (its Exiting frame, then RankExit or RankDropped), to
         # tell a coordinator again when the one they were written to never confirmed them
@@ -120,14 +121,15 @@ class Pump:
         if now:
             self._scope.cancel()
 
-    async def run(self) -> RelayExit:
+    async def run(self, running: Callable[[], None] | None = None) -> RelayExit:
+        """Phase 3 until the relay ends; ``running`` is called once every task of the pump
+        was started (the relay's join is over)."""
         up_send, up_recv = trio.open_memory_channel[Upstream](self.config.queue_size)
         with self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.wakeup is not None:
                     self.wakeup.attach(nursery)
-                nursery.start_soon(self.run_upstream, up_recv)
                 # One queue clone per rank reader: the queue ends (and the writer with it) only
                 # once every reader has queued its last frame and its RankExit.
                 with up_send:
@@ -135,11 +137,17 @@ class Pump:
                         self._readers += 1
                         nursery.start_soon(self.rank_reader, link, up_send.clone())
                         link.attach_writer(partial(self.start_rank_writer, nursery, link))
-                    if not self._readers:
-                        self._readers_gone.set()
                     nursery.start_soon(self.heartbeats.ticker, self.config.heartbeat_interval,
                                        up_send.clone(), self._readers_gone, self.send_up)
-                    nursery.start_soon(self._send_draining, up_send.clone())
+                    # Draining's clone, handed to a task only if the host drains (most never
+                    # do: no task waits for it); closed once every reader is gone.
+                    self._drain_send = up_send.clone()
+                    if not self._readers:
+                        self._all_readers_gone()
+                    self._queue_draining()  # drain() may have come first
+                if running is not None:
+                    running()
+                await self.run_upstream(up_recv)  # in the nursery's own task
         return self._outcome if self._outcome is not None else RelayExit("stopped", True)
 
     def drain(self, reason: str, frame: bytes) -> None:
@@ -150,22 +158,31 @@ class Pump:
         for link in self.local.links():
             if not link.gone and not link.offer(link.session.send(frame), now):
                 self.drop_rank(link, "it did not drain its queue within write_stall_timeout")
-        self._drain_asked.set()
+        self._queue_draining()
 
-    async def _send_draining(self, up_send: trio.MemorySendChannel[Upstream]) -> None:
-        """Queue ``Draining`` upstream once :meth:`drain` asks, unless every rank left first
-        (this task's queue clone closes with the readers', so the writer still ends)."""
-        with up_send:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_when, self._readers_gone, nursery.cancel_scope)
-                await self._drain_asked.wait()
-                nursery.cancel_scope.cancel()
-            if self.draining is not None and not self._readers_gone.is_set():
-                try:
-                    await self.send_up(up_send, Draining(reason=self.draining))
-                    self._draining_queued = True
-                except STREAM_GONE:
-                    pass
+    def _queue_draining(self) -> None:
+        """Once the host drains and the pump runs: queue ``Draining`` upstream from a task of
+        its own, unless every rank left first (its queue clone is closed then)."""
+        send, nursery = self._drain_send, self._nursery
+        if self.draining is None or send is None or nursery is None:
+            return
+        self._drain_send = None
+        nursery.start_soon(self._send_draining, send, Draining(reason=self.draining))
+
+    async def _send_draining(self, up_send: trio.MemorySendChannel[Upstream],
+                             draining: Draining) -> None:
+        with up_send:  # the writer ends once this clone is closed too
+            try:
+                await self.send_up(up_send, draining)
+                self._draining_queued = True
+            except STREAM_GONE:
+                pass
+
+    def _all_readers_gone(self) -> None:
+        self._readers_gone.set()
+        send, self._drain_send = self._drain_send, None
+        if send is not None:  # no Draining to send any more: the writer need not wait for it
+            send.close()
 
     @property
     def stream(self) -> trio.abc.Stream:
@@ -469,9 +486,4 @@ class Pump:
             finally:
                 self._readers -= 1
                 if not self._readers:
-                    self._readers_gone.set()
-
-
-async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
+                    self._all_readers_gone()

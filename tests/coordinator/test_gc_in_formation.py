@@ -17,6 +17,10 @@ from flodl_trio.testing import MemoryNetwork
 
 from helpers import hosts_by_hand
 
+# The relays leave the collector alone: these tests see the coordinator's pause only (the
+# relay's own, RelayConfig.pause_gc_in_join, is tests/relay/test_gc_in_join.py's).
+RELAY = ft.RelayConfig(pause_gc_in_join=False)
+
 
 @pytest.fixture
 def gc_restored() -> Iterator[None]:
@@ -31,12 +35,13 @@ async def test_the_collector_is_paused_while_forming_and_resumed_once_formed(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
         gc_restored: None) -> None:
     seen: list[bool] = []
-    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+    async with hosts_by_hand(memory_network, 4) as hosts:
+        await hosts.start("host-a", [0, 1], relay_config=RELAY)
 
         async def watch() -> None:
             await trio.sleep(1)  # formation waits for host-b
             seen.append(gc.isenabled())
-            await hosts.start("host-b", [2, 3])
+            await hosts.start("host-b", [2, 3], relay_config=RELAY)
 
         hosts.nursery.start_soon(watch)
         async with hosts.coordinator():
@@ -50,7 +55,8 @@ async def test_the_collector_is_resumed_when_formation_fails_or_is_cancelled(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork, gc_restored: None,
         how: str) -> None:
     cfg = ft.CoordinatorConfig(world_size=4, formation_timeout=5)
-    async with hosts_by_hand(memory_network, 4, {"host-a": [0, 1]}) as hosts:
+    async with hosts_by_hand(memory_network, 4) as hosts:
+        await hosts.start("host-a", [0, 1], relay_config=RELAY)
         expect = (pytest.raises(ft.FormationTimeout) if how == "timeout"
                   else contextlib.nullcontext())
         with trio.move_on_after(2 if how == "cancelled" else 60):
@@ -69,7 +75,7 @@ async def test_coordinators_forming_at_once_resume_it_when_the_last_one_formed(
         async with hosts_by_hand(net, 2) as hosts:
             async def late_host() -> None:
                 await trio.sleep(host_after)
-                await hosts.start(f"{name}-host", [0, 1])
+                await hosts.start(f"{name}-host", [0, 1], relay_config=RELAY)
 
             hosts.nursery.start_soon(late_host)
             async with hosts.coordinator():
@@ -86,7 +92,8 @@ async def test_a_disabled_collector_stays_disabled_and_false_leaves_it_alone(
         autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork,
         gc_restored: None) -> None:
     gc.disable()
-    async with hosts_by_hand(memory_network, 2, {"host-a": [0, 1]}) as hosts:
+    async with hosts_by_hand(memory_network, 2) as hosts:
+        await hosts.start("host-a", [0, 1], relay_config=RELAY)
         async with hosts.coordinator():
             pass
     assert not gc.isenabled()
@@ -97,7 +104,7 @@ async def test_a_disabled_collector_stays_disabled_and_false_leaves_it_alone(
         async def late_host() -> None:
             await trio.sleep(1)
             seen.append(gc.isenabled())
-            await hosts.start("host-a", [0, 1])
+            await hosts.start("host-a", [0, 1], relay_config=RELAY)
 
         hosts.nursery.start_soon(late_host)
         async with hosts.coordinator(cfg):
