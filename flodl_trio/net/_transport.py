@@ -116,8 +116,7 @@ async def dial(target: DialTarget, *, connect_timeout: float, what: str,
             with trio.move_on_at(deadline):
                 if callable(target):
                     return await target()
-                stream = await open_tcp(target[0], target[1])
-                _set_nodelay(stream)
+                stream = await open_tcp(target[0], target[1])  # TCP_NODELAY: SocketStream's
                 enable_keepalive(stream, keepalive)
                 return stream
         except OSError as exc:
@@ -251,15 +250,6 @@ async def _handshake_or_close(
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-
-
-def _set_nodelay(stream: Any) -> None:
-    sock = getattr(stream, "socket", None)
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
 
 
 async def receive_exactly(stream: trio.abc.ReceiveStream, n: int, *, what: str) -> bytes:

@@ -79,6 +79,7 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
         try:
             seen: dict[str, list[tuple[int, int, int, int, int]]] = {
                 "coordinator": [], "relay upstream": [], "relay rank side": [], "rank": []}
+            nodelay: dict[str, bool] = {}  # and no Nagle delay on any of them
             for sock in sockets:
                 local, peer = sock.getsockname()[1], sock.getpeername()[1]
                 role = ("coordinator" if local == coord_port else
@@ -87,6 +88,8 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
                         "rank" if peer in rank_ports else None)
                 if role is not None:
                     seen[role].append(keepalive_of(sock))
+                    nodelay[role] = nodelay.get(role, True) and bool(
+                        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
         finally:
             for sock in sockets:
                 sock.close()
@@ -98,3 +101,4 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
         "relay rank side": [(1, 9, 3, 3, 36_000)] * 3,    # write_stall_timeout 18
         "rank": [(1, 12, 4, 3, 60_000)] * 3,              # coord_liveness 24, stall 30
     }
+    assert nodelay == dict.fromkeys(seen, True)
