@@ -158,10 +158,19 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
                 await local.wait_all_in()
                 nursery.cancel_scope.cancel()
     finally:
-        await close_all(listeners)
+        await close_all([lst for lst in listeners if not closed_now(lst)])
     local.report_rejects_tail()
     if not local.all_in:
         raise local.timeout_error(timeout)
+
+
+def closed_now(listener: trio.abc.Listener[Any]) -> bool:
+    """Close a TCP listener at once (``SocketListener.aclose`` is this and a pass through the
+    scheduler, one more step of every join); False for any other, left to ``aclose``."""
+    if not isinstance(listener, trio.SocketListener):
+        return False
+    listener.socket.close()
+    return True
 
 
 async def rank_accept_loop(local: LocalRanks, listener: trio.abc.Listener[Any],
