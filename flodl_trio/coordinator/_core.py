@@ -94,7 +94,8 @@ class Coordinator:
                                 timeline=self.timeline, timing=self._timing_send,
                                 metrics=self._metrics_send, board=self._board,
                                 retirement=self._retirement,
-                                deliver_heartbeats=config.deliver_heartbeats)
+                                deliver_heartbeats=config.deliver_heartbeats,
+                                confirm_left=self._confirm_left)
         self._formation = Formation(
             roster=self._roster, sender=self._sender, liveness=self._liveness,
             readers=self._readers, config=config, salt=salt, timeline=self.timeline, tls=tls)
@@ -172,6 +173,10 @@ class Coordinator:
         if self.config.retire_after < math.inf:
             tasks.append(self._retirement.watch)
         return tasks
+
+    async def _confirm_left(self, conn: RelayConn) -> None:
+        """A drained relay ended its side: its end is confirmed once durable."""
+        await self._retirement.confirm_left(conn, self._leader)
 
     async def host_writers(self, task_status: trio.TaskStatus[None]) -> None:
         """Host the relay writer tasks, shielded from outside cancellation (see Sender)."""

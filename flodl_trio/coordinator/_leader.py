@@ -265,6 +265,11 @@ class Leader:
         if self._adoption is not None and relay is not None:
             self._adoption.check(relay)
 
+    @property
+    def durable(self) -> bool:
+        """It saves the session to a store (and has not shut down)."""
+        return self._persist is not None and not self._closed
+
     async def flush(self, *, durable: bool = True) -> None:
         """Return once the session as it is now is durable (at once without a store); with
         ``durable=False``, at once: it is written with the next paced write.

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
 from .._config import CoordinatorConfig
-from .._errors import ConfigError, MembershipError
+from .._errors import ConfigError, LeadershipLost, MembershipError, StoreUnavailable
 from ..events import RankRetired, RelayDraining
 from ..timeline import Timeline
 from ._relayconn import RelayConn
@@ -28,6 +28,15 @@ from .liveness import Liveness
 
 log = logging.getLogger("flodl_trio.coordinator")
 DRAINS_LISTED: Final = 32
+
+
+class Durability(Protocol):
+    """The coordinator's session store, as far as a drained host's end needs it."""
+
+    @property
+    def durable(self) -> bool: ...
+
+    async def flush(self) -> None: ...
 
 
 class Retirement:
@@ -98,6 +107,31 @@ class Retirement:
         """``rank`` of ``conn`` exited cleanly: retired if its host is leaving."""
         if conn in self._draining:
             self.retire_exited((rank,), self._drained(conn))
+
+    def left(self, conn: RelayConn) -> bool:
+        """``conn``'s host drained and every rank it carried has exited (retired, or kept
+        exited at the world's minimum)."""
+        roster = self._roster
+        return conn in self._draining and all(
+            roster.has_exited(r) or not roster.carries(conn, r) for r in conn.ranks)
+
+    async def confirm_left(self, conn: RelayConn, store: Durability) -> None:
+        """``conn`` (:meth:`left`) ended its side: with a session ``store``, once the session
+        as it is now -- its ranks retired -- is durable (within ``shutdown_grace``), say
+        ``Goodbye`` and close, so that its relay ends knowing that the next leader will not
+        wait for its ranks. Without a store, or when the write fails (deposed: nothing is
+        said), nothing: the relay then tells the coordinator that leads next (see
+        ``Pump._tell_again``), and that one retires them."""
+        if not store.durable:
+            return
+        grace = self._config.shutdown_grace
+        with trio.move_on_after(grace):
+            try:
+                await store.flush()
+            except (LeadershipLost, StoreUnavailable) as exc:
+                log.info("%s left; its end is not confirmed: %s", conn.describe(), exc)
+                return
+            conn.retire(self._drained(conn), grace)
 
     def draining_ranks(self) -> frozenset[int]:
         """Ranks whose host is leaving on purpose and that are still carried by it."""

@@ -13,7 +13,7 @@ that time does not count towards heartbeat staleness.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
 
 import attrs
@@ -68,6 +68,8 @@ class Readers:
     _board: Board
     _retirement: Retirement
     _deliver_heartbeats: bool = True
+    # A drained relay ended its side: confirm its end once durable (Retirement.confirm_left).
+    _confirm_left: Callable[[RelayConn], Awaitable[None]] | None = None
     _active: int = attrs.field(default=0, init=False)
     _beats: dict[int, Heartbeat] = attrs.field(factory=dict, init=False)  # last delivered
     _idle: trio.Event = attrs.field(factory=_idle_event, init=False)
@@ -89,6 +91,9 @@ class Readers:
             while not isinstance(end := await self.act_on(conn, session), EndOfStream):
                 session.receive_data(await receive_some())
             cause = end.reason
+            if (end.error is None and self._confirm_left is not None
+                    and self._retirement.left(conn)):
+                await self._confirm_left(conn)
         except trio.BrokenResourceError as exc:
             cause = session.close(f"connection reset ({exc.__cause__!r})" if exc.__cause__
                                   else "connection reset")

@@ -226,12 +226,16 @@ class Pump:
         return True
 
     def _unconfirmed(self, leg: Leg) -> bool:
-        """The last rank left and its records were written, but the durable coordinator never
-        closed its end within ``shutdown_grace`` nor said ``Goodbye``: it may be frozen (a
-        stopped process takes the bytes into its socket and reads none), and the coordinator
-        that takes over would adopt a session in which these ranks never left."""
+        """The last rank left and its records were written, but the durable coordinator said
+        no ``Goodbye`` and (unless the host drained) did not close its end within
+        ``shutdown_grace``: it may be frozen (a stopped process takes the bytes into its
+        socket and reads none), and the coordinator that takes over would adopt a session in
+        which these ranks never left. A drained host's end needs the ``Goodbye``: the
+        coordinator says it once its retirements are durable, and a leader deposed before
+        that (its store lost its quorum) closes as it exits, saying nothing."""
         return (leg.verdict is Verdict.FINISH and leg.outcome is not None
-                and leg.outcome.ending is Ending.RANKS_GONE and not leg.peer_closed
+                and leg.outcome.ending is Ending.RANKS_GONE
+                and (not leg.peer_closed or self.draining is not None)
                 and not leg.goodbye and not leg.cut_short
                 and self.resume is not None and self.resume.enabled
                 and not self._retold and bool(self._farewells))

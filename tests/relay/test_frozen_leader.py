@@ -328,3 +328,76 @@ async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_r
             freeze.thaw()
             await freeze.run_closes()
     assert standby_log.of(RankDeclaredDead) == []
+
+
+async def lead_on_a_failing_store(net: MemoryNetwork, salt: ft.SessionSalt,
+                                  cfg: ft.CoordinatorConfig, store: MemoryStore,
+                                  outage: Freeze, leader: list[Any]) -> None:
+    """The leader on ``coord-1``, its network up, its store handle cut off by ``outage`` (an
+    etcd that lost its quorum: no write lands); ``leader`` gets it, then how it ended."""
+    try:
+        async with ft.open_coordinator(net.listener("coord-1"), salt=salt, config=cfg,
+                                       store=FrozenStore(store, outage),
+                                       timeline=EventLog()) as coord:
+            leader.append(coord)
+            await trio.sleep_forever()
+    except ft.LeadershipLost as exc:
+        leader.append(exc)
+
+
+async def test_a_drain_whose_retirement_never_became_durable_is_retired_by_the_successor(
+    autojump_clock: trio.abc.Clock, memory_network: MemoryNetwork
+) -> None:
+    # Found by the soak (seed 4): the leader retired host-b's drained ranks, but its store had
+    # lost its quorum and the retirement was never written; the leader closed the relay's
+    # connection at its EOF (which the relay took for a confirmation), then stepped down. The
+    # standby adopted the session with host-b's ranks live, awaiting a resume that never came:
+    # declared dead after resume_timeout (or as host-b came back, superseded). Now a drained
+    # relay's end is confirmed only by a Goodbye, said once the retirement is durable.
+    net = memory_network
+    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
+    salt = ft.SessionSalt.generate()
+    store = MemoryStore(name="run1")
+    outage = Freeze()
+    leader: list[Any] = []
+    standby: list[ft.Coordinator] = []
+    standby_log, done = EventLog(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lead_on_a_failing_store, net, salt, cfg, store, outage, leader)
+        await publish_once_leading(store, ("coord-1", 1))
+        hosts = [await start_host(nursery, net, host, ranks, salt=salt, world=4,
+                                  target=store_dialer(store, net)) for host, ranks in ROSTER]
+        await wait_until(lambda: leader, limit=60)
+        handle = store.clone()
+        nursery.start_soon(stand_by, net, salt, cfg, handle, standby, standby_log, done)
+        await trio.sleep(5)
+        try:
+            outage.freeze()  # no write lands any more
+            draining = hosts[1]
+            await relay_of(draining).drain("maintenance")
+            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
+                                         for run in draining.ranks.values()), limit=10)
+            for run in draining.ranks.values():
+                run.leave()
+            await wait_until(lambda: leader[0].retired_ranks == {2, 3}, limit=10)  # in memory
+            await trio.sleep(1)
+            assert not draining.all_done  # no Goodbye: the retirement is not durable
+            await trio.sleep(LEASE_TTL)
+            store.expire()  # the lease ran out: the standby leads
+            await publish_once_leading(handle, ("coord-2", 2))
+            outage.thaw()  # the leader hears it was deposed and ends, saying nothing
+            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
+            (coord,) = standby
+            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
+            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+            await wait_until(lambda: draining.all_done, limit=60)
+            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+            assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+            await trio.sleep(15)  # past resume_timeout: still nobody dead
+            assert coord.dead_ranks == frozenset()
+            done.set()
+            await wait_until(lambda: hosts[0].all_done, limit=60)
+        finally:
+            outage.thaw()
+            await outage.run_closes()
+    assert standby_log.of(RankDeclaredDead) == []
