@@ -5,6 +5,7 @@ PID), for the tests of the stores, the command line and the relays."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -59,3 +60,13 @@ def etcd_member(root: Path) -> Iterator[Any]:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     with helper.EtcdServer(root) as server:
         yield server
+
+
+@pytest.fixture
+def gc_restored() -> Iterator[None]:
+    """Python's cyclic collector is enabled for the test, and as it was afterwards (the
+    coordinator's and the relay's pause tests, issue 38)."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()

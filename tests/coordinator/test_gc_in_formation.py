@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
 
 import pytest
 import trio
@@ -20,15 +19,6 @@ from helpers import hosts_by_hand
 # The relays leave the collector alone: these tests see the coordinator's pause only (the
 # relay's own, RelayConfig.pause_gc_in_join, is tests/relay/test_gc_in_join.py's).
 RELAY = ft.RelayConfig(pause_gc_in_join=False)
-
-
-@pytest.fixture
-def gc_restored() -> Iterator[None]:
-    """The collector is enabled for the test and as it was afterwards."""
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    (gc.enable if was else gc.disable)()
 
 
 async def test_the_collector_is_paused_while_forming_and_resumed_once_formed(

@@ -55,6 +55,13 @@ def plain_dialer(store: MemoryStore, net: MemoryNetwork) -> Any:
     return dial
 
 
+async def drain_host(host: HostRun) -> None:
+    """``host`` leaves on purpose: its relay drains, and each of its ranks is told."""
+    await relay_of(host).drain("maintenance")
+    await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
+                                 for run in host.ranks.values()), limit=10)
+
+
 async def lead_until_deposed(net: MemoryNetwork, salt: ft.SessionSalt, cfg: ft.CoordinatorConfig,
                              store: MemoryStore, freeze: Freeze, leader: list[Any]) -> None:
     """The leader on ``coord-1``, frozen by ``freeze``; ``leader`` gets it, then how it ended.
@@ -116,6 +123,15 @@ async def leader_and_standby(nursery: trio.Nursery, net: MemoryNetwork,
                        pair.done)
     await trio.sleep(5)  # a running cohort, its standby waiting for the leadership
     return pair
+
+
+async def thaw_and_end(run: LeaderAndStandby) -> None:
+    """The deposed leader thawed and ended, then the standby's block ends: host-a is done."""
+    run.freeze.thaw()
+    await run.freeze.run_closes()
+    await wait_until(lambda: isinstance(run.leader[-1], ft.FlodlError), limit=30)
+    run.done.set()
+    await wait_until(lambda: run.hosts[0].all_done, limit=60)
 
 
 @pytest.mark.parametrize("target", ["store", "callable"])
@@ -253,15 +269,13 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
     async with trio.open_nursery() as nursery:
         run = await leader_and_standby(nursery, net, cfg, store_dialer)
         store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
-        leader, standby, standby_log, done = run.leader, run.standby, run.standby_log, run.done
+        standby, standby_log = run.standby, run.standby_log
         try:
             freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
             draining = hosts[1]
-            await relay_of(draining).drain("maintenance")
-            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
-                                         for run in draining.ranks.values()), limit=10)
-            for run in draining.ranks.values():
-                run.leave()  # each finishes and exits (Exiting, then RankExit upstream)
+            await drain_host(draining)
+            for rank in draining.ranks.values():
+                rank.leave()  # each finishes and exits (Exiting, then RankExit upstream)
             await trio.sleep(LEASE_TTL)
             store.expire()  # its lease ran out: the standby leads, adopts and publishes
             await publish_once_leading(handle, ("coord-2", 2))
@@ -273,11 +287,7 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
             assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
             assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
 
-            freeze.thaw()
-            await freeze.run_closes()
-            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
-            done.set()
-            await wait_until(lambda: hosts[0].all_done, limit=60)
+            await thaw_and_end(run)
         finally:
             freeze.thaw()
             await freeze.run_closes()
@@ -298,13 +308,11 @@ async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_r
     async with trio.open_nursery() as nursery:
         run = await leader_and_standby(nursery, net, cfg, store_dialer)
         store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
-        leader, standby, standby_log, done = run.leader, run.standby, run.standby_log, run.done
+        standby, standby_log = run.standby, run.standby_log
         try:
             freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
             draining = hosts[1]
-            await relay_of(draining).drain("maintenance")
-            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
-                                         for run in draining.ranks.values()), limit=10)
+            await drain_host(draining)
             draining.ranks[2].leave()  # one rank finishes before the leader is replaced
             await trio.sleep(LEASE_TTL)
             store.expire()  # its lease ran out: the standby leads, adopts and publishes
@@ -319,11 +327,7 @@ async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_r
             await wait_until(lambda: draining.all_done, limit=60)
             assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
 
-            freeze.thaw()
-            await freeze.run_closes()
-            await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
-            done.set()
-            await wait_until(lambda: hosts[0].all_done, limit=60)
+            await thaw_and_end(run)
         finally:
             freeze.thaw()
             await freeze.run_closes()
@@ -374,9 +378,7 @@ async def test_a_drain_whose_retirement_never_became_durable_is_retired_by_the_s
         try:
             outage.freeze()  # no write lands any more
             draining = hosts[1]
-            await relay_of(draining).drain("maintenance")
-            await wait_until(lambda: all(any(isinstance(m, wire.Drain) for m in run.received)
-                                         for run in draining.ranks.values()), limit=10)
+            await drain_host(draining)
             for run in draining.ranks.values():
                 run.leave()
             await wait_until(lambda: leader[0].retired_ranks == {2, 3}, limit=10)  # in memory

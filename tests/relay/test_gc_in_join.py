@@ -5,7 +5,6 @@ its pump runs or the join failed; ``RelayConfig(pause_gc_in_join=False)`` leaves
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 import trio
@@ -17,15 +16,6 @@ from flodl_trio.testing import MemoryNetwork
 from helpers import COORD, hosts_by_hand, start_rank
 
 COORDINATOR = ft.CoordinatorConfig(world_size=2, pause_gc_in_formation=False)
-
-
-@pytest.fixture
-def gc_restored() -> Iterator[None]:
-    """The collector is enabled for the test and as it was afterwards."""
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    (gc.enable if was else gc.disable)()
 
 
 @pytest.mark.parametrize("pause", [True, False])
