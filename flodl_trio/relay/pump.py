@@ -248,7 +248,9 @@ class Pump:
         it would have."""
         assert self.resume is not None
         self._retold = True
-        reason = (f"no close from the coordinator within shutdown_grace="
+        reason = ("the coordinator closed without the Goodbye that says the host's "
+                  "retirement is recorded (deposed?)" if leg.peer_closed else
+                  f"no close from the coordinator within shutdown_grace="
                   f"{self.config.shutdown_grace:g}s after the last rank left (frozen?)")
         log.warning("relay %r: %s; telling the coordinator that leads next", self.host, reason)
         await trio.aclose_forcefully(leg.stream)
