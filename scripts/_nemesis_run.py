@@ -147,7 +147,9 @@ class Round:
 
 
 def run_round(spec: Round) -> tuple[History, checker.Report, bool]:
-    """Run one round in a temporary directory (removed on every way out, unless kept)."""
+    """Run one round in a temporary directory, removed on every way out unless kept: asked
+    to (``--keep-logs``), or the round broke an invariant (its logs are what explains it, and
+    a rare one may not come again on the same seed)."""
     timings = Timings()
     schedule = faults.plan(spec.seed, spec.minutes * 60, spec.kinds, timings)
     history = History(spec.index)
@@ -163,14 +165,16 @@ def run_round(spec: Round) -> tuple[History, checker.Report, bool]:
                             "join_window": timings.join_window},
                    schedule=[attrs.asdict(p) for p in schedule])
     root = Path(tempfile.mkdtemp(prefix="flodl-nemesis-"))
+    report: checker.Report | None = None
     try:
         interrupted = _run_in(root, spec, history, schedule)
+        report = checker.check(history.events)
     finally:
-        if spec.keep_logs:
+        if spec.keep_logs or (report is not None and report.violations):
             print(f"round {spec.index}: logs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    return history, checker.check(history.events), interrupted
+    return history, report, interrupted
 
 
 def _run_in(root: Path, spec: Round, history: History,
