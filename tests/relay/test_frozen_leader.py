@@ -125,6 +125,22 @@ async def leader_and_standby(nursery: trio.Nursery, net: MemoryNetwork,
     return pair
 
 
+async def lease_runs_out(store: MemoryStore, handle: MemoryStore) -> None:
+    """The leader's lease runs out (``LEASE_TTL`` after now, as etcd's would): the standby on
+    ``handle`` leads, adopts the session and publishes ``coord-2``."""
+    await trio.sleep(LEASE_TTL)
+    store.expire()
+    await publish_once_leading(handle, ("coord-2", 2))
+
+
+async def freeze_then_drain(run: LeaderAndStandby) -> HostRun:
+    """SIGSTOP the leader, then host-b leaves on purpose (its ranks told); returns host-b."""
+    run.freeze.freeze()
+    draining = run.hosts[1]
+    await drain_host(draining)
+    return draining
+
+
 async def thaw_and_end(run: LeaderAndStandby) -> None:
     """The deposed leader thawed and ended, then the standby's block ends: host-a is done."""
     run.freeze.thaw()
@@ -151,9 +167,7 @@ async def test_relays_leave_a_frozen_leader_for_its_standby_and_no_rank_dies(
         try:
             freeze.freeze()  # SIGSTOP
             frozen_at = trio.current_time()
-            await trio.sleep(LEASE_TTL)
-            store.expire()  # its lease ran out: the standby leads, adopts and publishes
-            await publish_once_leading(handle, ("coord-2", 2))
+            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
             await wait_until(lambda: all(relay_of(h).reconnects == 1 for h in hosts), limit=60)
             resumed_after = trio.current_time() - frozen_at
             if target == "store":  # neither the relays' silence deadline nor the ranks' came in
@@ -268,17 +282,13 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
     cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
     async with trio.open_nursery() as nursery:
         run = await leader_and_standby(nursery, net, cfg, store_dialer)
-        store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
+        store, handle, freeze = run.store, run.handle, run.freeze
         standby, standby_log = run.standby, run.standby_log
         try:
-            freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
-            draining = hosts[1]
-            await drain_host(draining)
+            draining = await freeze_then_drain(run)
             for rank in draining.ranks.values():
                 rank.leave()  # each finishes and exits (Exiting, then RankExit upstream)
-            await trio.sleep(LEASE_TTL)
-            store.expire()  # its lease ran out: the standby leads, adopts and publishes
-            await publish_once_leading(handle, ("coord-2", 2))
+            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
             await wait_until(lambda: bool(standby), limit=60)
             (coord,) = standby
             await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
@@ -307,16 +317,12 @@ async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_r
     cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
     async with trio.open_nursery() as nursery:
         run = await leader_and_standby(nursery, net, cfg, store_dialer)
-        store, handle, freeze, hosts = run.store, run.handle, run.freeze, run.hosts
+        store, handle, freeze = run.store, run.handle, run.freeze
         standby, standby_log = run.standby, run.standby_log
         try:
-            freeze.freeze()  # SIGSTOP, then host-b leaves on purpose
-            draining = hosts[1]
-            await drain_host(draining)
+            draining = await freeze_then_drain(run)
             draining.ranks[2].leave()  # one rank finishes before the leader is replaced
-            await trio.sleep(LEASE_TTL)
-            store.expire()  # its lease ran out: the standby leads, adopts and publishes
-            await publish_once_leading(handle, ("coord-2", 2))
+            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
             await wait_until(lambda: relay_of(draining).reconnects == 1, limit=60)
             (coord,) = standby
             await wait_until(lambda: coord.retired_ranks == {2}, limit=10)
@@ -384,9 +390,7 @@ async def test_a_drain_whose_retirement_never_became_durable_is_retired_by_the_s
             await wait_until(lambda: leader[0].retired_ranks == {2, 3}, limit=10)  # in memory
             await trio.sleep(1)
             assert not draining.all_done  # no Goodbye: the retirement is not durable
-            await trio.sleep(LEASE_TTL)
-            store.expire()  # the lease ran out: the standby leads
-            await publish_once_leading(handle, ("coord-2", 2))
+            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
             outage.thaw()  # the leader hears it was deposed and ends, saying nothing
             await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
             (coord,) = standby
