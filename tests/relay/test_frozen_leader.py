@@ -10,6 +10,8 @@ in-memory network under MockClock.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -139,6 +141,22 @@ async def freeze_then_drain(run: LeaderAndStandby) -> HostRun:
     draining = run.hosts[1]
     await drain_host(draining)
     return draining
+
+
+@asynccontextmanager
+async def drained_while_frozen(net: MemoryNetwork
+                               ) -> AsyncIterator[tuple[LeaderAndStandby, HostRun]]:
+    """A leader and its standby (an elastic world of 2 to 4, ``resume_timeout`` 10 s) running
+    the ROSTER's hosts; the leader is frozen and host-b drains: the block gets both. A failure
+    in the block thaws the leader first (cancelling a frozen coordinator would hang)."""
+    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
+    async with trio.open_nursery() as nursery:
+        run = await leader_and_standby(nursery, net, cfg, store_dialer)
+        try:
+            yield run, await freeze_then_drain(run)
+        finally:
+            run.freeze.thaw()
+            await run.freeze.run_closes()
 
 
 async def thaw_and_end(run: LeaderAndStandby) -> None:
@@ -278,30 +296,21 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
     # resume_timeout for host-b and declared ranks 2 and 3 dead. Now a finish the durable
     # coordinator never confirmed (it did not close) is ridden out: the relay resumes with the
     # standby and tells it again, and the ranks are retired, never dead.
-    net = memory_network
-    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
-    async with trio.open_nursery() as nursery:
-        run = await leader_and_standby(nursery, net, cfg, store_dialer)
-        store, handle, freeze = run.store, run.handle, run.freeze
-        standby, standby_log = run.standby, run.standby_log
-        try:
-            draining = await freeze_then_drain(run)
-            for rank in draining.ranks.values():
-                rank.leave()  # each finishes and exits (Exiting, then RankExit upstream)
-            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
-            await wait_until(lambda: bool(standby), limit=60)
-            (coord,) = standby
-            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
-            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
-            await wait_until(lambda: draining.all_done, limit=60)
-            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
-            assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+    async with drained_while_frozen(memory_network) as (run, draining):
+        standby = run.standby
+        for rank in draining.ranks.values():
+            rank.leave()  # each finishes and exits (Exiting, then RankExit upstream)
+        await lease_runs_out(run.store, run.handle)  # the standby leads, adopts and publishes
+        await wait_until(lambda: bool(standby), limit=60)
+        (coord,) = standby
+        await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
+        assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+        await wait_until(lambda: draining.all_done, limit=60)
+        assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+        assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
 
-            await thaw_and_end(run)
-        finally:
-            freeze.thaw()
-            await freeze.run_closes()
-    assert standby_log.of(RankDeclaredDead) == []
+        await thaw_and_end(run)
+    assert run.standby_log.of(RankDeclaredDead) == []
 
 
 async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_retires_every_rank(
@@ -313,31 +322,22 @@ async def test_a_drain_begun_with_a_frozen_leader_and_ended_with_its_successor_r
     # refused for good ("rank 8 exited cleanly and does not rejoin"). Now a resumed connection
     # tells the next coordinator again: Draining, and the ranks that left before (rank 2 here,
     # whose Exiting the frozen leader took and never read).
-    net = memory_network
-    cfg = ft.CoordinatorConfig(world_size=4, min_world_size=2, resume_timeout=10)
-    async with trio.open_nursery() as nursery:
-        run = await leader_and_standby(nursery, net, cfg, store_dialer)
-        store, handle, freeze = run.store, run.handle, run.freeze
-        standby, standby_log = run.standby, run.standby_log
-        try:
-            draining = await freeze_then_drain(run)
-            draining.ranks[2].leave()  # one rank finishes before the leader is replaced
-            await lease_runs_out(store, handle)  # the standby leads, adopts and publishes
-            await wait_until(lambda: relay_of(draining).reconnects == 1, limit=60)
-            (coord,) = standby
-            await wait_until(lambda: coord.retired_ranks == {2}, limit=10)
-            draining.ranks[3].leave()  # the other only once its relay resumed
-            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=10)
-            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
-            assert coord.exited_ranks == frozenset()
-            await wait_until(lambda: draining.all_done, limit=60)
-            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+    async with drained_while_frozen(memory_network) as (run, draining):
+        standby = run.standby
+        draining.ranks[2].leave()  # one rank finishes before the leader is replaced
+        await lease_runs_out(run.store, run.handle)  # the standby leads, adopts and publishes
+        await wait_until(lambda: relay_of(draining).reconnects == 1, limit=60)
+        (coord,) = standby
+        await wait_until(lambda: coord.retired_ranks == {2}, limit=10)
+        draining.ranks[3].leave()  # the other only once its relay resumed
+        await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=10)
+        assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+        assert coord.exited_ranks == frozenset()
+        await wait_until(lambda: draining.all_done, limit=60)
+        assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
 
-            await thaw_and_end(run)
-        finally:
-            freeze.thaw()
-            await freeze.run_closes()
-    assert standby_log.of(RankDeclaredDead) == []
+        await thaw_and_end(run)
+    assert run.standby_log.of(RankDeclaredDead) == []
 
 
 async def lead_on_a_failing_store(net: MemoryNetwork, salt: ft.SessionSalt,
