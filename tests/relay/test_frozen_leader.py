@@ -159,6 +159,16 @@ async def drained_while_frozen(net: MemoryNetwork
             await run.freeze.run_closes()
 
 
+async def retired_by_the_successor(coord: ft.Coordinator, draining: HostRun) -> None:
+    """The standby that took over retired host-b's ranks (none dead), and host-b's relay ended
+    cleanly after one resume with it (generation 2)."""
+    await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
+    assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
+    await wait_until(lambda: draining.all_done, limit=60)
+    assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
+    assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+
+
 async def thaw_and_end(run: LeaderAndStandby) -> None:
     """The deposed leader thawed and ended, then the standby's block ends: host-a is done."""
     run.freeze.thaw()
@@ -303,11 +313,7 @@ async def test_a_host_that_drains_while_its_leader_is_frozen_is_retired_by_the_s
         await lease_runs_out(run.store, run.handle)  # the standby leads, adopts and publishes
         await wait_until(lambda: bool(standby), limit=60)
         (coord,) = standby
-        await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
-        assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
-        await wait_until(lambda: draining.all_done, limit=60)
-        assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
-        assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+        await retired_by_the_successor(coord, draining)
 
         await thaw_and_end(run)
     assert run.standby_log.of(RankDeclaredDead) == []
@@ -394,11 +400,7 @@ async def test_a_drain_whose_retirement_never_became_durable_is_retired_by_the_s
             outage.thaw()  # the leader hears it was deposed and ends, saying nothing
             await wait_until(lambda: isinstance(leader[-1], ft.FlodlError), limit=30)
             (coord,) = standby
-            await wait_until(lambda: coord.retired_ranks == {2, 3}, limit=60)
-            assert coord.dead_ranks == frozenset() and coord.live_ranks == {0, 1}
-            await wait_until(lambda: draining.all_done, limit=60)
-            assert isinstance(draining.exit, ft.RelayExit) and draining.exit.clean, draining.exit
-            assert relay_of(draining).reconnects == 1 and relay_of(draining).generation == 2
+            await retired_by_the_successor(coord, draining)
             await trio.sleep(15)  # past resume_timeout: still nobody dead
             assert coord.dead_ranks == frozenset()
             done.set()
