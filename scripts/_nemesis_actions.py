@@ -217,11 +217,14 @@ async def _host_join(cluster: Cluster, entry: dict[str, Any], spare: str, _: flo
     cluster.start_host(spare)
 
     async def heal() -> None:
-        cluster.hold(spare)
-        # SIGTERM drains a relay that joined; one that has not would stop at once
+        # SIGTERM drains a relay that joined; one that has not would stop at once. Until it
+        # joined the spare stays the supervisor's, restarted as any host: a relay whose first
+        # join fell in a coordinator failover gives up at connect_timeout and exits 1 (seed 2:
+        # held from the heal's start, that exit was never followed by a restart).
         with trio.move_on_after(JOIN_WAIT_S):
             while not cluster.finished.is_set() and not cluster.host_recovered(spare):  # noqa: ASYNC110 - read from the leader's page
                 await trio.sleep(0.2)
+        cluster.hold(spare)
         if cluster.finished.is_set():
             return  # its processes end with the run
         cluster.record("drain", target=spare, cause="host-join healed")
