@@ -6,9 +6,12 @@ stalls for seconds on a machine whose resolver is unreachable).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import math
+import os
+import select
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -144,6 +147,9 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
     one ``connect``, without its happy-eyeballs machinery (a nursery, a task and a resolver
     call per attempt, about a tenth of a relay's join CPU at hundreds of relays per process).
 
+    A connection the kernel made within the ``connect`` call (loopback always does) is used at
+    once, without a pass through the scheduler to wait for it.
+
     Raises:
         OSError: the connection failed (refused, unreachable).
     """
@@ -151,14 +157,35 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
         ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         return await trio.open_tcp_stream(host, port)
-    sock = trio.socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
-                              socket.SOCK_STREAM)
+    await trio.lowlevel.checkpoint_if_cancelled()
+    raw = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
+                        socket.SOCK_STREAM)
     try:
-        await sock.connect((host, port))
+        raw.setblocking(False)
+        err = raw.connect_ex((host, port))
+        sock = trio.socket.from_stdlib_socket(raw)
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        if err == errno.EINPROGRESS and not _writable_now(raw):
+            await trio.lowlevel.wait_writable(sock)
+            err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        elif err == errno.EINPROGRESS:
+            err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err != 0:
+            raise OSError(err, f"Error connecting to {(host, port)!r}: {os.strerror(err)}")
     except BaseException:
         sock.close()
         raise
     return trio.SocketStream(sock)
+
+
+def _writable_now(raw: socket.socket) -> bool:
+    """The connection ``connect`` began is made (or failed) already: no wait."""
+    poller = select.poll()
+    poller.register(raw, select.POLLOUT)
+    return bool(poller.poll(0))
 
 
 async def dial_and_handshake(
