@@ -387,7 +387,7 @@ async def _connect(target: DialTarget, salt: SessionSalt, rank: int, world_size:
 
     async def handshake(stream: trio.abc.Stream) -> tuple[trio.abc.Stream, Reader, bytes]:
         machine = RankDialHandshake(salt, rank=rank, world_size=world_size, relay=where)
-        reader = Reader(stream)
+        reader = Reader(stream, drained=True)  # we speak first: nothing to read before
         with trio.fail_after(config.handshake_timeout):
             confirmed = await run_handshake_on(stream, reader, machine)
         assert isinstance(confirmed, RankConfirmed)

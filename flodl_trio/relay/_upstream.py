@@ -121,7 +121,8 @@ class UpstreamDialer:
                                             server_hostname=self._server_hostname,
                                             https_compatible=False)
                     await stream.do_handshake()
-                done = await run_handshake_on(stream, Reader(stream), machine)
+                # We speak first (Hello): nothing can be there to read before our write.
+                done = await run_handshake_on(stream, Reader(stream, drained=True), machine)
         except BaseException as exc:
             wrong_salt[0] = wrong_salt[0] + 1 if machine.failure_category == "wrong salt" else 0
             if wrong_salt[0] >= WRONG_SALT_ATTEMPTS:
