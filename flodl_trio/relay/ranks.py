@@ -9,7 +9,7 @@ breaks before every rank is in gets its slot back too, so its re-dial is accepte
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -56,6 +56,8 @@ class LocalRanks:
         self._reserved: dict[int, trio.CancelScope] = {}
         self._rejects = JunkCounter()  # rank-port rejects, by reason
         self._all_in = trio.Event()
+        # Called once, as the last local rank comes in (phase 1 then ends at once).
+        self.on_all_in: Callable[[], None] | None = None
 
     @property
     def all_in(self) -> bool:
@@ -101,8 +103,10 @@ class LocalRanks:
         """``link``'s first frame arrived; True when this was the last local rank."""
         self._reserved.pop(link.rank, None)
         self._links[link.rank] = link
-        if len(self._links) == len(self.ranks):
+        if len(self._links) == len(self.ranks) and not self._all_in.is_set():
             self._all_in.set()
+            if self.on_all_in is not None:
+                self.on_all_in()
         return self._all_in.is_set()
 
     def remove(self, link: RankLink) -> None:
@@ -153,11 +157,17 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
     try:
         with trio.move_on_after(timeout):
             async with trio.open_nursery() as nursery:
-                for listener in listeners:
+                # The handshake that brings the last rank in ends phase 1 (its accept loops
+                # and the other ranks' watches are cancelled). The first listener's accept
+                # loop runs in this task: no task of its own, no wake-up to notice the end.
+                local.on_all_in = nursery.cancel_scope.cancel
+                for listener in listeners[1:]:
                     nursery.start_soon(rank_accept_loop, local, listener, nursery)
-                await local.wait_all_in()
-                nursery.cancel_scope.cancel()
+                if listeners:
+                    await rank_accept_loop(local, listeners[0], nursery)
+                await local.wait_all_in()  # every listener closed before every rank came in
     finally:
+        local.on_all_in = None
         await close_all([lst for lst in listeners if not closed_now(lst)])
     local.report_rejects_tail()
     if not local.all_in:
