@@ -172,7 +172,7 @@ class Leg:
             with self._scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.writer, up_recv)
-                    nursery.start_soon(self.reader)
+                    await self.reader()  # in the nursery's own task: one task less per leg
         finally:
             self._sock = None
         # Each task ends the leg before it returns; only end() cancels the scope.
