@@ -82,8 +82,13 @@ async def serve_each(
 
     raw = _shared_socket(listener) if drain_while is not None else None
     try:
-        async with trio.open_nursery() as own:
-            nursery = handler_nursery if handler_nursery is not None else own
+        if handler_nursery is not None:  # no nursery of our own: its exit is a schedule point
+            nursery = handler_nursery
+            task_status.started()
+            await _accept_loop(listener, take, what=what, room=room, raw=raw,
+                               drain_while=drain_while)
+            return
+        async with trio.open_nursery() as nursery:
             task_status.started()
             await _accept_loop(listener, take, what=what, room=room, raw=raw,
                                drain_while=drain_while)
