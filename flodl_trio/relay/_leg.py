@@ -146,7 +146,8 @@ class Leg:
         self._config = config
         self._down = downstream
         self._durable = False  # a silent coordinator is lost after coord_liveness_timeout
-        self._reader = Reader(stream)
+        # Fresh from a handshake that read up to its last record: the first read waits first.
+        self._reader = Reader(stream, drained=True)
         self._first = first  # queued while the coordinator was away: written first
         self._scope = trio.CancelScope()
         self._in_flight: list[Upstream] = []  # the batch being written
