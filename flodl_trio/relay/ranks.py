@@ -57,7 +57,7 @@ class LocalRanks:
         self._rejects = JunkCounter()  # rank-port rejects, by reason
         self._all_in = trio.Event()
         # Called once, as the last local rank comes in (phase 1 then ends at once).
-        self.on_all_in: Callable[[], None] | None = None
+        self._on_all_in: Callable[[], None] | None = None
 
     @property
     def all_in(self) -> bool:
@@ -99,14 +99,18 @@ class LocalRanks:
         if self._reserved.get(rank) is attempt:
             del self._reserved[rank]
 
+    def end_phase_with(self, end: Callable[[], None] | None) -> None:
+        """``end()`` is called once, as the last local rank comes in (None: nothing is)."""
+        self._on_all_in = end
+
     def add(self, link: RankLink) -> bool:
         """``link``'s first frame arrived; True when this was the last local rank."""
         self._reserved.pop(link.rank, None)
         self._links[link.rank] = link
         if len(self._links) == len(self.ranks) and not self._all_in.is_set():
             self._all_in.set()
-            if self.on_all_in is not None:
-                self.on_all_in()
+            if self._on_all_in is not None:
+                self._on_all_in()
         return self._all_in.is_set()
 
     def remove(self, link: RankLink) -> None:
@@ -160,14 +164,14 @@ async def accept_ranks(local: LocalRanks, listeners: list[trio.abc.Listener[Any]
                 # The handshake that brings the last rank in ends phase 1 (its accept loops
                 # and the other ranks' watches are cancelled). The first listener's accept
                 # loop runs in this task: no task of its own, no wake-up to notice the end.
-                local.on_all_in = nursery.cancel_scope.cancel
+                local.end_phase_with(nursery.cancel_scope.cancel)
                 for listener in listeners[1:]:
                     nursery.start_soon(rank_accept_loop, local, listener, nursery)
                 if listeners:
                     await rank_accept_loop(local, listeners[0], nursery)
                 await local.wait_all_in()  # every listener closed before every rank came in
     finally:
-        local.on_all_in = None
+        local.end_phase_with(None)
         await close_all([lst for lst in listeners if not closed_now(lst)])
     local.report_rejects_tail()
     if not local.all_in:
