@@ -160,9 +160,13 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
     await trio.lowlevel.checkpoint_if_cancelled()
     raw = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
                         socket.SOCK_STREAM)
+    address: Any = (host, port)
+    if "%" in host:  # a scoped IPv6 address: its scope id is only in the resolved 4-tuple
+        address = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM, 0,
+                                     socket.AI_NUMERICHOST)[0][4]
     try:
         raw.setblocking(False)
-        err = raw.connect_ex((host, port))
+        err = raw.connect_ex(address)
         sock = trio.socket.from_stdlib_socket(raw)
     except BaseException:
         raw.close()
