@@ -190,7 +190,11 @@ async def _rank_kill(cluster: Cluster, entry: dict[str, Any], host: str, draw: f
 
 JOIN_WAIT_S = 30.0   # a spare's relay joins within this of its start (processes import, handshake)
 DRAIN_WAIT_S = 30.0  # a drained host's processes exit within this (one sync of its ranks; a
-#                      takeover in progress meanwhile: resume_timeout and the lease)
+#                      takeover in progress meanwhile: resume_timeout and the lease), counted
+#                      again from each change of leader during the drain: its ranks leave after
+#                      their next sync, and no sync comes while leaders follow each other (seed
+#                      14: three takeovers in 25 s, the drain killed as overdue)
+DRAIN_WAIT_MAX_S = 3 * DRAIN_WAIT_S  # the bound, however many leaders follow each other
 
 
 async def _host_drain(cluster: Cluster, entry: dict[str, Any], host: str, _: float) -> Heal:
@@ -235,16 +239,22 @@ async def _host_join(cluster: Cluster, entry: dict[str, Any], spare: str, _: flo
 
 
 async def drained(cluster: Cluster, host: str, entry: dict[str, Any]) -> None:
-    """Wait (bounded by ``DRAIN_WAIT_S``) for every process of a host sent SIGTERM to exit;
-    one still running then is recorded (``drain_overdue``) and killed: the checker finds the
-    ranks' deaths, if any, unexplained."""
-    with trio.move_on_after(DRAIN_WAIT_S):
-        while not cluster.host_gone(host):  # noqa: ASYNC110 - child processes
+    """Wait for every process of a host sent SIGTERM to exit, ``DRAIN_WAIT_S`` from the SIGTERM
+    or from the last change of leader since (at most ``DRAIN_WAIT_MAX_S``); one still running
+    then is recorded (``drain_overdue``) and killed: the checker finds the ranks' deaths, if
+    any, unexplained."""
+    start = trio.current_time()
+    deadline, leader = start + DRAIN_WAIT_S, cluster.leader_generation
+    with trio.move_on_at(start + DRAIN_WAIT_MAX_S):
+        while not cluster.host_gone(host) and trio.current_time() < deadline:
+            if cluster.leader_generation != leader:  # a takeover: counted again from here
+                leader = cluster.leader_generation
+                deadline = trio.current_time() + DRAIN_WAIT_S
             await trio.sleep(0.1)
     if not cluster.host_gone(host) and not cluster.finished.is_set():
         cluster.record("drain_overdue", index=entry["index"], target=host,
                        running=[p.name for p in cluster.host_procs(host) if p.running],
-                       seconds=DRAIN_WAIT_S)
+                       seconds=round(trio.current_time() - start, 1))
         cluster.kill_host(host)
 
 
