@@ -8,6 +8,7 @@ each connection to its own task.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -82,13 +83,9 @@ async def serve_each(
 
     raw = _shared_socket(listener) if drain_while is not None else None
     try:
-        if handler_nursery is not None:  # no nursery of our own: its exit is a schedule point
-            nursery = handler_nursery
-            task_status.started()
-            await _accept_loop(listener, take, what=what, room=room, raw=raw,
-                               drain_while=drain_while)
-            return
-        async with trio.open_nursery() as nursery:
+        # Given a handler nursery, no nursery of our own: its exit is a schedule point.
+        async with (trio.open_nursery() if handler_nursery is None
+                    else contextlib.nullcontext(handler_nursery)) as nursery:
             task_status.started()
             await _accept_loop(listener, take, what=what, room=room, raw=raw,
                                drain_while=drain_while)

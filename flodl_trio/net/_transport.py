@@ -172,10 +172,9 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
         raw.close()
         raise
     try:
-        if err == errno.EINPROGRESS and not _writable_now(raw):
-            await trio.lowlevel.wait_writable(sock)
-            err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        elif err == errno.EINPROGRESS:
+        if err == errno.EINPROGRESS:
+            if not _writable_now(raw):
+                await trio.lowlevel.wait_writable(sock)
             err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err != 0:
             raise OSError(err, f"Error connecting to {(host, port)!r}: {os.strerror(err)}")
