@@ -24,6 +24,13 @@ first, with its own reason (``KeepAlive.within(deadline, unacked=...)``; unset w
 
 An infinite deadline keeps ``SO_KEEPALIVE`` on with the system's intervals. Options the
 platform lacks are skipped; a socket that refuses one is left as it is (never an error).
+
+Where one listener accepts many connections (the coordinator's port, a relay's rank port),
+:class:`AcceptedKeepAlive` sets the options once on the listening socket: Linux copies a
+listening socket's options into every connection it accepts, so each accepted connection
+needs no system calls of its own (five per connection before; issue 38). The first accepted
+connection is checked, and on a kernel that did not copy them (or any other platform, or a
+listener that is not a plain TCP one) each connection is set as before.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import sys
 from typing import Any
 
 import attrs
 
-__all__ = ["KEEPALIVE_PROBES", "KeepAlive", "enable_keepalive", "socket_of"]
+__all__ = ["KEEPALIVE_PROBES", "AcceptedKeepAlive", "KeepAlive", "enable_keepalive",
+           "socket_of"]
 
 log = logging.getLogger("flodl_trio.transport")
 
@@ -104,6 +113,16 @@ def socket_of(stream: Any) -> Any:
     return None
 
 
+def _tcp_socket(obj: Any) -> Any:
+    """The TCP (IPv4 or IPv6) socket under ``obj``, or None."""
+    sock = socket_of(obj)
+    if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM:
+        return None
+    if getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return sock
+
+
 def enable_keepalive(stream: Any, keepalive: KeepAlive | None) -> bool:
     """Turn keepalive on for the TCP socket under ``stream``.
 
@@ -112,10 +131,8 @@ def enable_keepalive(stream: Any, keepalive: KeepAlive | None) -> bool:
     """
     if keepalive is None:
         return False
-    sock = socket_of(stream)
-    if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM:
-        return False
-    if getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+    sock = _tcp_socket(stream)
+    if sock is None:
         return False
     for level, option, value in keepalive.options():
         try:
@@ -123,3 +140,52 @@ def enable_keepalive(stream: Any, keepalive: KeepAlive | None) -> bool:
         except OSError as exc:  # a platform that lists an option but refuses it
             log.debug("keepalive option %d=%d refused: %r", option, value, exc)
     return True
+
+
+class AcceptedKeepAlive:
+    """Keepalive for every connection one listener accepts (module docstring): set once on
+    the listening socket where the kernel copies it into each accepted connection, else on
+    each connection (:meth:`apply`)."""
+
+    def __init__(self, listener: Any, keepalive: KeepAlive | None) -> None:
+        self._keepalive = keepalive
+        # None: set on each connection; False: on the listener, not yet seen on a connection.
+        self._inherited: bool | None = None
+        sock = _tcp_socket(listener) if keepalive is not None else None
+        if sock is None or not sys.platform.startswith("linux"):
+            return
+        try:
+            for level, option, value in keepalive.options():  # type: ignore[union-attr]
+                sock.setsockopt(level, option, value)
+        except OSError as exc:
+            log.debug("keepalive on the listening socket refused (%r): set per connection", exc)
+            return
+        self._inherited = False
+
+    @property
+    def per_connection(self) -> bool:
+        """Each accepted connection is set on its own (after :meth:`apply` of the first)."""
+        return self._inherited is None
+
+    def apply(self, stream: Any) -> None:
+        """Give the accepted ``stream`` the settings (nothing to do once the kernel was seen
+        copying them from the listener)."""
+        keepalive = self._keepalive
+        if keepalive is None or self._inherited:
+            return
+        if self._inherited is False:
+            sock = _tcp_socket(stream)
+            if sock is not None and _has(sock, keepalive):
+                self._inherited = True
+                return
+            self._inherited = None
+        enable_keepalive(stream, keepalive)
+
+
+def _has(sock: Any, keepalive: KeepAlive) -> bool:
+    """``sock`` has every option of ``keepalive`` at its value."""
+    try:
+        return all(sock.getsockopt(level, option) == value
+                   for level, option, value in keepalive.options())
+    except OSError:
+        return False

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from ._keepalive import KeepAlive, enable_keepalive
+from ._keepalive import AcceptedKeepAlive, KeepAlive
 from ._transport import STREAM_GONE, close_all
 
 log = logging.getLogger("flodl_trio.transport")
@@ -55,7 +55,8 @@ async def serve_each(
         handler_nursery: where the handlers run (default: a nursery of this call, which then
             returns only once they are done).
         on_accept: called with each stream before its handler starts.
-        keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``).
+        keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``; on
+            Linux set once on the listening socket, which every accepted one inherits).
         room: awaited before each ``accept``: while it waits, connections stay in the
             listener's backlog (a bound on pending handshakes, ``_pending``).
         dispatch: called with each stream (after ``on_accept``): returns None when it dealt
@@ -71,8 +72,10 @@ async def serve_each(
     Raises:
         OSError: an accept error other than running out of descriptors or memory.
     """
+    accepted = AcceptedKeepAlive(listener, keepalive)
+
     def take(stream: Any) -> None:
-        enable_keepalive(stream, keepalive)
+        accepted.apply(stream)
         if on_accept is not None:
             on_accept(stream)
         if dispatch is not None:

@@ -6,12 +6,17 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Callable
+from functools import partial
 
 import pytest
+import trio
 
 import flodl_trio as ft
 from flodl_trio.local_cluster import open_local_cluster
+from flodl_trio.net import _keepalive as keepalive_mod
 from flodl_trio.net._keepalive import KeepAlive
+from flodl_trio.net._listen import serve_each
 
 linux_keepalive = pytest.mark.skipif(
     not (hasattr(socket, "TCP_KEEPIDLE") and os.path.isdir("/proc/self/fd")),
@@ -102,3 +107,62 @@ async def test_both_ends_of_every_cluster_connection_have_keepalive_from_their_d
         "rank": [(1, 12, 4, 3, 60_000)] * 3,              # coord_liveness 24, stall 30
     }
     assert nodelay == dict.fromkeys(seen, True)
+
+
+async def _accept_three(listener: trio.SocketListener, keepalive: KeepAlive,
+                        before_dial: Callable[[], None] = lambda: None,
+                        ) -> list[tuple[int, int, int, int, int]]:
+    """Accept three loopback connections through ``serve_each``; each one's keepalive as the
+    handler saw it."""
+    seen: list[tuple[int, int, int, int, int]] = []
+    done = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        seen.append(keepalive_of(stream.socket))  # type: ignore[arg-type]
+        await stream.aclose()
+        if len(seen) == 3:
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_each, listener, handler, what="test",
+                                    keepalive=keepalive))
+        before_dial()
+        port = listener.socket.getsockname()[1]
+        for _ in range(3):
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.aclose()
+        with trio.fail_after(5):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    return seen
+
+
+@linux_keepalive
+async def test_a_listener_gives_every_connection_it_accepts_keepalive_without_calls_per_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 38: five setsockopt calls per accepted connection became five per listener; the
+    # kernel copies the listening socket's options into each connection it accepts.
+    calls: list[object] = []
+    monkeypatch.setattr(keepalive_mod, "enable_keepalive",
+                        lambda *args: calls.append(args) or True)
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    async with listener:
+        seen = await _accept_three(listener, KeepAlive.within(12, write_stall=7))
+        assert keepalive_of(listener.socket) == (1, 6, 2, 3, 24_000)  # type: ignore[arg-type]
+    assert seen == [(1, 6, 2, 3, 24_000)] * 3
+    assert calls == []
+
+
+@linux_keepalive
+async def test_a_kernel_that_does_not_copy_a_listeners_keepalive_gets_it_set_per_connection(
+        ) -> None:
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+
+    def forget() -> None:  # as a kernel that did not copy the listening socket's options
+        for option in (socket.TCP_KEEPIDLE, socket.TCP_USER_TIMEOUT):
+            listener.socket.setsockopt(socket.IPPROTO_TCP, option, 1)
+        listener.socket.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 0)
+
+    async with listener:
+        seen = await _accept_three(listener, KeepAlive.within(30, write_stall=10), forget)
+    assert seen == [(1, 15, 5, 3, 60_000)] * 3
