@@ -13,6 +13,9 @@ Hello, HelloAck, Ready, welcome; every record authenticated):
   around ``RelayHandshake``). What it measures is what three round trips of that protocol
   cost on real loopback sockets with the least Python around them: formation's wall time
   and the coordinator side's CPU per join.
+- ``library_coordinator_formation``: the library's own coordinator against the same load
+  relays: formation with the relays' side near its floor, so what it shows beyond the floor's
+  is the coordinator's (its process's CPU per join is serial: one process admits every relay).
 """
 
 from __future__ import annotations
@@ -171,3 +174,17 @@ async def selectors_formation(relays: int, per_relay: int, procs: int) -> dict[s
     go = min(a["go_t"] for a in answers)
     return {"ms": (result["done_t"] - go) * 1000, "coord_us": result["cpu_s"] * 1e6 / relays,
             "relay_us": load.dial_cpu_us(answers)}
+
+
+async def library_coordinator_formation(relays: int, per_relay: int, procs: int
+                                        ) -> dict[str, Any]:
+    """One formation of ``relays`` load relays against the library's coordinator
+    (``open_coordinator``): ``ms`` (the first dial to formation complete), the coordinator
+    process's CPU per join (``coord_us``) and the load processes' (``relay_us``)."""
+    cfg = ft.CoordinatorConfig(world_size=relays * per_relay, formation_timeout=120,
+                               handshake_timeout=60, shutdown_grace=10)
+    async with load.coordinator_under_load(cfg, relays=relays, per_relay=per_relay,
+                                           procs=procs, frame="liveness") as cluster:
+        return {"ms": cluster.formation_s * 1000,
+                "coord_us": cluster.formation_cpu_s * 1e6 / relays,
+                "relay_us": load.dial_cpu_us(cluster.dialed)}

@@ -174,10 +174,12 @@ def main() -> None:
     joins["coordinator CPU per join us"] = statistics.median(cpu["coord"])
     rows["floor: selectors + FT/2 machines, 1 rank/relay"] = {
         "formation": joins.pop("floor formation ms"), "value": math.nan}
+    rows["flodl-trio coordinator, floor's relays, 1 rank/relay"] = {
+        "formation": joins.pop("library coordinator, floor relays ms"), "value": math.nan}
     base = rows.get("TCPStore (libuv)") or rows.get("TCPStore, machine DNS")
     print(f"\n{world} ranks, loopback, {rep.machine_note()}, {args.procs} load-generator "
           f"processes, medians of {args.reps} formations x {args.values} values")
-    header = (f"{'system':<48} {'formation ms':>13} {'ratio':>7} {'value->all ms':>14} "
+    header = (f"{'system':<52} {'formation ms':>13} {'ratio':>7} {'value->all ms':>14} "
               f"{'ratio':>7}")
     print(header)
     print("-" * len(header))
@@ -185,7 +187,7 @@ def main() -> None:
         fr = f"{r['formation'] / base['formation']:.2f}" if base else "-"
         vr = f"{r['value'] / base['value']:.2f}" if base and r["value"] == r["value"] else "-"
         value = f"{r['value']:>14.2f}" if r["value"] == r["value"] else f"{'-':>14}"
-        print(f"{name:<48} {r['formation']:>13.1f} {fr:>7} {value} {vr:>7}")
+        print(f"{name:<52} {r['formation']:>13.1f} {fr:>7} {value} {vr:>7}")
     print("\nCPU per join, 1 rank per relay (µs):")
     for name in JOIN_FIGURES:
         print(f"  {name:<44} {joins[name]:>7.0f}")
@@ -195,7 +197,8 @@ def main() -> None:
           "ranks and coordinator in another process); handshake machine: the sans-IO FT/2 "
           "machines alone, in memory;\nfloor: "
           "a selectors coordinator (no Trio, no roster) driving the same machines over "
-          "loopback.")
+          "loopback;\n'flodl-trio coordinator, floor's relays': the library's coordinator "
+          "against those same selectors relays\n(the relays' side near its floor).")
     print("targets (issues 23 and 38, SPEC §13): formation 1 rank/relay <= 1.0x TCPStore, 8 "
           "ranks/relay <= 0.5x; value->all 1 rank/relay <= 1.5x, 8 ranks/relay <= 1.0x; "
           f"coordinator CPU per join <= {COORD_JOIN_US:g} us, relay <= {RELAY_JOIN_US:g} us")
@@ -231,6 +234,9 @@ def join_costs(world: int, reps: int, procs: int) -> dict[str, float]:
     machines alone, and the selectors floor's formation of ``world`` relays."""
     machine = jf.machine_cpu_us(2000, 1)
     floors = [trio.run(jf.selectors_formation, world, 1, procs) for _ in range(reps)]
+    # The library's coordinator against the floor's relays: what formation is with the relays'
+    # side near its floor (the coordinator's share of the gap to TCPStore).
+    coords = [trio.run(jf.library_coordinator_formation, world, 1, procs) for _ in range(reps)]
     # One process, ``reps`` joins of 64 relays each (the first pays the process's first use
     # of every path: with --quick alone that one-off cost was most of the figure).
     done = subprocess.run([sys.executable, str(HERE / "bench_relay_upstream.py"), "--relays",
@@ -244,6 +250,7 @@ def join_costs(world: int, reps: int, procs: int) -> dict[str, float]:
         "floor CPU per join us": statistics.median(f["coord_us"] for f in floors),
         "floor, relay side us": statistics.median(f["relay_us"] for f in floors),
         "floor formation ms": statistics.median(f["ms"] for f in floors),
+        "library coordinator, floor relays ms": statistics.median(c["ms"] for c in coords),
     }
 
 if __name__ == "__main__":
