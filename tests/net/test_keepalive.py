@@ -159,8 +159,9 @@ async def test_a_kernel_that_does_not_copy_a_listeners_keepalive_gets_it_set_per
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
 
     def forget() -> None:  # as a kernel that did not copy the listening socket's options
-        for option in (socket.TCP_KEEPIDLE, socket.TCP_USER_TIMEOUT):
-            listener.socket.setsockopt(socket.IPPROTO_TCP, option, 1)
+        for option, value in ((socket.TCP_KEEPIDLE, 7200), (socket.TCP_KEEPINTVL, 75),
+                              (socket.TCP_KEEPCNT, 9), (socket.TCP_USER_TIMEOUT, 0)):
+            listener.socket.setsockopt(socket.IPPROTO_TCP, option, value)
         listener.socket.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 0)
 
     async with listener:
