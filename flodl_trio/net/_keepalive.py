@@ -151,21 +151,18 @@ class AcceptedKeepAlive:
         self._keepalive = keepalive
         # None: set on each connection; False: on the listener, not yet seen on a connection.
         self._inherited: bool | None = None
-        sock = _tcp_socket(listener) if keepalive is not None else None
-        if sock is None or not sys.platform.startswith("linux"):
+        if keepalive is None or not sys.platform.startswith("linux"):
+            return
+        sock = _tcp_socket(listener)
+        if sock is None:
             return
         try:
-            for level, option, value in keepalive.options():  # type: ignore[union-attr]
+            for level, option, value in keepalive.options():
                 sock.setsockopt(level, option, value)
         except OSError as exc:
             log.debug("keepalive on the listening socket refused (%r): set per connection", exc)
             return
         self._inherited = False
-
-    @property
-    def per_connection(self) -> bool:
-        """Each accepted connection is set on its own (after :meth:`apply` of the first)."""
-        return self._inherited is None
 
     def apply(self, stream: Any) -> None:
         """Give the accepted ``stream`` the settings (nothing to do once the kernel was seen
