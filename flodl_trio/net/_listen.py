@@ -55,8 +55,7 @@ async def serve_each(
         handler_nursery: where the handlers run (default: a nursery of this call, which then
             returns only once they are done).
         on_accept: called with each stream before its handler starts.
-        keepalive: TCP keepalive for each accepted TCP connection (see ``_keepalive``; on
-            Linux set once on the listening socket, which every accepted one inherits).
+        keepalive: TCP keepalive for each accepted TCP connection (``AcceptedKeepAlive``).
         room: awaited before each ``accept``: while it waits, connections stay in the
             listener's backlog (a bound on pending handshakes, ``_pending``).
         dispatch: called with each stream (after ``on_accept``): returns None when it dealt
@@ -72,7 +71,7 @@ async def serve_each(
     Raises:
         OSError: an accept error other than running out of descriptors or memory.
     """
-    accepted = AcceptedKeepAlive(listener, keepalive)
+    accepted = AcceptedKeepAlive(listener, keepalive)  # on Linux: once, on the listener
 
     def take(stream: Any) -> None:
         accepted.apply(stream)
