@@ -71,10 +71,8 @@ async def serve_each(
     Raises:
         OSError: an accept error other than running out of descriptors or memory.
     """
-    accepted = AcceptedKeepAlive(listener, keepalive)  # on Linux: once, on the listener
-
     def take(stream: Any) -> None:
-        accepted.apply(stream)
+        give_keepalive(stream)
         if on_accept is not None:
             on_accept(stream)
         if dispatch is not None:
@@ -83,6 +81,7 @@ async def serve_each(
                 return
         nursery.start_soon(handler, stream)
 
+    give_keepalive = AcceptedKeepAlive(listener, keepalive).apply  # Linux: on the listener
     raw = _shared_socket(listener) if drain_while is not None else None
     try:
         # Given a handler nursery, no nursery of our own: its exit is a schedule point.
