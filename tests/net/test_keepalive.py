@@ -127,9 +127,9 @@ async def _accept_three(listener: trio.SocketListener, keepalive: KeepAlive,
         await nursery.start(partial(serve_each, listener, handler, what="test",
                                     keepalive=keepalive))
         before_dial()
-        port = listener.socket.getsockname()[1]
+        host, port = listener.socket.getsockname()[:2]
         for _ in range(3):
-            client = await trio.open_tcp_stream("127.0.0.1", port)
+            client = await trio.open_tcp_stream(host, port)
             await client.aclose()
         with trio.fail_after(5):
             await done.wait()
@@ -137,15 +137,29 @@ async def _accept_three(listener: trio.SocketListener, keepalive: KeepAlive,
     return seen
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
 @linux_keepalive
+@pytest.mark.parametrize("host", [
+    "127.0.0.1",
+    pytest.param("::1", marks=pytest.mark.skipif(not _has_ipv6_loopback(),
+                                                 reason="no IPv6 loopback")),
+])
 async def test_a_listener_gives_every_connection_it_accepts_keepalive_without_calls_per_connection(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, host: str) -> None:
     # Issue 38: five setsockopt calls per accepted connection became five per listener; the
     # kernel copies the listening socket's options into each connection it accepts.
     calls: list[object] = []
     monkeypatch.setattr(keepalive_mod, "enable_keepalive",
                         lambda *args: calls.append(args) or True)
-    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    listener = (await trio.open_tcp_listeners(0, host=host))[0]
     async with listener:
         seen = await _accept_three(listener, KeepAlive.within(12, write_stall=7))
         assert keepalive_of(listener.socket) == (1, 6, 2, 3, 24_000)  # type: ignore[arg-type]
