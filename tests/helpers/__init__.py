@@ -12,6 +12,7 @@ hand, bounded reads, the lifecycle's cancel scopes, simulated ranks, the program
 from __future__ import annotations
 
 import functools
+import socket
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, TypeVar
@@ -359,3 +360,18 @@ def live_task_names() -> list[str]:
         for nursery in task.child_nurseries:
             todo.extend(nursery.child_tasks)
     return names
+
+
+def ipv6_loopback_available() -> bool:
+    """This machine can bind ``::1`` (some containers have no IPv6 at all)."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not ipv6_loopback_available(), reason="no IPv6 loopback here")

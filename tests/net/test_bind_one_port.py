@@ -3,27 +3,12 @@ the point is what the OS hands out for port 0 in each address family)."""
 
 from __future__ import annotations
 
-import socket
-
-import pytest
 import trio
 
 import flodl_trio as ft
 from flodl_trio.events import Listening
 
-
-def ipv6_loopback_available() -> bool:
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-needs_ipv6 = pytest.mark.skipif(not ipv6_loopback_available(), reason="no IPv6 loopback here")
+from helpers import needs_ipv6
 
 
 @needs_ipv6

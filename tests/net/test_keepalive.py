@@ -18,6 +18,8 @@ from flodl_trio.net import _keepalive as keepalive_mod
 from flodl_trio.net._keepalive import KeepAlive
 from flodl_trio.net._listen import serve_each
 
+from helpers import needs_ipv6
+
 linux_keepalive = pytest.mark.skipif(
     not (hasattr(socket, "TCP_KEEPIDLE") and os.path.isdir("/proc/self/fd")),
     reason="needs TCP_KEEPIDLE and /proc/self/fd (Linux)",
@@ -137,20 +139,10 @@ async def _accept_three(listener: trio.SocketListener, keepalive: KeepAlive,
     return seen
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 @linux_keepalive
 @pytest.mark.parametrize("host", [
     "127.0.0.1",
-    pytest.param("::1", marks=pytest.mark.skipif(not _has_ipv6_loopback(),
-                                                 reason="no IPv6 loopback")),
+    pytest.param("::1", marks=needs_ipv6),
 ])
 async def test_a_listener_gives_every_connection_it_accepts_keepalive_without_calls_per_connection(
         monkeypatch: pytest.MonkeyPatch, host: str) -> None:
